@@ -1,0 +1,67 @@
+package redisdlm
+
+import (
+	"errors"
+	"sync"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Collectors are created once per process and registered with each config
+// load's registry. Labels never carry keys or client addresses.
+var (
+	metricsOnce sync.Once
+
+	lockAcquireSeconds *prometheus.HistogramVec
+	lockHeldSeconds    prometheus.Histogram
+	lockWaiters        prometheus.Gauge
+	lockLostTotal      prometheus.Counter
+	rateLimitTotal     *prometheus.CounterVec
+)
+
+func initMetrics() {
+	metricsOnce.Do(func() {
+		lockAcquireSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "caddy_redis_lock_acquire_duration_seconds",
+			Help:    "Time from the start of a redis_lock acquisition to its outcome.",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
+		}, []string{"result"}) // acquired|timeout|error|canceled
+		lockHeldSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "caddy_redis_lock_held_duration_seconds",
+			Help:    "Time a redis_lock lease was held.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
+		})
+		lockWaiters = prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "caddy_redis_lock_waiters",
+			Help: "Requests currently waiting for a redis_lock in this instance.",
+		})
+		lockLostTotal = prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "caddy_redis_lock_lost_total",
+			Help: "Leases found lost by an extension while their request ran.",
+		})
+		rateLimitTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "caddy_redis_ratelimit_requests_total",
+			Help: "redis_ratelimit decisions.",
+		}, []string{"result"}) // allowed|denied|error
+	})
+}
+
+// registerMetrics registers the collectors with this config load's
+// registry (which may be nil); a collector already there is fine.
+func registerMetrics(ctx caddy.Context) error {
+	initMetrics()
+	reg := ctx.GetMetricsRegistry()
+	if reg == nil {
+		return nil
+	}
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, rateLimitTotal} {
+		if err := reg.Register(c); err != nil {
+			var are prometheus.AlreadyRegisteredError
+			if !errors.As(err, &are) {
+				return err
+			}
+		}
+	}
+	return nil
+}

@@ -1,0 +1,400 @@
+// Package redisdlm provides two Caddy HTTP handlers backed by Redis:
+//
+//   - http.handlers.redis_lock serialises requests per key with a distributed
+//     lock (single Redis server or a Redlock quorum), hands the upstream a
+//     fencing token and releases the lock when the response is done.
+//   - http.handlers.redis_ratelimit admits or rejects requests against per-key
+//     limits kept in Redis, exact across every Caddy instance sharing it.
+//
+// This file holds what both handlers share: the Redis connection settings and
+// the pool of clients (one per identical settings, shared across handlers and
+// config reloads).
+package redisdlm
+
+import (
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// DefaultTimeout bounds one Redis call (dial, read and write) unless `timeout` says otherwise.
+const DefaultTimeout = 500 * time.Millisecond
+
+// RedisConfig holds the Redis connection settings shared by redis_lock and
+// redis_ratelimit. Exactly one of Addresses, Cluster or Sentinels is used;
+// with none of them the handler talks to 127.0.0.1:6379.
+type RedisConfig struct {
+	// Independent Redis servers, as `host:port` or `redis://` / `rediss://`
+	// URLs (a URL may carry user, password and db). Several servers on
+	// redis_lock form a Redlock quorum and their count must be odd (1, 3, 5
+	// or 7); redis_ratelimit takes exactly one. Default: 127.0.0.1:6379.
+	Addresses []string `json:"redis,omitempty"`
+
+	// Seed addresses of one Redis Cluster, used instead of `redis`. Every
+	// script of this plugin touches keys of one hash slot only.
+	Cluster []string `json:"cluster,omitempty"`
+
+	// Name of the master monitored by Sentinel; used with `sentinels`
+	// instead of `redis`.
+	SentinelMaster string `json:"sentinel_master,omitempty"`
+
+	// Sentinel addresses (`host:port`) for SentinelMaster.
+	Sentinels []string `json:"sentinels,omitempty"`
+
+	// Username for Redis ACL authentication. A username in a URL wins.
+	Username string `json:"username,omitempty"`
+
+	// Password for Redis authentication. Placeholders such as
+	// `{env.REDIS_PASSWORD}` are replaced at provision time. It is never
+	// logged and never appears in an error. A password in a URL wins.
+	Password string `json:"password,omitempty"`
+
+	// Database index (not available with Cluster). A db in a URL wins.
+	// Default: 0.
+	DB int `json:"db,omitempty"`
+
+	// Connect with TLS. `rediss://` URLs turn TLS on by themselves.
+	TLS bool `json:"tls,omitempty"`
+
+	// PEM file with the certificate authorities that verify the server's
+	// certificate when TLS is on. Default: the system's roots.
+	TLSCAFile string `json:"tls_ca_file,omitempty"`
+
+	// Bound on one Redis call: dial, read and write each. A dead or paused
+	// Redis costs a request at most this long per call. Default: 500ms.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+}
+
+// serverSettings is the resolved connection of one logical Redis (one
+// server, one cluster or one sentinel group). Its JSON form is the pool key.
+type serverSettings struct {
+	Mode     string        `json:"mode"` // "single", "cluster" or "sentinel"
+	Addrs    []string      `json:"addrs"`
+	Master   string        `json:"master,omitempty"`
+	Username string        `json:"username,omitempty"`
+	Password string        `json:"password,omitempty"`
+	DB       int           `json:"db,omitempty"`
+	TLS      bool          `json:"tls,omitempty"`
+	CAFile   string        `json:"ca_file,omitempty"`
+	Timeout  time.Duration `json:"timeout"`
+}
+
+// poolKey identifies identical settings; the password only enters as a hash.
+func (s serverSettings) poolKey() string {
+	b, _ := json.Marshal(s)
+	sum := sha256.Sum256(b)
+	return "redisdlm:" + hex.EncodeToString(sum[:])
+}
+
+// display names the server in logs and errors, never with a password.
+func (s serverSettings) display() string {
+	if s.Mode == "sentinel" {
+		return "sentinel " + s.Master + "@" + strings.Join(s.Addrs, ",")
+	}
+	return strings.Join(s.Addrs, ",")
+}
+
+// hasPlaceholder reports whether a value still needs the replacer.
+func hasPlaceholder(s string) bool {
+	return strings.Contains(s, "{") && strings.Contains(s, "}")
+}
+
+// validateAddress checks one `host:port` or redis URL without dialing it.
+// Its errors never contain a password.
+func validateAddress(addr string) error {
+	if hasPlaceholder(addr) {
+		return nil
+	}
+	if strings.Contains(addr, "://") {
+		u, err := url.Parse(addr)
+		if err != nil {
+			return fmt.Errorf("invalid redis URL %q", redactURL(addr))
+		}
+		if u.Scheme != "redis" && u.Scheme != "rediss" {
+			return fmt.Errorf("invalid redis URL %q: scheme must be redis:// or rediss://", redactURL(addr))
+		}
+		if _, err := redis.ParseURL(addr); err != nil {
+			return fmt.Errorf("invalid redis URL %q: %s", redactURL(addr), strings.ReplaceAll(err.Error(), addr, redactURL(addr)))
+		}
+		return nil
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil || host == "" {
+		return fmt.Errorf("invalid redis address %q: want host:port or a redis:// URL", addr)
+	}
+	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("invalid redis address %q: bad port", addr)
+	}
+	return nil
+}
+
+// redactURL hides the password of a redis URL.
+func redactURL(s string) string {
+	u, err := url.Parse(s)
+	if err != nil || u.User == nil {
+		if i := strings.Index(s, "@"); i >= 0 {
+			if j := strings.Index(s, "://"); j >= 0 && j < i {
+				return s[:j+3] + "xxxxx" + s[i:]
+			}
+		}
+		return s
+	}
+	if _, ok := u.User.Password(); ok {
+		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	}
+	return u.String()
+}
+
+// validate checks the settings without dialing. maxServers limits how many
+// independent `redis` servers are accepted (1 for rate limiting).
+func (c *RedisConfig) validate(allowRedlock bool) error {
+	modes := 0
+	if len(c.Addresses) > 0 {
+		modes++
+	}
+	if len(c.Cluster) > 0 {
+		modes++
+	}
+	if len(c.Sentinels) > 0 || c.SentinelMaster != "" {
+		modes++
+		if c.SentinelMaster == "" || len(c.Sentinels) == 0 {
+			return errors.New("sentinel needs a master name and at least one sentinel address")
+		}
+	}
+	if modes > 1 {
+		return errors.New("redis, cluster and sentinel are mutually exclusive: use one of them")
+	}
+	n := len(c.Addresses)
+	if !allowRedlock && n > 1 {
+		return fmt.Errorf("redis: %d servers given, but this handler takes exactly one logical Redis (one address, a cluster or a sentinel)", n)
+	}
+	if n > 1 && (n%2 == 0 || n > 7) {
+		return fmt.Errorf("redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority and adds no fault tolerance over one server fewer", n)
+	}
+	for _, list := range [][]string{c.Addresses, c.Cluster, c.Sentinels} {
+		for _, a := range list {
+			if err := validateAddress(a); err != nil {
+				return err
+			}
+		}
+	}
+	if c.DB < 0 {
+		return fmt.Errorf("db: must not be negative, got %d", c.DB)
+	}
+	if c.DB != 0 && len(c.Cluster) > 0 {
+		return errors.New("db: Redis Cluster supports only database 0")
+	}
+	if c.Timeout < 0 {
+		return errors.New("timeout: must be positive")
+	}
+	return nil
+}
+
+// resolve replaces placeholders ({env.*} and other global ones) and returns
+// one serverSettings per logical Redis: several for a Redlock quorum, one
+// otherwise.
+func (c *RedisConfig) resolve() ([]serverSettings, error) {
+	repl := caddy.NewReplacer()
+	timeout := time.Duration(c.Timeout)
+	if timeout == 0 {
+		timeout = DefaultTimeout
+	}
+	base := serverSettings{
+		Username: repl.ReplaceAll(c.Username, ""),
+		Password: repl.ReplaceAll(c.Password, ""),
+		DB:       c.DB,
+		TLS:      c.TLS,
+		CAFile:   repl.ReplaceAll(c.TLSCAFile, ""),
+		Timeout:  timeout,
+	}
+	replAll := func(in []string) ([]string, error) {
+		out := make([]string, len(in))
+		for i, a := range in {
+			out[i] = repl.ReplaceAll(a, "")
+			if out[i] == "" {
+				return nil, fmt.Errorf("redis address %q renders empty", a)
+			}
+			if err := validateAddress(out[i]); err != nil {
+				return nil, err
+			}
+		}
+		return out, nil
+	}
+	switch {
+	case len(c.Cluster) > 0:
+		addrs, err := replAll(c.Cluster)
+		if err != nil {
+			return nil, err
+		}
+		s := base
+		s.Mode, s.Addrs = "cluster", addrs
+		return []serverSettings{s}, nil
+	case len(c.Sentinels) > 0:
+		addrs, err := replAll(c.Sentinels)
+		if err != nil {
+			return nil, err
+		}
+		s := base
+		s.Mode, s.Addrs, s.Master = "sentinel", addrs, repl.ReplaceAll(c.SentinelMaster, "")
+		return []serverSettings{s}, nil
+	}
+	list := c.Addresses
+	if len(list) == 0 {
+		list = []string{"127.0.0.1:6379"}
+	}
+	addrs, err := replAll(list)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]serverSettings, len(addrs))
+	for i, a := range addrs {
+		s := base
+		s.Mode, s.Addrs = "single", []string{a}
+		out[i] = s
+	}
+	return out, nil
+}
+
+// newClient builds (but does not dial) the go-redis client for s.
+func (s serverSettings) newClient() (redis.UniversalClient, error) {
+	var tlsConf *tls.Config
+	if s.TLS || s.CAFile != "" {
+		tlsConf = &tls.Config{MinVersion: tls.VersionTLS12}
+		if s.CAFile != "" {
+			pem, err := os.ReadFile(s.CAFile)
+			if err != nil {
+				return nil, fmt.Errorf("reading tls ca_file: %w", err)
+			}
+			pool := x509.NewCertPool()
+			if !pool.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("tls ca_file %s holds no PEM certificate", s.CAFile)
+			}
+			tlsConf.RootCAs = pool
+		}
+	}
+	common := func(o *redis.Options) {
+		o.DialTimeout, o.ReadTimeout, o.WriteTimeout, o.PoolTimeout = s.Timeout, s.Timeout, s.Timeout, s.Timeout
+		// Lock and limit scripts are not idempotent: never resend one.
+		o.MaxRetries = -1
+		o.ContextTimeoutEnabled = true
+		o.DisableIdentity = true
+		o.PoolSize = 64
+		o.MinIdleConns = 0
+	}
+	switch s.Mode {
+	case "cluster":
+		co := &redis.ClusterOptions{
+			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
+			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
+			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64,
+		}
+		return redis.NewClusterClient(co), nil
+	case "sentinel":
+		fo := &redis.FailoverOptions{
+			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
+			DB: s.DB, TLSConfig: tlsConf,
+			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
+			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64,
+		}
+		return redis.NewFailoverClient(fo), nil
+	}
+	addr := s.Addrs[0]
+	var o *redis.Options
+	if strings.Contains(addr, "://") {
+		var err error
+		o, err = redis.ParseURL(addr)
+		if err != nil {
+			return nil, fmt.Errorf("invalid redis URL %q", redactURL(addr))
+		}
+		if o.Username == "" {
+			o.Username = s.Username
+		}
+		if o.Password == "" {
+			o.Password = s.Password
+		}
+		if o.DB == 0 {
+			o.DB = s.DB
+		}
+		if o.TLSConfig == nil {
+			o.TLSConfig = tlsConf
+		} else if tlsConf != nil && tlsConf.RootCAs != nil {
+			o.TLSConfig.RootCAs = tlsConf.RootCAs
+		}
+	} else {
+		o = &redis.Options{Addr: addr, Username: s.Username, Password: s.Password, DB: s.DB, TLSConfig: tlsConf}
+	}
+	common(o)
+	return redis.NewClient(o), nil
+}
+
+// clientPool shares one client per identical settings across handlers and
+// config reloads; the last user's Cleanup closes it.
+var clientPool = caddy.NewUsagePool()
+
+// pooledClient is one shared Redis client plus the per-server state that
+// must outlive a config reload (the Pub/Sub wake-up listener).
+type pooledClient struct {
+	settings serverSettings
+	client   redis.UniversalClient
+	wake     *wakeListener
+}
+
+// Destruct implements caddy.Destructor: it runs when the last handler using
+// this client has been cleaned up.
+func (p *pooledClient) Destruct() error {
+	p.wake.stop()
+	return p.client.Close()
+}
+
+// acquireClient returns the shared client for s, creating it when needed.
+// The caller must call releaseClient with the same key in Cleanup.
+func acquireClient(s serverSettings) (*pooledClient, string, error) {
+	key := s.poolKey()
+	val, _, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		c, err := s.newClient()
+		if err != nil {
+			return nil, err
+		}
+		p := &pooledClient{settings: s, client: c}
+		p.wake = newWakeListener(c)
+		return p, nil
+	})
+	if err != nil {
+		return nil, "", err
+	}
+	return val.(*pooledClient), key, nil
+}
+
+func releaseClient(key string) {
+	if key != "" {
+		_, _ = clientPool.Delete(key)
+	}
+}
+
+// isRedisDown reports whether err means Redis could not be reached or did
+// not answer in time (as opposed to a script's answer).
+func isRedisDown(err error) bool {
+	if err == nil {
+		return false
+	}
+	var re redis.Error
+	if errors.As(err, &re) {
+		// An error reply from a live server: still a fault, but Redis answered.
+		return strings.HasPrefix(re.Error(), "LOADING") || strings.HasPrefix(re.Error(), "CLUSTERDOWN") ||
+			strings.HasPrefix(re.Error(), "MASTERDOWN") || strings.HasPrefix(re.Error(), "TRYAGAIN")
+	}
+	return true
+}

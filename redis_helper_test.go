@@ -1,0 +1,145 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// testRedis is a real redis-server process on a free loopback port, started
+// for one test and stopped when it ends.
+type testRedis struct {
+	t    testing.TB
+	Port int
+	Addr string
+	args []string
+	dir  string
+	cmd  *exec.Cmd
+}
+
+// freePort asks the kernel for a free loopback port.
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("free port: %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// startRedis starts redis-server; extra args are passed as config
+// (e.g. "--requirepass", "secret"). It fails the test loudly when
+// redis-server is not installed.
+func startRedis(t testing.TB, args ...string) *testRedis {
+	t.Helper()
+	if _, err := exec.LookPath("redis-server"); err != nil {
+		t.Fatalf("redis-server is required for this test and was not found in PATH (make test installs it): %v", err)
+	}
+	r := &testRedis{t: t, args: args, dir: t.TempDir()}
+	r.Port = freePort(t)
+	r.Addr = "127.0.0.1:" + strconv.Itoa(r.Port)
+	r.start()
+	t.Cleanup(r.Kill)
+	return r
+}
+
+// startRedisOnPort starts a server on a port chosen before (to test "Redis
+// comes up after Caddy").
+func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
+	t.Helper()
+	r := &testRedis{t: t, args: args, dir: t.TempDir(), Port: port, Addr: "127.0.0.1:" + strconv.Itoa(port)}
+	r.start()
+	t.Cleanup(r.Kill)
+	return r
+}
+
+func (r *testRedis) start() {
+	r.t.Helper()
+	a := append([]string{"--port", strconv.Itoa(r.Port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", r.dir, "--daemonize", "no", "--loglevel", "warning"}, r.args...)
+	r.cmd = exec.Command("redis-server", a...)
+	r.cmd.Stdout, r.cmd.Stderr = os.Stderr, os.Stderr
+	r.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := r.cmd.Start(); err != nil {
+		r.t.Fatalf("starting redis-server: %v", err)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		c, err := net.DialTimeout("tcp", r.Addr, 200*time.Millisecond)
+		if err == nil {
+			_, _ = c.Write([]byte("PING\r\n"))
+			buf := make([]byte, 64)
+			_ = c.SetReadDeadline(time.Now().Add(500 * time.Millisecond))
+			n, _ := c.Read(buf)
+			c.Close()
+			if n > 0 && (strings.HasPrefix(string(buf[:n]), "+PONG") || strings.HasPrefix(string(buf[:n]), "-NOAUTH")) {
+				return
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	r.t.Fatalf("redis-server on %s did not answer within 10s", r.Addr)
+}
+
+// Kill stops the server at once (SIGKILL); safe to call twice.
+func (r *testRedis) Kill() {
+	if r.cmd == nil || r.cmd.Process == nil {
+		return
+	}
+	_ = r.cmd.Process.Signal(syscall.SIGCONT)
+	_ = r.cmd.Process.Kill()
+	_ = r.cmd.Wait()
+	r.cmd = nil
+}
+
+// Restart starts the server again on the same port, empty.
+func (r *testRedis) Restart() {
+	r.Kill()
+	r.start()
+}
+
+// Pause freezes the server with SIGSTOP: connections stay open, nothing answers.
+func (r *testRedis) Pause() { _ = r.cmd.Process.Signal(syscall.SIGSTOP) }
+
+// Resume undoes Pause.
+func (r *testRedis) Resume() { _ = r.cmd.Process.Signal(syscall.SIGCONT) }
+
+// Client returns a plain go-redis client for inspecting the server.
+func (r *testRedis) Client() *redis.Client {
+	c := redis.NewClient(&redis.Options{Addr: r.Addr, DialTimeout: 2 * time.Second, ReadTimeout: 2 * time.Second})
+	r.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// CommandCalls returns the calls of one command from INFO commandstats
+// (e.g. "evalsha"); counts include commands run inside scripts for those.
+func (r *testRedis) CommandCalls(name string) int64 {
+	info, err := r.Client().Info(context.Background(), "commandstats").Result()
+	if err != nil {
+		r.t.Fatalf("info commandstats: %v", err)
+	}
+	prefix := "cmdstat_" + strings.ToLower(name) + ":calls="
+	for _, line := range strings.Split(info, "\n") {
+		if strings.HasPrefix(line, prefix) {
+			v := strings.TrimPrefix(line, prefix)
+			if i := strings.IndexByte(v, ','); i > 0 {
+				v = v[:i]
+			}
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	return 0
+}
+
+func (r *testRedis) String() string { return fmt.Sprintf("redis@%s", r.Addr) }

@@ -1,0 +1,942 @@
+package redisdlm
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
+)
+
+// This file is the lock engine: single server and Redlock quorum,
+// acquire/extend/release, waiting (local FIFO queue, Pub/Sub wake-up,
+// backoff poll) and fencing tokens. It knows nothing of HTTP.
+
+var (
+	//go:embed scripts/lock_acquire.lua
+	acquireLua string
+	//go:embed scripts/lock_extend.lua
+	extendLua string
+	//go:embed scripts/lock_release.lua
+	releaseLua string
+	//go:embed scripts/fence_raise.lua
+	fenceRaiseLua string
+
+	acquireScript    = redis.NewScript(acquireLua)
+	extendScript     = redis.NewScript(extendLua)
+	releaseScript    = redis.NewScript(releaseLua)
+	fenceRaiseScript = redis.NewScript(fenceRaiseLua)
+)
+
+// Sentinel errors of the lock engine; compare with errors.Is.
+var (
+	// ErrNotObtained: the lock stayed busy for the whole wait.
+	ErrNotObtained = errors.New("redisdlm: lock not obtained")
+	// ErrTooManyWaiters: max_waiters local waiters already queue for the key.
+	ErrTooManyWaiters = errors.New("redisdlm: too many waiters")
+	// ErrUnavailable: Redis (or a quorum of Redlock servers) could not be reached.
+	ErrUnavailable = errors.New("redisdlm: redis unavailable")
+	// ErrLeaseLost: an extension found that the lease is no longer held.
+	ErrLeaseLost = errors.New("redisdlm: lease lost")
+)
+
+// wakeChannel is the one Pub/Sub channel per Redis server on which releases
+// are announced; the message is "<domain id> <lock key>".
+const wakeChannel = "redisdlm:wake"
+
+// BusyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
+// the lock could not be taken in time; RetryAfter estimates when it frees.
+type BusyError struct {
+	Err        error
+	RetryAfter time.Duration
+}
+
+func (e *BusyError) Error() string { return e.Err.Error() }
+func (e *BusyError) Unwrap() error { return e.Err }
+
+// lockOptions configures a locker.
+type lockOptions struct {
+	TTL        time.Duration
+	Wait       time.Duration
+	BackoffMin time.Duration
+	BackoffMax time.Duration
+	Permits    int
+	MaxWaiters int
+	Timeout    time.Duration // bound of one Redis call
+}
+
+// locker takes locks on one Redis server or a Redlock quorum of servers.
+type locker struct {
+	servers []*pooledClient
+	quorum  int
+	opts    lockOptions
+	dom     *domain
+}
+
+// newLocker builds a locker over servers (1, 3, 5 or 7). It does not dial.
+func newLocker(servers []*pooledClient, opts lockOptions) *locker {
+	ids := make([]string, len(servers))
+	for i, s := range servers {
+		ids[i] = s.settings.poolKey()
+	}
+	return &locker{
+		servers: servers,
+		quorum:  len(servers)/2 + 1,
+		opts:    opts,
+		dom:     acquireDomain(strings.Join(ids, ",")),
+	}
+}
+
+// close drops this locker's reference to its shared queue domain.
+func (l *locker) close() { releaseDomain(l.dom) }
+
+// drift is the clock-drift allowance of a Redlock lease: 1% of ttl + 2ms.
+func (l *locker) drift() time.Duration { return l.opts.TTL/100 + 2*time.Millisecond }
+
+// Lease is one held acquisition of a set of keys.
+type Lease struct {
+	l      *locker
+	keys   []string // sorted Redis lock keys
+	token  string
+	Fence  int64     // fencing token: strictly increases per key with every acquisition
+	Start  time.Time // when the lock was granted
+	mu     sync.Mutex
+	until  time.Time // validity end as this process sees it
+	q      *keyQueue
+	done   bool
+}
+
+// Valid reports the remaining validity of the lease.
+func (ls *Lease) Valid() time.Duration {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return time.Until(ls.until)
+}
+
+func fenceKey(lockKey string) string { return lockKey + ":fence" }
+func waitqKey(lockKey string) string { return lockKey + ":waitq" }
+
+// waitqLife is how long an instance's place in a key's Redis wait list lasts
+// without a new attempt.
+func (l *locker) waitqLife() time.Duration {
+	d := 2*l.opts.BackoffMax + time.Second
+	return d
+}
+
+// attempt is the outcome of one acquisition attempt.
+type attempt struct {
+	lease      *Lease
+	retryAfter time.Duration // when not acquired: until the earliest lease ends
+	err        error         // Redis unreachable / no quorum
+}
+
+// callAll runs f on every server in parallel and returns the results in
+// server order as they complete; decide is called after each result and
+// may end the wait early (a majority decided) by returning true.
+func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, c redis.UniversalClient) (any, error), decide func(res []result, n int) bool) []result {
+	res := make([]result, len(l.servers))
+	if len(l.servers) == 1 {
+		v, err := f(ctx, l.servers[0].client)
+		res[0] = result{v: v, err: err, done: true}
+		return res
+	}
+	type indexed struct {
+		i int
+		result
+	}
+	ch := make(chan indexed, len(l.servers))
+	for i, s := range l.servers {
+		go func(i int, c redis.UniversalClient) {
+			v, err := f(ctx, c)
+			ch <- indexed{i, result{v: v, err: err, done: true}}
+		}(i, s.client)
+	}
+	for n := 1; n <= len(l.servers); n++ {
+		r := <-ch
+		res[r.i] = r.result
+		if decide != nil && decide(res, n) {
+			break
+		}
+	}
+	return res
+}
+
+type result struct {
+	v    any
+	err  error
+	done bool
+}
+
+// tryAcquire makes one attempt on every key (sorted) and every server.
+// All keys or none: when any key is busy, the keys taken are released.
+func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
+	token := uuid.NewString()
+	start := time.Now()
+	ttlMs := l.opts.TTL.Milliseconds()
+	life := l.waitqLife().Milliseconds()
+	n := len(l.servers)
+	var fence int64
+	for i, k := range keys {
+		// Ask every server at once; stop as soon as the outcome is decided.
+		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+			defer cancel()
+			return acquireScript.Run(cctx, c, []string{k, fenceKey(k), waitqKey(k)},
+				token, ttlMs, l.opts.Permits, l.dom.id, life).Int64Slice()
+		}, func(res []result, _ int) bool {
+			g, b, e := tally(res)
+			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
+		})
+		granted, busy, errs := tally(results)
+		if granted >= l.quorum {
+			for _, r := range results {
+				if r.done && r.err == nil && r.v.([]int64)[0] == 1 && r.v.([]int64)[1] > fence {
+					fence = r.v.([]int64)[1]
+				}
+			}
+			continue
+		}
+		// Not taken: give back what this attempt took, everywhere at once.
+		l.releaseKeys(keys[:i+1], token)
+		if granted+busy < l.quorum {
+			// Fewer than a majority answered at all: Redis is unreachable.
+			var last error
+			for _, r := range results {
+				if r.err != nil {
+					last = r.err
+				}
+			}
+			if ctx.Err() != nil {
+				return attempt{err: ctx.Err()}
+			}
+			return attempt{err: fmt.Errorf("%w: %d of %d servers failed: %v", ErrUnavailable, errs, n, last)}
+		}
+		var retry time.Duration
+		for _, r := range results {
+			if r.done && r.err == nil && r.v.([]int64)[0] == 0 {
+				if d := time.Duration(r.v.([]int64)[1]) * time.Millisecond; d > retry {
+					retry = d
+				}
+			}
+		}
+		return attempt{retryAfter: retry}
+	}
+	if len(keys) > 1 || n > 1 {
+		// Write the highest counter back (a max-register): with several keys
+		// one token serves them all, so each key's counter must reach it; with
+		// Redlock any later majority must see it.
+		if err := l.raiseFences(ctx, keys, fence); err != nil {
+			l.releaseKeys(keys, token)
+			return attempt{err: err}
+		}
+	}
+	validity := l.opts.TTL - time.Since(start)
+	if n > 1 {
+		validity -= l.drift()
+	}
+	if validity <= 0 {
+		l.releaseKeys(keys, token)
+		return attempt{retryAfter: 0}
+	}
+	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence, Start: start, until: start.Add(validity)}}
+}
+
+// tally counts granted (script returned 1), busy (0) and failed calls.
+func tally(res []result) (granted, busy, errs int) {
+	for _, r := range res {
+		switch {
+		case !r.done:
+		case r.err != nil:
+			errs++
+		case r.v.([]int64)[0] == 1:
+			granted++
+		default:
+			busy++
+		}
+	}
+	return
+}
+
+// raiseFences raises every key's fencing counter to fence on every server;
+// each key needs a majority.
+func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) error {
+	for _, k := range keys {
+		res := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+			defer cancel()
+			return fenceRaiseScript.Run(cctx, c, []string{fenceKey(k)}, fence).Int64()
+		}, nil)
+		ok := 0
+		for _, r := range res {
+			if r.err == nil {
+				ok++
+			}
+		}
+		if ok < l.quorum {
+			return fmt.Errorf("%w: fencing write-back reached %d of %d servers", ErrUnavailable, ok, len(l.servers))
+		}
+	}
+	return nil
+}
+
+// releaseKeys releases token on keys on every server, in parallel, with a
+// short background context (the request's may be canceled).
+func (l *locker) releaseKeys(keys []string, token string) int {
+	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
+	defer cancel()
+	released := 0
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, k := range keys {
+		for _, s := range l.servers {
+			wg.Add(1)
+			go func(k string, c redis.UniversalClient) {
+				defer wg.Done()
+				msg := l.dom.id + " " + k
+				n, err := releaseScript.Run(ctx, c, []string{k}, token, wakeChannel, msg).Int64()
+				if err == nil && n == 1 {
+					mu.Lock()
+					released++
+					mu.Unlock()
+				}
+			}(k, s.client)
+		}
+	}
+	wg.Wait()
+	return released
+}
+
+// extend renews the lease for another ttl on every server; it counts only
+// with a majority within validity.
+func (ls *Lease) extend(ctx context.Context) error {
+	l := ls.l
+	start := time.Now()
+	recreate := "0"
+	if len(l.servers) > 1 {
+		recreate = "1"
+	}
+	for _, k := range ls.keys {
+		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+			defer cancel()
+			return extendScript.Run(cctx, c, []string{k}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+		}, nil)
+		ok, errs := 0, 0
+		var lastErr error
+		for _, r := range results {
+			if r.err != nil {
+				errs++
+				lastErr = r.err
+			} else if r.v.(int64) == 1 {
+				ok++
+			}
+		}
+		if ok < l.quorum {
+			if errs > 0 && ok+errs >= l.quorum {
+				// Not refused by a majority: Redis is unreachable; the lease
+				// may still hold until it runs out.
+				ls.mu.Lock()
+				expired := time.Now().After(ls.until)
+				ls.mu.Unlock()
+				if expired {
+					return fmt.Errorf("%w: lease ran out while redis was unreachable: %v", ErrLeaseLost, lastErr)
+				}
+				return fmt.Errorf("%w: extending: %v", ErrUnavailable, lastErr)
+			}
+			return ErrLeaseLost
+		}
+	}
+	validity := l.opts.TTL - time.Since(start)
+	if len(l.servers) > 1 {
+		validity -= l.drift()
+	}
+	if validity <= 0 {
+		return fmt.Errorf("%w: extension took longer than the lease", ErrLeaseLost)
+	}
+	ls.mu.Lock()
+	ls.until = start.Add(validity)
+	ls.mu.Unlock()
+	return nil
+}
+
+// keepAlive extends the lease every ttl/3 until ctx ends or maxHold (if >0)
+// has passed since the lease started. onLost is called once when the lease
+// is lost. It returns when it has stopped, so a release after it can never
+// be followed by an extension.
+func (ls *Lease) keepAlive(ctx context.Context, maxHold time.Duration, onLost func(error)) {
+	every := ls.l.opts.TTL / 3
+	if every <= 0 {
+		every = time.Millisecond
+	}
+	t := time.NewTimer(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if maxHold > 0 && time.Since(ls.Start) >= maxHold {
+			return
+		}
+		err := ls.extend(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		switch {
+		case err == nil:
+			t.Reset(every)
+		case errors.Is(err, ErrLeaseLost):
+			onLost(err)
+			return
+		default:
+			// Redis unreachable: retry sooner while the lease may still be valid.
+			next := ls.Valid() / 3
+			if next < 10*time.Millisecond {
+				next = 10 * time.Millisecond
+			}
+			if ls.Valid() <= 0 {
+				onLost(fmt.Errorf("%w: %v", ErrLeaseLost, err))
+				return
+			}
+			t.Reset(next)
+		}
+	}
+}
+
+// release gives the lease back on every server and wakes the next local
+// waiter. It is safe to call more than once.
+func (ls *Lease) release() {
+	ls.mu.Lock()
+	if ls.done {
+		ls.mu.Unlock()
+		return
+	}
+	ls.done = true
+	ls.mu.Unlock()
+	ls.l.releaseKeys(ls.keys, ls.token)
+	if ls.q != nil {
+		ls.q.released()
+	}
+	ls.l.dom.wakeKeys(ls.keys)
+}
+
+// backoff returns the next poll delay with full jitter: uniform in
+// [min, min(max, min·2^n)].
+func (l *locker) backoff(n int) time.Duration {
+	lo, hi := l.opts.BackoffMin, l.opts.BackoffMin
+	for i := 0; i < n && hi < l.opts.BackoffMax; i++ {
+		hi *= 2
+	}
+	if hi > l.opts.BackoffMax {
+		hi = l.opts.BackoffMax
+	}
+	if hi <= lo {
+		return lo
+	}
+	return lo + rand.N(hi-lo+1)
+}
+
+// Acquire takes the lock on all keys (sorted, deduplicated Redis keys) or
+// none, waiting up to opts.Wait. Errors: *BusyError (ErrNotObtained,
+// ErrTooManyWaiters), ErrUnavailable, or the context's error.
+func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
+	q := l.dom.queue(keys)
+	w, ok := q.enqueue(l.opts.MaxWaiters)
+	if !ok {
+		l.dom.putQueue(q)
+		return nil, &BusyError{Err: ErrTooManyWaiters, RetryAfter: q.retryHint()}
+	}
+	leased := false
+	defer func() {
+		q.leave(w, leased)
+		if !leased && q.empty() {
+			// Nobody here waits any more: give up this instance's turn in Redis.
+			go l.leaveWaitq(keys)
+		}
+		l.dom.putQueue(q)
+	}()
+
+	var deadline <-chan time.Time
+	if l.opts.Wait > 0 {
+		t := time.NewTimer(l.opts.Wait)
+		defer t.Stop()
+		deadline = t.C
+	}
+	var retryAfter time.Duration
+
+	// Wait for this waiter's turn: first come, first served.
+	if !w.head() {
+		if l.opts.Wait <= 0 {
+			return nil, &BusyError{Err: ErrNotObtained, RetryAfter: q.retryHint()}
+		}
+		select {
+		case <-w.turn:
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-deadline:
+			return nil, &BusyError{Err: ErrNotObtained, RetryAfter: q.retryHint()}
+		}
+	}
+
+	subscribed := false
+	for n := 0; ; n++ {
+		// Skip a useless attempt while this instance itself holds every permit.
+		if n > 0 || !q.heldLocally(l.opts.Permits) {
+			a := l.tryAcquire(ctx, keys)
+			if a.err != nil {
+				if ctx.Err() != nil {
+					return nil, ctx.Err()
+				}
+				return nil, a.err
+			}
+			if a.lease != nil {
+				leased = true
+				a.lease.q = q
+				q.acquired()
+				return a.lease, nil
+			}
+			retryAfter = a.retryAfter
+			q.setRetryHint(retryAfter)
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			if l.opts.Wait <= 0 {
+				return nil, &BusyError{Err: ErrNotObtained, RetryAfter: retryAfter}
+			}
+			if !subscribed {
+				// Subscribe, then try once more: a release between the failed
+				// attempt and the subscription would otherwise go unnoticed.
+				subscribed = true
+				if l.subscribe(ctx) {
+					continue
+				}
+			}
+		}
+		d := l.backoff(n)
+		if retryAfter > 0 && retryAfter < d {
+			d = retryAfter + time.Millisecond
+		}
+		t := time.NewTimer(d)
+		select {
+		case <-w.wake:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		case <-deadline:
+			t.Stop()
+			return nil, &BusyError{Err: ErrNotObtained, RetryAfter: retryAfter}
+		}
+		t.Stop()
+	}
+}
+
+// subscribe makes sure every server's wake-up listener runs, and reports
+// whether a subscription became active just now (so the caller tries again).
+func (l *locker) subscribe(ctx context.Context) bool {
+	fresh := false
+	for _, s := range l.servers {
+		if s.wake.ensure(ctx, l.opts.Timeout) {
+			fresh = true
+		}
+	}
+	return fresh
+}
+
+// leaveWaitq removes this instance from the keys' Redis wait lists.
+func (l *locker) leaveWaitq(keys []string) {
+	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
+	defer cancel()
+	for _, k := range keys {
+		for _, s := range l.servers {
+			s.client.ZRem(ctx, waitqKey(k), l.dom.id)
+		}
+	}
+}
+
+// ---- local queues -------------------------------------------------------
+
+// domain groups the local queues of lockers that share the same Redis
+// servers, across handlers and config reloads, so waiters of one key in one
+// Caddy instance form one queue.
+type domain struct {
+	key  string
+	id   string // this instance's id in Redis wait lists and wake messages
+	refs int
+
+	mu     sync.Mutex
+	queues map[string]*keyQueue // by joined key set
+	byKey  map[string]map[*keyQueue]struct{}
+}
+
+var (
+	domainsMu sync.Mutex
+	domains   = map[string]*domain{}
+)
+
+func acquireDomain(key string) *domain {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	d := domains[key]
+	if d == nil {
+		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byKey: map[string]map[*keyQueue]struct{}{}}
+		domains[key] = d
+		registerDomain(d)
+	}
+	d.refs++
+	return d
+}
+
+func releaseDomain(d *domain) {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	d.refs--
+	if d.refs == 0 {
+		delete(domains, d.key)
+		unregisterDomain(d)
+	}
+}
+
+// queue returns the queue of a key set, creating it; pair with putQueue.
+func (d *domain) queue(keys []string) *keyQueue {
+	id := strings.Join(keys, "\x00")
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	q := d.queues[id]
+	if q == nil {
+		q = &keyQueue{id: id, keys: keys}
+		d.queues[id] = q
+		for _, k := range keys {
+			m := d.byKey[k]
+			if m == nil {
+				m = map[*keyQueue]struct{}{}
+				d.byKey[k] = m
+			}
+			m[q] = struct{}{}
+		}
+	}
+	q.refs++
+	return q
+}
+
+// putQueue drops a reference; an unused queue is forgotten.
+func (d *domain) putQueue(q *keyQueue) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	q.refs--
+	if q.refs == 0 {
+		delete(d.queues, q.id)
+		for _, k := range q.keys {
+			delete(d.byKey[k], q)
+			if len(d.byKey[k]) == 0 {
+				delete(d.byKey, k)
+			}
+		}
+	}
+}
+
+// wakeKeys wakes the head waiter of every local queue that involves one of
+// keys (a release here or, via Pub/Sub, elsewhere).
+func (d *domain) wakeKeys(keys []string) {
+	d.mu.Lock()
+	var qs []*keyQueue
+	for _, k := range keys {
+		for q := range d.byKey[k] {
+			qs = append(qs, q)
+		}
+	}
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.wakeHead()
+	}
+}
+
+// keyQueue is the FIFO of this instance's waiters for one key set. Only
+// the head asks Redis; the others wait for their turn.
+type keyQueue struct {
+	id   string
+	keys []string
+	refs int // guarded by domain.mu
+
+	mu      sync.Mutex
+	waiters []*waiter
+	held    int           // leases of this key set held in this instance
+	hint    time.Duration // last known time until the holder's lease ends
+}
+
+type waiter struct {
+	q    *keyQueue
+	turn chan struct{} // closed when this waiter becomes head
+	wake chan struct{} // buffered: a release happened
+}
+
+func (w *waiter) head() bool {
+	select {
+	case <-w.turn:
+		return true
+	default:
+		return false
+	}
+}
+
+// enqueue appends a waiter; false when maxWaiters (>0) are already waiting.
+func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if maxWaiters > 0 && len(q.waiters) >= maxWaiters {
+		return nil, false
+	}
+	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1)}
+	q.waiters = append(q.waiters, w)
+	if len(q.waiters) == 1 {
+		close(w.turn)
+	}
+	return w, true
+}
+
+// leave removes w; if it was the head, the next waiter's turn begins.
+func (q *keyQueue) leave(w *waiter, _ bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, x := range q.waiters {
+		if x == w {
+			q.waiters = append(q.waiters[:i], q.waiters[i+1:]...)
+			if i == 0 && len(q.waiters) > 0 {
+				close(q.waiters[0].turn)
+			}
+			return
+		}
+	}
+}
+
+func (q *keyQueue) empty() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.waiters) == 0
+}
+
+func (q *keyQueue) acquired() {
+	q.mu.Lock()
+	q.held++
+	q.mu.Unlock()
+}
+
+func (q *keyQueue) released() {
+	q.mu.Lock()
+	if q.held > 0 {
+		q.held--
+	}
+	q.mu.Unlock()
+}
+
+func (q *keyQueue) heldLocally(permits int) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.held >= permits
+}
+
+func (q *keyQueue) wakeHead() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.waiters) > 0 {
+		select {
+		case q.waiters[0].wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (q *keyQueue) setRetryHint(d time.Duration) {
+	q.mu.Lock()
+	q.hint = d
+	q.mu.Unlock()
+}
+
+// retryHint is the last known time until the holder's lease ends.
+func (q *keyQueue) retryHint() time.Duration {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.hint
+}
+
+// ---- Pub/Sub wake-ups ---------------------------------------------------
+
+var (
+	wakeDomainsMu sync.RWMutex
+	wakeDomains   = map[string]*domain{} // by domain id
+	allDomains    = map[*domain]struct{}{}
+)
+
+func registerDomain(d *domain) {
+	wakeDomainsMu.Lock()
+	wakeDomains[d.id] = d
+	allDomains[d] = struct{}{}
+	wakeDomainsMu.Unlock()
+}
+
+func unregisterDomain(d *domain) {
+	wakeDomainsMu.Lock()
+	delete(wakeDomains, d.id)
+	delete(allDomains, d)
+	wakeDomainsMu.Unlock()
+}
+
+// dispatchWake delivers a release announced on Redis to the local queues of
+// that key, except when this instance announced it itself (it woke its own
+// queue already).
+func dispatchWake(payload string) {
+	from, key, ok := strings.Cut(payload, " ")
+	if !ok {
+		return
+	}
+	wakeDomainsMu.RLock()
+	_, own := wakeDomains[from]
+	var ds []*domain
+	if !own {
+		for d := range allDomains {
+			ds = append(ds, d)
+		}
+	}
+	wakeDomainsMu.RUnlock()
+	for _, d := range ds {
+		d.wakeKeys([]string{key})
+	}
+}
+
+// wakeListener holds the one Pub/Sub subscription of one Redis client. It
+// starts on the first contended wait, reconnects by itself, and stops with
+// the pooled client.
+type wakeListener struct {
+	client redis.UniversalClient
+
+	mu      sync.Mutex
+	started bool
+	active  bool          // subscription confirmed
+	ready   chan struct{} // closed when active
+	cancel  context.CancelFunc
+	done    chan struct{}
+}
+
+func newWakeListener(c redis.UniversalClient) *wakeListener {
+	return &wakeListener{client: c, ready: make(chan struct{})}
+}
+
+// ensure starts the listener if needed and waits (up to timeout) for the
+// subscription. It returns true when the subscription was not active on
+// entry but is now, so the caller should try once more.
+func (wl *wakeListener) ensure(ctx context.Context, timeout time.Duration) bool {
+	wl.mu.Lock()
+	if wl.active {
+		wl.mu.Unlock()
+		return false
+	}
+	if !wl.started {
+		wl.started = true
+		lctx, cancel := context.WithCancel(context.Background())
+		wl.cancel = cancel
+		wl.done = make(chan struct{})
+		go wl.run(lctx)
+	}
+	ready := wl.ready
+	wl.mu.Unlock()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-ready:
+		return true
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return false
+}
+
+func (wl *wakeListener) setActive(on bool) {
+	wl.mu.Lock()
+	defer wl.mu.Unlock()
+	if on && !wl.active {
+		wl.active = true
+		close(wl.ready)
+	} else if !on && wl.active {
+		wl.active = false
+		wl.ready = make(chan struct{})
+	}
+}
+
+func (wl *wakeListener) run(ctx context.Context) {
+	defer close(wl.done)
+	defer func() {
+		if r := recover(); r != nil {
+			// A listener must never take Caddy down; waiters fall back to polling.
+			wl.setActive(false)
+		}
+	}()
+	ps := wl.client.Subscribe(ctx, wakeChannel)
+	defer ps.Close()
+	fails := 0
+	for ctx.Err() == nil {
+		msg, err := ps.ReceiveTimeout(ctx, 30*time.Second)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			var ne interface{ Timeout() bool }
+			if errors.As(err, &ne) && ne.Timeout() {
+				// Quiet channel: check the connection is alive.
+				if perr := ps.Ping(ctx); perr == nil {
+					continue
+				}
+			}
+			wl.setActive(false)
+			fails++
+			d := time.Duration(fails) * 100 * time.Millisecond
+			if d > time.Second {
+				d = time.Second
+			}
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(d):
+			}
+			continue
+		}
+		fails = 0
+		switch m := msg.(type) {
+		case *redis.Subscription:
+			if m.Kind == "subscribe" {
+				wl.setActive(true)
+			}
+		case *redis.Message:
+			dispatchWake(m.Payload)
+		}
+	}
+}
+
+func (wl *wakeListener) stop() {
+	wl.mu.Lock()
+	cancel, done := wl.cancel, wl.done
+	wl.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
+}
+
+// sortKeys deduplicates and sorts keys.
+func sortKeys(keys []string) []string {
+	sort.Strings(keys)
+	out := keys[:0]
+	for i, k := range keys {
+		if i == 0 || k != keys[i-1] {
+			out = append(out, k)
+		}
+	}
+	return out
+}
