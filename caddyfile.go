@@ -7,7 +7,188 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
+
+func init() {
+	httpcaddyfile.RegisterHandlerDirective("redis_lock", parseLockCaddyfile)
+	// The lock wraps everything after it (handle, route, reverse_proxy, ...).
+	httpcaddyfile.RegisterDirectiveOrder("redis_lock", httpcaddyfile.Before, "request_header")
+}
+
+func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	l := new(RedisLock)
+	err := l.UnmarshalCaddyfile(h.Dispenser)
+	return l, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	redis_lock [<matcher>] {
+//		key            <template>      # repeatable; default {http.request.uri.path}
+//		ttl            <duration>      # default 30s
+//		wait           <duration>      # 0 = fail fast; default 10s
+//		backoff        <min> <max>     # default 10ms 500ms
+//		auto_extend    on|off          # default on
+//		max_hold       <duration>      # default 0 = while the request runs
+//		permits        <n>             # default 1
+//		max_waiters    <n>             # default 0 = no cap
+//		fencing_header <name>|off      # default Lock-Fencing-Token
+//		status         <code>          # default 423
+//		on_lost        cancel|continue # default cancel
+//		fail_open
+//		sync_replicas  <n>             # default 0
+//		prefix         <string>        # default caddy:lock:
+//		redis          <address|url>...
+//		cluster        <address|url>...
+//		sentinel       <master> <address>...
+//		username       <name>
+//		password       <secret>
+//		db             <index>
+//		tls            [<ca_file>]
+//		timeout        <duration>      # default 500ms
+//	}
+func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	const dir = "redis_lock"
+	d.Next() // directive name
+	if d.NextArg() {
+		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		switch sub {
+		case "key":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.Errf("%s: key: needs a template, e.g. {http.request.header.X-User-ID}", dir)
+			}
+			for _, a := range args {
+				if err := checkKeyTemplate(a); err != nil {
+					return d.Errf("%s: key: %v", dir, err)
+				}
+			}
+			h.Keys = append(h.Keys, args...)
+		case "ttl":
+			v, err := parsePositiveDuration(d, dir)
+			if err != nil {
+				return err
+			}
+			h.TTL = caddy.Duration(v)
+		case "wait":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			dur, err := parseDuration(d, dir, sub, v)
+			if err != nil {
+				return err
+			}
+			if dur < 0 {
+				return d.Errf("%s: wait: must not be negative, got %q", dir, v)
+			}
+			cd := caddy.Duration(dur)
+			h.Wait = &cd
+		case "backoff":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.Errf("%s: backoff: want <min> <max>, got %d arguments", dir, len(args))
+			}
+			lo, err := parseDuration(d, dir, sub, args[0])
+			if err != nil {
+				return err
+			}
+			hi, err := parseDuration(d, dir, sub, args[1])
+			if err != nil {
+				return err
+			}
+			if lo <= 0 || hi <= 0 {
+				return d.Errf("%s: backoff: durations must be positive", dir)
+			}
+			if hi < lo {
+				return d.Errf("%s: backoff: max %s is below min %s", dir, args[1], args[0])
+			}
+			h.BackoffMin, h.BackoffMax = caddy.Duration(lo), caddy.Duration(hi)
+		case "auto_extend":
+			on, err := parseOnOff(d, dir)
+			if err != nil {
+				return err
+			}
+			h.AutoExtend = &on
+		case "max_hold":
+			v, err := parsePositiveDuration(d, dir)
+			if err != nil {
+				return err
+			}
+			h.MaxHold = caddy.Duration(v)
+		case "permits":
+			n, err := parsePositiveInt(d, dir, 1)
+			if err != nil {
+				return err
+			}
+			h.Permits = n
+		case "max_waiters":
+			n, err := parsePositiveInt(d, dir, 0)
+			if err != nil {
+				return err
+			}
+			h.MaxWaiters = n
+		case "fencing_header":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			if strings.ContainsAny(v, " \t:") {
+				return d.Errf("%s: fencing_header: %q is not a valid header name", dir, v)
+			}
+			h.FencingHeader = v
+		case "status":
+			n, err := parseStatus(d, dir)
+			if err != nil {
+				return err
+			}
+			h.Status = n
+		case "on_lost":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			if v != "cancel" && v != "continue" {
+				return d.Errf("%s: on_lost: want cancel or continue, got %q", dir, v)
+			}
+			h.OnLost = v
+		case "fail_open":
+			if d.NextArg() {
+				return d.Errf("%s: fail_open: takes no argument, got %q", dir, d.Val())
+			}
+			h.FailOpen = true
+		case "sync_replicas":
+			n, err := parsePositiveInt(d, dir, 0)
+			if err != nil {
+				return err
+			}
+			h.SyncReplicas = n
+		case "prefix":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			h.Prefix = v
+		default:
+			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return d.Errf("%s: unknown subdirective %q", dir, sub)
+			}
+		}
+	}
+	if n := len(h.Addresses); n > 1 && (n%2 == 0 || n > 7) {
+		return d.Errf("%s: redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority", dir, n)
+	}
+	return nil
+}
 
 // parseRedisOption handles the connection subdirectives shared by both
 // directives (SPEC §2). It reports whether d.Val() was one of them.

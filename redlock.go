@@ -70,6 +70,8 @@ type lockOptions struct {
 	Permits    int
 	MaxWaiters int
 	Timeout    time.Duration // bound of one Redis call
+	// SyncReplicas > 0: WAIT for that many replicas before a lock counts.
+	SyncReplicas int
 }
 
 // locker takes locks on one Redis server or a Redlock quorum of servers.
@@ -102,15 +104,15 @@ func (l *locker) drift() time.Duration { return l.opts.TTL/100 + 2*time.Millisec
 
 // Lease is one held acquisition of a set of keys.
 type Lease struct {
-	l      *locker
-	keys   []string // sorted Redis lock keys
-	token  string
-	Fence  int64     // fencing token: strictly increases per key with every acquisition
-	Start  time.Time // when the lock was granted
-	mu     sync.Mutex
-	until  time.Time // validity end as this process sees it
-	q      *keyQueue
-	done   bool
+	l     *locker
+	keys  []string // sorted Redis lock keys
+	token string
+	Fence int64     // fencing token: strictly increases per key with every acquisition
+	Start time.Time // when the lock was granted
+	mu    sync.Mutex
+	until time.Time // validity end as this process sees it
+	q     *keyQueue
+	done  bool
 }
 
 // Valid reports the remaining validity of the lease.
@@ -186,10 +188,13 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 	for i, k := range keys {
 		// Ask every server at once; stop as soon as the outcome is decided.
 		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+			keys := []string{k, fenceKey(k), waitqKey(k)}
+			if l.opts.SyncReplicas > 0 {
+				return l.acquireSynced(ctx, c, keys, token, ttlMs, life)
+			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return acquireScript.Run(cctx, c, []string{k, fenceKey(k), waitqKey(k)},
-				token, ttlMs, l.opts.Permits, l.dom.id, life).Int64Slice()
+			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life).Int64Slice()
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
@@ -246,6 +251,33 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence, Start: start, until: start.Add(validity)}}
+}
+
+// acquireSynced runs the acquire script and WAIT on one connection (WAIT
+// counts the replicas that have this connection's writes). A grant that too
+// few replicas acknowledged is an error: the lock is released by the caller.
+func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64) ([]int64, error) {
+	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
+	defer cancel()
+	pipe := c.Pipeline()
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life)
+	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, l.opts.Timeout.Milliseconds())
+	_ = pipe.Process(cctx, wait)
+	_, _ = pipe.Exec(cctx)
+	v, err := acq.Int64Slice()
+	if err != nil {
+		return nil, err
+	}
+	if v[0] == 1 {
+		n, err := wait.Result()
+		if err != nil {
+			return nil, err
+		}
+		if n < int64(l.opts.SyncReplicas) {
+			return nil, fmt.Errorf("sync_replicas: %d of %d replicas acknowledged the lock", n, l.opts.SyncReplicas)
+		}
+	}
+	return v, nil
 }
 
 // tally counts granted (script returned 1), busy (0) and failed calls.

@@ -1,0 +1,92 @@
+package redisdlm
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// provisionLock builds a redis_lock handler from its JSON form, provisions
+// it like Caddy would, and cleans it up when the test ends.
+func provisionLock(t testing.TB, cfg string) *RedisLock {
+	t.Helper()
+	h := new(RedisLock)
+	if err := json.Unmarshal([]byte(cfg), h); err != nil {
+		t.Fatalf("config %s: %v", cfg, err)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	if err := h.Provision(ctx); err != nil {
+		t.Fatalf("provision: %v", err)
+	}
+	t.Cleanup(func() { _ = h.Cleanup() })
+	return h
+}
+
+// handlerServer serves mw in front of next the way Caddy's server does: a
+// replacer and vars in the context, a HandlerError turned into its status.
+func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.HandlerFunc) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		repl := caddyhttp.NewTestReplacer(r)
+		ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
+		ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{"client_ip": strings.Split(r.RemoteAddr, ":")[0]})
+		r = r.WithContext(ctx)
+		err := mw.ServeHTTP(w, r, next)
+		if err != nil {
+			var he caddyhttp.HandlerError
+			status := http.StatusInternalServerError
+			if errors.As(err, &he) {
+				status = he.StatusCode
+			}
+			if status == statusClientClosedRequest {
+				return
+			}
+			w.WriteHeader(status)
+			fmt.Fprint(w, err.Error())
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+// okHandler answers 200.
+func okHandler(w http.ResponseWriter, r *http.Request) error {
+	w.WriteHeader(http.StatusOK)
+	return nil
+}
+
+// get sends one GET with a bounded client.
+func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	req, _ := http.NewRequest("GET", url, nil)
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	c := &http.Client{Timeout: 30 * time.Second}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Errorf("GET %s: %v", url, err)
+		return nil, ""
+	}
+	defer resp.Body.Close()
+	var sb strings.Builder
+	buf := make([]byte, 4096)
+	for {
+		n, err := resp.Body.Read(buf)
+		sb.Write(buf[:n])
+		if err != nil {
+			break
+		}
+	}
+	return resp, sb.String()
+}

@@ -1,0 +1,491 @@
+package redisdlm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+func init() {
+	caddy.RegisterModule(RedisLock{})
+}
+
+// Defaults of redis_lock.
+const (
+	DefaultLockTTL       = 30 * time.Second
+	DefaultLockWait      = 10 * time.Second
+	DefaultBackoffMin    = 10 * time.Millisecond
+	DefaultBackoffMax    = 500 * time.Millisecond
+	DefaultFencingHeader = "Lock-Fencing-Token"
+	DefaultLockStatus    = http.StatusLocked
+	DefaultLockPrefix    = "caddy:lock:"
+	DefaultLockKey       = "{http.request.uri.path}"
+)
+
+// statusClientClosedRequest is logged when the client went away while waiting.
+const statusClientClosedRequest = 499
+
+// RedisLock holds a distributed lock in Redis per key while the rest of the
+// route (for example reverse_proxy) serves the request, so requests for one
+// key are served one at a time across every Caddy instance that shares the
+// Redis server(s).
+//
+// The lock is a lease: it runs out after `ttl` unless extended, and it is
+// extended every ttl/3 while the request runs. The next handler receives a
+// fencing token, a number that strictly increases with every acquisition of
+// a key, in the `fencing_header` request header; an upstream that stores the
+// highest token it has seen and rejects lower ones is safe even when a
+// paused or partitioned holder outlives its lease.
+//
+// With several `redis` servers (3, 5 or 7) the lock is a Redlock quorum: it
+// is held when a majority of independent servers granted it in time.
+type RedisLock struct {
+	// Key templates, rendered per request with Caddy placeholders, such as
+	// `{http.request.header.X-User-ID}` or `{http.auth.user.id}`. With several
+	// keys the request holds all of them or none; keys are deduplicated and
+	// taken in sorted order, so two requests naming the same keys in another
+	// order cannot deadlock. A rendered key longer than 200 bytes is stored
+	// as its SHA-256. A key that renders empty, or that uses a placeholder
+	// unknown at request time, is answered with 400.
+	// Default: `{http.request.uri.path}`.
+	Keys []string `json:"keys,omitempty"`
+
+	// Lease of one acquisition: a holder that crashes blocks the key at most
+	// this long. Default: 30s.
+	TTL caddy.Duration `json:"ttl,omitempty"`
+
+	// Longest time a request waits for the lock before it is answered with
+	// `status`. 0 fails fast: a busy lock is answered at once.
+	// Default: 10s.
+	Wait *caddy.Duration `json:"wait,omitempty"`
+
+	// Shortest pause between two polls of a busy lock. Polling is only the
+	// fallback: waiters are woken when the lock is released. Delays grow
+	// exponentially from backoff_min to backoff_max with full jitter, and
+	// never pass the holder's remaining lease. Default: 10ms.
+	BackoffMin caddy.Duration `json:"backoff_min,omitempty"`
+
+	// Longest pause between two polls of a busy lock. Default: 500ms.
+	BackoffMax caddy.Duration `json:"backoff_max,omitempty"`
+
+	// Extend the lease every ttl/3 while the request runs, so a slow
+	// upstream keeps the lock. Default: true.
+	AutoExtend *bool `json:"auto_extend,omitempty"`
+
+	// Stop extending after this long; the lease then runs out after at most
+	// one more ttl and `on_lost` applies. 0 extends for as long as the
+	// request runs. Default: 0.
+	MaxHold caddy.Duration `json:"max_hold,omitempty"`
+
+	// How many requests may hold one key at once (a semaphore). Every holder
+	// has its own lease and its own fencing token. Default: 1.
+	Permits int `json:"permits,omitempty"`
+
+	// Most requests that may wait for one key in this Caddy instance; more
+	// are answered with `status` at once. 0 means no cap. Default: 0.
+	MaxWaiters int `json:"max_waiters,omitempty"`
+
+	// Request header that carries the fencing token to the next handler.
+	// Any value the client sent in it is replaced. "off" sends none.
+	// Default: Lock-Fencing-Token.
+	FencingHeader string `json:"fencing_header,omitempty"`
+
+	// HTTP status when the wait runs out or max_waiters is full; it comes
+	// with Retry-After in whole seconds (at least 1, from the holder's
+	// remaining lease where known). Default: 423.
+	Status int `json:"status,omitempty"`
+
+	// What to do when an extension finds the lease lost mid-request:
+	// "cancel" cancels the request's context (the next handler stops; a
+	// response not yet started becomes 503), "continue" lets it finish.
+	// Both log an error and count caddy_redis_lock_lost_total.
+	// Default: cancel.
+	OnLost string `json:"on_lost,omitempty"`
+
+	// Serve the request without a lock when Redis (or the Redlock quorum) is
+	// unreachable, instead of answering 503. Default: false.
+	FailOpen bool `json:"fail_open,omitempty"`
+
+	// With a replicated Redis, wait (WAIT) until this many replicas have the
+	// lock before it counts, so a failover is less likely to lose it.
+	// 0 does not wait. Default: 0.
+	SyncReplicas int `json:"sync_replicas,omitempty"`
+
+	// Namespace of the Redis keys. Default: "caddy:lock:".
+	Prefix string `json:"prefix,omitempty"`
+
+	// Redis connection settings.
+	RedisConfig
+
+	logger   *zap.Logger
+	locker   *locker
+	poolKeys []string
+	warn     *warnState
+}
+
+// warnState keeps repeated warnings out of the logs.
+type warnState struct {
+	lastRedis atomic.Int64 // unix nanos of the last Redis warning
+	keys      sync.Map     // key templates already warned about
+}
+
+// CaddyModule returns the Caddy module information.
+func (RedisLock) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.redis_lock",
+		New: func() caddy.Module { return new(RedisLock) },
+	}
+}
+
+// Provision sets defaults, then takes the shared Redis clients. It never
+// dials Redis: connections are made by the first request.
+func (h *RedisLock) Provision(ctx caddy.Context) error {
+	h.logger = ctx.Logger()
+	h.warn = new(warnState)
+	if err := registerMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
+	if len(h.Keys) == 0 {
+		h.Keys = []string{DefaultLockKey}
+	}
+	if h.TTL == 0 {
+		h.TTL = caddy.Duration(DefaultLockTTL)
+	}
+	if h.Wait == nil {
+		w := caddy.Duration(DefaultLockWait)
+		h.Wait = &w
+	}
+	if h.BackoffMin == 0 {
+		h.BackoffMin = caddy.Duration(DefaultBackoffMin)
+	}
+	if h.BackoffMax == 0 {
+		h.BackoffMax = caddy.Duration(DefaultBackoffMax)
+		if h.BackoffMax < h.BackoffMin {
+			h.BackoffMax = h.BackoffMin
+		}
+	}
+	if h.AutoExtend == nil {
+		on := true
+		h.AutoExtend = &on
+	}
+	if h.Permits == 0 {
+		h.Permits = 1
+	}
+	if h.FencingHeader == "" {
+		h.FencingHeader = DefaultFencingHeader
+	}
+	if h.Status == 0 {
+		h.Status = DefaultLockStatus
+	}
+	if h.OnLost == "" {
+		h.OnLost = "cancel"
+	}
+	if h.Prefix == "" {
+		h.Prefix = DefaultLockPrefix
+	}
+	if err := h.Validate(); err != nil {
+		return err
+	}
+
+	settings, err := h.RedisConfig.resolve()
+	if err != nil {
+		return fmt.Errorf("redis_lock: %w", err)
+	}
+	servers := make([]*pooledClient, 0, len(settings))
+	for _, s := range settings {
+		pc, key, err := acquireClient(s)
+		if err != nil {
+			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.display(), err)
+		}
+		h.poolKeys = append(h.poolKeys, key)
+		servers = append(servers, pc)
+	}
+	timeout := settings[0].Timeout
+	h.locker = newLocker(servers, lockOptions{
+		TTL:          time.Duration(h.TTL),
+		Wait:         time.Duration(*h.Wait),
+		BackoffMin:   time.Duration(h.BackoffMin),
+		BackoffMax:   time.Duration(h.BackoffMax),
+		Permits:      h.Permits,
+		MaxWaiters:   h.MaxWaiters,
+		Timeout:      timeout,
+		SyncReplicas: h.SyncReplicas,
+	})
+	return nil
+}
+
+// Validate checks the configuration; it is pure.
+func (h *RedisLock) Validate() error {
+	if err := h.RedisConfig.validate(true); err != nil {
+		return fmt.Errorf("redis_lock: %w", err)
+	}
+	for _, k := range h.Keys {
+		if err := checkKeyTemplate(k); err != nil {
+			return fmt.Errorf("redis_lock: key: %w", err)
+		}
+	}
+	switch {
+	case h.TTL <= 0:
+		return fmt.Errorf("redis_lock: ttl: must be positive, got %s", time.Duration(h.TTL))
+	case time.Duration(h.TTL) < 10*time.Millisecond:
+		return fmt.Errorf("redis_lock: ttl: %s is too short; use at least 10ms", time.Duration(h.TTL))
+	case h.Wait != nil && *h.Wait < 0:
+		return errors.New("redis_lock: wait: must not be negative")
+	case h.BackoffMin < 0 || h.BackoffMax < 0:
+		return errors.New("redis_lock: backoff: durations must be positive")
+	case h.BackoffMin > 0 && h.BackoffMax > 0 && h.BackoffMax < h.BackoffMin:
+		return fmt.Errorf("redis_lock: backoff: max %s is below min %s", time.Duration(h.BackoffMax), time.Duration(h.BackoffMin))
+	case h.MaxHold < 0:
+		return errors.New("redis_lock: max_hold: must not be negative")
+	case h.Permits < 0:
+		return fmt.Errorf("redis_lock: permits: must be at least 1, got %d", h.Permits)
+	case h.MaxWaiters < 0:
+		return fmt.Errorf("redis_lock: max_waiters: must not be negative, got %d", h.MaxWaiters)
+	case h.Status != 0 && (h.Status < 400 || h.Status > 599):
+		return fmt.Errorf("redis_lock: status: want an HTTP status code in 400-599, got %d", h.Status)
+	case h.OnLost != "" && h.OnLost != "cancel" && h.OnLost != "continue":
+		return fmt.Errorf("redis_lock: on_lost: want cancel or continue, got %q", h.OnLost)
+	case h.SyncReplicas < 0:
+		return fmt.Errorf("redis_lock: sync_replicas: must not be negative, got %d", h.SyncReplicas)
+	case strings.ContainsAny(h.FencingHeader, " \t\r\n:"):
+		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name", h.FencingHeader)
+	}
+	return nil
+}
+
+// Cleanup gives back what Provision took (also after a failed Provision).
+func (h *RedisLock) Cleanup() error {
+	if h.locker != nil {
+		h.locker.close()
+	}
+	for _, k := range h.poolKeys {
+		releaseClient(k)
+	}
+	h.poolKeys = nil
+	return nil
+}
+
+// ServeHTTP takes the lock, calls the next handler while holding it, and
+// releases it when the next handler returns (also on error or panic).
+func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	keys, display, err := h.renderKeys(repl)
+	if err != nil {
+		return caddyhttp.Error(http.StatusBadRequest, err)
+	}
+
+	start := time.Now()
+	lockWaiters.Inc()
+	lease, err := h.locker.Acquire(r.Context(), keys)
+	lockWaiters.Dec()
+	waited := time.Since(start)
+	repl.Set("http.redis_lock.key", display)
+	repl.Set("http.redis_lock.wait_ms", waited.Milliseconds())
+
+	if err != nil {
+		return h.acquireFailed(w, r, next, display, waited, err)
+	}
+	lockAcquireSeconds.WithLabelValues("acquired").Observe(waited.Seconds())
+	return h.serveLocked(w, r, next, lease, display, waited)
+}
+
+// renderKeys renders the key templates into sorted, deduplicated Redis keys
+// and a display form for logs and placeholders.
+func (h *RedisLock) renderKeys(repl *caddy.Replacer) ([]string, string, error) {
+	rendered := make([]string, 0, len(h.Keys))
+	for _, tmpl := range h.Keys {
+		k, err := renderKey(repl, tmpl)
+		if err != nil {
+			if _, warned := h.warn.keys.LoadOrStore(tmpl, true); !warned {
+				h.logger.Warn("lock key uses a placeholder unknown for this request; answering 400",
+					zap.String("template", tmpl), zap.Error(err))
+			}
+			return nil, "", fmt.Errorf("rendering lock key %q: %w", tmpl, err)
+		}
+		if k == "" {
+			h.logger.Debug("lock key rendered empty; answering 400", zap.String("template", tmpl))
+			return nil, "", fmt.Errorf("lock key %q rendered empty", tmpl)
+		}
+		rendered = append(rendered, k)
+	}
+	rendered = sortKeys(rendered)
+	keys := make([]string, len(rendered))
+	for i, k := range rendered {
+		keys[i] = storedKey(h.Prefix, k)
+	}
+	return keys, strings.Join(rendered, ","), nil
+}
+
+// acquireFailed answers a request that did not get the lock.
+func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, display string, waited time.Duration, err error) error {
+	var busy *BusyError
+	switch {
+	case errors.As(err, &busy):
+		lockAcquireSeconds.WithLabelValues("timeout").Observe(waited.Seconds())
+		w.Header().Set("Retry-After", retryAfterSeconds(busy.RetryAfter))
+		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
+			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
+		}
+		return caddyhttp.Error(h.Status, err)
+	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || r.Context().Err() != nil:
+		lockAcquireSeconds.WithLabelValues("canceled").Observe(waited.Seconds())
+		return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while waiting for the lock: %w", err))
+	default:
+		lockAcquireSeconds.WithLabelValues("error").Observe(waited.Seconds())
+		if h.FailOpen {
+			h.warnRedis("redis unreachable; serving without a lock (fail_open)", err)
+			h.setFencingHeader(r, "")
+			return next.ServeHTTP(w, r)
+		}
+		h.warnRedis("redis unreachable; answering 503", err)
+		w.Header().Set("Retry-After", "1")
+		return caddyhttp.Error(http.StatusServiceUnavailable, err)
+	}
+}
+
+// warnRedis logs a Redis fault at most once a second per handler.
+func (h *RedisLock) warnRedis(msg string, err error) {
+	now := time.Now().UnixNano()
+	last := h.warn.lastRedis.Load()
+	if now-last < int64(time.Second) || !h.warn.lastRedis.CompareAndSwap(last, now) {
+		return
+	}
+	h.logger.Warn(msg, zap.Error(err))
+}
+
+func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
+	if strings.EqualFold(h.FencingHeader, "off") {
+		return
+	}
+	if v == "" {
+		r.Header.Del(h.FencingHeader)
+		return
+	}
+	r.Header.Set(h.FencingHeader, v)
+}
+
+// serveLocked runs the next handler while the lease is held and kept alive.
+func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, lease *Lease, display string, waited time.Duration) (err error) {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	fence := strconv.FormatInt(lease.Fence, 10)
+	repl.Set("http.redis_lock.fencing_token", fence)
+	h.setFencingHeader(r, fence)
+	if c := h.logger.Check(zapcore.DebugLevel, "lock acquired"); c != nil {
+		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence), zap.Duration("waited", waited))
+	}
+
+	reqCtx, cancel := context.WithCancelCause(r.Context())
+	var lost atomic.Bool
+	onLost := func(cause error) {
+		lost.Store(true)
+		lockLostTotal.Inc()
+		h.logger.Error("lock lease lost while the request ran",
+			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.Fence), zap.Error(cause))
+		if h.OnLost == "cancel" {
+			cancel(cause)
+		}
+	}
+	keepCtx, stopKeep := context.WithCancel(context.Background())
+	keepDone := make(chan struct{})
+	go func() {
+		defer close(keepDone)
+		defer func() {
+			if rec := recover(); rec != nil {
+				h.logger.Error("lock keep-alive panicked", zap.Any("panic", rec), zap.Stack("stack"))
+			}
+		}()
+		h.holdLease(keepCtx, lease, onLost)
+	}()
+
+	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	defer func() {
+		// Stop the extender first, so no extension can follow the release.
+		stopKeep()
+		<-keepDone
+		cancel(nil)
+		lease.release()
+		lockHeldSeconds.Observe(time.Since(lease.Start).Seconds())
+		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
+			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence))
+		}
+		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.started.Load() {
+			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
+		}
+	}()
+	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
+	if err != nil && lost.Load() && h.OnLost == "cancel" && !rw.started.Load() {
+		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
+	}
+	return err
+}
+
+// holdLease keeps the lease alive (auto_extend) until ctx ends, and reports
+// a lease that runs out — after max_hold, or without auto_extend — as lost.
+func (h *RedisLock) holdLease(ctx context.Context, lease *Lease, onLost func(error)) {
+	if *h.AutoExtend {
+		stopped := false
+		lease.keepAlive(ctx, time.Duration(h.MaxHold), func(err error) { stopped = true; onLost(err) })
+		if stopped || ctx.Err() != nil {
+			return
+		}
+	}
+	// Not extended (any more): the lease ends at its validity.
+	t := time.NewTimer(lease.Valid())
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+		onLost(fmt.Errorf("%w: the lease ran out before the request ended (ttl %s, max_hold %s)", ErrLeaseLost, time.Duration(h.TTL), time.Duration(h.MaxHold)))
+	}
+}
+
+// startedWriter records whether the response has started.
+type startedWriter struct {
+	*caddyhttp.ResponseWriterWrapper
+	started atomic.Bool
+}
+
+func (w *startedWriter) WriteHeader(code int) {
+	if code >= 200 || code == http.StatusSwitchingProtocols {
+		w.started.Store(true)
+	}
+	w.ResponseWriterWrapper.WriteHeader(code)
+}
+
+func (w *startedWriter) Write(b []byte) (int, error) {
+	w.started.Store(true)
+	return w.ResponseWriterWrapper.Write(b)
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer.
+func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper }
+
+// retryAfterSeconds renders a Retry-After value: whole seconds, rounded up,
+// at least 1.
+func retryAfterSeconds(d time.Duration) string {
+	s := int64(math.Ceil(d.Seconds()))
+	if s < 1 {
+		s = 1
+	}
+	return strconv.FormatInt(s, 10)
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*RedisLock)(nil)
+	_ caddy.Validator             = (*RedisLock)(nil)
+	_ caddy.CleanerUpper          = (*RedisLock)(nil)
+	_ caddyhttp.MiddlewareHandler = (*RedisLock)(nil)
+)
