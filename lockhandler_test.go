@@ -1,57 +1,649 @@
 package redisdlm
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-func TestLockSmoke(t *testing.T) {
-	r := startRedis(t)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"]}`, r.Addr))
-	var inflight, maxIn atomic.Int32
-	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
-		n := inflight.Add(1)
-		defer inflight.Add(-1)
-		for {
-			m := maxIn.Load()
-			if n <= m || maxIn.CompareAndSwap(m, n) {
+// exclusivityUpstream counts requests in flight per key and records the
+// fencing tokens in the order it sees them.
+type exclusivityUpstream struct {
+	hold time.Duration
+
+	mu       sync.Mutex
+	inflight map[string]int
+	maxSeen  map[string]int
+	tokens   map[string][]int64
+	served   int
+}
+
+func newExclusivityUpstream(hold time.Duration) *exclusivityUpstream {
+	return &exclusivityUpstream{hold: hold, inflight: map[string]int{}, maxSeen: map[string]int{}, tokens: map[string][]int64{}}
+}
+
+func (u *exclusivityUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	key := r.URL.Path
+	tok, err := strconv.ParseInt(r.Header.Get("Lock-Fencing-Token"), 10, 64)
+	u.mu.Lock()
+	u.inflight[key]++
+	if u.inflight[key] > u.maxSeen[key] {
+		u.maxSeen[key] = u.inflight[key]
+	}
+	if err == nil {
+		u.tokens[key] = append(u.tokens[key], tok)
+	} else {
+		u.tokens[key] = append(u.tokens[key], -1)
+	}
+	u.mu.Unlock()
+	time.Sleep(u.hold)
+	u.mu.Lock()
+	u.inflight[key]--
+	u.served++
+	u.mu.Unlock()
+	w.Header().Set("X-Fence", r.Header.Get("Lock-Fencing-Token"))
+	w.WriteHeader(http.StatusOK)
+	return nil
+}
+
+// check fails the test when a key ever had two holders or its tokens did
+// not strictly increase in upstream order.
+func (u *exclusivityUpstream) check(t *testing.T) {
+	t.Helper()
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	for k, m := range u.maxSeen {
+		if m > 1 {
+			t.Errorf("key %s: %d requests in flight at once, want at most 1", k, m)
+		}
+	}
+	for k, toks := range u.tokens {
+		for i := 1; i < len(toks); i++ {
+			if toks[i] <= toks[i-1] {
+				t.Errorf("key %s: fencing token %d after %d: not strictly increasing (tokens %v)", k, toks[i], toks[i-1], toks)
 				break
 			}
 		}
-		time.Sleep(5 * time.Millisecond)
-		w.Header().Set("X-Fence", req.Header.Get("Lock-Fencing-Token"))
-		return nil
-	})
+	}
+}
+
+// TestLockMutualExclusionTwoInstances: two handler instances with separate
+// Redis clients (so separate pools, local queues and instance ids) and 240
+// concurrent requests on 4 keys; the upstream never sees two holders of a
+// key, and fencing tokens strictly increase in the order it sees them.
+func TestLockMutualExclusionTwoInstances(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := newExclusivityUpstream(2 * time.Millisecond)
+	a := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"2s","wait":"60s"}`, r.Addr))
+	b := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"3s","wait":"60s"}`, r.Addr))
+	if a.locker.dom == b.locker.dom {
+		t.Fatal("instances share a domain; want separate clients")
+	}
+	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 	var wg sync.WaitGroup
-	var last int64
-	var mu sync.Mutex
-	for i := 0; i < 20; i++ {
+	var failed atomic.Int32
+	for i := 0; i < 240; i++ {
 		wg.Add(1)
-		go func() {
+		go func(i int) {
 			defer wg.Done()
-			resp, _ := get(t, srv.URL+"/k")
+			base := sa.URL
+			if i%2 == 1 {
+				base = sb.URL
+			}
+			resp, body := get(t, fmt.Sprintf("%s/key%d", base, i%4))
 			if resp == nil || resp.StatusCode != 200 {
-				t.Errorf("status %v", resp)
-				return
+				failed.Add(1)
+				t.Errorf("request %d: %v %s", i, resp, body)
 			}
-			f, _ := strconv.ParseInt(resp.Header.Get("X-Fence"), 10, 64)
-			mu.Lock()
-			if f > last {
-				last = f
+		}(i)
+	}
+	wg.Wait()
+	up.check(t)
+	if up.served != 240 {
+		t.Fatalf("served %d, want 240", up.served)
+	}
+}
+
+// TestLockWaitZeroAndTimeout: wait 0 answers 423 at once with Retry-After
+// from the holder's lease; a 300ms wait runs out with 423.
+func TestLockWaitZeroAndTimeout(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	release := make(chan struct{})
+	entered := make(chan struct{}, 1)
+	holdUp := func(w http.ResponseWriter, req *http.Request) error {
+		entered <- struct{}{}
+		<-release
+		return nil
+	}
+	holder := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"5s"}`, r.Addr)), holdUp)
+	done := make(chan struct{})
+	go func() { defer close(done); get(t, holder.URL+"/job") }()
+	<-entered
+	defer func() { close(release); <-done }()
+
+	fast := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":0}`, r.Addr)), okHandler)
+	start := time.Now()
+	resp, _ := get(t, fast.URL+"/job")
+	if resp.StatusCode != http.StatusLocked {
+		t.Fatalf("wait 0: status %d, want 423", resp.StatusCode)
+	}
+	if time.Since(start) > 2*time.Second {
+		t.Errorf("wait 0 took %s; want an immediate answer", time.Since(start))
+	}
+	ra, err := strconv.Atoi(resp.Header.Get("Retry-After"))
+	if err != nil || ra < 1 || ra > 5 {
+		t.Errorf("Retry-After %q: want whole seconds in 1..5 (holder lease 5s)", resp.Header.Get("Retry-After"))
+	}
+
+	short := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"300ms","status":429}`, r.Addr)), okHandler)
+	start = time.Now()
+	resp, _ = get(t, short.URL+"/job")
+	if resp.StatusCode != 429 {
+		t.Fatalf("wait 300ms: status %d, want the configured 429", resp.StatusCode)
+	}
+	if el := time.Since(start); el < 300*time.Millisecond {
+		t.Errorf("answered after %s, before the 300ms wait ran out", el)
+	}
+	if resp.Header.Get("Retry-After") == "" {
+		t.Error("no Retry-After")
+	}
+}
+
+// TestLockAutoExtend: a 1s lease is kept alive through a 3s upstream while
+// a second request waits; the second never overlaps the first.
+func TestLockAutoExtend(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := newExclusivityUpstream(3 * time.Second)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1s","wait":"20s"}`, r.Addr))
+	srv := handlerServer(t, h, up.ServeHTTP)
+	var wg sync.WaitGroup
+	starts := make([]time.Time, 2)
+	ends := make([]time.Time, 2)
+	for i := 0; i < 2; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			if i == 1 {
+				time.Sleep(300 * time.Millisecond)
 			}
-			mu.Unlock()
-		}()
+			starts[i] = time.Now()
+			resp, body := get(t, srv.URL+"/slow")
+			ends[i] = time.Now()
+			if resp == nil || resp.StatusCode != 200 {
+				t.Errorf("request %d: %v %s", i, resp, body)
+			}
+		}(i)
+	}
+	wg.Wait()
+	up.check(t)
+	if ends[1].Sub(ends[0]) < 2500*time.Millisecond {
+		t.Errorf("second request ended %s after the first; it should have waited for the 3s holder", ends[1].Sub(ends[0]))
+	}
+}
+
+// TestLockHolderDiesTakenOverAfterTTL: a holder that stops extending and
+// never releases (a crashed process) blocks the key for at most its ttl.
+func TestLockHolderDiesTakenOverAfterTTL(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1s","wait":"10s"}`, r.Addr))
+	keys := []string{storedKey(h.Prefix, "/crash")}
+	dead, err := h.locker.Acquire(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = dead // never extended, never released: the holder "crashed"
+	srv := handlerServer(t, h, okHandler)
+	start := time.Now()
+	resp, _ := get(t, srv.URL+"/crash")
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d, want 200 after the dead holder's ttl", resp.StatusCode)
+	}
+	if el := time.Since(start); el < 700*time.Millisecond || el > 8*time.Second {
+		t.Errorf("took over after %s; want about the 1s ttl", el)
+	}
+	if resp.Header.Get("X-Fence") != "" {
+		t.Log(resp.Header.Get("X-Fence"))
+	}
+}
+
+// TestLockRedisDownThenUp: Redis down at start → 503 (fail_open: 200
+// without a lock); once Redis starts, 200 with a lock, without a reload.
+func TestLockRedisDownThenUp(t *testing.T) {
+	t.Parallel()
+	port := freePort(t)
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	var lastToken atomic.Value
+	lastToken.Store("")
+	up := func(w http.ResponseWriter, r *http.Request) error {
+		lastToken.Store(r.Header.Get("Lock-Fencing-Token"))
+		return nil
+	}
+	closed := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"]}`, addr)), up)
+	open := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"fail_open":true,"timeout":"400ms"}`, addr)), up)
+
+	start := time.Now()
+	resp, body := get(t, closed.URL+"/x", "Lock-Fencing-Token", "999")
+	if resp.StatusCode != 503 {
+		t.Fatalf("redis down: status %d (%s), want 503", resp.StatusCode, body)
+	}
+	if time.Since(start) > 5*time.Second {
+		t.Errorf("503 took %s", time.Since(start))
+	}
+	resp, _ = get(t, open.URL+"/x", "Lock-Fencing-Token", "999")
+	if resp.StatusCode != 200 {
+		t.Fatalf("fail_open: status %d, want 200", resp.StatusCode)
+	}
+	if tok := lastToken.Load().(string); tok != "" {
+		t.Errorf("fail_open passed a client-supplied fencing token %q upstream; want none", tok)
+	}
+
+	startRedisOnPort(t, port)
+	resp, body = get(t, closed.URL+"/x")
+	if resp.StatusCode != 200 {
+		t.Fatalf("after redis started: status %d (%s), want 200", resp.StatusCode, body)
+	}
+	if tok := lastToken.Load().(string); tok != "1" {
+		t.Errorf("fencing token %q, want 1", tok)
+	}
+}
+
+// TestLockWaiterDisconnectLeavesNothingHeld: a waiter whose client goes away
+// stops waiting at once; the next request gets the lock as soon as the
+// holder ends.
+func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	release := make(chan struct{})
+	entered := make(chan string, 4)
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		entered <- req.URL.Query().Get("who")
+		if req.URL.Query().Get("who") == "holder" {
+			<-release
+		}
+		return nil
+	}
+	// Long backoff: the next request must be woken by the release, not a poll.
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"30s","backoff_min":"5s","backoff_max":"5s"}`, r.Addr))
+	srv := handlerServer(t, h, up)
+	go get(t, srv.URL+"/k?who=holder")
+	if w := <-entered; w != "holder" {
+		t.Fatalf("entered %s", w)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	gone := make(chan error, 1)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, "GET", srv.URL+"/k?who=quitter", nil)
+		_, err := http.DefaultClient.Do(req)
+		gone <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	cancel()
+	<-gone
+	// The quitter must leave the queue: wait until no local waiter remains.
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		if lockWaitersFor(h, "/k") == 0 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := lockWaitersFor(h, "/k"); n != 0 {
+		t.Fatalf("%d waiters still queued after the client went away", n)
+	}
+	nextDone := make(chan *http.Response, 1)
+	go func() { resp, _ := get(t, srv.URL+"/k?who=next"); nextDone <- resp }()
+	time.Sleep(200 * time.Millisecond)
+	releasedAt := time.Now()
+	close(release)
+	if w := <-entered; w != "next" {
+		t.Fatalf("after the holder, %q entered; want next", w)
+	}
+	if el := time.Since(releasedAt); el > 2*time.Second {
+		t.Errorf("next request got the lock %s after the release; want at once (backoff is 5s)", el)
+	}
+	if resp := <-nextDone; resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("next: %v", resp)
+	}
+}
+
+// lockWaitersFor counts local waiters queued for one rendered key.
+func lockWaitersFor(h *RedisLock, rendered string) int {
+	d := h.locker.dom
+	d.mu.Lock()
+	q := d.queues[storedKey(h.Prefix, rendered)]
+	d.mu.Unlock()
+	if q == nil {
+		return 0
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.waiters)
+}
+
+// TestLockMultiKeyOppositeOrder: requests naming the same two keys in
+// opposite order never deadlock, and are mutually exclusive.
+func TestLockMultiKeyOppositeOrder(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	var inflight, maxIn atomic.Int32
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		n := inflight.Add(1)
+		if n > maxIn.Load() {
+			maxIn.Store(n)
+		}
+		time.Sleep(time.Millisecond)
+		inflight.Add(-1)
+		return nil
+	}
+	ab := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}","{http.request.header.B}"],"wait":"30s","timeout":"2s"}`, r.Addr)), up)
+	ba := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.B}","{http.request.header.A}"],"wait":"30s","timeout":"3s"}`, r.Addr)), up)
+	var wg sync.WaitGroup
+	for i := 0; i < 60; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			srv, a, b := ab, "x", "y"
+			if i%2 == 1 {
+				srv, a, b = ba, "y", "x"
+			}
+			resp, body := get(t, srv.URL+"/", "A", a, "B", b)
+			if resp == nil || resp.StatusCode != 200 {
+				t.Errorf("request %d: %v %s", i, resp, body)
+			}
+		}(i)
 	}
 	wg.Wait()
 	if maxIn.Load() != 1 {
-		t.Fatalf("max in flight %d", maxIn.Load())
+		t.Fatalf("%d holders at once", maxIn.Load())
 	}
-	if last != 20 {
-		t.Fatalf("last fence %d", last)
+}
+
+// TestLockMultiKeyFencing: one token serves a key set, and later tokens of
+// each single key are still higher.
+func TestLockMultiKeyFencing(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	var tok atomic.Value
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		tok.Store(req.Header.Get("Lock-Fencing-Token"))
+		return nil
+	}
+	single := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}"]}`, r.Addr)), up)
+	multi := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}","{http.request.header.B}"]}`, r.Addr)), up)
+	for i := 0; i < 5; i++ {
+		get(t, single.URL+"/", "A", "b") // raise b's counter to 5
+	}
+	get(t, multi.URL+"/", "A", "a", "B", "b")
+	m, _ := strconv.Atoi(tok.Load().(string))
+	get(t, single.URL+"/", "A", "a")
+	s, _ := strconv.Atoi(tok.Load().(string))
+	if m != 6 || s <= m {
+		t.Fatalf("multi-key token %d (want 6), then key a alone %d (want > %d)", m, s, m)
+	}
+}
+
+// TestLockKeyRendering: an empty key or one with a placeholder unknown at
+// request time is a 400; a very long key is stored hashed; placeholders are
+// set for later handlers; a client-sent fencing header is replaced.
+func TestLockKeyRendering(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	var seen sync.Map
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		for _, p := range []string{"http.redis_lock.key", "http.redis_lock.fencing_token", "http.redis_lock.wait_ms"} {
+			v, _ := repl.GetString(p)
+			seen.Store(p, v)
+		}
+		seen.Store("header", req.Header.Get("Lock-Fencing-Token"))
+		return nil
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["user:{http.request.header.X-User-ID}"]}`, r.Addr))
+	srv := handlerServer(t, h, up)
+	resp, _ := get(t, srv.URL+"/", "X-User-ID", "alice", "Lock-Fencing-Token", "999999")
+	if resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	if v, _ := seen.Load("http.redis_lock.key"); v != "user:alice" {
+		t.Errorf("key placeholder %q", v)
+	}
+	if v, _ := seen.Load("http.redis_lock.fencing_token"); v != "1" {
+		t.Errorf("fencing_token placeholder %q", v)
+	}
+	if v, _ := seen.Load("header"); v != "1" {
+		t.Errorf("fencing header %q: the client's value must be replaced", v)
+	}
+	if v, _ := seen.Load("http.redis_lock.wait_ms"); v == "" {
+		t.Error("wait_ms placeholder empty")
+	}
+
+	empty := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.X-User-ID}"]}`, r.Addr)), okHandler)
+	if resp, _ := get(t, empty.URL+"/"); resp.StatusCode != 400 {
+		t.Errorf("empty key: status %d, want 400", resp.StatusCode)
+	}
+	unknown := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.auth.user.id}"]}`, r.Addr)), okHandler)
+	if resp, _ := get(t, unknown.URL+"/"); resp.StatusCode != 400 {
+		t.Errorf("unknown placeholder: status %d, want 400", resp.StatusCode)
+	}
+
+	long := strings.Repeat("x", 300)
+	holdCh := make(chan struct{})
+	entered := make(chan struct{})
+	hl := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"]}`, r.Addr)), func(w http.ResponseWriter, req *http.Request) error {
+		close(entered)
+		<-holdCh
+		return nil
+	})
+	go get(t, hl.URL+"/", "K", long)
+	<-entered
+	keys, err := r.Client().Keys(context.Background(), "caddy:lock:*").Result()
+	close(holdCh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if len(k) > 300 {
+			t.Errorf("Redis key of %d bytes; a key over 200 bytes must be stored hashed", len(k))
+		}
+		if strings.Contains(k, "sha256:") {
+			return
+		}
+	}
+	t.Errorf("no hashed key among %v", keys)
+}
+
+// TestLockReleasedOnErrorAndPanic: the lock is released when the next
+// handler returns an error or panics.
+func TestLockReleasedOnErrorAndPanic(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":0}`, r.Addr))
+	keys := []string{storedKey(h.Prefix, "/p")}
+	rec := func(next caddyhttp.HandlerFunc) (err error, p any) {
+		defer func() { p = recover() }()
+		req, _ := http.NewRequest("GET", "http://x/p", nil)
+		repl := caddyhttp.NewTestReplacer(req)
+		req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
+		return h.ServeHTTP(&nopWriter{h: http.Header{}}, req, next), nil
+	}
+	err, _ := rec(func(w http.ResponseWriter, r *http.Request) error { return errors.New("boom") })
+	if err == nil || !strings.Contains(err.Error(), "boom") {
+		t.Fatalf("error not passed through: %v", err)
+	}
+	assertFree(t, h, keys)
+	_, p := rec(func(w http.ResponseWriter, r *http.Request) error { panic("kaboom") })
+	if p == nil {
+		t.Fatal("panic swallowed")
+	}
+	assertFree(t, h, keys)
+}
+
+func assertFree(t *testing.T, h *RedisLock, keys []string) {
+	t.Helper()
+	l, err := h.locker.Acquire(context.Background(), keys)
+	if err != nil {
+		t.Fatalf("lock still held: %v", err)
+	}
+	l.release()
+}
+
+type nopWriter struct {
+	h    http.Header
+	code int
+}
+
+func (w *nopWriter) Header() http.Header         { return w.h }
+func (w *nopWriter) Write(b []byte) (int, error) { return len(b), nil }
+func (w *nopWriter) WriteHeader(c int)           { w.code = c }
+
+// TestLockOnLost: when an extension finds the lease gone, on_lost cancel
+// cancels the request (503 before the response starts) and counts it;
+// on_lost continue lets it finish.
+func TestLockOnLost(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	for _, mode := range []string{"cancel", "continue"} {
+		t.Run(mode, func(t *testing.T) {
+			entered := make(chan struct{})
+			var canceled atomic.Bool
+			up := func(w http.ResponseWriter, req *http.Request) error {
+				close(entered)
+				select {
+				case <-req.Context().Done():
+					canceled.Store(true)
+					return req.Context().Err()
+				case <-time.After(3 * time.Second):
+				}
+				return nil
+			}
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"600ms","on_lost":"%s","prefix":"lost:%s:"}`, r.Addr, mode, mode))
+			srv := handlerServer(t, h, up)
+			done := make(chan *http.Response, 1)
+			go func() { resp, _ := get(t, srv.URL+"/l"); done <- resp }()
+			<-entered
+			// Steal the lease: delete the lock key behind the holder's back.
+			if err := r.Client().Del(context.Background(), storedKey(h.Prefix, "/l")).Err(); err != nil {
+				t.Fatal(err)
+			}
+			resp := <-done
+			if mode == "cancel" {
+				if resp.StatusCode != 503 || !canceled.Load() {
+					t.Fatalf("cancel: status %d canceled=%v, want 503 and a canceled upstream", resp.StatusCode, canceled.Load())
+				}
+			} else if resp.StatusCode != 200 || canceled.Load() {
+				t.Fatalf("continue: status %d canceled=%v, want 200, not canceled", resp.StatusCode, canceled.Load())
+			}
+		})
+	}
+}
+
+// TestLockMaxWaitersAndPermits: permits lets n holders in at once; waiters
+// beyond max_waiters are answered at once with status and Retry-After.
+func TestLockMaxWaitersAndPermits(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	var inflight, maxIn atomic.Int32
+	release := make(chan struct{})
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		n := inflight.Add(1)
+		defer inflight.Add(-1)
+		for m := maxIn.Load(); n > m && !maxIn.CompareAndSwap(m, n); m = maxIn.Load() {
+		}
+		<-release
+		return nil
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"permits":2,"max_waiters":2,"wait":"20s"}`, r.Addr))
+	srv := handlerServer(t, h, up)
+	results := make(chan int, 8)
+	send := func() {
+		go func() {
+			resp, _ := get(t, srv.URL+"/sem")
+			if resp == nil {
+				results <- 0
+				return
+			}
+			results <- resp.StatusCode
+		}()
+	}
+	// 2 hold (permits), then 2 wait (max_waiters); a fifth is one too many.
+	send()
+	send()
+	deadline := time.Now().Add(10 * time.Second)
+	for inflight.Load() < 2 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	send()
+	send()
+	for lockWaitersFor(h, "/sem") < 2 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	resp, _ := get(t, srv.URL+"/sem")
+	if resp.StatusCode != 423 || resp.Header.Get("Retry-After") == "" {
+		t.Errorf("over max_waiters: status %d Retry-After %q, want 423 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
+	}
+	close(release)
+	for i := 0; i < 4; i++ {
+		if s := <-results; s != 200 {
+			t.Errorf("status %d", s)
+		}
+	}
+	if maxIn.Load() != 2 {
+		t.Errorf("max holders at once %d, want permits=2", maxIn.Load())
+	}
+}
+
+// TestLockFIFOWithinInstance: waiters of one key in one instance are
+// served in arrival order.
+func TestLockFIFOWithinInstance(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	var order []string
+	var mu sync.Mutex
+	release := make(chan struct{})
+	first := make(chan struct{})
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		who := req.URL.Query().Get("n")
+		mu.Lock()
+		order = append(order, who)
+		mu.Unlock()
+		if who == "0" {
+			close(first)
+			<-release
+		}
+		return nil
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"30s"}`, r.Addr))
+	srv := handlerServer(t, h, up)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); get(t, srv.URL+"/f?n=0") }()
+	<-first
+	for i := 1; i <= 5; i++ {
+		wg.Add(1)
+		go func(i int) { defer wg.Done(); get(t, fmt.Sprintf("%s/f?n=%d", srv.URL, i)) }(i)
+		// Each one queued before the next arrives.
+		deadline := time.Now().Add(5 * time.Second)
+		for lockWaitersFor(h, "/f") < i && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	close(release)
+	wg.Wait()
+	if got := strings.Join(order, ","); got != "0,1,2,3,4,5" {
+		t.Fatalf("service order %s, want 0,1,2,3,4,5", got)
 	}
 }

@@ -855,6 +855,7 @@ type wakeListener struct {
 	ready   chan struct{} // closed when active
 	cancel  context.CancelFunc
 	done    chan struct{}
+	ps      *redis.PubSub
 }
 
 func newWakeListener(c redis.UniversalClient) *wakeListener {
@@ -912,6 +913,9 @@ func (wl *wakeListener) run(ctx context.Context) {
 	}()
 	ps := wl.client.Subscribe(ctx, wakeChannel)
 	defer ps.Close()
+	wl.mu.Lock()
+	wl.ps = ps
+	wl.mu.Unlock()
 	fails := 0
 	for ctx.Err() == nil {
 		msg, err := ps.ReceiveTimeout(ctx, 30*time.Second)
@@ -953,10 +957,13 @@ func (wl *wakeListener) run(ctx context.Context) {
 
 func (wl *wakeListener) stop() {
 	wl.mu.Lock()
-	cancel, done := wl.cancel, wl.done
+	cancel, done, ps := wl.cancel, wl.done, wl.ps
 	wl.mu.Unlock()
 	if cancel != nil {
 		cancel()
+		if ps != nil {
+			_ = ps.Close() // interrupts a blocked read
+		}
 		<-done
 	}
 }
