@@ -237,9 +237,9 @@ func (h *RedisLock) Validate() error {
 		}
 	}
 	switch {
-	case h.TTL <= 0:
+	case h.TTL < 0:
 		return fmt.Errorf("redis_lock: ttl: must be positive, got %s", time.Duration(h.TTL))
-	case time.Duration(h.TTL) < 10*time.Millisecond:
+	case h.TTL > 0 && time.Duration(h.TTL) < 10*time.Millisecond:
 		return fmt.Errorf("redis_lock: ttl: %s is too short; use at least 10ms", time.Duration(h.TTL))
 	case h.Wait != nil && *h.Wait < 0:
 		return errors.New("redis_lock: wait: must not be negative")

@@ -1,0 +1,158 @@
+package redisdlm
+
+import (
+	"encoding/json"
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard"
+)
+
+var update = flag.Bool("update", false, "rewrite golden files")
+
+// TestLockCaddyfileErrors: every bad input names the directive, the
+// subdirective and the Caddyfile line, and nothing panics.
+func TestLockCaddyfileErrors(t *testing.T) {
+	t.Parallel()
+	cases := []struct{ name, in, want string }{
+		{"unknown", "bogus 1", `unknown subdirective "bogus"`},
+		{"key missing", "key", "key: needs a template"},
+		{"key bad namespace", "key {foo.bar}", "key: "},
+		{"key unclosed", "key {http.request.uri", "key: unclosed placeholder"},
+		{"ttl missing", "ttl", "ttl: want exactly one argument"},
+		{"ttl extra", "ttl 1s 2s", "ttl: want exactly one argument"},
+		{"ttl bad", "ttl soon", `ttl: invalid duration "soon"`},
+		{"ttl zero", "ttl 0s", "ttl: must be positive"},
+		{"ttl negative", "ttl -1s", "ttl: must be positive"},
+		{"wait bad", "wait x", `wait: invalid duration`},
+		{"wait negative", "wait -1s", "wait: must not be negative"},
+		{"backoff one", "backoff 10ms", "backoff: want <min> <max>"},
+		{"backoff bad", "backoff 10ms x", `backoff: invalid duration "x"`},
+		{"backoff inverted", "backoff 1s 10ms", "backoff: max 10ms is below min 1s"},
+		{"backoff zero", "backoff 0s 1s", "backoff: durations must be positive"},
+		{"auto_extend bad", "auto_extend maybe", "auto_extend: want on or off"},
+		{"max_hold bad", "max_hold 0", "max_hold: must be positive"},
+		{"permits zero", "permits 0", "permits: want an integer >= 1"},
+		{"permits word", "permits many", "permits: want an integer >= 1"},
+		{"max_waiters negative", "max_waiters -1", "max_waiters: want an integer >= 0"},
+		{"fencing_header missing", "fencing_header", "fencing_header: want exactly one argument"},
+		{"fencing_header bad", "fencing_header a:b", "fencing_header: "},
+		{"status low", "status 200", "status: want an HTTP status code in 400-599"},
+		{"status high", "status 600", "status: want an HTTP status code in 400-599"},
+		{"status word", "status locked", "status: want an HTTP status code"},
+		{"on_lost bad", "on_lost explode", "on_lost: want cancel or continue"},
+		{"fail_open arg", "fail_open yes", "fail_open: takes no argument"},
+		{"sync_replicas bad", "sync_replicas -2", "sync_replicas: want an integer >= 0"},
+		{"prefix missing", "prefix", "prefix: want exactly one argument"},
+		{"redis missing", "redis", "redis: needs at least one address"},
+		{"redis bad addr", "redis nohostport", `redis: invalid redis address "nohostport"`},
+		{"redis bad port", "redis 127.0.0.1:99999", "redis: invalid redis address"},
+		{"redis bad url", "redis http://x:1", "redis: invalid redis URL"},
+		{"redis even", "redis 127.0.0.1:1 127.0.0.1:2", "redis: 2 servers given; a Redlock quorum needs an odd count"},
+		{"redis and cluster", "redis 127.0.0.1:1\n\tcluster 127.0.0.1:2", "mutually exclusive"},
+		{"sentinel short", "sentinel mymaster", "sentinel: needs a master name and at least one sentinel address"},
+		{"db bad", "db x", "db: want a non-negative integer"},
+		{"tls extra", "tls a b", "tls: takes at most one argument"},
+		{"timeout bad", "timeout 0", "timeout: must be positive"},
+		{"username extra", "username a b", "username: want exactly one argument"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			in := "redis_lock {\n\t" + c.in + "\n}"
+			d := caddyfile.NewTestDispenser(in)
+			h := new(RedisLock)
+			err := h.UnmarshalCaddyfile(d)
+			if err == nil {
+				t.Fatalf("no error for %q", c.in)
+			}
+			msg := err.Error()
+			if !strings.Contains(msg, "redis_lock") || !strings.Contains(msg, c.want) {
+				t.Errorf("error %q: want it to name redis_lock and contain %q", msg, c.want)
+			}
+			if !strings.Contains(msg, ":2") && !strings.Contains(msg, ":3") {
+				t.Errorf("error %q does not name the Caddyfile line", msg)
+			}
+		})
+	}
+}
+
+// TestLockCaddyfileValid: placeholders are accepted at parse time, and a
+// parsed config passes Validate.
+func TestLockCaddyfileValid(t *testing.T) {
+	t.Parallel()
+	d := caddyfile.NewTestDispenser(`redis_lock {
+		key user:{http.request.header.X-User-ID}
+		key {http.auth.user.id}
+		password {env.REDIS_PASSWORD}
+		redis redis://:{env.REDIS_PASSWORD}@127.0.0.1:6379/2 127.0.0.1:6380 127.0.0.1:6381
+		wait 0
+	}`)
+	h := new(RedisLock)
+	if err := h.UnmarshalCaddyfile(d); err != nil {
+		t.Fatal(err)
+	}
+	if h.Wait == nil || *h.Wait != 0 {
+		t.Errorf("wait 0 not kept: %v", h.Wait)
+	}
+	if err := h.Validate(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestCaddyfileGolden adapts each testdata/*.caddyfile to JSON and
+// compares it with the .json beside it (go test -run Golden -update
+// rewrites them).
+func TestCaddyfileGolden(t *testing.T) {
+	files, _ := filepath.Glob("testdata/lock_*.caddyfile")
+	if len(files) == 0 {
+		t.Fatal("no golden inputs in testdata/")
+	}
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			in, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, warns, err := adapter.Adapt(in, map[string]any{"filename": f})
+			if err != nil {
+				t.Fatalf("adapt: %v", err)
+			}
+			for _, w := range warns {
+				t.Logf("warning: %s", w.Message)
+			}
+			var v any
+			_ = json.Unmarshal(out, &v)
+			got, _ := json.MarshalIndent(v, "", "\t")
+			golden := strings.TrimSuffix(f, ".caddyfile") + ".json"
+			if *update {
+				if err := os.WriteFile(golden, append(got, '\n'), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatalf("golden file: %v (run with -update)", err)
+			}
+			if strings.TrimSpace(string(want)) != strings.TrimSpace(string(got)) {
+				t.Errorf("%s: adapted JSON differs from %s:\n%s", f, golden, got)
+			}
+		})
+	}
+}
+
+// TestCaddyfileAdaptErrors: `caddy adapt` fails with the file and line for
+// bad values.
+func TestCaddyfileAdaptErrors(t *testing.T) {
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	in := ":8080\n\nredis_lock /api/* {\n\tttl nope\n}\nrespond ok\n"
+	_, _, err := adapter.Adapt([]byte(in), map[string]any{"filename": "Caddyfile"})
+	if err == nil || !strings.Contains(err.Error(), "Caddyfile:4") || !strings.Contains(err.Error(), "redis_lock: ttl") {
+		t.Fatalf("adapt error %v: want Caddyfile:4 and redis_lock: ttl", err)
+	}
+}
