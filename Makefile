@@ -6,7 +6,7 @@ MODULE  := github.com/caddy-dlm/redisdlm
 PSEUDO  := v0.0.0-00010101000000-000000000000
 SOURCES := $(wildcard *.go) $(wildcard scripts/*.lua) go.mod go.sum
 
-.PHONY: all caddy run test bench redis-server
+.PHONY: all caddy upstream run stop test bench redis-server
 
 all: caddy
 
@@ -15,6 +15,22 @@ caddy: bin/caddy
 bin/caddy: $(SOURCES)
 	@mkdir -p bin
 	$(XCADDY) build $(CADDY_VERSION) --with $(MODULE)@$(PSEUDO)=. --output bin/caddy
+
+# The demo upstream of examples/ (standard library only).
+upstream: bin/upstream
+bin/upstream: $(wildcard examples/upstream/*.go)
+	@mkdir -p bin
+	go build -o bin/upstream ./examples/upstream
+
+# The redis_lock demo: Redis on 127.0.0.1:6379 (started under .run/ unless
+# one answers there), the demo upstream on 127.0.0.1:9080, and Caddy with
+# examples/Caddyfile on :8080. Prints curl lines to try; Ctrl-C stops all
+# it started. `make stop` stops what an interrupted run left behind.
+run: bin/caddy bin/upstream
+	@tools/demo.sh run
+
+stop:
+	@tools/demo.sh stop
 
 # Install redis-server from Debian packages when it is missing.
 redis-server:
@@ -26,3 +42,8 @@ redis-server:
 test: redis-server
 	go vet ./...
 	go test -race -count=1 ./...
+
+# Benchmark (SPEC §7), its own Go module: starts redis-servers, an upstream and
+# Caddy processes on loopback ports, prints a Markdown table, stops them all.
+bench: caddy redis-server
+	cd bench && go run ./cmd/bench -caddy ../bin/caddy

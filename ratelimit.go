@@ -43,7 +43,7 @@ const (
 	// DefaultRateLimitPrefix namespaces the Redis keys of redis_ratelimit.
 	DefaultRateLimitPrefix = "caddy:rl:"
 	// MaxSlidingWindowRequests is the largest n of a sliding_window rate: a
-	// key at its limit holds n 8-byte timestamps in Redis (about 0.8–1.6 MB
+	// key at its limit holds n 8-byte timestamps in Redis (about 0.9 MB
 	// at this n), see README. gcra takes any n at O(1) memory.
 	MaxSlidingWindowRequests = 100000
 
@@ -112,7 +112,7 @@ type RedisRateLimit struct {
 
 	// `sliding_window` (exact: in any interval of length window, at most
 	// requests are admitted, over all Caddy instances; Redis memory grows
-	// with requests, up to 8 bytes per admitted request in the window) or
+	// with traffic, about 8–16 bytes per request admitted in the window) or
 	// `gcra` (generic cell rate algorithm: O(1) memory per key, a sustained
 	// requests per window with bursts up to `burst`). Default: sliding_window.
 	Algorithm string `json:"algorithm,omitempty"`

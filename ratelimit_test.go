@@ -264,7 +264,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 					t.Fatalf("request %d: want admitted", i)
 				}
 			}
-			before, _ := r.Client().Dump(context.Background(), "caddy:rl:{192.0.2.3}:"+suffixOf(h, 1)).Result()
+			before, _ := r.Client().Dump(context.Background(), "caddy:rl:{192.0.2.3}:"+rlSuffixOf(h, 1)).Result()
 			for i := 0; i < 10; i++ {
 				if a := serveRL(h, "192.0.2.3", nil); a.passed {
 					t.Fatalf("request %d past the per-second rate admitted", i)
@@ -276,7 +276,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 					t.Fatalf("request %d past the per-second rate admitted", i)
 				}
 			}
-			after, _ := r.Client().Dump(context.Background(), "caddy:rl:{192.0.2.3}:"+suffixOf(h, 1)).Result()
+			after, _ := r.Client().Dump(context.Background(), "caddy:rl:{192.0.2.3}:"+rlSuffixOf(h, 1)).Result()
 			if before != after {
 				t.Fatal("rejected requests changed the state of the other rate")
 			}
@@ -299,7 +299,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 	}
 }
 
-func suffixOf(h *RedisRateLimit, i int) string { return strings.TrimPrefix(h.rates[i].suffix, ":") }
+func rlSuffixOf(h *RedisRateLimit, i int) string { return strings.TrimPrefix(h.rates[i].suffix, ":") }
 
 // TestRateLimitRetryAfterExact: a retry at exactly Retry-After (after the
 // answer) is admitted.
@@ -348,8 +348,8 @@ func TestRateLimitDryRun(t *testing.T) {
 		h.DryRun = true
 		h.Rates = []Rate{{Requests: 2, Window: caddy.Duration(time.Minute)}}
 	})
-	denied0 := counterValue(rateLimitTotal.WithLabelValues("denied"))
-	allowed0 := counterValue(rateLimitTotal.WithLabelValues("allowed"))
+	denied0 := rlCounterValue(rateLimitTotal.WithLabelValues("denied"))
+	allowed0 := rlCounterValue(rateLimitTotal.WithLabelValues("allowed"))
 	for i := 0; i < 6; i++ {
 		a := serveRL(h, "192.0.2.5", nil)
 		if !a.passed || a.err != nil {
@@ -372,19 +372,19 @@ func TestRateLimitDryRun(t *testing.T) {
 			t.Fatal("dry run sent Retry-After")
 		}
 	}
-	if d := counterValue(rateLimitTotal.WithLabelValues("denied")) - denied0; d != 4 {
+	if d := rlCounterValue(rateLimitTotal.WithLabelValues("denied")) - denied0; d != 4 {
 		t.Fatalf("denied counter grew by %v, want 4", d)
 	}
-	if d := counterValue(rateLimitTotal.WithLabelValues("allowed")) - allowed0; d != 2 {
+	if d := rlCounterValue(rateLimitTotal.WithLabelValues("allowed")) - allowed0; d != 2 {
 		t.Fatalf("allowed counter grew by %v, want 2", d)
 	}
-	if pos := ringCount(t, r, "caddy:rl:{192.0.2.5}:sw:2/1m0s"); pos != 2 {
+	if pos := rlRingCount(t, r, "caddy:rl:{192.0.2.5}:sw:2/1m0s"); pos != 2 {
 		t.Fatalf("Redis recorded %d admissions, want 2", pos)
 	}
 }
 
-// counterValue reads a prometheus counter.
-func counterValue(c interface{ Write(*dto.Metric) error }) float64 {
+// rlCounterValue reads a prometheus counter.
+func rlCounterValue(c interface{ Write(*dto.Metric) error }) float64 {
 	var m dto.Metric
 	if err := c.Write(&m); err != nil {
 		return math.NaN()
@@ -392,8 +392,8 @@ func counterValue(c interface{ Write(*dto.Metric) error }) float64 {
 	return m.GetCounter().GetValue()
 }
 
-// ringCount reads how many admissions a sliding_window log recorded.
-func ringCount(t *testing.T, r *testRedis, key string) int {
+// rlRingCount reads how many admissions a sliding_window log recorded.
+func rlRingCount(t *testing.T, r *testRedis, key string) int {
 	t.Helper()
 	b, err := r.Client().GetRange(context.Background(), key, 0, 7).Bytes()
 	if err != nil || len(b) != 8 {
@@ -402,20 +402,20 @@ func ringCount(t *testing.T, r *testRedis, key string) int {
 	return int(math.Float64frombits(binary.BigEndian.Uint64(b)))
 }
 
-// ringTimes reads the admission times (µs) a sliding_window log holds,
+// rlRingTimes reads the admission times (µs) a sliding_window log holds,
 // by admission number.
-func ringTimes(ctx context.Context, r *testRedis, key string, n int) (map[int]int64, error) {
+func rlRingTimes(ctx context.Context, r *testRedis, key string, n int) (map[int]int64, error) {
 	b, err := r.Client().Get(ctx, key).Bytes()
 	if err != nil {
 		return nil, err
 	}
-	if len(b) < 8 {
+	if len(b) < 24 {
 		return nil, fmt.Errorf("log %s too short", key)
 	}
 	pos := int(math.Float64frombits(binary.BigEndian.Uint64(b)))
 	out := make(map[int]int64)
 	for j := max(0, pos-n); j < pos; j++ {
-		off := 8 + 8*(j%n)
+		off := 24 + 8*(j%n)
 		if off+8 > len(b) {
 			return nil, fmt.Errorf("log %s: slot %d missing", key, j%n)
 		}
@@ -458,7 +458,7 @@ func TestRateLimitDenyCacheNoRedis(t *testing.T) {
 	if a := serveRL(h, "192.0.2.7", nil); !a.passed {
 		t.Fatal("other key rejected")
 	}
-	if got := r.CommandCalls("evalsha"); got != calls+1 {
+	if got := r.CommandCalls("evalsha") + r.CommandCalls("eval"); got != calls+1 {
 		t.Fatalf("other key: %d script calls, want 1", got-calls)
 	}
 }
@@ -725,5 +725,43 @@ func TestRateLimitConcurrentDistinctKeys(t *testing.T) {
 		if admitted[ip] != 7 {
 			t.Fatalf("%s: %d admitted, want 7", ip, admitted[ip])
 		}
+	}
+}
+
+// TestRateLimitSlidingRemaining: the remaining quota follows admissions
+// leaving the window, both by stepping (few left) and by binary search
+// (many left at once), and the log never exceeds n slots.
+func TestRateLimitSlidingRemaining(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Second)}}
+	})
+	send := func(k int, wantLastRem int) {
+		t.Helper()
+		var a rlAnswer
+		for i := 0; i < k; i++ {
+			if a = serveRL(h, "192.0.2.50", nil); !a.passed {
+				t.Fatalf("request %d of %d rejected", i, k)
+			}
+		}
+		if _, rem, _ := rlState(t, a); rem != wantLastRem {
+			t.Fatalf("remaining %d, want %d (RateLimit %q)", rem, wantLastRem, a.header.Get(HeaderRateLimit))
+		}
+	}
+	send(8, 2)                          // 8 in the window
+	time.Sleep(1100 * time.Millisecond) // all 8 leave: more than the 4 steps, so binary search
+	send(2, 8)
+	time.Sleep(600 * time.Millisecond)
+	send(3, 5) // 5 in the window
+	time.Sleep(500 * time.Millisecond)
+	send(1, 6) // the first 2 left (stepping): 3 + 1 in the window
+	send(6, 0)
+	if a := serveRL(h, "192.0.2.50", nil); a.passed {
+		t.Fatal("11th request within the window admitted")
+	}
+	n, err := r.Client().StrLen(context.Background(), "caddy:rl:{192.0.2.50}:sw:10/1s").Result()
+	if err != nil || n != 24+8*10 {
+		t.Fatalf("log is %d bytes, want %d (header + 10 slots)", n, 24+8*10)
 	}
 }

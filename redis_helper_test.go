@@ -143,3 +143,9 @@ func (r *testRedis) CommandCalls(name string) int64 {
 }
 
 func (r *testRedis) String() string { return fmt.Sprintf("redis@%s", r.Addr) }
+
+// redisZ is a sorted-set member scored as a lease end in ms (the lock
+// scripts' format).
+func redisZ(until time.Time, member string) redis.Z {
+	return redis.Z{Score: float64(until.UnixMilli()), Member: member}
+}

@@ -9,6 +9,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -113,6 +114,9 @@ type Lease struct {
 	until time.Time // validity end as this process sees it
 	q     *keyQueue
 	done  bool
+	// released is set before the release is sent, so a server that grants
+	// this token late releases it again (see tryAcquire).
+	released *atomic.Bool
 }
 
 // Valid reports the remaining validity of the lease.
@@ -126,10 +130,15 @@ func fenceKey(lockKey string) string { return lockKey + ":fence" }
 func waitqKey(lockKey string) string { return lockKey + ":waitq" }
 
 // waitqLife is how long an instance's place in a key's Redis wait list lasts
-// without a new attempt.
-func (l *locker) waitqLife() time.Duration {
-	d := 2*l.opts.BackoffMax + time.Second
-	return d
+// without a new attempt. Instances take turns only on a single-key lock on
+// one server: with Redlock, or several keys, the wait lists of different
+// servers or keys could each favour another instance and nobody would win,
+// so there it is 0 (off).
+func (l *locker) waitqLife(keys int) time.Duration {
+	if len(l.servers) > 1 || keys > 1 {
+		return 0
+	}
+	return 2*l.opts.BackoffMax + time.Second
 }
 
 // attempt is the outcome of one acquisition attempt.
@@ -140,32 +149,47 @@ type attempt struct {
 }
 
 // callAll runs f on every server in parallel and returns the results in
-// server order as they complete; decide is called after each result and
-// may end the wait early (a majority decided) by returning true.
-func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, c redis.UniversalClient) (any, error), decide func(res []result, n int) bool) []result {
+// server order; decide is called after each result and may end the wait
+// early (a majority decided) by returning true. Results that arrive after
+// that go to late (if not nil) instead, so the caller can undo them.
+func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, c redis.UniversalClient) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
 	res := make([]result, len(l.servers))
 	if len(l.servers) == 1 {
 		v, err := f(ctx, l.servers[0].client)
 		res[0] = result{v: v, err: err, done: true}
 		return res
 	}
-	type indexed struct {
-		i int
-		result
-	}
-	ch := make(chan indexed, len(l.servers))
+	var mu sync.Mutex
+	closed := false
+	arrived := make(chan struct{}, len(l.servers))
 	for i, s := range l.servers {
 		go func(i int, c redis.UniversalClient) {
 			v, err := f(ctx, c)
-			ch <- indexed{i, result{v: v, err: err, done: true}}
+			r := result{v: v, err: err, done: true}
+			mu.Lock()
+			if closed {
+				mu.Unlock()
+				if late != nil {
+					late(i, r)
+				}
+				return
+			}
+			res[i] = r
+			mu.Unlock()
+			arrived <- struct{}{}
 		}(i, s.client)
 	}
 	for n := 1; n <= len(l.servers); n++ {
-		r := <-ch
-		res[r.i] = r.result
-		if decide != nil && decide(res, n) {
-			break
+		<-arrived
+		mu.Lock()
+		stop := decide != nil && decide(res, n)
+		if stop || n == len(l.servers) {
+			closed = true
+			out := append([]result(nil), res...)
+			mu.Unlock()
+			return out
 		}
+		mu.Unlock()
 	}
 	return res
 }
@@ -182,9 +206,21 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 	token := uuid.NewString()
 	start := time.Now()
 	ttlMs := l.opts.TTL.Milliseconds()
-	life := l.waitqLife().Milliseconds()
+	life := l.waitqLife(len(keys)).Milliseconds()
 	n := len(l.servers)
 	var fence int64
+	// A server that grants after the outcome was decided must not keep a
+	// lease nobody owns: it is released there as soon as its answer comes,
+	// if the attempt failed or the lease is already released.
+	var failed atomic.Bool
+	released := new(atomic.Bool)
+	lateGrant := func(k string) func(i int, r result) {
+		return func(i int, r result) {
+			if r.err == nil && r.v.([]int64)[0] == 1 && (failed.Load() || released.Load()) {
+				l.releaseOn(l.servers[i].client, k, token)
+			}
+		}
+	}
 	for i, k := range keys {
 		// Ask every server at once; stop as soon as the outcome is decided.
 		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
@@ -194,22 +230,35 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life).Int64Slice()
+			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor()).Int64Slice()
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
-		})
+		}, lateGrant(k))
 		granted, busy, errs := tally(results)
 		if granted >= l.quorum {
+			var keyMax int64
 			for _, r := range results {
-				if r.done && r.err == nil && r.v.([]int64)[0] == 1 && r.v.([]int64)[1] > fence {
-					fence = r.v.([]int64)[1]
+				if r.done && r.err == nil && r.v.([]int64)[0] == 1 && r.v.([]int64)[1] > keyMax {
+					keyMax = r.v.([]int64)[1]
 				}
+			}
+			if keyMax > fence {
+				fence = keyMax
 			}
 			continue
 		}
+		failed.Store(true)
 		// Not taken: give back what this attempt took, everywhere at once.
-		l.releaseKeys(keys[:i+1], token)
+		// On one server a refused key holds nothing; with Redlock a
+		// minority may have granted it.
+		undo := keys[:i]
+		if n > 1 {
+			undo = keys[:i+1]
+		}
+		if len(undo) > 0 {
+			l.releaseKeys(undo, token)
+		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
 			var last error
@@ -238,6 +287,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 		// one token serves them all, so each key's counter must reach it; with
 		// Redlock any later majority must see it.
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
+			failed.Store(true)
 			l.releaseKeys(keys, token)
 			return attempt{err: err}
 		}
@@ -247,10 +297,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 		validity -= l.drift()
 	}
 	if validity <= 0 {
+		failed.Store(true)
 		l.releaseKeys(keys, token)
 		return attempt{retryAfter: 0}
 	}
-	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence, Start: start, until: start.Add(validity)}}
+	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence, Start: start, until: start.Add(validity), released: released}}
 }
 
 // acquireSynced runs the acquire script and WAIT on one connection (WAIT
@@ -260,7 +311,7 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	pipe := c.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life)
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor())
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, l.opts.Timeout.Milliseconds())
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
@@ -278,6 +329,16 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 		}
 	}
 	return v, nil
+}
+
+// timeFloor is "1" in Redlock mode: fencing counters then never fall below
+// Redis time in microseconds, so a server restarted empty cannot hand out a
+// token that was already used.
+func (l *locker) timeFloor() string {
+	if len(l.servers) > 1 {
+		return "1"
+	}
+	return "0"
 }
 
 // tally counts granted (script returned 1), busy (0) and failed calls.
@@ -304,10 +365,10 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
 			return fenceRaiseScript.Run(cctx, c, []string{fenceKey(k)}, fence).Int64()
-		}, nil)
+		}, l.majorityAnswered, nil)
 		ok := 0
 		for _, r := range res {
-			if r.err == nil {
+			if r.done && r.err == nil {
 				ok++
 			}
 		}
@@ -319,30 +380,47 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 }
 
 // releaseKeys releases token on keys on every server, in parallel, with a
-// short background context (the request's may be canceled).
-func (l *locker) releaseKeys(keys []string, token string) int {
+// short background context (the request's may be canceled). It returns as
+// soon as a majority released each key; a slow or paused server finishes
+// in the background (or its lease simply runs out).
+func (l *locker) releaseKeys(keys []string, token string) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
-	defer cancel()
-	released := 0
-	var mu sync.Mutex
 	var wg sync.WaitGroup
 	for _, k := range keys {
-		for _, s := range l.servers {
-			wg.Add(1)
-			go func(k string, c redis.UniversalClient) {
-				defer wg.Done()
-				msg := l.dom.id + " " + k
-				n, err := releaseScript.Run(ctx, c, []string{k}, token, wakeChannel, msg).Int64()
-				if err == nil && n == 1 {
-					mu.Lock()
-					released++
-					mu.Unlock()
-				}
-			}(k, s.client)
-		}
+		wg.Add(1)
+		go func(k string) {
+			defer wg.Done()
+			msg := l.dom.id + " " + k
+			l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+				return releaseScript.Run(ctx, c, []string{k}, token, wakeChannel, msg).Int64()
+			}, l.majorityAnswered, nil)
+		}(k)
 	}
 	wg.Wait()
-	return released
+	if len(l.servers) == 1 {
+		cancel()
+	} else {
+		// Let the stragglers finish within the timeout, then free the context.
+		time.AfterFunc(l.opts.Timeout, cancel)
+	}
+}
+
+// releaseOn releases token on one key of one server (a late grant).
+func (l *locker) releaseOn(c redis.UniversalClient, k, token string) {
+	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
+	defer cancel()
+	_ = releaseScript.Run(ctx, c, []string{k}, token, wakeChannel, l.dom.id+" "+k).Err()
+}
+
+// majorityAnswered ends a fan-out once a majority answered without error.
+func (l *locker) majorityAnswered(res []result, _ int) bool {
+	ok := 0
+	for _, r := range res {
+		if r.done && r.err == nil {
+			ok++
+		}
+	}
+	return ok >= l.quorum
 }
 
 // extend renews the lease for another ttl on every server; it counts only
@@ -359,14 +437,26 @@ func (ls *Lease) extend(ctx context.Context) error {
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
 			return extendScript.Run(cctx, c, []string{k}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+		}, func(res []result, _ int) bool {
+			ok, bad := 0, 0
+			for _, r := range res {
+				if r.done && r.err == nil && r.v.(int64) == 1 {
+					ok++
+				} else if r.done {
+					bad++
+				}
+			}
+			return ok >= l.quorum || bad > len(res)-l.quorum
 		}, nil)
 		ok, errs := 0, 0
 		var lastErr error
 		for _, r := range results {
-			if r.err != nil {
+			switch {
+			case !r.done:
+			case r.err != nil:
 				errs++
 				lastErr = r.err
-			} else if r.v.(int64) == 1 {
+			case r.v.(int64) == 1:
 				ok++
 			}
 		}
@@ -453,6 +543,9 @@ func (ls *Lease) release() {
 	}
 	ls.done = true
 	ls.mu.Unlock()
+	if ls.released != nil {
+		ls.released.Store(true)
+	}
 	ls.l.releaseKeys(ls.keys, ls.token)
 	if ls.q != nil {
 		ls.q.released()
@@ -489,7 +582,7 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	leased := false
 	defer func() {
 		q.leave(w, leased)
-		if !leased && q.empty() {
+		if !leased && q.empty() && l.waitqLife(len(keys)) > 0 {
 			// Nobody here waits any more: give up this instance's turn in Redis.
 			go l.leaveWaitq(keys)
 		}
@@ -862,22 +955,27 @@ func newWakeListener(c redis.UniversalClient) *wakeListener {
 	return &wakeListener{client: c, ready: make(chan struct{})}
 }
 
-// ensure starts the listener if needed and waits (up to timeout) for the
-// subscription. It returns true when the subscription was not active on
-// entry but is now, so the caller should try once more.
+// ensure starts the listener on first use and waits (up to timeout) for
+// its subscription. It returns true when the subscription became active
+// during the call, so the caller should try once more (a release between
+// its failed attempt and the subscription would otherwise go unnoticed).
 func (wl *wakeListener) ensure(ctx context.Context, timeout time.Duration) bool {
 	wl.mu.Lock()
 	if wl.active {
 		wl.mu.Unlock()
 		return false
 	}
-	if !wl.started {
-		wl.started = true
-		lctx, cancel := context.WithCancel(context.Background())
-		wl.cancel = cancel
-		wl.done = make(chan struct{})
-		go wl.run(lctx)
+	if wl.started {
+		// Reconnecting after a fault: don't hold the waiter up; its backoff
+		// poll covers the gap, and the next contended wait re-checks.
+		wl.mu.Unlock()
+		return false
 	}
+	wl.started = true
+	lctx, cancel := context.WithCancel(context.Background())
+	wl.cancel = cancel
+	wl.done = make(chan struct{})
+	go wl.run(lctx)
 	ready := wl.ready
 	wl.mu.Unlock()
 	t := time.NewTimer(timeout)

@@ -2,39 +2,43 @@
 -- every rate of one limit before anything is written.
 --
 -- KEYS[i]  the log of rate i, a string of 8-byte big-endian doubles:
---          bytes 0-7 count the admissions ever written to it (pos); slot j at
---          byte 8+8j holds the time (µs, Redis TIME) of admission j, j+n,
---          j+2n, ...: a ring of the last n admissions, the oldest at pos % n.
---          Times in one log strictly increase.
+--          a 24-byte header {pos, lo, last}, then a ring of n slots.
+--          pos  counts the admissions ever written to the log; admission j is
+--               in slot j % n, so the ring holds the last n, the oldest at
+--               slot pos % n. Times (µs, Redis TIME) strictly increase.
+--          lo   the first admission that was within the window at the last
+--               write (a hint for counting the remaining quota).
+--          last the time of the latest admission.
 -- ARGV[2i-1] n, ARGV[2i] window w in µs, of rate i.
 --
 -- Rate i admits a request at time t when the n-th latest admission is older
 -- than t - w. Then no closed interval of length w ever holds n+1 admissions.
 -- The request is recorded (in every log) only when every rate admits it.
 --
+-- The log is read 8 or 24 bytes at a time with GETRANGE (copying the whole
+-- log into Lua costs more, already at a few hundred slots) and written with
+-- two SETRANGEs and a PEXPIREAT: O(1) calls per request in the steady state.
+--
 -- Returns {admitted 1|0, µs until every rate admits it (0 when admitted),
 --          then for each rate: remaining quota, µs until it grows (0 = full)}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local HDR = 24
 
-local function slot(k, j)
-	return (struct.unpack('>d', redis.call('GETRANGE', k, 8 + 8 * j, 15 + 8 * j)))
+local function slot(s, j)
+	return (struct.unpack('>d', redis.call('GETRANGE', s.k, HDR + 8 * j, HDR + 7 + 8 * j)))
 end
 
 local st = {}
 local admit = 1
 local wait = 0
 for i = 1, #KEYS do
-	local k = KEYS[i]
 	local n = tonumber(ARGV[2 * i - 1])
 	local w = tonumber(ARGV[2 * i])
-	local s = {k = k, n = n, w = w, pos = 0, rec = now}
-	local h = redis.call('GETRANGE', k, 0, 7)
-	if #h == 8 then
-		s.pos = (struct.unpack('>d', h))
-	end
-	if s.pos > 0 then
-		s.last = slot(k, (s.pos - 1) % n)
+	local s = {k = KEYS[i], n = n, w = w, pos = 0, lo = 0, rec = now}
+	local h = redis.call('GETRANGE', s.k, 0, HDR - 1)
+	if #h == HDR then
+		s.pos, s.lo, s.last = struct.unpack('>ddd', h)
 		-- Same microsecond (or a clock step back): keep times unique and
 		-- increasing by recording a little later, which only makes it stricter.
 		if s.last >= now then
@@ -42,7 +46,7 @@ for i = 1, #KEYS do
 		end
 	end
 	if s.pos >= n then
-		local oldest = slot(k, s.pos % n)
+		local oldest = slot(s, s.pos % n)
 		if oldest >= s.rec - w then
 			s.wait = oldest + w + 1 - now
 			admit = 0
@@ -61,33 +65,48 @@ for i = 1, #KEYS do
 		out[2 * i + 1] = 0
 		out[2 * i + 2] = s.wait
 	else
-		-- Count the admissions at or after now - w: binary search the ring
-		-- for the first of them.
+		-- Find the first admission at or after now - w: step on from the
+		-- hint a few times, else binary search the rest of the ring.
 		local thr = now - s.w
-		local lo, hi = math.max(0, s.pos - s.n), s.pos
+		local lo, hi = math.max(s.lo, s.pos - s.n), s.pos
+		local first = nil
 		if s.last == nil or s.last < thr then
 			lo = hi
-		end
-		while lo < hi do
-			local mid = math.floor((lo + hi) / 2)
-			if slot(s.k, mid % s.n) >= thr then
-				hi = mid
-			else
-				lo = mid + 1
+		else
+			local steps = 0
+			while lo < hi do
+				local v = slot(s, lo % s.n)
+				if v >= thr then
+					first = v
+					break
+				end
+				lo = lo + 1
+				steps = steps + 1
+				if steps == 4 then
+					while lo < hi do
+						local mid = math.floor((lo + hi) / 2)
+						if slot(s, mid % s.n) >= thr then
+							hi = mid
+						else
+							lo = mid + 1
+						end
+					end
+					break
+				end
 			end
 		end
 		local inwin = s.pos - lo
-		local first = nil
-		if inwin > 0 then
-			first = slot(s.k, lo % s.n)
+		if inwin > 0 and not first then
+			first = slot(s, lo % s.n)
 		end
 		if admit == 1 then
-			inwin = inwin + 1
-			first = first or s.rec
-			redis.call('SETRANGE', s.k, 8 + 8 * (s.pos % s.n), struct.pack('>d', s.rec))
-			redis.call('SETRANGE', s.k, 0, struct.pack('>d', s.pos + 1))
+			local j = s.pos % s.n
+			redis.call('SETRANGE', s.k, HDR + 8 * j, struct.pack('>d', s.rec))
+			redis.call('SETRANGE', s.k, 0, struct.pack('>ddd', s.pos + 1, lo, s.rec))
 			-- The log matters while its newest admission is in a window.
 			redis.call('PEXPIREAT', s.k, math.ceil((s.rec + s.w + 1) / 1000))
+			inwin = inwin + 1
+			first = first or s.rec
 		end
 		out[2 * i + 1] = math.max(0, s.n - inwin)
 		if first then

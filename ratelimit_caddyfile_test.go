@@ -1,0 +1,226 @@
+package redisdlm
+
+import (
+	"bytes"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	_ "github.com/caddyserver/caddy/v2/modules/standard" // basic_auth, trusted_proxies static
+)
+
+func TestRateLimitCaddyfileParse(t *testing.T) {
+	t.Parallel()
+	off := false
+	for _, tc := range []struct {
+		name  string
+		input string
+		want  RedisRateLimit
+	}{
+		{"minimal", `redis_ratelimit {
+			rate 100 1m
+		}`, RedisRateLimit{Rates: []Rate{{100, caddy.Duration(time.Minute)}}}},
+		{"everything", `redis_ratelimit {
+			key       {http.request.header.X-API-Key}
+			rate      10 1s
+			rate      1000 1h
+			algorithm gcra
+			burst     20
+			status    503
+			headers   off
+			dry_run
+			fail_closed
+			prefix    api:rl:
+			redis     redis://:secret@10.0.0.1:6380/2
+			timeout   250ms
+		}`, RedisRateLimit{
+			Key:       "{http.request.header.X-API-Key}",
+			Rates:     []Rate{{10, caddy.Duration(time.Second)}, {1000, caddy.Duration(time.Hour)}},
+			Algorithm: "gcra", Burst: 20, Status: 503, Headers: &off, DryRun: true, FailClosed: true, Prefix: "api:rl:",
+			RedisConfig: RedisConfig{Addresses: []string{"redis://:secret@10.0.0.1:6380/2"}, Timeout: caddy.Duration(250 * time.Millisecond)},
+		}},
+		{"burst before algorithm", `redis_ratelimit {
+			burst 5
+			rate 1 1s
+			algorithm gcra
+		}`, RedisRateLimit{Burst: 5, Algorithm: "gcra", Rates: []Rate{{1, caddy.Duration(time.Second)}}}},
+		{"large n with gcra", `redis_ratelimit {
+			rate 1000000 1h
+			algorithm gcra
+		}`, RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{1000000, caddy.Duration(time.Hour)}}}},
+		{"cluster", `redis_ratelimit {
+			rate 1 1s
+			cluster 10.0.0.1:7000 10.0.0.2:7000
+		}`, RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
+		{"env password", `redis_ratelimit {
+			rate 1 1s
+			password {env.REDIS_PASSWORD}
+		}`, RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got RedisRateLimit
+			if err := got.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input)); err != nil {
+				t.Fatalf("unexpected error: %v", err)
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				g, _ := json.Marshal(got)
+				w, _ := json.Marshal(tc.want)
+				t.Fatalf("got  %s\nwant %s", g, w)
+			}
+		})
+	}
+}
+
+// TestRateLimitCaddyfileErrors: every bad input fails with a message naming
+// the directive, the subdirective and the line.
+func TestRateLimitCaddyfileErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		input string
+		want  []string // substrings of the error
+	}{
+		{"unknown subdirective", "redis_ratelimit {\n rate 1 1s\n frobnicate 3\n}", []string{`unknown subdirective "frobnicate"`, "Testfile:3"}},
+		{"argument on the directive", "redis_ratelimit foo {\n rate 1 1s\n}", []string{"unexpected argument", "Testfile:1"}},
+		{"no rate", "redis_ratelimit {\n key {client_ip}\n}", []string{"rate"}},
+		{"rate missing window", "redis_ratelimit {\n rate 10\n}", []string{"rate:", "<n> <window>", "Testfile:2"}},
+		{"rate extra arg", "redis_ratelimit {\n rate 10 1s 5\n}", []string{"rate:", "Testfile:2"}},
+		{"rate zero count", "redis_ratelimit {\n rate 0 1s\n}", []string{"rate:", ">= 1", "Testfile:2"}},
+		{"rate negative count", "redis_ratelimit {\n rate -3 1s\n}", []string{"rate:", "Testfile:2"}},
+		{"rate bad count", "redis_ratelimit {\n rate ten 1s\n}", []string{"rate:", `"ten"`, "Testfile:2"}},
+		{"rate zero window", "redis_ratelimit {\n rate 10 0s\n}", []string{"rate:", "window", "Testfile:2"}},
+		{"rate bad window", "redis_ratelimit {\n rate 10 soon\n}", []string{"rate:", "invalid duration", "Testfile:2"}},
+		{"sliding n too large", "redis_ratelimit {\n rate 100001 1h\n key {client_ip}\n}", []string{"rate:", "100000", "gcra", "Testfile:2"}},
+		{"gcra too fast", "redis_ratelimit {\n algorithm gcra\n rate 5000 1ms\n}", []string{"rate:", "microsecond", "Testfile:3"}},
+		{"bad algorithm", "redis_ratelimit {\n rate 1 1s\n algorithm token_bucket\n}", []string{"algorithm:", "Testfile:3"}},
+		{"algorithm no arg", "redis_ratelimit {\n rate 1 1s\n algorithm\n}", []string{"algorithm:", "Testfile:3"}},
+		{"burst without gcra", "redis_ratelimit {\n rate 1 1s\n burst 5\n}", []string{"burst:", "gcra", "Testfile:3"}},
+		{"burst zero", "redis_ratelimit {\n algorithm gcra\n rate 1 1s\n burst 0\n}", []string{"burst:", "Testfile:4"}},
+		{"burst negative", "redis_ratelimit {\n algorithm gcra\n rate 1 1s\n burst -2\n}", []string{"burst:", "Testfile:4"}},
+		{"burst not a number", "redis_ratelimit {\n algorithm gcra\n rate 1 1s\n burst lots\n}", []string{"burst:", "Testfile:4"}},
+		{"status low", "redis_ratelimit {\n rate 1 1s\n status 302\n}", []string{"status:", "400-599", "Testfile:3"}},
+		{"status high", "redis_ratelimit {\n rate 1 1s\n status 600\n}", []string{"status:", "Testfile:3"}},
+		{"status extra", "redis_ratelimit {\n rate 1 1s\n status 429 503\n}", []string{"status:", "Testfile:3"}},
+		{"headers bad", "redis_ratelimit {\n rate 1 1s\n headers maybe\n}", []string{"headers:", "Testfile:3"}},
+		{"dry_run arg", "redis_ratelimit {\n rate 1 1s\n dry_run yes\n}", []string{"dry_run:", "Testfile:3"}},
+		{"fail_closed arg", "redis_ratelimit {\n rate 1 1s\n fail_closed 1\n}", []string{"fail_closed:", "Testfile:3"}},
+		{"prefix braces", "redis_ratelimit {\n rate 1 1s\n prefix a{b}\n}", []string{"prefix:", "Testfile:3"}},
+		{"prefix no arg", "redis_ratelimit {\n rate 1 1s\n prefix\n}", []string{"prefix:", "Testfile:3"}},
+		{"key unknown namespace", "redis_ratelimit {\n rate 1 1s\n key {user}\n}", []string{"key:", "{user}", "Testfile:3"}},
+		{"key two args", "redis_ratelimit {\n rate 1 1s\n key a b\n}", []string{"key:", "Testfile:3"}},
+		{"two redis addresses", "redis_ratelimit {\n rate 1 1s\n redis 10.0.0.1:6379 10.0.0.2:6379\n}", []string{"redis:", "exactly one", "Testfile:3"}},
+		{"two redis lines", "redis_ratelimit {\n rate 1 1s\n redis 10.0.0.1:6379\n redis 10.0.0.2:6379\n}", []string{"redis:", "exactly one", "Testfile:4"}},
+		{"bad redis address", "redis_ratelimit {\n rate 1 1s\n redis localhost\n}", []string{"redis:", "invalid redis address", "Testfile:3"}},
+		{"bad redis url", "redis_ratelimit {\n rate 1 1s\n redis http://10.0.0.1:6379\n}", []string{"redis:", "scheme", "Testfile:3"}},
+		{"redis and cluster", "redis_ratelimit {\n rate 1 1s\n redis 10.0.0.1:6379\n cluster 10.0.0.2:7000\n}", []string{"cluster:", "mutually exclusive", "Testfile:4"}},
+		{"cluster and sentinel", "redis_ratelimit {\n rate 1 1s\n cluster 10.0.0.2:7000\n sentinel mymaster 10.0.0.3:26379\n}", []string{"sentinel:", "mutually exclusive", "Testfile:4"}},
+		{"bad timeout", "redis_ratelimit {\n rate 1 1s\n timeout -1s\n}", []string{"timeout:", "Testfile:3"}},
+		{"bad db", "redis_ratelimit {\n rate 1 1s\n db x\n}", []string{"db:", "Testfile:3"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var h RedisRateLimit
+			err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
+			if err == nil {
+				t.Fatal("no error")
+			}
+			msg := err.Error()
+			if !strings.Contains(msg, "redis_ratelimit") {
+				t.Errorf("error %q does not name the directive", msg)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(msg, w) {
+					t.Errorf("error %q lacks %q", msg, w)
+				}
+			}
+		})
+	}
+}
+
+// TestRateLimitCaddyfileAdapt adapts whole Caddyfiles and compares the JSON
+// with testdata/ratelimit_*.json (UPDATE_GOLDEN=1 rewrites them). It also
+// checks that {client_ip} becomes {http.vars.client_ip} and that the
+// directive is ordered after forward_auth without an `order` option.
+func TestRateLimitCaddyfileAdapt(t *testing.T) {
+	t.Parallel()
+	files, err := filepath.Glob("testdata/ratelimit_*.caddyfile")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no testdata/ratelimit_*.caddyfile: %v", err)
+	}
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			in, err := os.ReadFile(f)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out, warnings, err := adapter.Adapt(in, map[string]any{"filename": f})
+			if err != nil {
+				t.Fatalf("adapt: %v", err)
+			}
+			if len(warnings) > 0 {
+				t.Fatalf("adapt warnings: %v", warnings)
+			}
+			var pretty bytes.Buffer
+			if err := json.Indent(&pretty, out, "", "\t"); err != nil {
+				t.Fatal(err)
+			}
+			pretty.WriteByte('\n')
+			golden := strings.TrimSuffix(f, ".caddyfile") + ".json"
+			if os.Getenv("UPDATE_GOLDEN") != "" {
+				if err := os.WriteFile(golden, pretty.Bytes(), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			want, err := os.ReadFile(golden)
+			if err != nil {
+				t.Fatalf("%v (run with UPDATE_GOLDEN=1 to create it)", err)
+			}
+			if !bytes.Equal(pretty.Bytes(), want) {
+				t.Fatalf("adapted JSON differs from %s:\n%s", golden, pretty.String())
+			}
+			if strings.Contains(pretty.String(), "{client_ip}") {
+				t.Fatal("{client_ip} shorthand left unexpanded")
+			}
+		})
+	}
+}
+
+// TestRateLimitCaddyfileAdaptErrors: `caddy adapt` fails naming the
+// directive, subdirective and line.
+func TestRateLimitCaddyfileAdaptErrors(t *testing.T) {
+	t.Parallel()
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	in := "example.com {\n\tredis_ratelimit /api/* {\n\t\trate 10 1m\n\t\trate 5\n\t}\n\trespond ok\n}\n"
+	_, _, err := adapter.Adapt([]byte(in), map[string]any{"filename": "Caddyfile"})
+	if err == nil || !strings.Contains(err.Error(), "redis_ratelimit: rate:") || !strings.Contains(err.Error(), "Caddyfile:4") {
+		t.Fatalf("want an error naming redis_ratelimit: rate: at Caddyfile:4, got %v", err)
+	}
+}
+
+// TestRateLimitDirectiveOrder: without an `order` option, authentication
+// runs before redis_ratelimit, which runs before redis_lock and respond.
+func TestRateLimitDirectiveOrder(t *testing.T) {
+	t.Parallel()
+	in := "example.com {\n\trespond ok\n\tredis_lock /x/* {\n\t\tkey {path}\n\t}\n\tredis_ratelimit {\n\t\trate 5 10s\n\t}\n\tbasic_auth {\n\t\talice $2a$14$Zkx19XLiW6VYouLHR5NmfOFU0z2GTNmpkT/5qqR7hx4IjWJPDhjvG\n\t}\n}\n"
+	out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(in), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := string(out)
+	order := []string{`"handler":"authentication"`, `"handler":"redis_ratelimit"`, `"handler":"redis_lock"`, `"handler":"static_response"`}
+	last := -1
+	for _, h := range order {
+		i := strings.Index(s, h)
+		if i < 0 || i < last {
+			t.Fatalf("handler order wrong at %s in %s", h, s)
+		}
+		last = i
+	}
+}
