@@ -2,8 +2,10 @@ package redisdlm
 
 import (
 	"context"
+	"net/http"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,10 +14,13 @@ import (
 
 // rlHammer sends requests for ip through each handler from `per` goroutines
 // each, until d has passed, and returns the local send/receive times of the
-// admitted requests, per handler.
-func rlHammer(t *testing.T, hs []*RedisRateLimit, per int, ip string, d time.Duration) [][][2]time.Time {
+// admitted requests, per handler, and how many got no decision (503 from
+// fail_closed: Redis too slow on a loaded machine; such a call may or may
+// not have been recorded).
+func rlHammer(t *testing.T, hs []*RedisRateLimit, per int, ip string, d time.Duration) ([][][2]time.Time, int) {
 	t.Helper()
 	out := make([][][2]time.Time, len(hs))
+	var unknown atomic.Int64
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	stop := time.Now().Add(d)
@@ -28,6 +33,10 @@ func rlHammer(t *testing.T, hs []*RedisRateLimit, per int, ip string, d time.Dur
 					a0 := time.Now()
 					a := serveRL(h, ip, nil)
 					b0 := time.Now()
+					if a.status == http.StatusServiceUnavailable {
+						unknown.Add(1)
+						continue
+					}
 					if a.err != nil && a.status != 429 {
 						t.Errorf("handler %d: status %d err %v", i, a.status, a.err)
 						return
@@ -42,7 +51,7 @@ func rlHammer(t *testing.T, hs []*RedisRateLimit, per int, ip string, d time.Dur
 		}
 	}
 	wg.Wait()
-	return out
+	return out, int(unknown.Load())
 }
 
 // TestRateLimitSlidingExactTwoInstances hammers one key through two
@@ -63,6 +72,7 @@ func TestRateLimitSlidingExactTwoInstances(t *testing.T) {
 		return newRateLimit(t, r, func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: n, Window: caddy.Duration(w)}}
 			h.Timeout = caddy.Duration(timeout) // different settings: separate clients
+			h.FailClosed = true
 		})
 	}
 	a, b := mk(500*time.Millisecond), mk(600*time.Millisecond)
@@ -96,7 +106,7 @@ func TestRateLimitSlidingExactTwoInstances(t *testing.T) {
 			}
 		}
 	}()
-	got := rlHammer(t, []*RedisRateLimit{a, b}, 4, "203.0.113.1", 2500*time.Millisecond)
+	got, unknown := rlHammer(t, []*RedisRateLimit{a, b}, 4, "203.0.113.1", 2500*time.Millisecond)
 	close(done)
 	<-snapDone
 	if m, err := rlRingTimes(context.Background(), r, key, n); err == nil {
@@ -109,8 +119,8 @@ func TestRateLimitSlidingExactTwoInstances(t *testing.T) {
 	if len(got[0]) == 0 || len(got[1]) == 0 {
 		t.Fatalf("admitted per instance %d and %d: both should get some", len(got[0]), len(got[1]))
 	}
-	if len(recorded) != total {
-		t.Fatalf("handlers admitted %d requests, Redis recorded %d (missed snapshots mean entries were overwritten within w)", total, len(recorded))
+	if len(recorded) < total || len(recorded) > total+unknown {
+		t.Fatalf("handlers admitted %d requests (%d undecided), Redis recorded %d (missed snapshots mean entries were overwritten within w)", total, unknown, len(recorded))
 	}
 	times := make([]int64, 0, total)
 	for ts := range recorded {
@@ -151,11 +161,12 @@ func TestRateLimitGCRABound(t *testing.T) {
 			h.Burst = burst
 			h.Rates = []Rate{{Requests: n, Window: caddy.Duration(w)}}
 			h.Timeout = caddy.Duration(timeout)
+			h.FailClosed = true
 		})
 	}
 	a, b := mk(500*time.Millisecond), mk(600*time.Millisecond)
 	const d = 2500 * time.Millisecond
-	got := rlHammer(t, []*RedisRateLimit{a, b}, 4, "203.0.113.2", d)
+	got, _ := rlHammer(t, []*RedisRateLimit{a, b}, 4, "203.0.113.2", d)
 	all := append(append([][2]time.Time{}, got[0]...), got[1]...)
 	sort.Slice(all, func(i, j int) bool { return all[i][0].Before(all[j][0]) })
 	rate := float64(n) / float64(w)

@@ -51,12 +51,13 @@ alive_pidfile() {
 		tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$2"
 }
 
-# stop_pidfile FILE NAME: stop that process (TERM, then KILL after 10s).
+# stop_pidfile FILE NAME [quiet]: stop that process (TERM, then KILL
+# after 10s).
 stop_pidfile() {
-	local file=$1 name=$2 pid i
+	local file=$1 name=$2 quiet=${3:-} pid i
 	if alive_pidfile "$file" "$name"; then
 		pid=$(<"$file")
-		say "stopping $name (pid $pid)"
+		[[ -n $quiet ]] || say "stopping $name (pid $pid)"
 		kill -TERM "$pid" 2>/dev/null || true
 		for ((i = 0; i < 100; i++)); do
 			kill -0 "$pid" 2>/dev/null || break
@@ -70,11 +71,8 @@ stop_pidfile() {
 	rm -f "$file"
 }
 
-TAIL_PID=
 stop_all() {
-	if [[ -n $TAIL_PID ]]; then
-		kill "$TAIL_PID" 2>/dev/null || true
-	fi
+	stop_pidfile "$RUN_DIR/tail.pid" tail quiet
 	stop_pidfile "$RUN_DIR/caddy.pid" caddy
 	stop_pidfile "$RUN_DIR/upstream.pid" upstream
 	# redis.pid exists only when the demo started that Redis itself.
@@ -114,6 +112,7 @@ run() {
 	done
 
 	trap stop_all EXIT
+	trap 'exit 129' HUP
 	trap 'exit 130' INT
 	trap 'exit 143' TERM
 
@@ -172,7 +171,7 @@ Following the upstream's and Caddy's logs (.run/*.log). Ctrl-C stops everything 
 EOF
 	# (In a script, background jobs ignore Ctrl-C; stop_all ends this one.)
 	tail -n 0 -F "$RUN_DIR/upstream.log" "$RUN_DIR/caddy.log" &
-	TAIL_PID=$!
+	echo $! >"$RUN_DIR/tail.pid"
 	# Until Ctrl-C, or until caddy or the upstream exits by itself.
 	wait -n "$(<"$RUN_DIR/caddy.pid")" "$(<"$RUN_DIR/upstream.pid")" || true
 	say "demo: caddy or the upstream exited; stopping" >&2
