@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // provisionLock builds a redis_lock handler from its JSON form, provisions
@@ -28,8 +31,16 @@ func provisionLock(t testing.TB, cfg string) *RedisLock {
 	if err := h.Provision(ctx); err != nil {
 		t.Fatalf("provision: %v", err)
 	}
+	// Caddy's default logger is at debug level in tests; keep warnings only.
+	h.logger = quietLogger()
 	t.Cleanup(func() { _ = h.Cleanup() })
 	return h
+}
+
+// quietLogger logs warnings and errors to stderr.
+func quietLogger() *zap.Logger {
+	enc := zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig())
+	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(os.Stderr), zapcore.WarnLevel))
 }
 
 // handlerServer serves mw in front of next the way Caddy's server does: a

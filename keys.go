@@ -74,9 +74,13 @@ func renderKey(repl *caddy.Replacer, tmpl string) (string, error) {
 
 // storedKey turns a rendered key into the Redis key: prefix plus the key in
 // a hash tag, so every Redis key of one lock or limit is on one Cluster
-// slot. Keys over maxKeyLen bytes are stored as their SHA-256.
+// slot. Keys over maxKeyLen bytes, or with braces, are stored as their
+// SHA-256.
 func storedKey(prefix, rendered string) string {
-	if len(rendered) > maxKeyLen {
+	// Braces would end the hash tag early (the lock's keys could land on
+	// different Cluster slots); a key that looks hashed already is hashed
+	// again, so two different keys can never share a Redis key.
+	if len(rendered) > maxKeyLen || strings.ContainsAny(rendered, "{}") || strings.HasPrefix(rendered, "sha256:") {
 		sum := sha256.Sum256([]byte(rendered))
 		rendered = "sha256:" + hex.EncodeToString(sum[:])
 	}

@@ -397,23 +397,14 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 			cancel(cause)
 		}
 	}
-	keepCtx, stopKeep := context.WithCancel(context.Background())
-	keepDone := make(chan struct{})
-	go func() {
-		defer close(keepDone)
-		defer func() {
-			if rec := recover(); rec != nil {
-				h.logger.Error("lock keep-alive panicked", zap.Any("panic", rec), zap.Stack("stack"))
-			}
-		}()
-		h.holdLease(keepCtx, lease, onLost)
-	}()
+	keep := lease.keep(*h.AutoExtend, time.Duration(h.MaxHold), onLost, func(rec any) {
+		h.logger.Error("lock keep-alive panicked", zap.Any("panic", rec), zap.Stack("stack"))
+	})
 
 	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
-		stopKeep()
-		<-keepDone
+		keep.stop()
 		cancel(nil)
 		lease.release()
 		lockHeldSeconds.Observe(time.Since(lease.Start).Seconds())
@@ -429,26 +420,6 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
 	return err
-}
-
-// holdLease keeps the lease alive (auto_extend) until ctx ends, and reports
-// a lease that runs out — after max_hold, or without auto_extend — as lost.
-func (h *RedisLock) holdLease(ctx context.Context, lease *Lease, onLost func(error)) {
-	if *h.AutoExtend {
-		stopped := false
-		lease.keepAlive(ctx, time.Duration(h.MaxHold), func(err error) { stopped = true; onLost(err) })
-		if stopped || ctx.Err() != nil {
-			return
-		}
-	}
-	// Not extended (any more): the lease ends at its validity.
-	t := time.NewTimer(lease.Valid())
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-		onLost(fmt.Errorf("%w: the lease ran out before the request ended (ttl %s, max_hold %s)", ErrLeaseLost, time.Duration(h.TTL), time.Duration(h.MaxHold)))
-	}
 }
 
 // startedWriter records whether the response has started.

@@ -647,3 +647,36 @@ func TestLockFIFOWithinInstance(t *testing.T) {
 		t.Fatalf("service order %s, want 0,1,2,3,4,5", got)
 	}
 }
+
+// TestLockLocalHandOff: on a hot key, one Redis acquisition serves several
+// queued requests of the same instance in turn (the lease is handed on with
+// the next reserved fencing token), so far fewer than 2 Redis calls per
+// request are made, while exclusivity and increasing tokens hold.
+func TestLockLocalHandOff(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := newExclusivityUpstream(3 * time.Millisecond)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"60s"}`, r.Addr))
+	srv := handlerServer(t, h, up.ServeHTTP)
+	before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
+	var wg sync.WaitGroup
+	for i := 0; i < 40; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if resp, body := get(t, srv.URL+"/hot"); resp == nil || resp.StatusCode != 200 {
+				t.Errorf("%v %s", resp, body)
+			}
+		}()
+	}
+	wg.Wait()
+	calls := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before
+	up.check(t)
+	if up.served != 40 {
+		t.Fatalf("served %d", up.served)
+	}
+	if calls >= 60 {
+		t.Errorf("%d script calls for 40 contended requests; local hand-off should need far fewer than 2 per request", calls)
+	}
+	t.Logf("%d script calls for 40 requests", calls)
+}

@@ -117,6 +117,47 @@ type Lease struct {
 	// released is set before the release is sent, so a server that grants
 	// this token late releases it again (see tryAcquire).
 	released *atomic.Bool
+	// chainLeft counts the fencing tokens reserved for handing this lease on
+	// to waiters of this instance without a Redis call.
+	chainLeft int
+	chained   bool // received by hand-off, not from Redis
+	lost      atomic.Bool
+}
+
+// maxChain bounds how many holders in a row one Redis acquisition may serve
+// by local hand-off; then the lock is released in Redis, so waiters of other
+// instances get their turn.
+const maxChain = 8
+
+// markLost records that the lease is gone, so it is not handed on.
+func (ls *Lease) markLost() { ls.lost.Store(true) }
+
+// handOff passes the lease to the head of the local queue: the next holder
+// takes over the Redis lease and the next reserved fencing token, with no
+// Redis call. It reports false when the lease must be released in Redis
+// instead (no tokens left, lost, too little validity left, nobody waiting).
+func (ls *Lease) handOff() bool {
+	if ls.chainLeft <= 0 || ls.lost.Load() || ls.q == nil || ls.Valid() < ls.l.opts.TTL/2 {
+		return false
+	}
+	q := ls.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.waiters) == 0 {
+		return false
+	}
+	w := q.waiters[0]
+	ls.mu.Lock()
+	until := ls.until
+	ls.mu.Unlock()
+	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: ls.Fence + 1, Start: time.Now(),
+		until: until, q: q, released: ls.released, chainLeft: ls.chainLeft - 1, chained: true}
+	select {
+	case w.grant <- next:
+		return true
+	default: // already granted: cannot happen with one holder at a time
+		return false
+	}
 }
 
 // Valid reports the remaining validity of the lease.
@@ -202,7 +243,7 @@ type result struct {
 
 // tryAcquire makes one attempt on every key (sorted) and every server.
 // All keys or none: when any key is busy, the keys taken are released.
-func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
+func (l *locker) tryAcquire(ctx context.Context, keys []string, chain int) attempt {
 	token := uuid.NewString()
 	start := time.Now()
 	ttlMs := l.opts.TTL.Milliseconds()
@@ -226,11 +267,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
 			keys := []string{k, fenceKey(k), waitqKey(k)}
 			if l.opts.SyncReplicas > 0 {
-				return l.acquireSynced(ctx, c, keys, token, ttlMs, life)
+				return l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain)
 			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor()).Int64Slice()
+			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor(), chain).Int64Slice()
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
@@ -301,17 +342,18 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string) attempt {
 		l.releaseKeys(keys, token)
 		return attempt{retryAfter: 0}
 	}
-	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence, Start: start, until: start.Add(validity), released: released}}
+	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence - int64(chain) + 1, Start: start,
+		until: start.Add(validity), released: released, chainLeft: chain - 1}}
 }
 
 // acquireSynced runs the acquire script and WAIT on one connection (WAIT
 // counts the replicas that have this connection's writes). A grant that too
 // few replicas acknowledged is an error: the lock is released by the caller.
-func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64) ([]int64, error) {
+func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int) ([]int64, error) {
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	pipe := c.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor())
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor(), chain)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, l.opts.Timeout.Milliseconds())
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
@@ -488,48 +530,137 @@ func (ls *Lease) extend(ctx context.Context) error {
 	return nil
 }
 
-// keepAlive extends the lease every ttl/3 until ctx ends or maxHold (if >0)
-// has passed since the lease started. onLost is called once when the lease
-// is lost. It returns when it has stopped, so a release after it can never
-// be followed by an extension.
-func (ls *Lease) keepAlive(ctx context.Context, maxHold time.Duration, onLost func(error)) {
-	every := ls.l.opts.TTL / 3
-	if every <= 0 {
-		every = time.Millisecond
+// keeper keeps one lease alive while its request runs. It is driven by a
+// timer, not a goroutine of its own, so a request that ends before the
+// first extension costs no goroutine start or join on the hand-off path.
+type keeper struct {
+	ls       *Lease
+	extend   bool          // auto_extend
+	maxHold  time.Duration // stop extending after this long (0: never)
+	onLost   func(error)
+	logPanic func(any)
+
+	mu      sync.Mutex
+	t       *time.Timer
+	stopped bool
+	running bool
+	cancel  context.CancelFunc
+	done    chan struct{} // closed by a running fire that finds the keeper stopped
+}
+
+// keep starts keeping the lease: with extend, it is extended every ttl/3
+// (owner-checked) until stop or maxHold; a lease that is not extended (any
+// more) is reported lost when its validity ends. onLost runs at most once.
+func (ls *Lease) keep(extend bool, maxHold time.Duration, onLost func(error), logPanic func(any)) *keeper {
+	k := &keeper{ls: ls, extend: extend, maxHold: maxHold, onLost: onLost, logPanic: logPanic, done: make(chan struct{})}
+	k.mu.Lock()
+	k.t = time.AfterFunc(k.next(), k.fire)
+	k.mu.Unlock()
+	return k
+}
+
+// next is the delay to the next timer event.
+func (k *keeper) next() time.Duration {
+	if k.extendNow() {
+		every := k.ls.l.opts.TTL / 3
+		if v := k.ls.Valid() / 2; v < every {
+			every = v // a handed-on lease may have less than a full ttl left
+		}
+		if every < time.Millisecond {
+			every = time.Millisecond
+		}
+		return every
 	}
-	t := time.NewTimer(every)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
+	if v := k.ls.Valid(); v > 0 {
+		return v
+	}
+	return 0
+}
+
+func (k *keeper) extendNow() bool {
+	return k.extend && (k.maxHold <= 0 || time.Since(k.ls.Start) < k.maxHold)
+}
+
+func (k *keeper) fire() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
+	}
+	k.running = true
+	ctx, cancel := context.WithCancel(context.Background())
+	k.cancel = cancel
+	k.mu.Unlock()
+
+	var lost error
+	func() {
+		defer func() {
+			if r := recover(); r != nil && k.logPanic != nil {
+				k.logPanic(r)
+			}
+		}()
+		if !k.extendNow() {
+			if k.ls.Valid() <= 0 {
+				lost = fmt.Errorf("%w: the lease ran out before the request ended (ttl %s, max_hold %s)", ErrLeaseLost, k.ls.l.opts.TTL, k.maxHold)
+			}
 			return
-		case <-t.C:
 		}
-		if maxHold > 0 && time.Since(ls.Start) >= maxHold {
-			return
-		}
-		err := ls.extend(ctx)
-		if ctx.Err() != nil {
-			return
-		}
+		err := k.ls.extend(ctx)
 		switch {
-		case err == nil:
-			t.Reset(every)
+		case err == nil || ctx.Err() != nil:
 		case errors.Is(err, ErrLeaseLost):
-			onLost(err)
-			return
-		default:
-			// Redis unreachable: retry sooner while the lease may still be valid.
-			next := ls.Valid() / 3
-			if next < 10*time.Millisecond {
-				next = 10 * time.Millisecond
-			}
-			if ls.Valid() <= 0 {
-				onLost(fmt.Errorf("%w: %v", ErrLeaseLost, err))
-				return
-			}
-			t.Reset(next)
+			lost = err
+		case k.ls.Valid() <= 0:
+			lost = fmt.Errorf("%w: %v", ErrLeaseLost, err)
 		}
+	}()
+	cancel()
+
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.running = false
+	if k.stopped {
+		close(k.done)
+		return
+	}
+	if lost != nil {
+		k.stopped = true
+		k.ls.markLost()
+		k.onLost(lost)
+		return
+	}
+	d := k.next()
+	if !k.extendNow() && d <= 0 {
+		d = time.Millisecond
+	} else if k.ls.Valid() < k.ls.l.opts.TTL/3 {
+		// Redis did not answer: try again sooner while the lease may hold.
+		if d > k.ls.Valid()/3 {
+			d = k.ls.Valid() / 3
+		}
+		if d < 10*time.Millisecond {
+			d = 10 * time.Millisecond
+		}
+	}
+	k.t.Reset(d)
+}
+
+// stop ends the keeping and waits for an extension in flight, so no
+// extension can follow the release that comes next.
+func (k *keeper) stop() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
+	}
+	k.stopped = true
+	k.t.Stop()
+	running := k.running
+	if running && k.cancel != nil {
+		k.cancel()
+	}
+	k.mu.Unlock()
+	if running {
+		<-k.done
 	}
 }
 
@@ -543,6 +674,9 @@ func (ls *Lease) release() {
 	}
 	ls.done = true
 	ls.mu.Unlock()
+	if ls.handOff() {
+		return
+	}
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
@@ -579,16 +713,47 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 		l.dom.putQueue(q)
 		return nil, &BusyError{Err: ErrTooManyWaiters, RetryAfter: q.retryHint()}
 	}
-	leased := false
-	defer func() {
-		q.leave(w, leased)
-		if !leased && q.empty() && l.waitqLife(len(keys)) > 0 {
-			// Nobody here waits any more: give up this instance's turn in Redis.
-			go l.leaveWaitq(keys)
+	ls, err := l.wait(ctx, q, w, keys)
+	// Leave the queue; a lease handed on just as the wait ended is taken
+	// when the caller still wants it, and passed on otherwise.
+	if extra := q.leave(w); extra != nil {
+		if ls == nil && ctx.Err() == nil {
+			ls, err = extra, nil
+		} else {
+			extra.release()
 		}
-		l.dom.putQueue(q)
-	}()
+	}
+	if ls != nil {
+		ls.q = q
+		if !ls.chained {
+			q.acquired()
+		}
+	} else if q.empty() && l.waitqLife(len(keys)) > 0 {
+		// Nobody here waits any more: give up this instance's turn in Redis.
+		go l.leaveWaitq(keys)
+	}
+	l.dom.putQueue(q)
+	return ls, err
+}
 
+// chainSize is how many fencing tokens an acquisition reserves: one per
+// holder it may serve by local hand-off (single key, one permit only).
+func (l *locker) chainSize(q *keyQueue, keys []string) int {
+	if len(keys) != 1 || l.opts.Permits != 1 {
+		return 1
+	}
+	n := q.waiting() // this waiter included
+	if n > maxChain {
+		n = maxChain
+	}
+	if n < 1 {
+		n = 1
+	}
+	return n
+}
+
+// wait runs one waiter's turn: queue, attempts, wake-ups and polls.
+func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*Lease, error) {
 	var deadline <-chan time.Time
 	if l.opts.Wait > 0 {
 		t := time.NewTimer(l.opts.Wait)
@@ -604,6 +769,8 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 		}
 		select {
 		case <-w.turn:
+		case g := <-w.grant:
+			return g, nil
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-deadline:
@@ -615,7 +782,7 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	for n := 0; ; n++ {
 		// Skip a useless attempt while this instance itself holds every permit.
 		if n > 0 || !q.heldLocally(l.opts.Permits) {
-			a := l.tryAcquire(ctx, keys)
+			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys))
 			if a.err != nil {
 				if ctx.Err() != nil {
 					return nil, ctx.Err()
@@ -623,9 +790,6 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 				return nil, a.err
 			}
 			if a.lease != nil {
-				leased = true
-				a.lease.q = q
-				q.acquired()
 				return a.lease, nil
 			}
 			retryAfter = a.retryAfter
@@ -644,6 +808,8 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 					continue
 				}
 			}
+		} else if l.opts.Wait <= 0 {
+			return nil, &BusyError{Err: ErrNotObtained, RetryAfter: q.retryHint()}
 		}
 		d := l.backoff(n)
 		if retryAfter > 0 && retryAfter < d {
@@ -651,6 +817,9 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 		}
 		t := time.NewTimer(d)
 		select {
+		case g := <-w.grant:
+			t.Stop()
+			return g, nil
 		case <-w.wake:
 		case <-t.C:
 		case <-ctx.Done():
@@ -798,9 +967,10 @@ type keyQueue struct {
 }
 
 type waiter struct {
-	q    *keyQueue
-	turn chan struct{} // closed when this waiter becomes head
-	wake chan struct{} // buffered: a release happened
+	q     *keyQueue
+	turn  chan struct{} // closed when this waiter becomes head
+	wake  chan struct{} // buffered: a release happened
+	grant chan *Lease   // buffered: a lease handed on by the previous holder
 }
 
 func (w *waiter) head() bool {
@@ -819,7 +989,7 @@ func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	if maxWaiters > 0 && len(q.waiters) >= maxWaiters {
 		return nil, false
 	}
-	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1)}
+	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1), grant: make(chan *Lease, 1)}
 	q.waiters = append(q.waiters, w)
 	if len(q.waiters) == 1 {
 		close(w.turn)
@@ -827,8 +997,9 @@ func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	return w, true
 }
 
-// leave removes w; if it was the head, the next waiter's turn begins.
-func (q *keyQueue) leave(w *waiter, _ bool) {
+// leave removes w; if it was the head, the next waiter's turn begins. It
+// returns a lease handed to w that w has not taken yet.
+func (q *keyQueue) leave(w *waiter) *Lease {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for i, x := range q.waiters {
@@ -837,9 +1008,22 @@ func (q *keyQueue) leave(w *waiter, _ bool) {
 			if i == 0 && len(q.waiters) > 0 {
 				close(q.waiters[0].turn)
 			}
-			return
+			break
 		}
 	}
+	select {
+	case g := <-w.grant:
+		return g
+	default:
+		return nil
+	}
+}
+
+// waiting counts the waiters queued here.
+func (q *keyQueue) waiting() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.waiters)
 }
 
 func (q *keyQueue) empty() bool {

@@ -9,7 +9,10 @@
 -- ARGV[6] "1" (Redlock): the fencing counter never falls below Redis TIME in
 -- microseconds, so a server that restarted empty still hands out tokens above
 -- every earlier one (given server clocks that roughly agree)
--- Returns {1, fence} when taken; {0, ms until the earliest lease ends} when not.
+-- ARGV[7] how many fencing tokens to reserve (>= 1): a lease that this
+-- instance will hand on to its own queued waiters without a Redis call uses
+-- the block fence-k+1 .. fence, one token per holder
+-- Returns {1, fence} when taken (the block's last token); {0, ms until the earliest lease ends} when not.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
@@ -37,13 +40,14 @@ if free or held then
 	if life > 0 then
 		redis.call('ZREM', KEYS[3], ARGV[4])
 	end
+	local k = tonumber(ARGV[7])
 	if ARGV[6] == '1' then
 		local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-		local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + 1, us)
+		local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
 		redis.call('SET', KEYS[2], string.format('%d', f))
 		return {1, f}
 	end
-	return {1, redis.call('INCR', KEYS[2])}
+	return {1, redis.call('INCRBY', KEYS[2], k)}
 end
 -- Busy: queue this instance and say when the earliest lease ends. An entry
 -- lives as long as its instance keeps asking; the instance that asked least
