@@ -120,7 +120,8 @@ type Lease struct {
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
-	chained   bool // received by hand-off, not from Redis
+	chained   bool  // received by hand-off, not from Redis
+	raise     int64 // Redlock: fencing counter to write back on release
 	lost      atomic.Bool
 }
 
@@ -151,7 +152,7 @@ func (ls *Lease) handOff() bool {
 	until := ls.until
 	ls.mu.Unlock()
 	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: ls.Fence + 1, Start: time.Now(),
-		until: until, q: q, released: ls.released, chainLeft: ls.chainLeft - 1, chained: true}
+		until: until, q: q, released: ls.released, chainLeft: ls.chainLeft - 1, chained: true, raise: ls.raise}
 	select {
 	case w.grant <- next:
 		return true
@@ -186,6 +187,7 @@ func (l *locker) waitqLife(keys int) time.Duration {
 type attempt struct {
 	lease      *Lease
 	retryAfter time.Duration // when not acquired: until the earliest lease ends
+	busyKey    int           // when not acquired: index of the busy key
 	err        error         // Redis unreachable / no quorum
 }
 
@@ -243,7 +245,11 @@ type result struct {
 
 // tryAcquire makes one attempt on every key (sorted) and every server.
 // All keys or none: when any key is busy, the keys taken are released.
-func (l *locker) tryAcquire(ctx context.Context, keys []string, chain int) attempt {
+//
+// first is the index of the key that was busy last time: it is asked
+// first, so a request for several keys does not take and give back its free
+// keys again and again while one of them stays busy.
+func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int) attempt {
 	token := uuid.NewString()
 	start := time.Now()
 	ttlMs := l.opts.TTL.Milliseconds()
@@ -262,7 +268,15 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain int) attem
 			}
 		}
 	}
-	for i, k := range keys {
+	order := make([]string, 0, len(keys))
+	if first > 0 && first < len(keys) {
+		order = append(order, keys[first])
+		order = append(order, keys[:first]...)
+		order = append(order, keys[first+1:]...)
+	} else {
+		order = append(order, keys...)
+	}
+	for i, k := range order {
 		// Ask every server at once; stop as soon as the outcome is decided.
 		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
 			keys := []string{k, fenceKey(k), waitqKey(k)}
@@ -293,12 +307,12 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain int) attem
 		// Not taken: give back what this attempt took, everywhere at once.
 		// On one server a refused key holds nothing; with Redlock a
 		// minority may have granted it.
-		undo := keys[:i]
+		undo := order[:i]
 		if n > 1 {
-			undo = keys[:i+1]
+			undo = order[:i+1]
 		}
 		if len(undo) > 0 {
-			l.releaseKeys(undo, token)
+			l.releaseKeys(undo, token, 0)
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
@@ -321,15 +335,29 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain int) attem
 				}
 			}
 		}
-		return attempt{retryAfter: retry}
+		busyIdx := 0
+		for j, x := range keys {
+			if x == k {
+				busyIdx = j
+			}
+		}
+		return attempt{retryAfter: retry, busyKey: busyIdx}
 	}
-	if len(keys) > 1 || n > 1 {
-		// Write the highest counter back (a max-register): with several keys
-		// one token serves them all, so each key's counter must reach it; with
-		// Redlock any later majority must see it.
+	var raise int64
+	if len(keys) == 1 && n > 1 {
+		// Redlock: the highest counter goes back to the servers with the
+		// release (in the same round trip), so the majority that sees the
+		// key free next also sees the counter. A holder that dies before its
+		// release leaves that to the time floor of the counters: the next
+		// holder comes a full ttl later, so its token is higher unless the
+		// servers' clocks disagree by more than the ttl.
+		raise = fence
+	} else if len(keys) > 1 {
+		// Several keys: one token serves them all, so each key's counter
+		// must reach it before the token is used (a max-register).
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
 			failed.Store(true)
-			l.releaseKeys(keys, token)
+			l.releaseKeys(keys, token, 0)
 			return attempt{err: err}
 		}
 	}
@@ -339,11 +367,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain int) attem
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token)
+		l.releaseKeys(keys, token, 0)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence - int64(chain) + 1, Start: start,
-		until: start.Add(validity), released: released, chainLeft: chain - 1}}
+		until: start.Add(validity), released: released, chainLeft: chain - 1, raise: raise}}
 }
 
 // acquireSynced runs the acquire script and WAIT on one connection (WAIT
@@ -425,7 +453,7 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 // short background context (the request's may be canceled). It returns as
 // soon as a majority released each key; a slow or paused server finishes
 // in the background (or its lease simply runs out).
-func (l *locker) releaseKeys(keys []string, token string) {
+func (l *locker) releaseKeys(keys []string, token string, raise int64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	var wg sync.WaitGroup
 	for _, k := range keys {
@@ -434,7 +462,7 @@ func (l *locker) releaseKeys(keys []string, token string) {
 			defer wg.Done()
 			msg := l.dom.id + " " + k
 			l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
-				return releaseScript.Run(ctx, c, []string{k}, token, wakeChannel, msg).Int64()
+				return releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
 			}, l.majorityAnswered, nil)
 		}(k)
 	}
@@ -451,7 +479,7 @@ func (l *locker) releaseKeys(keys []string, token string) {
 func (l *locker) releaseOn(c redis.UniversalClient, k, token string) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	defer cancel()
-	_ = releaseScript.Run(ctx, c, []string{k}, token, wakeChannel, l.dom.id+" "+k).Err()
+	_ = releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, l.dom.id+" "+k, 0).Err()
 }
 
 // majorityAnswered ends a fan-out once a majority answered without error.
@@ -680,7 +708,7 @@ func (ls *Lease) release() {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
-	ls.l.releaseKeys(ls.keys, ls.token)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise)
 	if ls.q != nil {
 		ls.q.released()
 	}
@@ -761,6 +789,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		deadline = t.C
 	}
 	var retryAfter time.Duration
+	busyKey := 0
 
 	// Wait for this waiter's turn: first come, first served.
 	if !w.head() {
@@ -782,7 +811,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 	for n := 0; ; n++ {
 		// Skip a useless attempt while this instance itself holds every permit.
 		if n > 0 || !q.heldLocally(l.opts.Permits) {
-			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys))
+			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys), busyKey)
 			if a.err != nil {
 				if ctx.Err() != nil {
 					return nil, ctx.Err()
@@ -792,7 +821,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			if a.lease != nil {
 				return a.lease, nil
 			}
-			retryAfter = a.retryAfter
+			retryAfter, busyKey = a.retryAfter, a.busyKey
 			q.setRetryHint(retryAfter)
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
@@ -1080,37 +1109,34 @@ func (q *keyQueue) retryHint() time.Duration {
 
 var (
 	wakeDomainsMu sync.RWMutex
-	wakeDomains   = map[string]*domain{} // by domain id
 	allDomains    = map[*domain]struct{}{}
 )
 
 func registerDomain(d *domain) {
 	wakeDomainsMu.Lock()
-	wakeDomains[d.id] = d
 	allDomains[d] = struct{}{}
 	wakeDomainsMu.Unlock()
 }
 
 func unregisterDomain(d *domain) {
 	wakeDomainsMu.Lock()
-	delete(wakeDomains, d.id)
 	delete(allDomains, d)
 	wakeDomainsMu.Unlock()
 }
 
 // dispatchWake delivers a release announced on Redis to the local queues of
-// that key, except when this instance announced it itself (it woke its own
-// queue already).
+// that key in every domain but the one that announced it (which woke its own
+// queue already). Two domains in one process share a Redis server when they
+// use different client settings for it.
 func dispatchWake(payload string) {
 	from, key, ok := strings.Cut(payload, " ")
 	if !ok {
 		return
 	}
 	wakeDomainsMu.RLock()
-	_, own := wakeDomains[from]
 	var ds []*domain
-	if !own {
-		for d := range allDomains {
+	for d := range allDomains {
+		if d.id != from {
 			ds = append(ds, d)
 		}
 	}

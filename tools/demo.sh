@@ -149,7 +149,7 @@ The upstream answers one JSON line per request: fencing_token is the lock's toke
 in_flight is how many requests for the same key it was serving (1 = serialised).
 Try, in another terminal:
 
-  # (a) two updates of one user: the second ends ~2s after the first, token one higher
+  # (a) two updates of one user: the second ends ~2s after the first, with a higher fencing token
   curl -s localhost:$HTTP_PORT/profile -H 'X-User-ID: alice' & curl -s localhost:$HTTP_PORT/profile -H 'X-User-ID: alice'; wait
 
   #     another user is not held up by alice

@@ -176,10 +176,16 @@ func (s *server) answer(w http.ResponseWriter, r *http.Request, rep reply) {
 }
 
 // lockKeys returns the resources a request touches: the lock keys Caddy
-// forwarded in X-Lock-Key, or else the request path.
+// forwarded in X-Lock-Key, or else the request path. On a route where
+// redis_lock did not run, Caddy's header_up forwards the placeholder
+// "{http.redis_lock.key}" unreplaced; that counts as no key.
 func lockKeys(r *http.Request) []string {
 	var keys []string
-	for _, k := range strings.Split(r.Header.Get("X-Lock-Key"), ",") {
+	v := r.Header.Get("X-Lock-Key")
+	if strings.HasPrefix(v, "{") && strings.HasSuffix(v, "}") {
+		v = ""
+	}
+	for _, k := range strings.Split(v, ",") {
 		if k = strings.TrimSpace(k); k != "" {
 			keys = append(keys, k)
 		}

@@ -52,6 +52,7 @@ var (
 	seqN      = flag.Int("n", 500, "sequential requests per latency / command-count run")
 	libPause  = flag.Duration("pause", time.Millisecond, "library-level workers: pause after release")
 	monitorRn = flag.Duration("monitor", 2*time.Second, "contended run under MONITOR")
+	onlyRL    = flag.Bool("only-ratelimit", false, "run the redis_ratelimit part only")
 	scriptDir = flag.String("scripts", "../scripts", "the plugin's Lua scripts, to name EVALSHA calls")
 )
 
@@ -601,6 +602,17 @@ func startMonitor(addr string) (*monitor, error) {
 	return m, nil
 }
 
+// snapshot returns the commands counted so far.
+func (m *monitor) snapshot() (int, string) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	total := 0
+	for _, v := range m.count {
+		total += v
+	}
+	return total, ""
+}
+
 // stop waits a moment for late lines, closes, and returns the counts.
 func (m *monitor) stop() (int, string) {
 	time.Sleep(200 * time.Millisecond)
@@ -769,6 +781,7 @@ type cmdRow struct {
 	cmds       int
 	breakdown  string
 	goal       float64
+	zeroGoal   bool // goal is exactly 0 commands
 	err        error
 }
 
@@ -858,6 +871,12 @@ func run() error {
 	e := &env{}
 	step := func(f string, a ...any) {
 		fmt.Fprintf(os.Stderr, "[%5.1fs] "+f+"\n", append([]any{time.Since(begin).Seconds()}, a...)...)
+	}
+
+	if *onlyRL { // development: the rate-limit part alone
+		rl := runRateLimit(step)
+		printRateLimit(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, rl)
+		return nil
 	}
 
 	step("starting redis-server ×4, upstream, caddy ×3 (work dir %s)", workDir)
@@ -1051,9 +1070,12 @@ func run() error {
 			return local.Unlock, nil
 		}
 	}))
+
+	// 6. redis_ratelimit: its own Caddy process and redis-servers.
+	rl := runRateLimit(step)
 	step("done; stopping")
 
-	printReport(e, hot, cmdRows, seq, time.Since(begin))
+	printReport(e, hot, cmdRows, seq, rl, time.Since(begin))
 	return nil
 }
 

@@ -61,7 +61,7 @@ func caddyVersion() string {
 	return f[0]
 }
 
-func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, took time.Duration) {
+func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, rl *rlResult, took time.Duration) {
 	w := os.Stdout
 	p := func(f string, a ...any) { fmt.Fprintf(w, f+"\n", a...) }
 
@@ -202,6 +202,8 @@ func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, took t
 		p("| %s | %s | %s | %d%s | %s | %s | %s |", s.name, ms(s.median), ms(s.p99), s.n, errs, ratio, share, goal)
 	}
 	p("")
+
+	printRateLimit(p, rl)
 
 	p("Notes:")
 	p("- Utilisation = Σ(exit − entry) of the upstream's own requests ÷ (last exit − first entry), over requests that entered in the measured window; the upstream sleeps %s, and a sleep that really takes longer counts fully as busy. It also checks that at most one request is inside at a time and that `Lock-Fencing-Token` strictly increases.", *hold)

@@ -1,0 +1,747 @@
+package redisdlm
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"sort"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
+)
+
+// Tests of the issue "Fast, fair hand-off on a hot key" (SPEC §3 item 3):
+// waiters are woken by a release (local queue, Pub/Sub across instances),
+// polling is only the fallback for a missed wake-up, no wake-up is lost
+// between a failed attempt and the subscription, nobody starves on a hot
+// key, canceled waiters leave at once, max_waiters is per instance.
+//
+// They are black-box: they drive the handler over HTTP and look at Redis;
+// the only internal read is lockWaitersFor (the local queue length). Two
+// "instances" are two handlers with different `timeout` values, which gives
+// them separate Redis clients, local queues, Pub/Sub listeners and ids.
+
+// wakeHTTP is the client of these tests: keep-alive for many concurrent
+// closed-loop clients, and a bound on every request.
+var wakeHTTP = &http.Client{
+	Transport: &http.Transport{MaxIdleConns: 256, MaxIdleConnsPerHost: 64},
+	Timeout:   45 * time.Second,
+}
+
+// wakeFetch sends one GET and returns its status and headers; it never
+// touches testing.T, so it is safe in goroutines that may outlive a
+// failing test's main body.
+func wakeFetch(ctx context.Context, url string) (int, http.Header, error) {
+	req, err := http.NewRequestWithContext(ctx, "GET", url, nil)
+	if err != nil {
+		return 0, nil, err
+	}
+	resp, err := wakeHTTP.Do(req)
+	if err != nil {
+		return 0, nil, err
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode, resp.Header, nil
+}
+
+// fetchResult is the outcome of one request sent in the background.
+type fetchResult struct {
+	status int
+	hdr    http.Header
+	err    error
+	took   time.Duration
+}
+
+// goFetch sends a GET in the background; the channel gets exactly one result.
+func goFetch(ctx context.Context, url string) <-chan fetchResult {
+	ch := make(chan fetchResult, 1)
+	go func() {
+		start := time.Now()
+		s, h, err := wakeFetch(ctx, url)
+		ch <- fetchResult{status: s, hdr: h, err: err, took: time.Since(start)}
+	}()
+	return ch
+}
+
+// await waits for a background request, at most d.
+func await(t *testing.T, ch <-chan fetchResult, d time.Duration, what string) fetchResult {
+	t.Helper()
+	select {
+	case r := <-ch:
+		return r
+	case <-time.After(d):
+		t.Errorf("%s: no answer within %s", what, d)
+		return fetchResult{err: fmt.Errorf("no answer within %s", d)}
+	}
+}
+
+// waitFor polls cond every 5ms until it holds or d has passed.
+func waitFor(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// wakeSubscribers counts the Pub/Sub subscribers of the wake-up channel.
+func wakeSubscribers(c *redis.Client) int64 {
+	m, err := c.PubSubNumSub(context.Background(), wakeChannel).Result()
+	if err != nil {
+		return -1
+	}
+	return m[wakeChannel]
+}
+
+// lockCfg builds a redis_lock JSON config on one Redis server.
+func lockCfg(addr, extra string) string {
+	if extra == "" {
+		return fmt.Sprintf(`{"redis":[%q]}`, addr)
+	}
+	return fmt.Sprintf(`{"redis":[%q],%s}`, addr, extra)
+}
+
+// provisionLockScoped is provisionLock for an instance that lives for part
+// of a test: the returned function cleans it up (once; it also runs when
+// the test ends).
+func provisionLockScoped(t *testing.T, cfg string) (*RedisLock, func()) {
+	t.Helper()
+	h := new(RedisLock)
+	if err := json.Unmarshal([]byte(cfg), h); err != nil {
+		t.Fatalf("config %s: %v", cfg, err)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision: %v", err)
+	}
+	var once sync.Once
+	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
+	t.Cleanup(done)
+	return h, done
+}
+
+// swapHandler serves through whichever RedisLock is current, so one HTTP
+// server can front a fresh instance in every round.
+type swapHandler struct{ h atomic.Pointer[RedisLock] }
+
+func (s *swapHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	return s.h.Load().ServeHTTP(w, r, next)
+}
+
+// holdUpstream blocks requests with ?who=holder until release is closed and
+// records when each other caller entered.
+type holdUpstream struct {
+	release chan struct{}
+	entered chan string // who, in order of entry
+	mu      sync.Mutex
+	at      map[string]time.Time
+}
+
+func newHoldUpstream() *holdUpstream {
+	return &holdUpstream{release: make(chan struct{}), entered: make(chan string, 64), at: map[string]time.Time{}}
+}
+
+func (u *holdUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	who := r.URL.Query().Get("who")
+	u.mu.Lock()
+	u.at[who] = time.Now()
+	u.mu.Unlock()
+	select {
+	case u.entered <- who:
+	default:
+	}
+	if who == "holder" {
+		<-u.release
+	}
+	return nil
+}
+
+func (u *holdUpstream) enteredAt(who string) (time.Time, bool) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	at, ok := u.at[who]
+	return at, ok
+}
+
+// nextEntered waits (at most d) for the next caller to enter the upstream.
+func (u *holdUpstream) nextEntered(d time.Duration) (string, bool) {
+	select {
+	case who := <-u.entered:
+		return who, true
+	case <-time.After(d):
+		return "", false
+	}
+}
+
+// TestWakeCrossInstanceWithoutBackoff: a waiter in another instance is woken
+// by the release through Pub/Sub, not by its backoff poll. Its backoff is
+// 20s and the holder's lease 60s (so the poll, capped by the remaining
+// lease, would also sleep 20s); it must get the lock within 2s of the
+// release.
+func TestWakeCrossInstanceWithoutBackoff(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	rc := r.Client()
+	up := newHoldUpstream()
+	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
+	if a.locker.dom == b.locker.dom {
+		t.Fatal("instances share a domain; want separate clients")
+	}
+	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+	ctx := context.Background()
+
+	holder := goFetch(ctx, sa.URL+"/hot?who=holder")
+	released := false
+	defer func() {
+		if !released {
+			close(up.release)
+		}
+		await(t, holder, 40*time.Second, "holder")
+	}()
+	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
+		t.Fatalf("holder did not get the lock (entered %q)", who)
+	}
+	waiter := goFetch(ctx, sb.URL+"/hot?who=b")
+	// B is queued, has failed an attempt, is subscribed and sleeps in its
+	// 20s backoff.
+	if !waitFor(10*time.Second, func() bool { return lockWaitersFor(b, "/hot") == 1 }) {
+		t.Fatal("waiter never queued in instance B")
+	}
+	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
+		t.Fatalf("no subscriber on %s while B waits", wakeChannel)
+	}
+	time.Sleep(300 * time.Millisecond)
+	if who, ok := up.nextEntered(0); ok {
+		t.Fatalf("%q entered the upstream while the holder held the lock", who)
+	}
+
+	releasedAt := time.Now()
+	close(up.release)
+	released = true
+	who, ok := up.nextEntered(25 * time.Second)
+	if !ok || who != "b" {
+		t.Fatalf("after the release, entered %q (ok=%v); want b", who, ok)
+	}
+	at, _ := up.enteredAt("b")
+	if el := at.Sub(releasedAt); el > 2*time.Second {
+		t.Errorf("cross-instance waiter got the lock %s after the release; want < 2s (its backoff is 20s: the Pub/Sub wake-up did not work)", el)
+	} else {
+		t.Logf("cross-instance hand-off took %s", el)
+	}
+	if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
+		t.Errorf("waiter: status %d err %v", res.status, res.err)
+	}
+}
+
+// TestWakeDroppedIsRecoveredByPolling: when the wake-up is missed, the
+// backoff poll still hands the lock to the waiter soon after it is free.
+// Two ways to miss it: the lock key vanishes behind the holder's back
+// (nobody publishes), and the Pub/Sub connections are killed around the
+// release.
+func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
+	t.Parallel()
+	for _, mode := range []string{"lock_deleted", "pubsub_killed"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			rc := r.Client()
+			up := newHoldUpstream()
+			a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+			b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"50ms","backoff_max":"200ms"`))
+			sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+			ctx := context.Background()
+
+			holder := goFetch(ctx, sa.URL+"/drop?who=holder")
+			released := false
+			defer func() {
+				if !released {
+					close(up.release)
+				}
+				await(t, holder, 40*time.Second, "holder")
+			}()
+			if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
+				t.Fatalf("holder did not get the lock (entered %q)", who)
+			}
+			waiter := goFetch(ctx, sb.URL+"/drop?who=b")
+			if !waitFor(10*time.Second, func() bool { return lockWaitersFor(b, "/drop") == 1 }) {
+				t.Fatal("waiter never queued in instance B")
+			}
+			if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
+				t.Fatalf("no subscriber on %s while B waits", wakeChannel)
+			}
+			time.Sleep(300 * time.Millisecond)
+
+			var freedAt time.Time
+			switch mode {
+			case "lock_deleted":
+				// The lease vanishes (as if expired early); no release script
+				// runs, so nothing is published.
+				freedAt = time.Now()
+				if err := rc.Del(ctx, storedKey(a.Prefix, "/drop")).Err(); err != nil {
+					t.Fatal(err)
+				}
+			case "pubsub_killed":
+				// Kill every Pub/Sub connection, again and again, around the
+				// release, so its announcement reaches no listener.
+				stop := make(chan struct{})
+				killed := make(chan int64, 1)
+				go func() {
+					var n int64
+					kc := r.Client()
+					deadline := time.Now().Add(time.Second)
+					for time.Now().Before(deadline) {
+						select {
+						case <-stop:
+							deadline = time.Now()
+						default:
+						}
+						k, _ := kc.ClientKillByFilter(ctx, "TYPE", "pubsub").Result()
+						n += k
+						time.Sleep(2 * time.Millisecond)
+					}
+					killed <- n
+				}()
+				time.Sleep(30 * time.Millisecond)
+				freedAt = time.Now()
+				close(up.release)
+				released = true
+				defer func() {
+					close(stop)
+					t.Logf("killed %d pubsub connections", <-killed)
+				}()
+			}
+			who, ok := up.nextEntered(25 * time.Second)
+			if !ok || who != "b" {
+				t.Fatalf("after the lock was freed, entered %q (ok=%v); want b", who, ok)
+			}
+			at, _ := up.enteredAt("b")
+			if el := at.Sub(freedAt); el > 3*time.Second {
+				t.Errorf("waiter got the lock %s after it was freed; want < 3s (backoff 50ms-200ms)", el)
+			} else {
+				t.Logf("recovered by polling after %s", el)
+			}
+			if !released {
+				close(up.release)
+				released = true
+			}
+			if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
+				t.Errorf("waiter: status %d err %v", res.status, res.err)
+			}
+		})
+	}
+}
+
+// TestWakeListenerResubscribes: after its Pub/Sub connection is killed, an
+// instance's wake-up listener subscribes again by itself, and cross-instance
+// hand-offs are fast again (the waiter's backoff is 20s).
+func TestWakeListenerResubscribes(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	rc := r.Client()
+	up := newHoldUpstream()
+	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
+	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+	ctx := context.Background()
+
+	holder := goFetch(ctx, sa.URL+"/re?who=holder")
+	released := false
+	defer func() {
+		if !released {
+			close(up.release)
+		}
+		await(t, holder, 40*time.Second, "holder")
+	}()
+	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
+		t.Fatalf("holder did not get the lock (entered %q)", who)
+	}
+	waiter := goFetch(ctx, sb.URL+"/re?who=b")
+	if !waitFor(10*time.Second, func() bool { return lockWaitersFor(b, "/re") == 1 }) {
+		t.Fatal("waiter never queued in instance B")
+	}
+	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
+		t.Fatalf("no subscriber on %s while B waits", wakeChannel)
+	}
+	n, err := rc.ClientKillByFilter(ctx, "TYPE", "pubsub").Result()
+	if err != nil || n < 1 {
+		t.Fatalf("CLIENT KILL TYPE pubsub: %d killed, %v", n, err)
+	}
+	time.Sleep(50 * time.Millisecond)
+	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
+		t.Fatalf("the wake-up listener did not subscribe again within 10s of losing its connection")
+	}
+	time.Sleep(300 * time.Millisecond)
+
+	releasedAt := time.Now()
+	close(up.release)
+	released = true
+	who, ok := up.nextEntered(25 * time.Second)
+	if !ok || who != "b" {
+		t.Fatalf("after the release, entered %q (ok=%v); want b", who, ok)
+	}
+	at, _ := up.enteredAt("b")
+	if el := at.Sub(releasedAt); el > 2*time.Second {
+		t.Errorf("after the listener reconnected, the cross-instance waiter got the lock %s after the release; want < 2s (backoff 20s)", el)
+	}
+	if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
+		t.Errorf("waiter: status %d err %v", res.status, res.err)
+	}
+}
+
+// TestWakeNoLostWakeupRace: many rounds of a very short hold by A while B
+// asks, with B's backoff at 20s and the lease at 60s, so a lost wake-up
+// shows as a 5s+ wait. The release lands at random points of B's attempt:
+// before it, between its failed attempt and its subscription (a fresh
+// instance B every third round, so it subscribes anew), between the attempt
+// and its sleep (an instance already subscribed), and within one instance
+// (local queue).
+func TestWakeNoLostWakeupRace(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const waiterCfg = `"ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`
+	type round struct {
+		aIn  chan struct{}
+		bGo  chan struct{}
+		hold time.Duration
+	}
+	var cur atomic.Pointer[round]
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Query().Get("who") == "a" {
+			rd := cur.Load()
+			close(rd.aIn)
+			<-rd.bGo
+			if rd.hold >= 300*time.Microsecond {
+				time.Sleep(rd.hold)
+			}
+		}
+		return nil
+	}
+	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s",`+waiterCfg))
+	sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
+	fresh := new(swapHandler)
+	sf := handlerServer(t, fresh, up)
+
+	const rounds = 210
+	const bBound = 5 * time.Second
+	start := time.Now()
+	var worst [3]time.Duration
+	var done [3]int
+	kinds := [3]string{"fresh instance (subscribes)", "other instance (subscribed)", "same instance"}
+	for i := 0; i < rounds; i++ {
+		if time.Since(start) > 25*time.Second {
+			t.Logf("stopping after %d rounds: 25s budget used", i)
+			break
+		}
+		kind := i % 3
+		aURL, bURL := sa.URL, sb.URL
+		var cleanup func()
+		switch kind {
+		case 0:
+			h, c := provisionLockScoped(t, lockCfg(r.Addr, fmt.Sprintf(`"timeout":"%dms",`, 4000+i)+waiterCfg))
+			fresh.h.Store(h)
+			bURL, cleanup = sf.URL, c
+		case 2:
+			aURL = sb.URL
+		}
+		rd := &round{aIn: make(chan struct{}), bGo: make(chan struct{}), hold: rand.N(4 * time.Millisecond)}
+		cur.Store(rd)
+		aRes := goFetch(context.Background(), aURL+"/race?who=a")
+		select {
+		case <-rd.aIn:
+		case <-time.After(10 * time.Second):
+			close(rd.bGo)
+			t.Fatalf("round %d: A did not get the lock within 10s", i)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), bBound)
+		bRes := goFetch(ctx, bURL+"/race?who=b")
+		close(rd.bGo)
+		ra := await(t, aRes, 40*time.Second, "A")
+		rb := await(t, bRes, 40*time.Second, "B")
+		cancel()
+		if cleanup != nil {
+			cleanup()
+		}
+		if ra.status != 200 {
+			t.Fatalf("round %d: A status %d err %v", i, ra.status, ra.err)
+		}
+		if rb.status != 200 {
+			t.Fatalf("round %d (%s, A held %s after B was sent): B not served within %s: status %d err %v — a lost wake-up (B's backoff is 20s)",
+				i, kinds[kind], rd.hold, bBound, rb.status, rb.err)
+		}
+		if rb.took > worst[kind] {
+			worst[kind] = rb.took
+		}
+		done[kind]++
+	}
+	for k := range kinds {
+		t.Logf("%s: %d rounds, slowest B %s", kinds[k], done[k], worst[k])
+	}
+	t.Logf("total %s", time.Since(start))
+}
+
+// TestHotKeyNoStarvationTwoInstances: 16 clients (8 per instance) in closed
+// loops on one key, 2ms upstream, for 3s. Every client is served several
+// times, the upstream never sees two holders, and fencing tokens strictly
+// increase in the order the upstream sees them.
+func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := newExclusivityUpstream(2 * time.Millisecond)
+	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","wait":"30s"`))
+	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","wait":"30s"`))
+	if a.locker.dom == b.locker.dom {
+		t.Fatal("instances share a domain; want separate clients")
+	}
+	srv := [2]string{handlerServer(t, a, up.ServeHTTP).URL, handlerServer(t, b, up.ServeHTTP).URL}
+	const perInstance = 8
+	const clients = 2 * perInstance
+	const run = 3 * time.Second
+	served := make([]int, clients)
+	failed := make([]int, clients)
+	var firstErr sync.Once
+	var errMsg atomic.Value
+	deadline := time.Now().Add(run)
+	start := time.Now()
+	var wg sync.WaitGroup
+	for c := 0; c < clients; c++ {
+		wg.Add(1)
+		go func(c int) {
+			defer wg.Done()
+			url := srv[c%2] + "/hot"
+			for time.Now().Before(deadline) {
+				status, _, err := wakeFetch(context.Background(), url)
+				if status == 200 {
+					served[c]++
+				} else {
+					failed[c]++
+					firstErr.Do(func() { errMsg.Store(fmt.Sprintf("client %d: status %d err %v", c, status, err)) })
+				}
+			}
+		}(c)
+	}
+	wg.Wait()
+	wall := time.Since(start)
+	up.check(t)
+	if m, ok := errMsg.Load().(string); ok {
+		t.Errorf("failed requests (first: %s)", m)
+	}
+	var inst [2]int
+	total := 0
+	sorted := append([]int(nil), served...)
+	sort.Ints(sorted)
+	for c, n := range served {
+		inst[c%2] += n
+		total += n
+		if n < 3 {
+			t.Errorf("client %d (instance %d) served %d times in %s; want at least 3 (starved)", c, c%2, n, run)
+		}
+	}
+	t.Logf("served %d in %s (%.0f/s); per client min %d max %d (%v); per instance A %d B %d; failed %v",
+		total, wall.Round(time.Millisecond), float64(total)/wall.Seconds(), sorted[0], sorted[len(sorted)-1], served, inst[0], inst[1], failed)
+	up.mu.Lock()
+	upServed := up.served
+	up.mu.Unlock()
+	if total != upServed {
+		t.Errorf("clients saw %d served, upstream %d", total, upServed)
+	}
+}
+
+// TestCanceledWaitersLeaveQueueAtOnce: waiters whose clients go away leave
+// the local queue at once, pass the turn on to a live waiter behind them,
+// and leave nothing in Redis that holds up another instance.
+func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const n = 10
+	var reached atomic.Int32 // canceled waiters that reached the upstream
+	ups := [2]*holdUpstream{newHoldUpstream(), newHoldUpstream()}
+	upFor := func(u *holdUpstream) func(http.ResponseWriter, *http.Request) error {
+		return func(w http.ResponseWriter, req *http.Request) error {
+			if req.URL.Query().Get("who") == "doomed" {
+				reached.Add(1)
+			}
+			return u.ServeHTTP(w, req)
+		}
+	}
+	// The waiters' instance: a 20s backoff, so only a wake-up is "at once".
+	w := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
+	// Another instance, answering at once (wait 0).
+	p := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":0`))
+
+	for phase, u := range ups {
+		path := fmt.Sprintf("/c%d", phase)
+		sw := handlerServer(t, w, upFor(u))
+		sp := handlerServer(t, p, upFor(u))
+		// Phase 0 holds in the waiters' own instance (local hand-off);
+		// phase 1 in the other, so the waiters ask Redis and queue there.
+		holderURL := sw.URL
+		if phase == 1 {
+			holderURL = sp.URL
+		}
+		holder := goFetch(context.Background(), holderURL+path+"?who=holder")
+		released := false
+		release := func() {
+			if !released {
+				released = true
+				close(u.release)
+			}
+		}
+		if who, ok := u.nextEntered(10 * time.Second); !ok || who != "holder" {
+			release()
+			t.Fatalf("phase %d: holder did not get the lock (entered %q)", phase, who)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		var doomed []<-chan fetchResult
+		for i := 0; i < n; i++ {
+			doomed = append(doomed, goFetch(ctx, sw.URL+path+"?who=doomed"))
+		}
+		if !waitFor(10*time.Second, func() bool { return lockWaitersFor(w, path) == n }) {
+			cancel()
+			release()
+			t.Fatalf("phase %d: %d of %d waiters queued", phase, lockWaitersFor(w, path), n)
+		}
+		var next <-chan fetchResult
+		want := 0
+		if phase == 0 {
+			// A live waiter behind the doomed ones.
+			next = goFetch(context.Background(), sw.URL+path+"?who=next")
+			want = 1
+			if !waitFor(10*time.Second, func() bool { return lockWaitersFor(w, path) == n+1 }) {
+				cancel()
+				release()
+				t.Fatalf("phase 0: the live waiter never queued")
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+		canceledAt := time.Now()
+		cancel()
+		left := waitFor(2*time.Second, func() bool { return lockWaitersFor(w, path) == want })
+		if !left {
+			t.Errorf("phase %d: %d waiters still queued 2s after %d clients went away; want %d", phase, lockWaitersFor(w, path), n, want)
+		} else {
+			t.Logf("phase %d: canceled waiters left the queue in %s", phase, time.Since(canceledAt))
+		}
+		for i, ch := range doomed {
+			if res := await(t, ch, 10*time.Second, "canceled waiter"); res.err == nil {
+				t.Errorf("phase %d: canceled waiter %d got an answer %d", phase, i, res.status)
+			}
+		}
+
+		releasedAt := time.Now()
+		release()
+		if res := await(t, holder, 40*time.Second, "holder"); res.status != 200 {
+			t.Errorf("phase %d: holder status %d err %v", phase, res.status, res.err)
+		}
+		if phase == 0 {
+			// The turn passed through the canceled waiters to the live one,
+			// which is woken by the release (not its 20s poll).
+			if who, ok := u.nextEntered(25 * time.Second); !ok || who != "next" {
+				t.Errorf("phase 0: after the release, entered %q (ok=%v); want next", who, ok)
+			} else if at, _ := u.enteredAt("next"); at.Sub(releasedAt) > 2*time.Second {
+				t.Errorf("phase 0: the live waiter got the lock %s after the release; want at once (backoff 20s)", at.Sub(releasedAt))
+			}
+			if res := await(t, next, 40*time.Second, "next"); res.status != 200 {
+				t.Errorf("phase 0: next status %d err %v", res.status, res.err)
+			}
+		} else {
+			// Nobody waits any more: another instance takes the free lock at
+			// once; nothing left by the canceled waiters (such as their
+			// instance's turn in Redis) holds it back.
+			time.Sleep(100 * time.Millisecond)
+			res := await(t, goFetch(context.Background(), sp.URL+path+"?who=other"), 20*time.Second, "other instance")
+			if res.status != 200 {
+				t.Errorf("phase 1: another instance with wait 0 got status %d (Retry-After %q) on the free lock; the canceled waiters left something behind",
+					res.status, res.hdr.Get("Retry-After"))
+			}
+		}
+	}
+	if k := reached.Load(); k != 0 {
+		t.Errorf("%d canceled waiters reached the upstream", k)
+	}
+}
+
+// TestMaxWaitersCountsPerInstance: max_waiters caps the waiters of a key in
+// one instance, not across instances: with max_waiters 1 on two instances,
+// each admits one waiter (the holder is no waiter) and answers the next at
+// once with the status and Retry-After.
+func TestMaxWaitersCountsPerInstance(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := newHoldUpstream()
+	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","max_waiters":1`))
+	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","max_waiters":1`))
+	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+	holder := goFetch(context.Background(), sa.URL+"/mw?who=holder")
+	released := false
+	defer func() {
+		if !released {
+			close(up.release)
+		}
+	}()
+	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
+		t.Fatalf("holder did not get the lock (entered %q)", who)
+	}
+	type inst struct {
+		name string
+		h    *RedisLock
+		url  string
+	}
+	var admitted []<-chan fetchResult
+	for _, in := range []inst{{"A (holds the lock)", a, sa.URL}, {"B", b, sb.URL}} {
+		admitted = append(admitted, goFetch(context.Background(), in.url+"/mw?who=waiter"))
+		if !waitFor(10*time.Second, func() bool { return lockWaitersFor(in.h, "/mw") == 1 }) {
+			t.Errorf("instance %s: its first waiter was not admitted (%d queued)", in.name, lockWaitersFor(in.h, "/mw"))
+		}
+		start := time.Now()
+		res := await(t, goFetch(context.Background(), in.url+"/mw?who=extra"), 20*time.Second, "extra")
+		if res.status != 423 {
+			t.Errorf("instance %s: a second waiter got status %d (err %v); want 423 at once", in.name, res.status, res.err)
+		} else if ra, err := strconv.Atoi(res.hdr.Get("Retry-After")); err != nil || ra < 1 {
+			t.Errorf("instance %s: Retry-After %q; want whole seconds ≥ 1", in.name, res.hdr.Get("Retry-After"))
+		}
+		if el := time.Since(start); el > 2*time.Second {
+			t.Errorf("instance %s: the refused waiter was answered after %s; want at once", in.name, el)
+		}
+	}
+	// Both admitted waiters are still waiting (neither was refused).
+	results := make([]*fetchResult, len(admitted))
+	for i, ch := range admitted {
+		select {
+		case res := <-ch:
+			results[i] = &res
+			t.Errorf("admitted waiter %d answered %d (err %v) while the lock was held", i, res.status, res.err)
+		default:
+		}
+	}
+	close(up.release)
+	released = true
+	if res := await(t, holder, 40*time.Second, "holder"); res.status != 200 {
+		t.Errorf("holder: status %d err %v", res.status, res.err)
+	}
+	for i, ch := range admitted {
+		if results[i] != nil {
+			continue
+		}
+		if res := await(t, ch, 40*time.Second, "admitted waiter"); res.status != 200 {
+			t.Errorf("admitted waiter %d: status %d err %v", i, res.status, res.err)
+		}
+	}
+}
