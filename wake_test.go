@@ -664,8 +664,9 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 		} else {
 			// Nobody waits any more: another instance takes the free lock at
 			// once; nothing left by the canceled waiters (such as their
-			// instance's turn in Redis) holds it back.
-			time.Sleep(100 * time.Millisecond)
+			// instance's turn in Redis, which would last 41s) holds it back.
+			// (A moment for a give-up that is sent in the background.)
+			time.Sleep(500 * time.Millisecond)
 			res := await(t, goFetch(context.Background(), sp.URL+path+"?who=other"), 20*time.Second, "other instance")
 			if res.status != 200 {
 				t.Errorf("phase 1: another instance with wait 0 got status %d (Retry-After %q) on the free lock; the canceled waiters left something behind",
