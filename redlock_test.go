@@ -210,3 +210,55 @@ func TestRedlockEvenCountRejected(t *testing.T) {
 		t.Fatalf("even count: %v", err)
 	}
 }
+
+// TestRedlockExtensionRecreatesOnRestartedServer: servers that restart empty
+// while a lease is held get the lease back on the next extension, so two
+// restarts one after the other do not erode the lock: it stays exclusive
+// and its holder is not told it lost it.
+func TestRedlockExtensionRecreatesOnRestartedServer(t *testing.T) {
+	t.Parallel()
+	rs, addrs := startRedlock(t, 3)
+	entered := make(chan struct{})
+	finish := make(chan struct{})
+	var canceled atomic.Bool
+	up := func(w http.ResponseWriter, r *http.Request) error {
+		if r.URL.Query().Get("who") != "holder" {
+			return nil
+		}
+		close(entered)
+		select {
+		case <-finish:
+		case <-r.Context().Done():
+			canceled.Store(true)
+		}
+		return nil
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"900ms","timeout":"500ms"}`, addrs))
+	other := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"900ms","timeout":"501ms","wait":0}`, addrs))
+	srv, osrv := handlerServer(t, h, up), handlerServer(t, other, up)
+	done := make(chan *http.Response, 1)
+	go func() { resp, _ := get(t, srv.URL+"/r?who=holder"); done <- resp }()
+	<-entered
+	key := storedKey(h.Prefix, "/r")
+	for _, i := range []int{0, 1} {
+		rs[i].Restart()
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			n, _ := rs[i].Client().ZCard(context.Background(), key).Result()
+			if n == 1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("server %d restarted empty and did not get the lease back by extension", i)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		if resp, _ := get(t, osrv.URL+"/r?who=other"); resp == nil || resp.StatusCode != 423 {
+			t.Fatalf("after server %d restarted, another request got %v; want 423 (the lock is held)", i, resp)
+		}
+	}
+	close(finish)
+	if resp := <-done; resp == nil || resp.StatusCode != 200 || canceled.Load() {
+		t.Fatalf("holder: %v canceled=%v; want 200, lease kept", resp, canceled.Load())
+	}
+}
