@@ -29,11 +29,14 @@ var (
 	releaseLua string
 	//go:embed scripts/fence_raise.lua
 	fenceRaiseLua string
+	//go:embed scripts/lock_renew.lua
+	renewLua string
 
 	acquireScript    = redis.NewScript(acquireLua)
 	extendScript     = redis.NewScript(extendLua)
 	releaseScript    = redis.NewScript(releaseLua)
 	fenceRaiseScript = redis.NewScript(fenceRaiseLua)
+	renewScript      = redis.NewScript(renewLua)
 )
 
 // Sentinel errors of the lock engine; compare with errors.Is.
@@ -120,7 +123,8 @@ type Lease struct {
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
-	chained   bool  // received by hand-off, not from Redis
+	chained   bool // received by hand-off, not from Redis
+	renewing  *renewal
 	raise     int64 // Redlock: fencing counter to write back on release
 	lost      atomic.Bool
 }
@@ -136,9 +140,30 @@ func (ls *Lease) markLost() { ls.lost.Store(true) }
 // handOff passes the lease to the head of the local queue: the next holder
 // takes over the Redis lease and the next reserved fencing token, with no
 // Redis call. It reports false when the lease must be released in Redis
-// instead (no tokens left, lost, too little validity left, nobody waiting).
+// instead (no tokens left and no renewal, lost, too little validity left,
+// nobody waiting).
 func (ls *Lease) handOff() bool {
-	if ls.chainLeft <= 0 || ls.lost.Load() || ls.q == nil || ls.Valid() < ls.l.opts.TTL/2 {
+	if ls.lost.Load() || ls.q == nil {
+		return false
+	}
+	fence, left := ls.Fence+1, ls.chainLeft
+	if left <= 0 {
+		// The block is used up: take the renewal started while this
+		// holder worked, if it got one.
+		r := ls.renewing
+		if r == nil {
+			return false
+		}
+		<-r.done
+		if !r.ok {
+			return false
+		}
+		fence, left = r.fence-int64(r.n)+1, r.n
+		ls.mu.Lock()
+		ls.until = r.until
+		ls.mu.Unlock()
+	}
+	if ls.Valid() < ls.l.opts.TTL/2 {
 		return false
 	}
 	q := ls.q
@@ -151,14 +176,55 @@ func (ls *Lease) handOff() bool {
 	ls.mu.Lock()
 	until := ls.until
 	ls.mu.Unlock()
-	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: ls.Fence + 1, Start: time.Now(),
-		until: until, q: q, released: ls.released, chainLeft: ls.chainLeft - 1, chained: true, raise: ls.raise}
+	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: fence, Start: time.Now(),
+		until: until, q: q, released: ls.released, chainLeft: left - 1, chained: true, raise: ls.raise}
+	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.canRenew(len(ls.keys)) {
+		// The next holder is the block's last and more wait behind it: ask
+		// Redis for another block while it works.
+		n := len(q.waiters) - 1
+		if n > maxChain {
+			n = maxChain
+		}
+		next.renewing = ls.l.renew(next, n)
+	}
 	select {
 	case w.grant <- next:
 		return true
 	default: // already granted: cannot happen with one holder at a time
 		return false
 	}
+}
+
+// renewal is a lease renewal in flight: another block of fencing tokens
+// for local hand-offs, granted only while no other instance waits.
+type renewal struct {
+	done  chan struct{}
+	ok    bool
+	fence int64 // the block's last token
+	n     int
+	until time.Time
+}
+
+// canRenew: renewals need the instances' wait list, which only a
+// single-key lock on one server keeps.
+func (l *locker) canRenew(keys int) bool { return len(l.servers) == 1 && keys == 1 }
+
+// renew asks Redis, in the background, to extend ls and reserve n tokens.
+func (l *locker) renew(ls *Lease, n int) *renewal {
+	r := &renewal{done: make(chan struct{}), n: n}
+	go func() {
+		defer close(r.done)
+		ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
+		defer cancel()
+		start := time.Now()
+		k := ls.keys[0]
+		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, fenceKey(k), waitqKey(k)},
+			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n).Int64Slice()
+		if err == nil && len(v) == 2 && v[0] == 1 {
+			r.ok, r.fence, r.until = true, v[1], start.Add(l.opts.TTL)
+		}
+	}()
+	return r
 }
 
 // Valid reports the remaining validity of the lease.

@@ -1,0 +1,23 @@
+-- Renew a held lease for another block of local hand-offs, unless another
+-- Caddy instance is waiting for the key (then it must get its turn).
+-- KEYS[1] lock sorted set, KEYS[2] fencing counter, KEYS[3] waitq
+-- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] instance id, ARGV[4] tokens to reserve
+-- Returns {1, fence} (the new block's last token), or {0, 0} when the lease
+-- is not held any more or another instance waits.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+	return {0, 0}
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+local waiting = redis.call('ZRANGE', KEYS[3], 0, -1)
+for _, id in ipairs(waiting) do
+	if id ~= ARGV[3] then
+		return {0, 0}
+	end
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]))
+return {1, redis.call('INCRBY', KEYS[2], tonumber(ARGV[4]))}
