@@ -176,6 +176,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
+			if strings.ContainsAny(v, "{}") {
+				return d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", dir, v)
+			}
 			h.Prefix = v
 		default:
 			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
@@ -312,6 +315,9 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			if strings.ContainsAny(v, "{}") {
 				return d.Errf("%s: prefix: must not contain { or } (the handler adds the hash tag), got %q", dir, v)
+			}
+			if strings.ContainsAny(v, "{}") {
+				return d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", dir, v)
 			}
 			h.Prefix = v
 		default:

@@ -49,6 +49,7 @@ func TestLockCaddyfileErrors(t *testing.T) {
 		{"fail_open arg", "fail_open yes", "fail_open: takes no argument"},
 		{"sync_replicas bad", "sync_replicas -2", "sync_replicas: want an integer >= 0"},
 		{"prefix missing", "prefix", "prefix: want exactly one argument"},
+		{"prefix braces", "prefix a{b}:", "prefix: \"a{b}:\" must not contain braces"},
 		{"redis missing", "redis", "redis: needs at least one address"},
 		{"redis bad addr", "redis nohostport", `redis: invalid redis address "nohostport"`},
 		{"redis bad port", "redis 127.0.0.1:99999", "redis: invalid redis address"},

@@ -259,6 +259,8 @@ func (h *RedisLock) Validate() error {
 		return fmt.Errorf("redis_lock: on_lost: want cancel or continue, got %q", h.OnLost)
 	case h.SyncReplicas < 0:
 		return fmt.Errorf("redis_lock: sync_replicas: must not be negative, got %d", h.SyncReplicas)
+	case strings.ContainsAny(h.Prefix, "{}"):
+		return fmt.Errorf("redis_lock: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", h.Prefix)
 	case strings.ContainsAny(h.FencingHeader, " \t\r\n:"):
 		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name", h.FencingHeader)
 	}
