@@ -132,7 +132,7 @@ type Lease struct {
 // maxChain bounds how many holders in a row one Redis acquisition may serve
 // by local hand-off; then the lock is released in Redis, so waiters of other
 // instances get their turn.
-const maxChain = 8
+const maxChain = 16
 
 // markLost records that the lease is gone, so it is not handed on.
 func (ls *Lease) markLost() { ls.lost.Store(true) }
