@@ -521,18 +521,25 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 // in the background (or its lease simply runs out).
 func (l *locker) releaseKeys(keys []string, token string, raise int64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
-	var wg sync.WaitGroup
-	for _, k := range keys {
-		wg.Add(1)
-		go func(k string) {
-			defer wg.Done()
-			msg := l.dom.id + " " + k
-			l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
-				return releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
-			}, l.majorityAnswered, nil)
-		}(k)
+	one := func(k string) {
+		msg := l.dom.id + " " + k
+		l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+			return releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
+		}, l.majorityAnswered, nil)
 	}
-	wg.Wait()
+	if len(keys) == 1 {
+		one(keys[0])
+	} else {
+		var wg sync.WaitGroup
+		for _, k := range keys {
+			wg.Add(1)
+			go func(k string) {
+				defer wg.Done()
+				one(k)
+			}(k)
+		}
+		wg.Wait()
+	}
 	if len(l.servers) == 1 {
 		cancel()
 	} else {
