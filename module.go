@@ -293,13 +293,14 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 		o.DisableIdentity = true
 		o.PoolSize = 64
 		o.MinIdleConns = 0
+		o.Protocol = 2 // no RESP3 feature is used: skip the push-notification checks per reply
 	}
 	switch s.Mode {
 	case "cluster":
 		co := &redis.ClusterOptions{
 			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64,
+			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
 		}
 		return redis.NewClusterClient(co), nil
 	case "sentinel":
@@ -307,7 +308,7 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
 			DB: s.DB, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64,
+			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
 		}
 		return redis.NewFailoverClient(fo), nil
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -33,6 +34,12 @@ const (
 	HeaderRateLimitPolicy = "RateLimit-Policy"
 	HeaderRateLimit       = "RateLimit"
 	HeaderRetryAfter      = "Retry-After"
+)
+
+// The header names as http.Header keys them.
+var (
+	canonRateLimitPolicy = http.CanonicalHeaderKey(HeaderRateLimitPolicy)
+	canonRateLimit       = http.CanonicalHeaderKey(HeaderRateLimit)
 )
 
 // Defaults and limits of redis_ratelimit.
@@ -156,12 +163,16 @@ type RedisRateLimit struct {
 	// runtime state
 	logger     *zap.Logger
 	key        string // Key with Caddyfile shorthands expanded
+	keyPH      string // the placeholder that is the whole key, if it is one
+	keyHead    string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
 	rates      []rateSpec
 	script     *redis.Script
+	cmd        []any // the EVALSHA command of a decision, key slots empty
 	algo       string
 	status     int
 	sendHdrs   bool
-	policy     string // the RateLimit-Policy value
+	policy     string                // the RateLimit-Policy value
+	counters   [3]prometheus.Counter // decisions: allowed, denied, error
 	timeout    time.Duration
 	client     *pooledClient
 	clientKey  string
@@ -185,6 +196,8 @@ type rateSpec struct {
 	window time.Duration
 	burst  int64
 	suffix string // of the Redis key
+	tail   string // "}" + suffix: closes the hash tag
+	name   string // `"r<i>";r=`, the start of its RateLimit field
 }
 
 // CaddyModule returns the Caddy module information.
@@ -262,12 +275,44 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		} else {
 			s.suffix = fmt.Sprintf(":sw:%d/%s", s.n, s.window)
 		}
+		s.tail = "}" + s.suffix
+		s.name = fmt.Sprintf(`"r%d";r=`, i)
 		h.rates[i] = s
 		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, s.n, ceilSeconds(s.window))
 	}
 	h.policy = strings.Join(policies, ", ")
+	h.keyHead = h.Prefix + "{"
+	h.keyPH = wholePlaceholder(h.key)
+	// EVALSHA sha numkeys key... argv...: per request only the keys change.
+	h.cmd = append(make([]any, 0, 3+4*len(h.rates)), "evalsha", h.script.Hash(), len(h.rates))
+	for range h.rates {
+		h.cmd = append(h.cmd, "")
+	}
+	for _, s := range h.rates {
+		h.cmd = append(h.cmd, s.n, s.window.Microseconds())
+		if h.algo == algoGCRA {
+			h.cmd = append(h.cmd, s.burst)
+		}
+	}
+	for i, result := range []string{"allowed", "denied", "error"} {
+		h.counters[i] = rateLimitTotal.WithLabelValues(result)
+	}
 	h.deny = newDenyCache(denyCacheSize)
 	return nil
+}
+
+// wholePlaceholder returns the name of the placeholder that is all of
+// template (as in "{http.request.header.X-Key}"), or "" when the template is
+// anything else; such a key is rendered by one lookup, without parsing.
+func wholePlaceholder(template string) string {
+	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
+		return ""
+	}
+	name := template[1 : len(template)-1]
+	if strings.ContainsAny(name, "{}\\") || strings.HasPrefix(name, "file.") {
+		return ""
+	}
+	return name
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,
@@ -376,17 +421,25 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		}
 	}
 	if h.sendHdrs {
+		// Both fields in one allocation, under their canonical names (as
+		// Header.Set would store them).
+		var buf [64]byte
+		f := append(buf[:0], h.rates[d.tight].name...)
+		f = strconv.AppendInt(f, d.remaining, 10)
+		f = append(f, ";t="...)
+		f = strconv.AppendInt(f, ceilSeconds(d.reset), 10)
+		vals := []string{h.policy, string(f)}
 		hdr := w.Header()
-		hdr.Set(HeaderRateLimitPolicy, h.policy)
-		hdr.Set(HeaderRateLimit, fmt.Sprintf(`"r%d";r=%d;t=%d`, d.tight, d.remaining, ceilSeconds(d.reset)))
+		hdr[canonRateLimitPolicy] = vals[0:1:1]
+		hdr[canonRateLimit] = vals[1:2:2]
 	}
 	repl.Set("http.redis_ratelimit.remaining", d.remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
-	result := "allowed"
-	if !d.allowed {
-		result = "denied"
+	if d.allowed {
+		h.counters[0].Inc()
+	} else {
+		h.counters[1].Inc()
 	}
-	rateLimitTotal.WithLabelValues(result).Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
 		c.Write(zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),
 			zap.Int64("retry_after", retry), zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.cached))
@@ -407,22 +460,18 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string) (decision, error
 	if !b.breaker.allow(time.Now()) {
 		return decision{}, errBreakerOpen
 	}
-	keys := make([]string, len(h.rates))
-	per := 2
-	if h.algo == algoGCRA {
-		per = 3
+	c := &rlCall{script: h.script}
+	if len(h.cmd) <= len(c.argBuf) {
+		c.args = c.argBuf[:len(h.cmd)]
+	} else {
+		c.args = make([]any, len(h.cmd))
 	}
-	args := make([]any, 0, per*len(h.rates))
-	tag := h.Prefix + "{" + id + "}"
+	copy(c.args, h.cmd)
 	for i, s := range h.rates {
-		keys[i] = tag + s.suffix
-		args = append(args, s.n, s.window.Microseconds())
-		if per == 3 {
-			args = append(args, s.burst)
-		}
+		c.args[3+i] = h.keyHead + id + s.tail
 	}
 	sent := h.now()
-	res, err := b.do(ctx, h.script, keys, args, h.timeout)
+	res, err := b.do(ctx, c, h.timeout)
 	got := h.now()
 	if err != nil {
 		if errors.Is(err, errRedisTimeout) || isRedisDown(err) {
@@ -475,7 +524,7 @@ func parseDecision(res any, nrates int) (decision, error) {
 
 // failPolicy answers when Redis could not decide.
 func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, err error) error {
-	rateLimitTotal.WithLabelValues("error").Inc()
+	h.counters[2].Inc()
 	h.warnFail(err)
 	if h.sendHdrs {
 		w.Header().Set(HeaderRateLimitPolicy, h.policy)
@@ -507,7 +556,18 @@ func (h *RedisRateLimit) warnFail(err error) {
 // limitID renders the key template for r: the identity of its limit,
 // used inside the Redis hash tag.
 func (h *RedisRateLimit) limitID(r *http.Request, repl *caddy.Replacer) string {
-	key, err := repl.ReplaceOrErr(h.key, false, true)
+	var key string
+	var err error
+	if h.keyPH != "" {
+		// What ReplaceOrErr does for a template that is one placeholder.
+		if v, ok := repl.Get(h.keyPH); ok {
+			key = caddy.ToString(v)
+		} else {
+			err = fmt.Errorf("unrecognized placeholder {%s}", h.keyPH)
+		}
+	} else {
+		key, err = repl.ReplaceOrErr(h.key, false, true)
+	}
 	if err != nil {
 		if h.warn.unknownKey.CompareAndSwap(false, true) {
 			h.logger.Warn("rate limit key has a placeholder unknown for this request; limiting by client IP instead (logged once)",
@@ -515,7 +575,10 @@ func (h *RedisRateLimit) limitID(r *http.Request, repl *caddy.Replacer) string {
 		}
 		key = ""
 	}
-	return limitIDFor(key, clientIP(r))
+	if key == "" {
+		return limitIDFor("", clientIP(r))
+	}
+	return limitIDFor(key, "")
 }
 
 // limitIDFor maps a rendered key to the id in the hash tag, injectively:

@@ -21,7 +21,10 @@ import (
 // one script call.
 
 const (
-	batchWorkers = 4   // pipelines in flight at once, per Redis client
+	// Pipelines in flight at once, per Redis client. Few, so that under load
+	// each carries many calls (one write and one read for all of them, on
+	// Caddy's side and on Redis's), yet an idle worker sends at once.
+	batchWorkers = 2
 	batchMax     = 128 // script calls per pipeline
 	batchQueue   = 1024
 
@@ -51,13 +54,14 @@ type rlBatcher struct {
 
 // rlCall is one request's script call.
 type rlCall struct {
-	script *redis.Script
-	keys   []string
-	args   []any
-	state  atomic.Int32 // callPending, callTaken or callAbandoned
-	res    any
-	err    error
-	done   chan struct{} // closed by the worker that took the call
+	script   *redis.Script
+	args     []any        // the whole EVALSHA command: "evalsha", sha, numkeys, keys..., argv...
+	deadline time.Time    // answered by then: a worker does not send a call taken later
+	state    atomic.Int32 // callPending, callTaken or callAbandoned
+	res      any
+	err      error
+	done     chan struct{} // closed by the worker that took the call
+	argBuf   [8]any        // args of small calls, allocated with the call
 }
 
 const (
@@ -108,41 +112,54 @@ func (b *rlBatcher) Destruct() error {
 // do runs one script call through the pipeline and waits at most timeout
 // (or until ctx ends) for its answer. A call given up before a worker took
 // it never runs.
-func (b *rlBatcher) do(ctx context.Context, script *redis.Script, keys []string, args []any, timeout time.Duration) (any, error) {
-	c := &rlCall{script: script, keys: keys, args: args, done: make(chan struct{})}
-	timer := time.NewTimer(timeout)
-	defer timer.Stop()
+//
+// No timer per call: the worker that takes a call answers it by its
+// deadline (a call taken too late is not sent; a pipeline's context ends at
+// the earliest deadline in it). Only a full queue waits with a timer.
+func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration) (any, error) {
+	c.deadline = time.Now().Add(timeout)
+	c.done = make(chan struct{})
 	select {
 	case b.queue <- c:
-	case <-b.stop:
-		return nil, errBatcherDone
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	case <-timer.C:
-		return nil, errRedisTimeout
+	default:
+		if err := b.enqueueSlow(ctx, c, timeout); err != nil {
+			return nil, err
+		}
 	}
 	select {
 	case <-c.done:
 		return c.res, c.err
 	case <-ctx.Done():
-		// If a worker took it already, it ends within its own timeout.
+		// If a worker took it already, it ends by the call's deadline.
 		c.state.CompareAndSwap(callPending, callAbandoned)
 		return nil, ctx.Err()
-	case <-timer.C:
-		c.state.CompareAndSwap(callPending, callAbandoned)
-		return nil, errRedisTimeout
 	case <-b.stop:
 		if c.state.CompareAndSwap(callPending, callAbandoned) {
 			return nil, errBatcherDone
 		}
+		// Taken: the worker answers it by the deadline.
 		select {
 		case <-c.done:
 			return c.res, c.err
 		case <-ctx.Done():
 			return nil, ctx.Err()
-		case <-timer.C:
-			return nil, errRedisTimeout
 		}
+	}
+}
+
+// enqueueSlow waits for room in a full queue, at most timeout.
+func (b *rlBatcher) enqueueSlow(ctx context.Context, c *rlCall, timeout time.Duration) error {
+	timer := time.NewTimer(timeout)
+	defer timer.Stop()
+	select {
+	case b.queue <- c:
+		return nil
+	case <-b.stop:
+		return errBatcherDone
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timer.C:
+		return errRedisTimeout
 	}
 }
 
@@ -156,17 +173,13 @@ func (b *rlBatcher) work() {
 		case <-b.stop:
 			return
 		case c := <-b.queue:
-			if c.state.CompareAndSwap(callPending, callTaken) {
-				batch = append(batch, c)
-			}
+			batch = b.take(batch, c)
 		}
 	fill:
 		for len(batch) < batchMax {
 			select {
 			case c := <-b.queue:
-				if c.state.CompareAndSwap(callPending, callTaken) {
-					batch = append(batch, c)
-				}
+				batch = b.take(batch, c)
 			default:
 				break fill
 			}
@@ -175,6 +188,20 @@ func (b *rlBatcher) work() {
 			b.send(batch)
 		}
 	}
+}
+
+// take adds c to batch unless its caller gave up, or its deadline passed
+// while it waited in the queue (then it is answered at once, unsent).
+func (b *rlBatcher) take(batch []*rlCall, c *rlCall) []*rlCall {
+	if !c.state.CompareAndSwap(callPending, callTaken) {
+		return batch
+	}
+	if !time.Now().Before(c.deadline) {
+		c.err = errRedisTimeout
+		close(c.done)
+		return batch
+	}
+	return append(batch, c)
 }
 
 // send runs one pipeline; every call in batch is answered, also on panic.
@@ -191,13 +218,21 @@ func (b *rlBatcher) send(batch []*rlCall) {
 			}
 		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), b.timeout)
+	// The pipeline ends when the first of its calls must be answered.
+	deadline := batch[0].deadline
+	for _, c := range batch[1:] {
+		if c.deadline.Before(deadline) {
+			deadline = c.deadline
+		}
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 
 	cmds := make([]*redis.Cmd, len(batch))
 	pipe := b.client.Pipeline()
 	for i, c := range batch {
-		cmds[i] = c.script.EvalSha(ctx, pipe, c.keys, c.args...)
+		cmds[i] = redis.NewCmd(ctx, c.args...)
+		_ = pipe.Process(ctx, cmds[i])
 	}
 	_, _ = pipe.Exec(ctx)
 	// After a Redis restart or SCRIPT FLUSH the script is unknown: send those
@@ -212,15 +247,29 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	if len(retry) > 0 {
 		pipe = b.client.Pipeline()
 		for _, i := range retry {
-			cmds[i] = batch[i].script.Eval(ctx, pipe, batch[i].keys, batch[i].args...)
+			keys, argv := batch[i].keysArgv()
+			cmds[i] = batch[i].script.Eval(ctx, pipe, keys, argv...)
 		}
 		_, _ = pipe.Exec(ctx)
 	}
 	answered = true
 	for i, c := range batch {
 		c.res, c.err = cmds[i].Result()
+		if c.err != nil && ctx.Err() != nil && isRedisDown(c.err) {
+			c.err = errRedisTimeout // the deadline of the first call in the pipeline passed
+		}
 		close(c.done)
 	}
+}
+
+// keysArgv splits the EVALSHA command of c into its keys and arguments.
+func (c *rlCall) keysArgv() ([]string, []any) {
+	nk := c.args[2].(int)
+	keys := make([]string, nk)
+	for i := range keys {
+		keys[i] = c.args[3+i].(string)
+	}
+	return keys, c.args[3+nk:]
 }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;

@@ -15,18 +15,42 @@
 -- than t - w. Then no closed interval of length w ever holds n+1 admissions.
 -- The request is recorded (in every log) only when every rate admits it.
 --
--- The log is read 8 or 24 bytes at a time with GETRANGE (copying the whole
--- log into Lua costs more, already at a few hundred slots) and written with
--- two SETRANGEs and a PEXPIREAT: O(1) calls per request in the steady state.
+-- The log is read with GETRANGE: its first PRE bytes (the header and the
+-- first slots) in one call, other slots 8 bytes at a time, or a few at once
+-- where the search steps through them (copying the whole log into Lua costs
+-- more, already at a few hundred slots). A log shorter than PRE bytes is
+-- then known whole and written back with one SET (value and expiry); a
+-- longer one with two SETRANGEs and a PEXPIREAT. O(1) calls per request in
+-- the steady state; 3 in all (TIME, GETRANGE, SET) for a short log.
 --
 -- Returns {admitted 1|0, µs until every rate admits it (0 when admitted),
 --          then for each rate: remaining quota, µs until it grows (0 = full)}.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local HDR = 24
+local PRE = 256 -- bytes read first: the header and slots 0..28
+local STEP = 4 -- slots stepped through from the hint before a binary search
 
+-- slot reads slot j of log s: from the bytes read already, else from Redis.
 local function slot(s, j)
-	return (struct.unpack('>d', redis.call('GETRANGE', s.k, HDR + 8 * j, HDR + 7 + 8 * j)))
+	local off = HDR + 8 * j
+	if off + 8 <= #s.v then
+		return (struct.unpack('>d', s.v, off + 1))
+	end
+	if s.c and off >= s.co and off + 8 <= s.co + #s.c then
+		return (struct.unpack('>d', s.c, off - s.co + 1))
+	end
+	return (struct.unpack('>d', redis.call('GETRANGE', s.k, off, off + 7)))
+end
+
+-- fetch reads slots j..j+m-1 of log s (not wrapping) in one call, unless
+-- slot j was read already.
+local function fetch(s, j, m)
+	local off = HDR + 8 * j
+	if m > 1 and off + 8 > #s.v then
+		s.co = off
+		s.c = redis.call('GETRANGE', s.k, off, off + 8 * m - 1)
+	end
 end
 
 local st = {}
@@ -36,9 +60,11 @@ for i = 1, #KEYS do
 	local n = tonumber(ARGV[2 * i - 1])
 	local w = tonumber(ARGV[2 * i])
 	local s = {k = KEYS[i], n = n, w = w, pos = 0, lo = 0, rec = now}
-	local h = redis.call('GETRANGE', s.k, 0, HDR - 1)
-	if #h == HDR then
-		s.pos, s.lo, s.last = struct.unpack('>ddd', h)
+	s.v = redis.call('GETRANGE', s.k, 0, PRE - 1)
+	-- Shorter than PRE: s.v is the whole log (or no log).
+	s.whole = #s.v < PRE
+	if #s.v >= HDR then
+		s.pos, s.lo, s.last = struct.unpack('>ddd', s.v)
 		-- Same microsecond (or a clock step back): keep times unique and
 		-- increasing by recording a little later, which only makes it stricter.
 		if s.last >= now then
@@ -73,6 +99,7 @@ for i = 1, #KEYS do
 		if s.last == nil or s.last < thr then
 			lo = hi
 		else
+			fetch(s, lo % s.n, math.min(STEP, hi - lo, s.n - lo % s.n))
 			local steps = 0
 			while lo < hi do
 				local v = slot(s, lo % s.n)
@@ -82,7 +109,7 @@ for i = 1, #KEYS do
 				end
 				lo = lo + 1
 				steps = steps + 1
-				if steps == 4 then
+				if steps == STEP then
 					while lo < hi do
 						local mid = math.floor((lo + hi) / 2)
 						if slot(s, mid % s.n) >= thr then
@@ -101,10 +128,22 @@ for i = 1, #KEYS do
 		end
 		if admit == 1 then
 			local j = s.pos % s.n
-			redis.call('SETRANGE', s.k, HDR + 8 * j, struct.pack('>d', s.rec))
-			redis.call('SETRANGE', s.k, 0, struct.pack('>ddd', s.pos + 1, lo, s.rec))
+			local off = HDR + 8 * j
+			local hdr = struct.pack('>ddd', s.pos + 1, lo, s.rec)
 			-- The log matters while its newest admission is in a window.
-			redis.call('PEXPIREAT', s.k, math.ceil((s.rec + s.w + 1) / 1000))
+			local exp = math.ceil((s.rec + s.w + 1) / 1000)
+			if s.whole then
+				-- The same bytes the SETRANGEs below would leave.
+				local body = string.sub(s.v, HDR + 1, off)
+				if #body < off - HDR then
+					body = body .. string.rep('\0', off - HDR - #body)
+				end
+				redis.call('SET', s.k, hdr .. body .. struct.pack('>d', s.rec) .. string.sub(s.v, off + 9), 'PXAT', exp)
+			else
+				redis.call('SETRANGE', s.k, off, struct.pack('>d', s.rec))
+				redis.call('SETRANGE', s.k, 0, hdr)
+				redis.call('PEXPIREAT', s.k, exp)
+			end
 			inwin = inwin + 1
 			first = first or s.rec
 		end
