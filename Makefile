@@ -43,7 +43,15 @@ test: redis-server
 	go vet ./...
 	go test -race -count=1 ./...
 
+# The hot-key ceiling for `make bench`: stock Caddy plus bench/benchmutex (a
+# process-wide sync.Mutex handler, benchmarking only), rebuilt only when it changes.
+CEILING_SOURCES := $(wildcard bench/benchmutex/*.go) bench/benchmutex/go.mod bench/benchmutex/go.sum
+bin/caddy-ceiling: $(CEILING_SOURCES)
+	@mkdir -p bin
+	$(XCADDY) build $(CADDY_VERSION) --with $(MODULE)/bench/benchmutex@$(PSEUDO)=./bench/benchmutex --output bin/caddy-ceiling
+
 # Benchmark (SPEC §7), its own Go module: starts redis-servers, an upstream and
 # Caddy processes on loopback ports, prints a Markdown table, stops them all.
-bench: caddy redis-server
-	cd bench && go run ./cmd/bench -caddy ../bin/caddy
+bench: caddy bin/caddy-ceiling redis-server
+	cd bench && go run ./cmd/bench -caddy ../bin/caddy -caddy-ceiling ../bin/caddy-ceiling
+	@tools/bench-redlock.sh

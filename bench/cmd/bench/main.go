@@ -44,6 +44,7 @@ import (
 
 var (
 	caddyBin  = flag.String("caddy", "../bin/caddy", "Caddy binary with the redisdlm plugin")
+	ceilBin   = flag.String("caddy-ceiling", "../bin/caddy-ceiling", "Caddy binary with bench/benchmutex (the hot-key ceiling row; see `make bin/caddy-ceiling`)")
 	redisBin  = flag.String("redis-server", "redis-server", "redis-server binary")
 	warmup    = flag.Duration("warmup", time.Second, "hot-key warm-up, not measured")
 	measure   = flag.Duration("measure", 5*time.Second, "hot-key measured run")
@@ -203,11 +204,16 @@ type caddyProc struct {
 // startCaddy runs bin/caddy with a Caddyfile and waits until every port
 // accepts connections; on failure the error carries the log's tail.
 func startCaddy(name, caddyfile string, ports ...int) (*caddyProc, error) {
+	return startCaddyBin(*caddyBin, name, caddyfile, ports...)
+}
+
+// startCaddyBin is startCaddy with another Caddy binary.
+func startCaddyBin(bin, name, caddyfile string, ports ...int) (*caddyProc, error) {
 	path := filepath.Join(workDir, name+".Caddyfile")
 	if err := os.WriteFile(path, []byte(caddyfile), 0o644); err != nil {
 		return nil, err
 	}
-	cmd, err := startChild(name+".log", *caddyBin, "run", "--config", path, "--adapter", "caddyfile")
+	cmd, err := startChild(name+".log", bin, "run", "--config", path, "--adapter", "caddyfile")
 	if err != nil {
 		return nil, fmt.Errorf("starting caddy %s: %w", name, err)
 	}
@@ -795,6 +801,9 @@ type env struct {
 	caddyA, caddyB    *caddyProc
 	caddyC            *caddyProc
 	caddyCErr         error
+	portCeil          int
+	caddyCeil         *caddyProc // bin/caddy-ceiling: bench_mutex instead of redis_lock
+	caddyCeilErr      error
 }
 
 func globalOpts(name string) string {
@@ -822,6 +831,19 @@ http://127.0.0.1:%d {
 	reverse_proxy %s
 }
 `, port, redisAddrs, instance, strings.TrimPrefix(upstreamURL, "http://"))
+}
+
+// ceilingSite is hotSite with bench_mutex (bench/benchmutex: one
+// process-wide sync.Mutex, increasing Lock-Fencing-Token) instead of
+// redis_lock: the ceiling of the hot-key row through Caddy.
+func ceilingSite(port int, instance, upstreamURL string) string {
+	return fmt.Sprintf(`
+http://127.0.0.1:%d {
+	bench_mutex
+	request_header X-Instance %s
+	reverse_proxy %s
+}
+`, port, instance, strings.TrimPrefix(upstreamURL, "http://"))
 }
 
 func lockRespondSite(port int, redisAddrs string) string {
@@ -867,6 +889,9 @@ func run() error {
 	if _, err := os.Stat(*caddyBin); err != nil {
 		return fmt.Errorf("caddy binary: %w (run `make caddy`)", err)
 	}
+	if abs, err := filepath.Abs(*ceilBin); err == nil {
+		*ceilBin = abs
+	}
 	begin := time.Now()
 	e := &env{}
 	step := func(f string, a ...any) {
@@ -879,7 +904,7 @@ func run() error {
 		return nil
 	}
 
-	step("starting redis-server ×4, upstream, caddy ×3 (work dir %s)", workDir)
+	step("starting redis-server ×4, upstream, caddy ×3 + ceiling (work dir %s)", workDir)
 	for _, p := range []struct {
 		dst  **redisProc
 		name string
@@ -892,13 +917,14 @@ func run() error {
 		return err
 	}
 	defer e.up.srv.Close()
-	ports := make([]int, 6)
+	ports := make([]int, 7)
 	for i := range ports {
 		if ports[i], err = freePort(); err != nil {
 			return err
 		}
 	}
 	e.portsA.hot, e.portsA.lock1, e.portsA.base, e.portB, e.portC, e.portsA.proxy = ports[0], ports[1], ports[2], ports[3], ports[4], ports[5]
+	e.portCeil = ports[6]
 	cfA := globalOpts("a") + hotSite(e.portsA.hot, e.r1.addr(), "a", e.up.url) +
 		lockRespondSite(e.portsA.lock1, e.r1.addr()) + respondSite(e.portsA.base) + proxySite(e.portsA.proxy, "a", e.up.url)
 	if e.caddyA, err = startCaddy("caddyA", cfA, e.portsA.hot, e.portsA.lock1, e.portsA.base, e.portsA.proxy); err != nil {
@@ -911,6 +937,13 @@ func run() error {
 	// Redlock in its own process, so that a failure there spoils one row only.
 	cfC := globalOpts("c") + lockRespondSite(e.portC, strings.Join([]string{e.r3a.addr(), e.r3b.addr(), e.r3c.addr()}, " "))
 	e.caddyC, e.caddyCErr = startCaddy("caddyC", cfC, e.portC)
+	// The ceiling: stock Caddy + bench_mutex, its own process, so that a
+	// missing bin/caddy-ceiling spoils one row only.
+	if _, err := os.Stat(*ceilBin); err != nil {
+		e.caddyCeilErr = fmt.Errorf("ceiling binary: %w (run `make bin/caddy-ceiling`)", err)
+	} else {
+		e.caddyCeil, e.caddyCeilErr = startCaddyBin(*ceilBin, "caddyCeil", globalOpts("ceil")+ceilingSite(e.portCeil, "a", e.up.url), e.portCeil)
+	}
 
 	urlA := fmt.Sprintf("http://127.0.0.1:%d", e.portsA.hot)
 	urlB := fmt.Sprintf("http://127.0.0.1:%d", e.portB)
@@ -932,6 +965,13 @@ func run() error {
 	half := *clients / 2
 	hot = append(hot, runHot("hot-caddy1", "redis_lock, 1 Caddy", fmt.Sprint(*clients), 0.90,
 		[]target{{url: urlA, clients: *clients, prefix: "a"}}))
+	const ceilWho = "perfect in-process lock through Caddy (ceiling)"
+	if e.caddyCeilErr != nil {
+		hot = append(hot, hotResult{name: "hot-ceiling", who: ceilWho, clients: fmt.Sprint(*clients), errs: "—", err: e.caddyCeilErr})
+	} else {
+		hot = append(hot, runHot("hot-ceiling", ceilWho, fmt.Sprint(*clients), 0,
+			[]target{{url: fmt.Sprintf("http://127.0.0.1:%d", e.portCeil), clients: *clients, prefix: "a"}}))
+	}
 	hot = append(hot, runHot("hot-caddy2", "redis_lock, 2 Caddy, 1 Redis", fmt.Sprintf("%d + %d", half, *clients-half), 0.80,
 		[]target{{url: urlA, clients: half, prefix: "a"}, {url: urlB, clients: *clients - half, prefix: "b"}}))
 

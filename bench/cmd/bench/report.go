@@ -119,7 +119,7 @@ func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, rl *rl
 	p("| run | same instance p50 / p99 (n) | across instances p50 / p99 (n) | hand-offs across | served per instance |")
 	p("|---|---|---|---|---|")
 	for _, r := range hot {
-		if r.err != nil || !strings.HasPrefix(r.name, "hot-caddy") {
+		if r.err != nil || !strings.HasPrefix(r.name, "hot-caddy") && r.name != "hot-ceiling" {
 			continue
 		}
 		same, across := "—", "—"
@@ -208,6 +208,7 @@ func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, rl *rl
 	p("Notes:")
 	p("- Utilisation = Σ(exit − entry) of the upstream's own requests ÷ (last exit − first entry), over requests that entered in the measured window; the upstream sleeps %s, and a sleep that really takes longer counts fully as busy. It also checks that at most one request is inside at a time and that `Lock-Fencing-Token` strictly increases.", *hold)
 	p("- Caddy rows: each HTTP client (keep-alive) sends its next request as soon as it has read the response; Caddy's `redis_lock` (key `{http.request.uri.path}`, defaults otherwise) wraps `request_header X-Instance` + `reverse_proxy` to the upstream. Two-Caddy rows: two processes, one Redis, %d clients each.", *clients/2)
+	p("- Ceiling row: the same %d clients, upstream and Caddy config as the 1-Caddy row, but `bench_mutex` (bench/benchmutex, built into bin/caddy-ceiling: one process-wide sync.Mutex — FIFO hand-off in starvation mode — held around `next`, with an increasing `Lock-Fencing-Token`) instead of `redis_lock`. No Redis and no network hop for the lock: it is the ceiling for this harness; the gap between it and the redis_lock row is what the lock costs, the gap between it and 1.00 is Caddy's reverse_proxy path and the client round trip.", *clients)
 	p("- Library rows: %d goroutines in the bench process, each looping acquire → GET the same upstream over HTTP → release → sleep %s (a real hand-off: the releaser does not re-ask at once). The same loop for every library; sync.Mutex is the ceiling of that loop.", *clients, *libPause)
 	p("- Hand-off = next request's entry − previous request's exit at the upstream: it includes the response flowing back through Caddy, the release round trip, the wake-up and the next acquire round trip (and, through Caddy, the proxy hop to the upstream). The reference row is one client with no lock: its gap is the upstream → Caddy → client → Caddy → upstream path, more than a lock hand-off needs besides Redis.")
 	p("- Commands: a raw MONITOR connection counts every command Caddy's connections sent; lines from inside scripts (`lua`) are left out, so a script call counts once. Scripts named by their SHA1. Uncontended rows count every request sent while MONITOR ran (10 unmeasured ones included); contended rows divide by acquisitions that reached the upstream.")
