@@ -1,0 +1,175 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// startCluster starts three redis-server masters in cluster mode on free
+// loopback ports and joins them into one Cluster (no replicas).
+func startCluster(t *testing.T) []*testRedis {
+	t.Helper()
+	var rs []*testRedis
+	var addrs []string
+	for i := 0; i < 3; i++ {
+		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+		rs = append(rs, r)
+		addrs = append(addrs, r.Addr)
+	}
+	args := append([]string{"--cluster", "create"}, addrs...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	out, err := exec.Command("redis-cli", args...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		info, _ := rs[0].Client().ClusterInfo(context.Background()).Result()
+		if strings.Contains(info, "cluster_state:ok") {
+			return rs
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("cluster did not become ok: %s", info)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestClusterLockAndRateLimit: on a 3-master Redis Cluster, locks on keys
+// spread over all slots are exclusive with increasing tokens (every script
+// touches one slot: no CROSSSLOT), a request for several keys on different
+// slots works, and the rate limiter counts exactly.
+func TestClusterLockAndRateLimit(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	seeds := fmt.Sprintf(`["%s","%s"]`, rs[0].Addr, rs[1].Addr)
+	up := newExclusivityUpstream(time.Millisecond)
+	a := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"2s","wait":"30s"}`, seeds))
+	b := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"3s","wait":"30s"}`, seeds))
+	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+	var wg sync.WaitGroup
+	for i := 0; i < 120; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			srv := sa
+			if i%2 == 1 {
+				srv = sb
+			}
+			if resp, body := get(t, fmt.Sprintf("%s/k%d", srv.URL, i%6)); resp == nil || resp.StatusCode != 200 {
+				t.Errorf("request %d: %v %s", i, resp, body)
+			}
+		}(i)
+	}
+	wg.Wait()
+	up.check(t)
+	// The six keys landed on more than one master.
+	masters := 0
+	for _, r := range rs {
+		if n, _ := r.Client().DBSize(context.Background()).Result(); n > 0 {
+			masters++
+		}
+	}
+	if masters < 2 {
+		t.Errorf("lock keys on %d masters; want them spread over the cluster", masters)
+	}
+
+	multi := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"keys":["{http.request.header.A}","{http.request.header.B}"]}`, seeds))
+	ms := handlerServer(t, multi, okHandler)
+	for i := 0; i < 10; i++ {
+		if resp, body := get(t, ms.URL+"/", "A", fmt.Sprint("x", i), "B", fmt.Sprint("y", i)); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("multi-key on cluster: %v %s", resp, body)
+		}
+	}
+
+	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
+		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
+		h.Key = "{http.request.header.U}"
+		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
+	})
+	rls := handlerServer(t, rl, okHandler)
+	for _, user := range []string{"u1", "u2", "u3"} {
+		ok := 0
+		for i := 0; i < 5; i++ {
+			resp, _ := get(t, rls.URL+"/", "U", user)
+			if resp != nil && resp.StatusCode == 200 {
+				ok++
+			} else if resp == nil || resp.StatusCode != http.StatusTooManyRequests {
+				t.Fatalf("rate limit on cluster: %v", resp)
+			}
+		}
+		if ok != 3 {
+			t.Errorf("user %s admitted %d of 5, want 3", user, ok)
+		}
+	}
+}
+
+// startSentinel starts a redis-server in sentinel mode that monitors master
+// under the name "mymaster", and returns its address.
+func startSentinel(t *testing.T, master *testRedis) string {
+	t.Helper()
+	dir := t.TempDir()
+	conf := dir + "/sentinel.conf"
+	port := freePort(t)
+	cfg := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor mymaster 127.0.0.1 %d 1\nsentinel down-after-milliseconds mymaster 5000\n", port, dir, master.Port)
+	if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("redis-server", conf, "--sentinel")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting sentinel: %v", err)
+	}
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	c := redis.NewSentinelClient(&redis.Options{Addr: addr})
+	defer c.Close()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if a, err := c.GetMasterAddrByName(context.Background(), "mymaster").Result(); err == nil && len(a) == 2 {
+			return addr
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("sentinel did not report the master in time")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestSentinelLock: redis_lock through a Sentinel-managed Redis (the client
+// asks the sentinel for the master) is exclusive, and the lock lives on the
+// master.
+func TestSentinelLock(t *testing.T) {
+	t.Parallel()
+	master := startRedis(t)
+	sentinel := startSentinel(t, master)
+	up := newExclusivityUpstream(time.Millisecond)
+	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"30s"}`, sentinel))
+	srv := handlerServer(t, h, up.ServeHTTP)
+	var wg sync.WaitGroup
+	for i := 0; i < 40; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if resp, body := get(t, srv.URL+"/s"); resp == nil || resp.StatusCode != 200 {
+				t.Errorf("%v %s", resp, body)
+			}
+		}()
+	}
+	wg.Wait()
+	up.check(t)
+	if v, _ := master.Client().Get(context.Background(), fenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
+		t.Errorf("fencing counter on the master is %d; the lock did not go through the sentinel's master", v)
+	}
+}
