@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	dto "github.com/prometheus/client_model/go"
 )
 
 // exclusivityUpstream counts requests in flight per key and records the
@@ -531,6 +532,7 @@ func TestLockOnLost(t *testing.T) {
 				return nil
 			}
 			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"600ms","on_lost":"%s","prefix":"lost:%s:"}`, r.Addr, mode, mode))
+			lostBefore := lostCount()
 			srv := handlerServer(t, h, up)
 			done := make(chan *http.Response, 1)
 			go func() { resp, _ := get(t, srv.URL+"/l"); done <- resp }()
@@ -540,6 +542,10 @@ func TestLockOnLost(t *testing.T) {
 				t.Fatal(err)
 			}
 			resp := <-done
+			// Other tests run in parallel and may lose leases too: at least one more.
+			if d := lostCount() - lostBefore; d < 1 {
+				t.Errorf("caddy_redis_lock_lost_total rose by %v, want at least 1", d)
+			}
 			if mode == "cancel" {
 				if resp.StatusCode != 503 || !canceled.Load() {
 					t.Fatalf("cancel: status %d canceled=%v, want 503 and a canceled upstream", resp.StatusCode, canceled.Load())
@@ -679,4 +685,11 @@ func TestLockLocalHandOff(t *testing.T) {
 		t.Errorf("%d script calls for 40 contended requests; local hand-off should need far fewer than 2 per request", calls)
 	}
 	t.Logf("%d script calls for 40 requests", calls)
+}
+
+// lostCount reads caddy_redis_lock_lost_total.
+func lostCount() float64 {
+	var m dto.Metric
+	_ = lockLostTotal.Write(&m)
+	return m.GetCounter().GetValue()
 }
