@@ -1,6 +1,7 @@
 package redisdlm
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
 	"time"
@@ -58,8 +59,12 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
 	}
+	redisLine := 0 // line of the last `redis` subdirective, for the server count check
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
+		if sub == "redis" {
+			redisLine = d.Line()
+		}
 		switch sub {
 		case "key":
 			args := d.RemainingArgs()
@@ -191,7 +196,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	if n := len(h.Addresses); n > 1 && (n%2 == 0 || n > 7) {
-		return d.Errf("%s: redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority", dir, n)
+		return fmt.Errorf("%s: redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority, at %s:%d", dir, n, d.File(), redisLine)
 	}
 	return nil
 }

@@ -55,6 +55,7 @@ func TestLockCaddyfileErrors(t *testing.T) {
 		{"redis bad port", "redis 127.0.0.1:99999", "redis: invalid redis address"},
 		{"redis bad url", "redis http://x:1", "redis: invalid redis URL"},
 		{"redis even", "redis 127.0.0.1:1 127.0.0.1:2", "redis: 2 servers given; a Redlock quorum needs an odd count"},
+		{"redis even over lines", "redis 127.0.0.1:1\n\tredis 127.0.0.1:2", "at Testfile:3"},
 		{"redis and cluster", "redis 127.0.0.1:1\n\tcluster 127.0.0.1:2", "mutually exclusive"},
 		{"sentinel short", "sentinel mymaster", "sentinel: needs a master name and at least one sentinel address"},
 		{"db bad", "db x", "db: want a non-negative integer"},
