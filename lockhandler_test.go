@@ -693,3 +693,55 @@ func lostCount() float64 {
 	_ = lockLostTotal.Write(&m)
 	return m.GetCounter().GetValue()
 }
+
+// TestLockSubscriptionsConstant: waiting on many keys uses one Pub/Sub
+// subscription per Redis server per instance, not one per key.
+func TestLockSubscriptionsConstant(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	release := make(chan struct{})
+	var entered sync.WaitGroup
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Query().Get("hold") == "1" {
+			entered.Done()
+			<-release
+		}
+		return nil
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"30s"}`, r.Addr))
+	srv := handlerServer(t, h, up)
+	var wg sync.WaitGroup
+	for k := 0; k < 20; k++ {
+		entered.Add(1)
+		wg.Add(2)
+		go func(k int) { defer wg.Done(); get(t, fmt.Sprintf("%s/k%d?hold=1", srv.URL, k)) }(k)
+		go func(k int) {
+			defer wg.Done()
+			time.Sleep(200 * time.Millisecond)
+			get(t, fmt.Sprintf("%s/k%d", srv.URL, k))
+		}(k)
+	}
+	entered.Wait()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		n := 0
+		for k := 0; k < 20; k++ {
+			n += lockWaitersFor(h, fmt.Sprintf("/k%d", k))
+		}
+		if n == 20 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	ctx := context.Background()
+	chans, err := r.Client().PubSubChannels(ctx, "*").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	subs, _ := r.Client().PubSubNumSub(ctx, wakeChannel).Result()
+	close(release)
+	wg.Wait()
+	if len(chans) != 1 || chans[0] != wakeChannel || subs[wakeChannel] != 1 {
+		t.Fatalf("20 keys waited on: channels %v, subscribers %v; want one channel %s with one subscriber", chans, subs, wakeChannel)
+	}
+}
