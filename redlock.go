@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -776,6 +777,9 @@ func (ls *Lease) release() {
 	ls.done = true
 	ls.mu.Unlock()
 	if ls.handOff() {
+		// The next holder waits in this P's run-next slot: let it run now
+		// rather than after this request's own wind-down.
+		runtime.Gosched()
 		return
 	}
 	if ls.released != nil {
