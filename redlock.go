@@ -119,8 +119,11 @@ type Lease struct {
 	q     *keyQueue
 	done  bool
 	// released is set before the release is sent, so a server that grants
-	// this token late releases it again (see tryAcquire).
+	// this token late releases it again (see tryAcquire); removed has bit i
+	// set once server i's release answered that it removed the token, so a
+	// late grant there needs no second release.
 	released *atomic.Bool
+	removed  *atomic.Uint64
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
@@ -178,7 +181,7 @@ func (ls *Lease) handOff() bool {
 	until := ls.until
 	ls.mu.Unlock()
 	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: fence, Start: time.Now(),
-		until: until, q: q, released: ls.released, chainLeft: left - 1, chained: true, raise: ls.raise}
+		until: until, q: q, released: ls.released, removed: ls.removed, chainLeft: left - 1, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.canRenew(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
 		// Redis for another block while it works.
@@ -325,12 +328,14 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	var fence int64
 	// A server that grants after the outcome was decided must not keep a
 	// lease nobody owns: it is released there as soon as its answer comes,
-	// if the attempt failed or the lease is already released.
+	// if the attempt failed or the lease is already released — unless that
+	// server's release already removed it (its grant came first there).
 	var failed atomic.Bool
-	released := new(atomic.Bool)
+	released, removed := new(atomic.Bool), new(atomic.Uint64)
 	lateGrant := func(k string) func(i int, r result) {
 		return func(i int, r result) {
-			if r.err == nil && r.v.([]int64)[0] == 1 && (failed.Load() || released.Load()) {
+			if r.err == nil && r.v.([]int64)[0] == 1 && (failed.Load() || released.Load()) &&
+				(len(keys) > 1 || removed.Load()&(1<<i) == 0) {
 				l.releaseOn(l.servers[i].client, k, token)
 			}
 		}
@@ -379,7 +384,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			undo = order[:i+1]
 		}
 		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0)
+			l.releaseKeys(undo, token, 0, removed)
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
@@ -424,7 +429,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// must reach it before the token is used (a max-register).
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
 			failed.Store(true)
-			l.releaseKeys(keys, token, 0)
+			l.releaseKeys(keys, token, 0, removed)
 			return attempt{err: err}
 		}
 	}
@@ -434,11 +439,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0)
+		l.releaseKeys(keys, token, 0, removed)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence - int64(chain) + 1, Start: start,
-		until: start.Add(validity), released: released, chainLeft: chain - 1, raise: raise}}
+		until: start.Add(validity), released: released, removed: removed, chainLeft: chain - 1, raise: raise}}
 }
 
 // acquireSynced runs the acquire script and WAIT on one connection (WAIT
@@ -520,12 +525,23 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 // short background context (the request's may be canceled). It returns as
 // soon as a majority released each key; a slow or paused server finishes
 // in the background (or its lease simply runs out).
-func (l *locker) releaseKeys(keys []string, token string, raise int64) {
+//
+// With one key and removed not nil, bit i of removed is set when server i
+// answers that it removed the token.
+func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	one := func(k string) {
 		msg := l.dom.id + " " + k
 		l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
-			return releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
+			n, err := releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
+			if err == nil && n == 1 && removed != nil && len(keys) == 1 {
+				for i, s := range l.servers {
+					if s.client == c {
+						removed.Or(1 << i)
+					}
+				}
+			}
+			return n, err
 		}, l.majorityAnswered, nil)
 	}
 	if len(keys) == 1 {
@@ -785,7 +801,7 @@ func (ls *Lease) release() {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed)
 	if ls.q != nil {
 		ls.q.released()
 	}
