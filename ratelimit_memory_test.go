@@ -3,20 +3,21 @@ package redisdlm
 import (
 	"context"
 	"fmt"
-	"os"
 	"testing"
 	"time"
 )
 
-// TestRateLimitMemoryPerKey measures the Redis memory of one limit key with
-// MEMORY USAGE, after filling it through the real scripts. It prints the
-// figures quoted in the README and runs only when asked:
+// BenchmarkRateLimitMemoryPerKey measures the Redis memory of one limit key
+// with MEMORY USAGE, after filling it through the real scripts. It prints
+// the figures quoted in the README (a measurement, so a benchmark: it runs
+// only when asked):
 //
-//	REDISDLM_MEASURE_MEMORY=1 go test -run RateLimitMemoryPerKey -v .
-func TestRateLimitMemoryPerKey(t *testing.T) {
-	if os.Getenv("REDISDLM_MEASURE_MEMORY") == "" {
-		t.Skip("set REDISDLM_MEASURE_MEMORY=1 to measure")
-	}
+//	go test -run '^$' -bench RateLimitMemoryPerKey -benchtime 1x -v .
+func BenchmarkRateLimitMemoryPerKey(b *testing.B) {
+	measureRateLimitMemory(b)
+}
+
+func measureRateLimitMemory(t testing.TB) {
 	r := startRedis(t)
 	c := r.Client()
 	ctx := context.Background()

@@ -393,7 +393,7 @@ func rlCounterValue(c interface{ Write(*dto.Metric) error }) float64 {
 }
 
 // rlRingCount reads how many admissions a sliding_window log recorded.
-func rlRingCount(t *testing.T, r *testRedis, key string) int {
+func rlRingCount(t testing.TB, r *testRedis, key string) int {
 	t.Helper()
 	b, err := r.Client().GetRange(context.Background(), key, 0, 7).Bytes()
 	if err != nil || len(b) != 8 {
