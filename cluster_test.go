@@ -33,17 +33,23 @@ func startCluster(t *testing.T) []*testRedis {
 	if err != nil {
 		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
 	}
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		info, _ := rs[0].Client().ClusterInfo(context.Background()).Result()
-		if strings.Contains(info, "cluster_state:ok") {
-			return rs
+	// Every node must see the whole cluster as ok (all slots assigned and
+	// the other nodes known), or a client may meet CLUSTERDOWN at first.
+	deadline := time.Now().Add(30 * time.Second)
+	for _, r := range rs {
+		c := r.Client()
+		for {
+			info, _ := c.ClusterInfo(context.Background()).Result()
+			if strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:3") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("cluster node %s did not become ok: %s", r.Addr, info)
+			}
+			time.Sleep(100 * time.Millisecond)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("cluster did not become ok: %s", info)
-		}
-		time.Sleep(100 * time.Millisecond)
 	}
+	return rs
 }
 
 // TestClusterLockAndRateLimit: on a 3-master Redis Cluster, locks on keys
