@@ -258,7 +258,11 @@ type attempt struct {
 	lease      *Lease
 	retryAfter time.Duration // when not acquired: until the earliest lease ends
 	busyKey    int           // when not acquired: index of the busy key
-	err        error         // Redis unreachable / no quorum
+	// split: the attempt took part of what it needed (some servers or some
+	// keys) from a rival that did the same; both wait a random backoff
+	// rather than the next wake-up, so they do not collide again in step.
+	split bool
+	err   error // Redis unreachable / no quorum
 }
 
 // callAll runs f on every server in parallel and returns the results in
@@ -384,7 +388,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			undo = order[:i+1]
 		}
 		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0, removed)
+			l.releaseKeys(undo, token, 0, removed, false)
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
@@ -413,7 +417,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 				busyIdx = j
 			}
 		}
-		return attempt{retryAfter: retry, busyKey: busyIdx}
+		return attempt{retryAfter: retry, busyKey: busyIdx, split: granted > 0 || i > 0}
 	}
 	var raise int64
 	if len(keys) == 1 && n > 1 {
@@ -429,7 +433,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// must reach it before the token is used (a max-register).
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
 			failed.Store(true)
-			l.releaseKeys(keys, token, 0, removed)
+			l.releaseKeys(keys, token, 0, removed, false)
 			return attempt{err: err}
 		}
 	}
@@ -439,7 +443,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0, removed)
+		l.releaseKeys(keys, token, 0, removed, false)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &Lease{l: l, keys: keys, token: token, Fence: fence - int64(chain) + 1, Start: start,
@@ -528,10 +532,13 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 //
 // With one key and removed not nil, bit i of removed is set when server i
 // answers that it removed the token.
-func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64) {
+func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake bool) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	one := func(k string) {
-		msg := l.dom.id + " " + k
+		msg := ""
+		if wake {
+			msg = l.dom.id + " " + k
+		}
 		l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
 			n, err := releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
 			if err == nil && n == 1 && removed != nil && len(keys) == 1 {
@@ -569,7 +576,7 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 func (l *locker) releaseOn(c redis.UniversalClient, k, token string) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	defer cancel()
-	_ = releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, l.dom.id+" "+k, 0).Err()
+	_ = releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, "", 0).Err()
 }
 
 // majorityAnswered ends a fan-out once a majority answered without error.
@@ -801,7 +808,7 @@ func (ls *Lease) release() {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true)
 	if ls.q != nil {
 		ls.q.released()
 	}
@@ -882,7 +889,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		deadline = t.C
 	}
 	var retryAfter time.Duration
-	busyKey := 0
+	busyKey, split := 0, false
 
 	// Wait for this waiter's turn: first come, first served.
 	if !w.head() {
@@ -914,7 +921,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			if a.lease != nil {
 				return a.lease, nil
 			}
-			retryAfter, busyKey = a.retryAfter, a.busyKey
+			retryAfter, busyKey, split = a.retryAfter, a.busyKey, a.split
 			q.setRetryHint(retryAfter)
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
@@ -938,11 +945,15 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			d = retryAfter + time.Millisecond
 		}
 		t := time.NewTimer(d)
+		wake := w.wake
+		if split {
+			wake = nil
+		}
 		select {
 		case g := <-w.grant:
 			t.Stop()
 			return g, nil
-		case <-w.wake:
+		case <-wake:
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()

@@ -1,6 +1,7 @@
 -- Release a lease, owner-checked, and wake the waiters of other instances.
 -- KEYS[1] lock sorted set; KEYS[2] fencing counter
--- ARGV[1] token, ARGV[2] wake channel, ARGV[3] message,
+-- ARGV[1] token, ARGV[2] wake channel, ARGV[3] message ("" = no wake-up:
+-- the undo of a failed attempt must not make its rivals retry in step),
 -- ARGV[4] fencing token to write back (Redlock: the highest counter the
 -- granting majority returned, so the next majority sees it; 0 = none)
 -- Returns 1 when this token held the lock, 0 otherwise.
@@ -12,7 +13,7 @@ if raise > 0 then
 	end
 end
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
-if removed == 1 then
+if removed == 1 and ARGV[3] ~= '' then
 	redis.call('PUBLISH', ARGV[2], ARGV[3])
 end
 return removed
