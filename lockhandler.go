@@ -299,8 +299,8 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	if err != nil {
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
-	lockAcquireSeconds.WithLabelValues("acquired").Observe(waited.Seconds())
-	return h.serveLocked(w, r, next, lease, display, waited)
+	acquiredSeconds.Observe(waited.Seconds())
+	return h.serveLocked(w, r, next, repl, lease, display, waited)
 }
 
 // renderKeys renders the key templates into sorted, deduplicated Redis keys
@@ -335,17 +335,17 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 	var busy *BusyError
 	switch {
 	case errors.As(err, &busy):
-		lockAcquireSeconds.WithLabelValues("timeout").Observe(waited.Seconds())
+		timeoutSeconds.Observe(waited.Seconds())
 		w.Header().Set("Retry-After", retryAfterSeconds(busy.RetryAfter))
 		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
 		}
 		return caddyhttp.Error(h.Status, err)
 	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || r.Context().Err() != nil:
-		lockAcquireSeconds.WithLabelValues("canceled").Observe(waited.Seconds())
+		canceledSeconds.Observe(waited.Seconds())
 		return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while waiting for the lock: %w", err))
 	default:
-		lockAcquireSeconds.WithLabelValues("error").Observe(waited.Seconds())
+		errorSeconds.Observe(waited.Seconds())
 		if h.FailOpen {
 			h.warnRedis("redis unreachable; serving without a lock (fail_open)", err)
 			h.setFencingHeader(r, "")
@@ -379,8 +379,7 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 }
 
 // serveLocked runs the next handler while the lease is held and kept alive.
-func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, lease *Lease, display string, waited time.Duration) (err error) {
-	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *Lease, display string, waited time.Duration) (err error) {
 	fence := strconv.FormatInt(lease.Fence, 10)
 	repl.Set("http.redis_lock.fencing_token", fence)
 	h.setFencingHeader(r, fence)

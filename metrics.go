@@ -16,8 +16,11 @@ var (
 	lockAcquireSeconds *prometheus.HistogramVec
 	lockHeldSeconds    prometheus.Histogram
 	lockWaiters        prometheus.Gauge
-	lockLostTotal      prometheus.Counter
-	rateLimitTotal     *prometheus.CounterVec
+
+	// The acquire histogram's four results, looked up once.
+	acquiredSeconds, timeoutSeconds, canceledSeconds, errorSeconds prometheus.Observer
+	lockLostTotal                                                  prometheus.Counter
+	rateLimitTotal                                                 *prometheus.CounterVec
 )
 
 func initMetrics() {
@@ -27,6 +30,10 @@ func initMetrics() {
 			Help:    "Time from the start of a redis_lock acquisition to its outcome.",
 			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
 		}, []string{"result"}) // acquired|timeout|error|canceled
+		acquiredSeconds = lockAcquireSeconds.WithLabelValues("acquired")
+		timeoutSeconds = lockAcquireSeconds.WithLabelValues("timeout")
+		canceledSeconds = lockAcquireSeconds.WithLabelValues("canceled")
+		errorSeconds = lockAcquireSeconds.WithLabelValues("error")
 		lockHeldSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "caddy_redis_lock_held_duration_seconds",
 			Help:    "Time a redis_lock lease was held.",

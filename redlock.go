@@ -182,9 +182,11 @@ func (ls *Lease) handOff() bool {
 	ls.mu.Unlock()
 	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: fence, Start: time.Now(),
 		until: until, q: q, released: ls.released, removed: ls.removed, chainLeft: left - 1, chained: true, raise: ls.raise}
-	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.canRenew(len(ls.keys)) {
+	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.waitqLife(len(ls.keys)) > 0 {
 		// The next holder is the block's last and more wait behind it: ask
-		// Redis for another block while it works.
+		// Redis for another block while it works. Renewal needs the
+		// instances' wait list (to step aside for another instance), which
+		// exists where waitqLife is on: one key on one server.
 		n := len(q.waiters) - 1
 		if n > maxChain {
 			n = maxChain
@@ -208,10 +210,6 @@ type renewal struct {
 	n     int
 	until time.Time
 }
-
-// canRenew: renewals need the instances' wait list, which only a
-// single-key lock on one server keeps.
-func (l *locker) canRenew(keys int) bool { return len(l.servers) == 1 && keys == 1 }
 
 // renew asks Redis, in the background, to extend ls and reserve n tokens.
 func (l *locker) renew(ls *Lease, n int) *renewal {
@@ -1016,7 +1014,6 @@ func acquireDomain(key string) *domain {
 	if d == nil {
 		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byKey: map[string]map[*keyQueue]struct{}{}}
 		domains[key] = d
-		registerDomain(d)
 	}
 	d.refs++
 	return d
@@ -1028,7 +1025,6 @@ func releaseDomain(d *domain) {
 	d.refs--
 	if d.refs == 0 {
 		delete(domains, d.key)
-		unregisterDomain(d)
 	}
 }
 
@@ -1211,23 +1207,6 @@ func (q *keyQueue) retryHint() time.Duration {
 
 // ---- Pub/Sub wake-ups ---------------------------------------------------
 
-var (
-	wakeDomainsMu sync.RWMutex
-	allDomains    = map[*domain]struct{}{}
-)
-
-func registerDomain(d *domain) {
-	wakeDomainsMu.Lock()
-	allDomains[d] = struct{}{}
-	wakeDomainsMu.Unlock()
-}
-
-func unregisterDomain(d *domain) {
-	wakeDomainsMu.Lock()
-	delete(allDomains, d)
-	wakeDomainsMu.Unlock()
-}
-
 // dispatchWake delivers a release announced on Redis to the local queues of
 // that key in every domain but the one that announced it (which woke its own
 // queue already). Two domains in one process share a Redis server when they
@@ -1237,14 +1216,14 @@ func dispatchWake(payload string) {
 	if !ok {
 		return
 	}
-	wakeDomainsMu.RLock()
+	domainsMu.Lock()
 	var ds []*domain
-	for d := range allDomains {
+	for _, d := range domains {
 		if d.id != from {
 			ds = append(ds, d)
 		}
 	}
-	wakeDomainsMu.RUnlock()
+	domainsMu.Unlock()
 	for _, d := range ds {
 		d.wakeKeys([]string{key})
 	}
