@@ -1,10 +1,6 @@
 package redisdlm
 
 import (
-	"encoding/json"
-	"flag"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -12,8 +8,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
 )
-
-var update = flag.Bool("update", false, "rewrite golden files")
 
 // TestLockCaddyfileErrors: every bad input names the directive, the
 // subdirective and the Caddyfile line, and nothing panics.
@@ -103,48 +97,6 @@ func TestLockCaddyfileValid(t *testing.T) {
 	}
 	if err := h.Validate(); err != nil {
 		t.Fatal(err)
-	}
-}
-
-// TestCaddyfileGolden adapts each testdata/*.caddyfile to JSON and
-// compares it with the .json beside it (go test -run Golden -update
-// rewrites them).
-func TestCaddyfileGolden(t *testing.T) {
-	files, _ := filepath.Glob("testdata/lock_*.caddyfile")
-	if len(files) == 0 {
-		t.Fatal("no golden inputs in testdata/")
-	}
-	adapter := caddyconfig.GetAdapter("caddyfile")
-	for _, f := range files {
-		t.Run(filepath.Base(f), func(t *testing.T) {
-			in, err := os.ReadFile(f)
-			if err != nil {
-				t.Fatal(err)
-			}
-			out, warns, err := adapter.Adapt(in, map[string]any{"filename": f})
-			if err != nil {
-				t.Fatalf("adapt: %v", err)
-			}
-			for _, w := range warns {
-				t.Logf("warning: %s", w.Message)
-			}
-			var v any
-			_ = json.Unmarshal(out, &v)
-			got, _ := json.MarshalIndent(v, "", "\t")
-			golden := strings.TrimSuffix(f, ".caddyfile") + ".json"
-			if *update {
-				if err := os.WriteFile(golden, append(got, '\n'), 0o644); err != nil {
-					t.Fatal(err)
-				}
-			}
-			want, err := os.ReadFile(golden)
-			if err != nil {
-				t.Fatalf("golden file: %v (run with -update)", err)
-			}
-			if strings.TrimSpace(string(want)) != strings.TrimSpace(string(got)) {
-				t.Errorf("%s: adapted JSON differs from %s:\n%s", f, golden, got)
-			}
-		})
 	}
 }
 

@@ -143,15 +143,14 @@ func TestRateLimitCaddyfileErrors(t *testing.T) {
 	}
 }
 
-// TestRateLimitCaddyfileAdapt adapts whole Caddyfiles and compares the JSON
-// with testdata/ratelimit_*.json (UPDATE_GOLDEN=1 rewrites them). It also
-// checks that {client_ip} becomes {http.vars.client_ip} and that the
-// directive is ordered after forward_auth without an `order` option.
-func TestRateLimitCaddyfileAdapt(t *testing.T) {
+// TestCaddyfileGolden adapts every testdata/*.caddyfile (both directives)
+// and compares the JSON with the .json beside it (UPDATE_GOLDEN=1 rewrites
+// them). It also checks that {client_ip} becomes {http.vars.client_ip}.
+func TestCaddyfileGolden(t *testing.T) {
 	t.Parallel()
-	files, err := filepath.Glob("testdata/ratelimit_*.caddyfile")
+	files, err := filepath.Glob("testdata/*.caddyfile")
 	if err != nil || len(files) == 0 {
-		t.Fatalf("no testdata/ratelimit_*.caddyfile: %v", err)
+		t.Fatalf("no testdata/*.caddyfile: %v", err)
 	}
 	adapter := caddyconfig.GetAdapter("caddyfile")
 	for _, f := range files {
