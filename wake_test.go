@@ -148,6 +148,7 @@ func (s *swapHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next cad
 // records when each other caller entered.
 type holdUpstream struct {
 	release chan struct{}
+	once    sync.Once
 	entered chan string // who, in order of entry
 	mu      sync.Mutex
 	at      map[string]time.Time
@@ -155,6 +156,35 @@ type holdUpstream struct {
 
 func newHoldUpstream() *holdUpstream {
 	return &holdUpstream{release: make(chan struct{}), entered: make(chan string, 64), at: map[string]time.Time{}}
+}
+
+// Release lets the holder go; safe to call more than once.
+func (u *holdUpstream) Release() { u.once.Do(func() { close(u.release) }) }
+
+// startHolder sends the holder's request to url and returns once it holds
+// the lock; it is released when the test ends.
+func startHolder(t *testing.T, up *holdUpstream, url string) <-chan fetchResult {
+	t.Helper()
+	holder := goFetch(context.Background(), url+"?who=holder")
+	t.Cleanup(up.Release)
+	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
+		t.Fatalf("holder did not get the lock (entered %q)", who)
+	}
+	return holder
+}
+
+// queueWaiter sends a waiter's request to url and returns once it is queued
+// in instance h for path and a wake-up subscriber listens.
+func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string) <-chan fetchResult {
+	t.Helper()
+	waiter := goFetch(context.Background(), url+path+"?who=b")
+	if !waitFor(10*time.Second, func() bool { return lockWaitersFor(h, path) == 1 }) {
+		t.Fatal("waiter never queued in instance B")
+	}
+	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
+		t.Fatalf("no subscriber on %s while B waits", wakeChannel)
+	}
+	return waiter
 }
 
 func (u *holdUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
@@ -205,36 +235,19 @@ func TestWakeCrossInstanceWithoutBackoff(t *testing.T) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
-	ctx := context.Background()
 
-	holder := goFetch(ctx, sa.URL+"/hot?who=holder")
-	released := false
-	defer func() {
-		if !released {
-			close(up.release)
-		}
-		await(t, holder, 40*time.Second, "holder")
-	}()
-	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
-		t.Fatalf("holder did not get the lock (entered %q)", who)
-	}
-	waiter := goFetch(ctx, sb.URL+"/hot?who=b")
+	holder := startHolder(t, up, sa.URL+"/hot")
+	defer await(t, holder, 40*time.Second, "holder")
 	// B is queued, has failed an attempt, is subscribed and sleeps in its
 	// 20s backoff.
-	if !waitFor(10*time.Second, func() bool { return lockWaitersFor(b, "/hot") == 1 }) {
-		t.Fatal("waiter never queued in instance B")
-	}
-	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
-		t.Fatalf("no subscriber on %s while B waits", wakeChannel)
-	}
+	waiter := queueWaiter(t, rc, b, sb.URL, "/hot")
 	time.Sleep(300 * time.Millisecond)
 	if who, ok := up.nextEntered(0); ok {
 		t.Fatalf("%q entered the upstream while the holder held the lock", who)
 	}
 
 	releasedAt := time.Now()
-	close(up.release)
-	released = true
+	up.Release()
 	who, ok := up.nextEntered(25 * time.Second)
 	if !ok || who != "b" {
 		t.Fatalf("after the release, entered %q (ok=%v); want b", who, ok)
@@ -268,24 +281,9 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 			sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 			ctx := context.Background()
 
-			holder := goFetch(ctx, sa.URL+"/drop?who=holder")
-			released := false
-			defer func() {
-				if !released {
-					close(up.release)
-				}
-				await(t, holder, 40*time.Second, "holder")
-			}()
-			if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
-				t.Fatalf("holder did not get the lock (entered %q)", who)
-			}
-			waiter := goFetch(ctx, sb.URL+"/drop?who=b")
-			if !waitFor(10*time.Second, func() bool { return lockWaitersFor(b, "/drop") == 1 }) {
-				t.Fatal("waiter never queued in instance B")
-			}
-			if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
-				t.Fatalf("no subscriber on %s while B waits", wakeChannel)
-			}
+			holder := startHolder(t, up, sa.URL+"/drop")
+			defer await(t, holder, 40*time.Second, "holder")
+			waiter := queueWaiter(t, rc, b, sb.URL, "/drop")
 			time.Sleep(300 * time.Millisecond)
 
 			var freedAt time.Time
@@ -320,8 +318,7 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 				}()
 				time.Sleep(30 * time.Millisecond)
 				freedAt = time.Now()
-				close(up.release)
-				released = true
+				up.Release()
 				defer func() {
 					close(stop)
 					t.Logf("killed %d pubsub connections", <-killed)
@@ -337,10 +334,7 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 			} else {
 				t.Logf("recovered by polling after %s", el)
 			}
-			if !released {
-				close(up.release)
-				released = true
-			}
+			up.Release()
 			if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
 				t.Errorf("waiter: status %d err %v", res.status, res.err)
 			}
@@ -361,24 +355,9 @@ func TestWakeListenerResubscribes(t *testing.T) {
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 	ctx := context.Background()
 
-	holder := goFetch(ctx, sa.URL+"/re?who=holder")
-	released := false
-	defer func() {
-		if !released {
-			close(up.release)
-		}
-		await(t, holder, 40*time.Second, "holder")
-	}()
-	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
-		t.Fatalf("holder did not get the lock (entered %q)", who)
-	}
-	waiter := goFetch(ctx, sb.URL+"/re?who=b")
-	if !waitFor(10*time.Second, func() bool { return lockWaitersFor(b, "/re") == 1 }) {
-		t.Fatal("waiter never queued in instance B")
-	}
-	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
-		t.Fatalf("no subscriber on %s while B waits", wakeChannel)
-	}
+	holder := startHolder(t, up, sa.URL+"/re")
+	defer await(t, holder, 40*time.Second, "holder")
+	waiter := queueWaiter(t, rc, b, sb.URL, "/re")
 	n, err := rc.ClientKillByFilter(ctx, "TYPE", "pubsub").Result()
 	if err != nil || n < 1 {
 		t.Fatalf("CLIENT KILL TYPE pubsub: %d killed, %v", n, err)
@@ -390,8 +369,7 @@ func TestWakeListenerResubscribes(t *testing.T) {
 	time.Sleep(300 * time.Millisecond)
 
 	releasedAt := time.Now()
-	close(up.release)
-	released = true
+	up.Release()
 	who, ok := up.nextEntered(25 * time.Second)
 	if !ok || who != "b" {
 		t.Fatalf("after the release, entered %q (ok=%v); want b", who, ok)
@@ -690,16 +668,7 @@ func TestMaxWaitersCountsPerInstance(t *testing.T) {
 	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","max_waiters":1`))
 	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","max_waiters":1`))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
-	holder := goFetch(context.Background(), sa.URL+"/mw?who=holder")
-	released := false
-	defer func() {
-		if !released {
-			close(up.release)
-		}
-	}()
-	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
-		t.Fatalf("holder did not get the lock (entered %q)", who)
-	}
+	holder := startHolder(t, up, sa.URL+"/mw")
 	type inst struct {
 		name string
 		h    *RedisLock
@@ -732,8 +701,7 @@ func TestMaxWaitersCountsPerInstance(t *testing.T) {
 		default:
 		}
 	}
-	close(up.release)
-	released = true
+	up.Release()
 	if res := await(t, holder, 40*time.Second, "holder"); res.status != 200 {
 		t.Errorf("holder: status %d err %v", res.status, res.err)
 	}
