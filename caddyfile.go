@@ -321,9 +321,6 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if strings.ContainsAny(v, "{}") {
 				return d.Errf("%s: prefix: must not contain { or } (the handler adds the hash tag), got %q", dir, v)
 			}
-			if strings.ContainsAny(v, "{}") {
-				return d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", dir, v)
-			}
 			h.Prefix = v
 		default:
 			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
@@ -513,3 +510,20 @@ func parsePositiveInt(d *caddyfile.Dispenser, dir string, min int) (int, error) 
 	}
 	return n, nil
 }
+
+// expandShorthands turns Caddyfile shorthands such as {client_ip} or
+// {header.X} into full placeholders, so JSON configs may use them too.
+func expandShorthands(s string) string {
+	if !strings.Contains(s, "{") {
+		return s
+	}
+	seg := caddyfile.Segment{caddyfile.Token{Text: s}}
+	httpcaddyfile.NewShorthandReplacer().ApplyToSegment(&seg)
+	return seg[0].Text
+}
+
+// Interface guards
+var (
+	_ caddyfile.Unmarshaler = (*RedisLock)(nil)
+	_ caddyfile.Unmarshaler = (*RedisRateLimit)(nil)
+)

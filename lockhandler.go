@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"net/http"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -132,13 +130,7 @@ type RedisLock struct {
 	logger   *zap.Logger
 	locker   *locker
 	poolKeys []string
-	warn     *warnState
-}
-
-// warnState keeps repeated warnings out of the logs.
-type warnState struct {
-	lastRedis atomic.Int64 // unix nanos of the last Redis warning
-	keys      sync.Map     // key templates already warned about
+	warn     *warnings
 }
 
 // CaddyModule returns the Caddy module information.
@@ -153,7 +145,7 @@ func (RedisLock) CaddyModule() caddy.ModuleInfo {
 // dials Redis: connections are made by the first request.
 func (h *RedisLock) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
-	h.warn = new(warnState)
+	h.warn = newWarnings(time.Second)
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
@@ -203,14 +195,14 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("redis_lock: %w", err)
 	}
-	servers := make([]*pooledClient, 0, len(settings))
+	servers := make([]*server, 0, len(settings))
 	for _, s := range settings {
 		pc, key, err := acquireClient(s)
 		if err != nil {
 			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.display(), err)
 		}
 		h.poolKeys = append(h.poolKeys, key)
-		servers = append(servers, pc)
+		servers = append(servers, pc.lock)
 	}
 	timeout := settings[0].Timeout
 	h.locker = newLocker(servers, lockOptions{
@@ -222,7 +214,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		MaxWaiters:   h.MaxWaiters,
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
-	})
+	}, h.logger)
 	return nil
 }
 
@@ -303,40 +295,13 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	return h.serveLocked(w, r, next, repl, lease, display, waited)
 }
 
-// renderKeys renders the key templates into sorted, deduplicated Redis keys
-// and a display form for logs and placeholders.
-func (h *RedisLock) renderKeys(repl *caddy.Replacer) ([]string, string, error) {
-	rendered := make([]string, 0, len(h.Keys))
-	for _, tmpl := range h.Keys {
-		k, err := renderKey(repl, tmpl)
-		if err != nil {
-			if _, warned := h.warn.keys.LoadOrStore(tmpl, true); !warned {
-				h.logger.Warn("lock key uses a placeholder unknown for this request; answering 400",
-					zap.String("template", tmpl), zap.Error(err))
-			}
-			return nil, "", fmt.Errorf("rendering lock key %q: %w", tmpl, err)
-		}
-		if k == "" {
-			h.logger.Debug("lock key rendered empty; answering 400", zap.String("template", tmpl))
-			return nil, "", fmt.Errorf("lock key %q rendered empty", tmpl)
-		}
-		rendered = append(rendered, k)
-	}
-	rendered = sortKeys(rendered)
-	keys := make([]string, len(rendered))
-	for i, k := range rendered {
-		keys[i] = storedKey(h.Prefix, k)
-	}
-	return keys, strings.Join(rendered, ","), nil
-}
-
 // acquireFailed answers a request that did not get the lock.
 func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, display string, waited time.Duration, err error) error {
-	var busy *BusyError
+	var busy *busyError
 	switch {
 	case errors.As(err, &busy):
 		timeoutSeconds.Observe(waited.Seconds())
-		w.Header().Set("Retry-After", retryAfterSeconds(busy.RetryAfter))
+		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(busy.retryAfter), 10))
 		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
 		}
@@ -359,12 +324,9 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 
 // warnRedis logs a Redis fault at most once a second per handler.
 func (h *RedisLock) warnRedis(msg string, err error) {
-	now := time.Now().UnixNano()
-	last := h.warn.lastRedis.Load()
-	if now-last < int64(time.Second) || !h.warn.lastRedis.CompareAndSwap(last, now) {
-		return
+	if due, n := h.warn.due(); due {
+		h.logger.Warn(msg, zap.Error(err), zap.Int64("requests_since_last_warning", n))
 	}
-	h.logger.Warn(msg, zap.Error(err))
 }
 
 func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
@@ -379,7 +341,7 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 }
 
 // serveLocked runs the next handler while the lease is held and kept alive.
-func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *Lease, display string, waited time.Duration) (err error) {
+func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration) (err error) {
 	fence := strconv.FormatInt(lease.Fence, 10)
 	repl.Set("http.redis_lock.fencing_token", fence)
 	h.setFencingHeader(r, fence)
@@ -398,9 +360,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 			cancel(cause)
 		}
 	}
-	keep := lease.keep(*h.AutoExtend, time.Duration(h.MaxHold), onLost, func(rec any) {
-		h.logger.Error("lock keep-alive panicked", zap.Any("panic", rec), zap.Stack("stack"))
-	})
+	keep := lease.keep(*h.AutoExtend, time.Duration(h.MaxHold), onLost)
 
 	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	defer func() {
@@ -443,16 +403,6 @@ func (w *startedWriter) Write(b []byte) (int, error) {
 
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper }
-
-// retryAfterSeconds renders a Retry-After value: whole seconds, rounded up,
-// at least 1.
-func retryAfterSeconds(d time.Duration) string {
-	s := int64(math.Ceil(d.Seconds()))
-	if s < 1 {
-		s = 1
-	}
-	return strconv.FormatInt(s, 10)
-}
 
 // Interface guards
 var (

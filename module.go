@@ -12,6 +12,7 @@
 package redisdlm
 
 import (
+	"context"
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
@@ -24,10 +25,12 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // DefaultTimeout bounds one Redis call (dial, read and write) unless `timeout` says otherwise.
@@ -158,8 +161,9 @@ func redactURL(s string) string {
 	return u.String()
 }
 
-// validate checks the settings without dialing. maxServers limits how many
-// independent `redis` servers are accepted (1 for rate limiting).
+// validate checks the settings without dialing. allowRedlock accepts
+// several independent `redis` servers (redis_lock); otherwise exactly one
+// logical Redis is accepted (redis_ratelimit).
 func (c *RedisConfig) validate(allowRedlock bool) error {
 	modes := 0
 	if len(c.Addresses) > 0 {
@@ -345,19 +349,49 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 // config reloads; the last user's Cleanup closes it.
 var clientPool = caddy.NewUsagePool()
 
-// pooledClient is one shared Redis client plus the per-server state that
-// must outlive a config reload (the Pub/Sub wake-up listener).
+// pooledClient is one shared Redis client plus what must outlive a config
+// reload with it: the lock engine's server (with its Pub/Sub wake-up
+// listener) and the rate limiter's pipeline batcher and breaker.
 type pooledClient struct {
 	settings serverSettings
 	client   redis.UniversalClient
-	wake     *wakeListener
+	lock     *server
+
+	mu sync.Mutex
+	rl *rlBatcher // made by the first rate-limit call
 }
 
 // Destruct implements caddy.Destructor: it runs when the last handler using
 // this client has been cleaned up.
 func (p *pooledClient) Destruct() error {
-	p.wake.stop()
+	p.mu.Lock()
+	if p.rl != nil {
+		p.rl.close()
+	}
+	p.mu.Unlock()
+	p.lock.close()
 	return p.client.Close()
+}
+
+// rateLimit runs one rate-limit script call: batched with concurrent calls
+// into one pipeline, answered within the client's timeout (or when ctx
+// ends), and refused at once while the breaker is open. logger is the
+// calling handler's: the batcher outlives configs, its log lines do not.
+func (p *pooledClient) rateLimit(ctx context.Context, c *rlCall, logger *zap.Logger) (any, error) {
+	p.mu.Lock()
+	if p.rl == nil {
+		p.rl = newBatcher(p.client, batchWorkers)
+	}
+	b := p.rl
+	p.mu.Unlock()
+	return b.do(ctx, c, p.settings.Timeout, logger)
+}
+
+// batcher returns the rate-limit batcher if one was made (for tests).
+func (p *pooledClient) batcher() *rlBatcher {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.rl
 }
 
 // acquireClient returns the shared client for s, creating it when needed.
@@ -369,9 +403,8 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 		if err != nil {
 			return nil, err
 		}
-		p := &pooledClient{settings: s, client: c}
-		p.wake = newWakeListener(c)
-		return p, nil
+		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
+		return &pooledClient{settings: s, client: c, lock: newServer(key, c, logger)}, nil
 	})
 	if err != nil {
 		return nil, "", err
@@ -398,4 +431,21 @@ func isRedisDown(err error) bool {
 			strings.HasPrefix(re.Error(), "MASTERDOWN") || strings.HasPrefix(re.Error(), "TRYAGAIN")
 	}
 	return true
+}
+
+// retryAfterSeconds renders a wait as a Retry-After value: whole seconds,
+// rounded up, at least 1.
+func retryAfterSeconds(d time.Duration) int64 {
+	if s := ceilSeconds(d); s > 1 {
+		return s
+	}
+	return 1
+}
+
+// ceilSeconds rounds d up to whole seconds (0 for d <= 0).
+func ceilSeconds(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return int64((d + time.Second - 1) / time.Second)
 }

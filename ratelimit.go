@@ -2,22 +2,16 @@ package redisdlm
 
 import (
 	"context"
-	"crypto/sha256"
 	_ "embed"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/redis/go-redis/v9"
@@ -161,33 +155,24 @@ type RedisRateLimit struct {
 	RedisConfig
 
 	// runtime state
-	logger     *zap.Logger
-	key        string // Key with Caddyfile shorthands expanded
-	keyPH      string // the placeholder that is the whole key, if it is one
-	keyHead    string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
-	rates      []rateSpec
-	script     *redis.Script
-	cmd        []any // the EVALSHA command of a decision, key slots empty
-	algo       string
-	status     int
-	sendHdrs   bool
-	policy     string                // the RateLimit-Policy value
-	counters   [3]prometheus.Counter // decisions: allowed, denied, error
-	timeout    time.Duration
-	client     *pooledClient
-	clientKey  string
-	batcher    *rlBatcher
-	batcherKey string
-	deny       *denyCache
-	now        func() time.Time // local monotonic clock, only for the deny cache
-	warn       *rlWarnings
-}
-
-// rlWarnings keeps warnings from repeating per request.
-type rlWarnings struct {
-	unknownKey atomic.Bool  // the key fell back to the client IP once
-	failLast   atomic.Int64 // unix nanos of the last fail-policy warning
-	failCount  atomic.Int64 // decisions without Redis since then
+	logger    *zap.Logger
+	key       string // Key with Caddyfile shorthands expanded
+	keyPH     string // the placeholder that is the whole key, if it is one
+	keyHead   string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
+	rates     []rateSpec
+	script    *redis.Script
+	argv      []any // the script's arguments: every rate's n, window (and burst)
+	algo      string
+	status    int
+	sendHdrs  bool
+	policy    string                // the RateLimit-Policy value
+	counters  [3]prometheus.Counter // decisions: allowed, denied, error
+	timeout   time.Duration
+	client    *pooledClient
+	clientKey string
+	deny      *denyCache
+	now       func() time.Time // local monotonic clock, only for the deny cache
+	warn      *warnings
 }
 
 // rateSpec is one rate as the script takes it.
@@ -212,7 +197,7 @@ func (RedisRateLimit) CaddyModule() caddy.ModuleInfo {
 // client. It never dials Redis.
 func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
-	h.warn = new(rlWarnings)
+	h.warn = newWarnings(failWarnEvery)
 	if h.now == nil {
 		h.now = time.Now
 	}
@@ -252,11 +237,6 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	}
 	h.client, h.clientKey = pc, key
 	h.timeout = servers[0].Timeout
-	b, bkey, err := acquireBatcher(pc, h.logger)
-	if err != nil {
-		return fmt.Errorf("redis_ratelimit: starting redis batcher: %w", err)
-	}
-	h.batcher, h.batcherKey = b, bkey
 
 	h.script = slidingScript
 	if h.algo == algoGCRA {
@@ -283,15 +263,10 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.policy = strings.Join(policies, ", ")
 	h.keyHead = h.Prefix + "{"
 	h.keyPH = wholePlaceholder(h.key)
-	// EVALSHA sha numkeys key... argv...: per request only the keys change.
-	h.cmd = append(make([]any, 0, 3+4*len(h.rates)), "evalsha", h.script.Hash(), len(h.rates))
-	for range h.rates {
-		h.cmd = append(h.cmd, "")
-	}
 	for _, s := range h.rates {
-		h.cmd = append(h.cmd, s.n, s.window.Microseconds())
+		h.argv = append(h.argv, s.n, s.window.Microseconds())
 		if h.algo == algoGCRA {
-			h.cmd = append(h.cmd, s.burst)
+			h.argv = append(h.argv, s.burst)
 		}
 	}
 	for i, result := range []string{"allowed", "denied", "error"} {
@@ -299,20 +274,6 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	}
 	h.deny = newDenyCache(denyCacheSize)
 	return nil
-}
-
-// wholePlaceholder returns the name of the placeholder that is all of
-// template (as in "{http.request.header.X-Key}"), or "" when the template is
-// anything else; such a key is rendered by one lookup, without parsing.
-func wholePlaceholder(template string) string {
-	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
-		return ""
-	}
-	name := template[1 : len(template)-1]
-	if strings.ContainsAny(name, "{}\\") || strings.HasPrefix(name, "file.") {
-		return ""
-	}
-	return name
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,
@@ -375,13 +336,9 @@ func checkRate(n int, window time.Duration, algo string) error {
 	return nil
 }
 
-// Cleanup releases the shared client and batcher of this handler (only
-// what Provision acquired).
+// Cleanup releases the shared client of this handler (only what Provision
+// acquired).
 func (h *RedisRateLimit) Cleanup() error {
-	if h.batcherKey != "" {
-		releaseBatcher(h.batcherKey)
-		h.batcherKey = ""
-	}
 	releaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil
@@ -415,10 +372,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 
 	retry := int64(0)
 	if !d.allowed {
-		retry = ceilSeconds(d.wait)
-		if retry < 1 {
-			retry = 1
-		}
+		retry = retryAfterSeconds(d.wait)
 	}
 	if h.sendHdrs {
 		// Both fields in one allocation, under their canonical names (as
@@ -456,32 +410,18 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string) (decision, error
 	if e, ok := h.deny.get(id, h.now()); ok {
 		return decision{tight: e.tight, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
 	}
-	b := h.batcher
-	if !b.breaker.allow(time.Now()) {
-		return decision{}, errBreakerOpen
-	}
-	c := &rlCall{script: h.script}
-	if len(h.cmd) <= len(c.argBuf) {
-		c.args = c.argBuf[:len(h.cmd)]
-	} else {
-		c.args = make([]any, len(h.cmd))
-	}
-	copy(c.args, h.cmd)
-	for i, s := range h.rates {
-		c.args[3+i] = h.keyHead + id + s.tail
+	c := &rlCall{script: h.script, argv: h.argv}
+	var keys [4]string
+	c.keys = keys[:0]
+	for _, s := range h.rates {
+		c.keys = append(c.keys, h.keyHead+id+s.tail)
 	}
 	sent := h.now()
-	res, err := b.do(ctx, c, h.timeout)
+	res, err := h.client.rateLimit(ctx, c, h.logger)
 	got := h.now()
 	if err != nil {
-		if errors.Is(err, errRedisTimeout) || isRedisDown(err) {
-			if ctx.Err() == nil {
-				b.breaker.failure(time.Now())
-			}
-		}
 		return decision{}, err
 	}
-	b.breaker.success()
 	d, err := parseDecision(res, len(h.rates))
 	if err != nil {
 		return decision{}, err
@@ -537,10 +477,8 @@ func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next
 
 // warnFail logs decisions made without Redis at most every failWarnEvery.
 func (h *RedisRateLimit) warnFail(err error) {
-	now := time.Now().UnixNano()
-	last := h.warn.failLast.Load()
-	if now-last < int64(failWarnEvery) || !h.warn.failLast.CompareAndSwap(last, now) {
-		h.warn.failCount.Add(1)
+	due, n := h.warn.due()
+	if !due {
 		return
 	}
 	policy := "admitting requests (fail open)"
@@ -550,81 +488,7 @@ func (h *RedisRateLimit) warnFail(err error) {
 	h.logger.Warn("redis unavailable for rate limiting; "+policy,
 		zap.String("redis", h.client.settings.display()),
 		zap.Error(err),
-		zap.Int64("decisions_since_last_warning", h.warn.failCount.Swap(0)+1))
-}
-
-// limitID renders the key template for r: the identity of its limit,
-// used inside the Redis hash tag.
-func (h *RedisRateLimit) limitID(r *http.Request, repl *caddy.Replacer) string {
-	var key string
-	var err error
-	if h.keyPH != "" {
-		// What ReplaceOrErr does for a template that is one placeholder.
-		if v, ok := repl.Get(h.keyPH); ok {
-			key = caddy.ToString(v)
-		} else {
-			err = fmt.Errorf("unrecognized placeholder {%s}", h.keyPH)
-		}
-	} else {
-		key, err = repl.ReplaceOrErr(h.key, false, true)
-	}
-	if err != nil {
-		if h.warn.unknownKey.CompareAndSwap(false, true) {
-			h.logger.Warn("rate limit key has a placeholder unknown for this request; limiting by client IP instead (logged once)",
-				zap.String("key_template", h.key), zap.Error(err))
-		}
-		key = ""
-	}
-	if key == "" {
-		return limitIDFor("", clientIP(r))
-	}
-	return limitIDFor(key, "")
-}
-
-// limitIDFor maps a rendered key to the id in the hash tag, injectively:
-// an empty key becomes "ip/<client IP>"; a key that is long, holds a brace
-// (which would break the hash tag) or could be mistaken for one of those
-// forms becomes "sha256:<hex>"; any other key is kept as it is.
-func limitIDFor(key, ip string) string {
-	if key == "" {
-		return "ip/" + ip
-	}
-	if len(key) > maxKeyLen || strings.ContainsAny(key, "{}") ||
-		strings.HasPrefix(key, "ip/") || strings.HasPrefix(key, "sha256:") {
-		sum := sha256.Sum256([]byte(key))
-		return "sha256:" + hex.EncodeToString(sum[:])
-	}
-	return key
-}
-
-// clientIP is Caddy's client IP of r, or the peer's address.
-func clientIP(r *http.Request) string {
-	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok && ip != "" {
-		return ip
-	}
-	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
-		return host
-	}
-	return r.RemoteAddr
-}
-
-// expandShorthands turns Caddyfile shorthands such as {client_ip} or
-// {header.X} into full placeholders, so JSON configs may use them too.
-func expandShorthands(s string) string {
-	if !strings.Contains(s, "{") {
-		return s
-	}
-	seg := caddyfile.Segment{caddyfile.Token{Text: s}}
-	httpcaddyfile.NewShorthandReplacer().ApplyToSegment(&seg)
-	return seg[0].Text
-}
-
-// ceilSeconds rounds d up to whole seconds.
-func ceilSeconds(d time.Duration) int64 {
-	if d <= 0 {
-		return 0
-	}
-	return int64((d + time.Second - 1) / time.Second)
+		zap.Int64("decisions_since_last_warning", n))
 }
 
 // denyCache remembers keys rejected until a moment, so they are answered
@@ -699,5 +563,4 @@ var (
 	_ caddy.Validator             = (*RedisRateLimit)(nil)
 	_ caddy.CleanerUpper          = (*RedisRateLimit)(nil)
 	_ caddyhttp.MiddlewareHandler = (*RedisRateLimit)(nil)
-	_ caddyfile.Unmarshaler       = (*RedisRateLimit)(nil)
 )

@@ -38,14 +38,10 @@ var (
 	errBatcherDone  = errors.New("redisdlm: redis client closed")
 )
 
-// rlBatchers holds one batcher per Redis client, keyed like clientPool.
-var rlBatchers = caddy.NewUsagePool()
-
-// rlBatcher sends the script calls of one Redis client in pipelines.
+// rlBatcher sends the script calls of one Redis client in pipelines, and
+// keeps the breaker of that client.
 type rlBatcher struct {
 	client  redis.UniversalClient
-	timeout time.Duration // of one pipeline
-	logger  *zap.Logger
 	queue   chan *rlCall
 	stop    chan struct{}
 	once    sync.Once
@@ -55,6 +51,8 @@ type rlBatcher struct {
 // rlCall is one request's script call.
 type rlCall struct {
 	script   *redis.Script
+	keys     []string
+	argv     []any
 	args     []any        // the whole EVALSHA command: "evalsha", sha, numkeys, keys..., argv...
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
@@ -70,53 +68,52 @@ const (
 	callAbandoned
 )
 
-func acquireBatcher(pc *pooledClient, logger *zap.Logger) (*rlBatcher, string, error) {
-	key := "ratelimit:" + pc.settings.poolKey()
-	val, _, err := rlBatchers.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return newBatcher(pc.client, pc.settings.Timeout, logger, batchWorkers), nil
-	})
-	if err != nil {
-		return nil, "", err
-	}
-	return val.(*rlBatcher), key, nil
-}
-
-func releaseBatcher(key string) {
-	if key != "" {
-		_, _ = rlBatchers.Delete(key)
-	}
-}
-
-func newBatcher(c redis.UniversalClient, timeout time.Duration, logger *zap.Logger, workers int) *rlBatcher {
+func newBatcher(c redis.UniversalClient, workers int) *rlBatcher {
 	b := &rlBatcher{
-		client:  c,
-		timeout: timeout,
-		logger:  logger,
-		queue:   make(chan *rlCall, batchQueue),
-		stop:    make(chan struct{}),
+		client: c,
+		queue:  make(chan *rlCall, batchQueue),
+		stop:   make(chan struct{}),
 	}
-	b.breaker.logger = logger
 	for i := 0; i < workers; i++ {
 		go b.work()
 	}
 	return b
 }
 
-// Destruct implements caddy.Destructor: the last handler using this client
-// is gone, so the workers stop. Waiting callers get errBatcherDone.
-func (b *rlBatcher) Destruct() error {
+// close stops the workers (the last handler using this client is gone).
+// Waiting callers get errBatcherDone.
+func (b *rlBatcher) close() {
 	b.once.Do(func() { close(b.stop) })
-	return nil
 }
 
-// do runs one script call through the pipeline and waits at most timeout
-// (or until ctx ends) for its answer. A call given up before a worker took
-// it never runs.
+// do runs one call through the breaker and the pipeline: refused at once
+// while the breaker is open; otherwise its outcome (a Redis failure or an
+// answer) is what the breaker counts. logger gets the breaker's changes.
+func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration, logger *zap.Logger) (any, error) {
+	if !b.breaker.allow(time.Now()) {
+		return nil, errBreakerOpen
+	}
+	res, err := b.call(ctx, c, timeout)
+	switch {
+	case err == nil:
+		b.breaker.success(logger)
+	case ctx.Err() != nil:
+		// The client went away: says nothing about Redis.
+	case errors.Is(err, errRedisTimeout) || isRedisDown(err):
+		b.breaker.failure(time.Now(), logger)
+	}
+	return res, err
+}
+
+// call runs one script call through the pipeline and waits at most
+// timeout (or until ctx ends) for its answer. A call given up before a
+// worker took it never runs.
 //
 // No timer per call: the worker that takes a call answers it by its
 // deadline (a call taken too late is not sent; a pipeline's context ends at
 // the earliest deadline in it). Only a full queue waits with a timer.
-func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration) (any, error) {
+func (b *rlBatcher) call(ctx context.Context, c *rlCall, timeout time.Duration) (any, error) {
+	c.args = c.command()
 	c.deadline = time.Now().Add(timeout)
 	c.done = make(chan struct{})
 	select {
@@ -209,7 +206,7 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	answered := false
 	defer func() {
 		if r := recover(); r != nil {
-			b.logger.Error("panic in redis_ratelimit batcher", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+			caddy.Log().Named("redisdlm").Error("panic in the redis_ratelimit batcher; recovered", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
 			if !answered {
 				for _, c := range batch {
 					c.err = fmt.Errorf("redisdlm: panic in batcher: %v", r)
@@ -247,8 +244,7 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	if len(retry) > 0 {
 		pipe = b.client.Pipeline()
 		for _, i := range retry {
-			keys, argv := batch[i].keysArgv()
-			cmds[i] = batch[i].script.Eval(ctx, pipe, keys, argv...)
+			cmds[i] = batch[i].script.Eval(ctx, pipe, batch[i].keys, batch[i].argv...)
 		}
 		_, _ = pipe.Exec(ctx)
 	}
@@ -262,21 +258,25 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	}
 }
 
-// keysArgv splits the EVALSHA command of c into its keys and arguments.
-func (c *rlCall) keysArgv() ([]string, []any) {
-	nk := c.args[2].(int)
-	keys := make([]string, nk)
-	for i := range keys {
-		keys[i] = c.args[3+i].(string)
+// command is the EVALSHA command of c: "evalsha", sha, numkeys, keys...,
+// argv... (small ones in c's own buffer).
+func (c *rlCall) command() []any {
+	n := 3 + len(c.keys) + len(c.argv)
+	args := c.argBuf[:0]
+	if n > len(c.argBuf) {
+		args = make([]any, 0, n)
 	}
-	return keys, c.args[3+nk:]
+	args = append(args, "evalsha", c.script.Hash(), len(c.keys))
+	for _, k := range c.keys {
+		args = append(args, k)
+	}
+	return append(args, c.argv...)
 }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;
 // then it lets one call through about once per breakerProbe, and closes
 // again at the first success.
 type breaker struct {
-	logger    *zap.Logger
 	fails     atomic.Int32
 	open      atomic.Bool
 	mu        sync.Mutex
@@ -297,23 +297,23 @@ func (b *breaker) allow(now time.Time) bool {
 	return true
 }
 
-func (b *breaker) success() {
+func (b *breaker) success(logger *zap.Logger) {
 	if b.fails.Load() != 0 || b.open.Load() {
 		b.fails.Store(0)
 		if b.open.Swap(false) {
-			b.logger.Info("redis reachable again; rate limiting resumes")
+			logger.Info("redis reachable again; rate limiting resumes")
 		}
 	}
 }
 
-func (b *breaker) failure(now time.Time) {
+func (b *breaker) failure(now time.Time, logger *zap.Logger) {
 	if b.fails.Add(1) >= breakerThreshold && !b.open.Load() {
 		b.mu.Lock()
 		b.nextProbe = now.Add(breakerProbe)
 		opened := !b.open.Swap(true)
 		b.mu.Unlock()
 		if opened {
-			b.logger.Warn("redis unreachable: rate-limit decisions follow the fail policy without calling redis; probing it every second",
+			logger.Warn("redis unreachable: rate-limit decisions follow the fail policy without calling redis; probing it every second",
 				zap.Int("consecutive_failures", breakerThreshold))
 		}
 	}

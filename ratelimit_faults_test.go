@@ -70,7 +70,7 @@ func TestRateLimitRedisDown(t *testing.T) {
 					}(i)
 				}
 				wg.Wait()
-				if !h.batcher.breaker.open.Load() {
+				if !h.client.batcher().breaker.open.Load() {
 					t.Fatal("breaker not open after repeated failures")
 				}
 				if n := logs.FilterMessageSnippet("redis unavailable").Len(); n != 1 {
@@ -96,7 +96,7 @@ func TestRateLimitRedisDown(t *testing.T) {
 					}
 					time.Sleep(100 * time.Millisecond)
 				}
-				if h.batcher.breaker.open.Load() {
+				if h.client.batcher().breaker.open.Load() {
 					t.Fatal("breaker still open after recovery")
 				}
 			})
@@ -109,15 +109,15 @@ func TestRateLimitRedisDown(t *testing.T) {
 func TestRateLimitBreakerProbes(t *testing.T) {
 	t.Parallel()
 	var b breaker
-	b.logger = zap.NewNop()
+	nop := zap.NewNop()
 	now := time.Now()
 	for i := 0; i < breakerThreshold-1; i++ {
-		b.failure(now)
+		b.failure(now, nop)
 	}
 	if !b.allow(now) {
 		t.Fatal("breaker opened before the threshold")
 	}
-	b.failure(now)
+	b.failure(now, nop)
 	if b.allow(now) || b.allow(now.Add(999*time.Millisecond)) {
 		t.Fatal("open breaker let a call through before a second passed")
 	}
@@ -127,7 +127,7 @@ func TestRateLimitBreakerProbes(t *testing.T) {
 	if b.allow(now.Add(time.Second + time.Millisecond)) {
 		t.Fatal("two probes in the same second")
 	}
-	b.success()
+	b.success(nop)
 	if !b.allow(now.Add(time.Second + 2*time.Millisecond)) {
 		t.Fatal("breaker did not close after a success")
 	}

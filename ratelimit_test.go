@@ -639,7 +639,7 @@ func TestRateLimitConfigErrors(t *testing.T) {
 			if !strings.Contains(err.Error(), "redis_ratelimit") || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("error %q should name redis_ratelimit and %q", err, tc.want)
 			}
-			if h.clientKey != "" || h.batcherKey != "" {
+			if h.clientKey != "" {
 				t.Fatal("a failed Provision kept a pooled client")
 			}
 		})
@@ -663,10 +663,19 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 		return h
 	}
 	h1, h2 := mk(), mk()
-	if h1.batcher != h2.batcher {
+	if h1.client != h2.client {
+		t.Fatal("handlers with the same settings do not share a client")
+	}
+	if h1.client.batcher() != nil {
+		t.Fatal("a batcher was started before the first decision")
+	}
+	if a := serveRL(h1, "192.0.2.20", nil); !a.passed {
+		t.Fatal("first decision failed")
+	}
+	b := h1.client.batcher()
+	if b == nil || h2.client.batcher() != b {
 		t.Fatal("handlers with the same settings do not share a batcher")
 	}
-	b := h1.batcher
 	_ = h1.Cleanup()
 	select {
 	case <-b.stop:
@@ -684,11 +693,11 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	}
 	h3 := mk()
 	defer h3.Cleanup()
-	if h3.batcher == b {
-		t.Fatal("a stopped batcher was reused")
-	}
 	if a := serveRL(h3, "192.0.2.20", nil); !a.passed || a.err != nil {
 		t.Fatalf("after re-provisioning: %d %v", a.status, a.err)
+	}
+	if h3.client.batcher() == b {
+		t.Fatal("a stopped batcher was reused")
 	}
 }
 

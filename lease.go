@@ -1,0 +1,317 @@
+package redisdlm
+
+// A held lease: handing it on to the next local waiter, renewing its block
+// of fencing tokens, keeping it alive while its request runs, releasing it.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// maxChain bounds how many holders in a row one Redis acquisition may serve
+// by local hand-off; then the lock is released in Redis, so waiters of other
+// instances get their turn.
+const maxChain = 16
+
+// lease is one held acquisition of a set of keys.
+type lease struct {
+	l     *locker
+	keys  []string // sorted Redis lock keys
+	token string
+	Fence int64     // fencing token: strictly increases per key with every acquisition
+	Start time.Time // when the lock was granted
+	mu    sync.Mutex
+	until time.Time // validity end as this process sees it
+	done  bool
+	// q is the local queue of the key set; the lease holds a reference to
+	// it (ownsRef) from Acquire until release, so waiters that arrive
+	// meanwhile queue where the hand-off looks for them.
+	q       *keyQueue
+	ownsRef bool
+	// released is set before the release is sent, so a server that grants
+	// this token late releases it again (see tryAcquire); removed has bit i
+	// set once server i's release answered that it removed the token, so a
+	// late grant there needs no second release.
+	released *atomic.Bool
+	removed  *atomic.Uint64
+	// chainLeft counts the fencing tokens reserved for handing this lease on
+	// to waiters of this instance without a Redis call.
+	chainLeft int
+	chained   bool // received by hand-off, not from Redis
+	renewing  *renewal
+	raise     int64 // Redlock: fencing counter to write back on release
+	lost      atomic.Bool
+}
+
+// Valid reports the remaining validity of the lease.
+func (ls *lease) Valid() time.Duration {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return time.Until(ls.until)
+}
+
+func (ls *lease) setUntil(t time.Time) {
+	ls.mu.Lock()
+	ls.until = t
+	ls.mu.Unlock()
+}
+
+// markLost records that the lease is gone, so it is not handed on.
+func (ls *lease) markLost() { ls.lost.Store(true) }
+
+// release gives the lease back on every server and wakes the next local
+// waiter — or hands it on to that waiter without a Redis call. It is safe
+// to call more than once.
+func (ls *lease) release() {
+	ls.mu.Lock()
+	if ls.done {
+		ls.mu.Unlock()
+		return
+	}
+	ls.done = true
+	ls.mu.Unlock()
+	defer ls.dropQueue()
+	if ls.handOff() {
+		// The next holder waits in this P's run-next slot: let it run now
+		// rather than after this request's own wind-down.
+		runtime.Gosched()
+		return
+	}
+	if ls.released != nil {
+		ls.released.Store(true)
+	}
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true)
+	if ls.q != nil {
+		ls.q.released()
+	}
+	ls.l.dom.wakeKeys(ls.keys)
+}
+
+// dropQueue gives back the lease's reference to its local queue.
+func (ls *lease) dropQueue() {
+	if ls.ownsRef {
+		ls.ownsRef = false
+		ls.l.dom.putQueue(ls.q)
+	}
+}
+
+// handOff passes the lease to the head of the local queue: the next holder
+// takes over the Redis lease and the next reserved fencing token, with no
+// Redis call. It reports false when the lease must be released in Redis
+// instead (no tokens left and no renewal, lost, too little validity left,
+// nobody waiting).
+func (ls *lease) handOff() bool {
+	if ls.lost.Load() || ls.q == nil {
+		return false
+	}
+	fence, left := ls.Fence+1, ls.chainLeft
+	if left <= 0 {
+		// The block is used up: take the renewal started while this
+		// holder worked, if it got one.
+		r := ls.renewing
+		if r == nil {
+			return false
+		}
+		<-r.done
+		if !r.ok {
+			return false
+		}
+		fence, left = r.fence-int64(r.n)+1, r.n
+		ls.setUntil(r.until)
+	}
+	if ls.Valid() < ls.l.opts.TTL/2 {
+		return false
+	}
+	q := ls.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.waiters) == 0 {
+		return false
+	}
+	w := q.waiters[0]
+	ls.mu.Lock()
+	until := ls.until
+	ls.mu.Unlock()
+	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: fence, Start: time.Now(),
+		until: until, q: q, released: ls.released, removed: ls.removed, chainLeft: left - 1, chained: true, raise: ls.raise}
+	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.waitqLife(len(ls.keys)) > 0 {
+		// The next holder is the block's last and more wait behind it: ask
+		// Redis for another block while it works. Renewal needs the
+		// instances' wait list (to step aside for another instance), which
+		// exists where waitqLife is on: one key on one server.
+		n := len(q.waiters) - 1
+		if n > maxChain {
+			n = maxChain
+		}
+		next.renewing = ls.l.renew(next, n)
+	}
+	select {
+	case w.grant <- next:
+		return true
+	default: // already granted: cannot happen with one holder at a time
+		return false
+	}
+}
+
+// renewal is a lease renewal in flight: another block of fencing tokens
+// for local hand-offs, granted only while no other instance waits.
+type renewal struct {
+	done  chan struct{}
+	ok    bool
+	fence int64 // the block's last token
+	n     int
+	until time.Time
+}
+
+// renew asks Redis, in the background, to extend ls and reserve n tokens.
+func (l *locker) renew(ls *lease, n int) *renewal {
+	r := &renewal{done: make(chan struct{}), n: n}
+	go func() {
+		defer close(r.done)
+		defer l.recoverPanic("renewing a lease")
+		ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
+		defer cancel()
+		start := time.Now()
+		k := ls.keys[0]
+		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, fenceKey(k), waitqKey(k)},
+			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n).Int64Slice()
+		if err == nil && len(v) == 2 && v[0] == 1 {
+			r.ok, r.fence, r.until = true, v[1], start.Add(l.opts.TTL)
+		}
+	}()
+	return r
+}
+
+// keeper keeps one lease alive while its request runs. It is driven by a
+// timer, not a goroutine of its own, so a request that ends before the
+// first extension costs no goroutine start or join on the hand-off path.
+type keeper struct {
+	ls      *lease
+	extend  bool          // auto_extend
+	maxHold time.Duration // stop extending after this long (0: never)
+	onLost  func(error)
+
+	mu      sync.Mutex
+	t       *time.Timer
+	stopped bool
+	running bool
+	cancel  context.CancelFunc
+	done    chan struct{} // closed by a running fire that finds the keeper stopped
+}
+
+// keep starts keeping the lease: with extend, it is extended every ttl/3
+// (owner-checked) until stop or maxHold; a lease that is not extended (any
+// more) is reported lost when its validity ends. onLost runs at most once.
+func (ls *lease) keep(extend bool, maxHold time.Duration, onLost func(error)) *keeper {
+	k := &keeper{ls: ls, extend: extend, maxHold: maxHold, onLost: onLost, done: make(chan struct{})}
+	k.mu.Lock()
+	k.t = time.AfterFunc(k.next(), k.fire)
+	k.mu.Unlock()
+	return k
+}
+
+// next is the delay to the next timer event.
+func (k *keeper) next() time.Duration {
+	if k.extendNow() {
+		every := k.ls.l.opts.TTL / 3
+		if v := k.ls.Valid() / 2; v < every {
+			every = v // a handed-on lease may have less than a full ttl left
+		}
+		if every < time.Millisecond {
+			every = time.Millisecond
+		}
+		return every
+	}
+	if v := k.ls.Valid(); v > 0 {
+		return v
+	}
+	return 0
+}
+
+func (k *keeper) extendNow() bool {
+	return k.extend && (k.maxHold <= 0 || time.Since(k.ls.Start) < k.maxHold)
+}
+
+func (k *keeper) fire() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
+	}
+	k.running = true
+	ctx, cancel := context.WithCancel(context.Background())
+	k.cancel = cancel
+	k.mu.Unlock()
+
+	var lost error
+	func() {
+		defer k.ls.l.recoverPanic("keeping a lease alive")
+		if !k.extendNow() {
+			if k.ls.Valid() <= 0 {
+				lost = fmt.Errorf("%w: the lease ran out before the request ended (ttl %s, max_hold %s)", ErrLeaseLost, k.ls.l.opts.TTL, k.maxHold)
+			}
+			return
+		}
+		err := k.ls.l.extend(ctx, k.ls)
+		switch {
+		case err == nil || ctx.Err() != nil:
+		case errors.Is(err, ErrLeaseLost):
+			lost = err
+		case k.ls.Valid() <= 0:
+			lost = fmt.Errorf("%w: %v", ErrLeaseLost, err)
+		}
+	}()
+	cancel()
+
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.running = false
+	if k.stopped {
+		close(k.done)
+		return
+	}
+	if lost != nil {
+		k.stopped = true
+		k.ls.markLost()
+		k.onLost(lost)
+		return
+	}
+	d := k.next()
+	if !k.extendNow() && d <= 0 {
+		d = time.Millisecond
+	} else if k.ls.Valid() < k.ls.l.opts.TTL/3 {
+		// Redis did not answer: try again sooner while the lease may hold.
+		if d > k.ls.Valid()/3 {
+			d = k.ls.Valid() / 3
+		}
+		if d < 10*time.Millisecond {
+			d = 10 * time.Millisecond
+		}
+	}
+	k.t.Reset(d)
+}
+
+// stop ends the keeping and waits for an extension in flight, so no
+// extension can follow the release that comes next.
+func (k *keeper) stop() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
+	}
+	k.stopped = true
+	k.t.Stop()
+	running := k.running
+	if running && k.cancel != nil {
+		k.cancel()
+	}
+	k.mu.Unlock()
+	if running {
+		<-k.done
+	}
+}

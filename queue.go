@@ -1,0 +1,239 @@
+package redisdlm
+
+// Local queues: the waiters of one key set in this Caddy instance, first
+// come first served, and the domains that share them across handlers and
+// config reloads.
+
+import (
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// domain groups the local queues of lockers that share the same Redis
+// servers and lease options, across handlers and config reloads, so the
+// waiters of one key in one Caddy instance form one queue.
+type domain struct {
+	key  string
+	id   string // this instance's id in Redis wait lists and wake messages
+	refs int    // guarded by domainsMu
+
+	mu     sync.Mutex
+	queues map[string]*keyQueue // by joined key set
+	byKey  map[string]map[*keyQueue]struct{}
+}
+
+var (
+	domainsMu sync.Mutex
+	domains   = map[string]*domain{}
+)
+
+func acquireDomain(key string) *domain {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	d := domains[key]
+	if d == nil {
+		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byKey: map[string]map[*keyQueue]struct{}{}}
+		domains[key] = d
+	}
+	d.refs++
+	return d
+}
+
+func releaseDomain(d *domain) {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	d.refs--
+	if d.refs == 0 {
+		delete(domains, d.key)
+	}
+}
+
+// otherDomains lists every domain of this process but the one with id.
+func otherDomains(id string) []*domain {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	ds := make([]*domain, 0, len(domains))
+	for _, d := range domains {
+		if d.id != id {
+			ds = append(ds, d)
+		}
+	}
+	return ds
+}
+
+// queue returns the queue of a key set, creating it; pair with putQueue.
+func (d *domain) queue(keys []string) *keyQueue {
+	id := strings.Join(keys, "\x00")
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	q := d.queues[id]
+	if q == nil {
+		q = &keyQueue{id: id, keys: keys}
+		d.queues[id] = q
+		for _, k := range keys {
+			m := d.byKey[k]
+			if m == nil {
+				m = map[*keyQueue]struct{}{}
+				d.byKey[k] = m
+			}
+			m[q] = struct{}{}
+		}
+	}
+	q.refs++
+	return q
+}
+
+// putQueue drops a reference; an unused queue is forgotten.
+func (d *domain) putQueue(q *keyQueue) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	q.refs--
+	if q.refs == 0 {
+		delete(d.queues, q.id)
+		for _, k := range q.keys {
+			delete(d.byKey[k], q)
+			if len(d.byKey[k]) == 0 {
+				delete(d.byKey, k)
+			}
+		}
+	}
+}
+
+// wakeKeys wakes the head waiter of every local queue that involves one of
+// keys (a release here or, via Pub/Sub, elsewhere).
+func (d *domain) wakeKeys(keys []string) {
+	d.mu.Lock()
+	var qs []*keyQueue
+	for _, k := range keys {
+		for q := range d.byKey[k] {
+			qs = append(qs, q)
+		}
+	}
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.wakeHead()
+	}
+}
+
+// keyQueue is the FIFO of this instance's waiters for one key set. Only
+// the head asks Redis; the others wait for their turn.
+type keyQueue struct {
+	id   string
+	keys []string
+	refs int // guarded by domain.mu
+
+	mu      sync.Mutex
+	waiters []*waiter
+	held    int           // leases of this key set held in this instance
+	hint    time.Duration // last known time until the holder's lease ends
+}
+
+// waiter is one request waiting in a keyQueue.
+type waiter struct {
+	q     *keyQueue
+	turn  chan struct{} // closed when this waiter becomes head
+	wake  chan struct{} // buffered: a release happened
+	grant chan *lease   // buffered: a lease handed on by the previous holder
+}
+
+func (w *waiter) head() bool {
+	select {
+	case <-w.turn:
+		return true
+	default:
+		return false
+	}
+}
+
+// enqueue appends a waiter; false when maxWaiters (>0) are already waiting.
+func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if maxWaiters > 0 && len(q.waiters) >= maxWaiters {
+		return nil, false
+	}
+	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1), grant: make(chan *lease, 1)}
+	q.waiters = append(q.waiters, w)
+	if len(q.waiters) == 1 {
+		close(w.turn)
+	}
+	return w, true
+}
+
+// leave removes w; if it was the head, the next waiter's turn begins. It
+// returns a lease handed to w that w has not taken yet.
+func (q *keyQueue) leave(w *waiter) *lease {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, x := range q.waiters {
+		if x == w {
+			q.waiters = append(q.waiters[:i], q.waiters[i+1:]...)
+			if i == 0 && len(q.waiters) > 0 {
+				close(q.waiters[0].turn)
+			}
+			break
+		}
+	}
+	select {
+	case g := <-w.grant:
+		return g
+	default:
+		return nil
+	}
+}
+
+// waiting counts the waiters queued here.
+func (q *keyQueue) waiting() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.waiters)
+}
+
+func (q *keyQueue) empty() bool { return q.waiting() == 0 }
+
+func (q *keyQueue) acquired() {
+	q.mu.Lock()
+	q.held++
+	q.mu.Unlock()
+}
+
+func (q *keyQueue) released() {
+	q.mu.Lock()
+	if q.held > 0 {
+		q.held--
+	}
+	q.mu.Unlock()
+}
+
+func (q *keyQueue) heldLocally(permits int) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.held >= permits
+}
+
+func (q *keyQueue) wakeHead() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if len(q.waiters) > 0 {
+		select {
+		case q.waiters[0].wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (q *keyQueue) setRetryHint(d time.Duration) {
+	q.mu.Lock()
+	q.hint = d
+	q.mu.Unlock()
+}
+
+// retryHint is the last known time until the holder's lease ends.
+func (q *keyQueue) retryHint() time.Duration {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.hint
+}
