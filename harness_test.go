@@ -31,11 +31,19 @@ func provisionLock(t testing.TB, cfg string) *RedisLock {
 	if err := h.Provision(ctx); err != nil {
 		t.Fatalf("provision: %v", err)
 	}
-	// Caddy's default logger is at debug level in tests; keep warnings only.
-	h.logger = quietLogger()
+	quietLock(h)
 	t.Cleanup(func() { _ = h.Cleanup() })
 	return h
 }
+
+// quietLock and quietRateLimit replace the debug logger that Caddy gives a
+// module provisioned without a config (as in these tests) by quietLogger.
+func quietLock(h *RedisLock) {
+	h.logger = quietLogger()
+	h.locker.logger = h.logger
+}
+
+func quietRateLimit(h *RedisRateLimit) { h.logger = quietLogger() }
 
 // quietLogger logs warnings and errors to stderr.
 func quietLogger() *zap.Logger {

@@ -23,8 +23,8 @@ type lease struct {
 	l     *locker
 	keys  []string // sorted Redis lock keys
 	token string
-	Fence int64     // fencing token: strictly increases per key with every acquisition
-	Start time.Time // when the lock was granted
+	fence int64     // fencing token: strictly increases per key with every acquisition
+	start time.Time // when the lock was granted
 	mu    sync.Mutex
 	until time.Time // validity end as this process sees it
 	done  bool
@@ -109,7 +109,7 @@ func (ls *lease) handOff() bool {
 	if ls.lost.Load() || ls.q == nil {
 		return false
 	}
-	fence, left := ls.Fence+1, ls.chainLeft
+	fence, left := ls.fence+1, ls.chainLeft
 	if left <= 0 {
 		// The block is used up: take the renewal started while this
 		// holder worked, if it got one.
@@ -137,7 +137,7 @@ func (ls *lease) handOff() bool {
 	ls.mu.Lock()
 	until := ls.until
 	ls.mu.Unlock()
-	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, Fence: fence, Start: time.Now(),
+	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
 		until: until, q: q, released: ls.released, removed: ls.removed, chainLeft: left - 1, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.waitqLife(len(ls.keys)) > 0 {
 		// The next holder is the block's last and more wait behind it: ask
@@ -234,7 +234,7 @@ func (k *keeper) next() time.Duration {
 }
 
 func (k *keeper) extendNow() bool {
-	return k.extend && (k.maxHold <= 0 || time.Since(k.ls.Start) < k.maxHold)
+	return k.extend && (k.maxHold <= 0 || time.Since(k.ls.start) < k.maxHold)
 }
 
 func (k *keeper) fire() {

@@ -342,11 +342,11 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 
 // serveLocked runs the next handler while the lease is held and kept alive.
 func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration) (err error) {
-	fence := strconv.FormatInt(lease.Fence, 10)
+	fence := strconv.FormatInt(lease.fence, 10)
 	repl.Set("http.redis_lock.fencing_token", fence)
 	h.setFencingHeader(r, fence)
 	if c := h.logger.Check(zapcore.DebugLevel, "lock acquired"); c != nil {
-		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence), zap.Duration("waited", waited))
+		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence), zap.Duration("waited", waited))
 	}
 
 	reqCtx, cancel := context.WithCancelCause(r.Context())
@@ -355,7 +355,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		lost.Store(true)
 		lockLostTotal.Inc()
 		h.logger.Error("lock lease lost while the request ran",
-			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.Fence), zap.Error(cause))
+			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.fence), zap.Error(cause))
 		if h.OnLost == "cancel" {
 			cancel(cause)
 		}
@@ -368,9 +368,9 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		keep.stop()
 		cancel(nil)
 		lease.release()
-		lockHeldSeconds.Observe(time.Since(lease.Start).Seconds())
+		lockHeldSeconds.Observe(time.Since(lease.start).Seconds())
 		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
-			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence))
+			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence))
 		}
 		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.started.Load() {
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)

@@ -162,13 +162,14 @@ func TestLockWaitZeroAndTimeout(t *testing.T) {
 	}
 }
 
-// TestLockAutoExtend: a 1s lease is kept alive through a 3s upstream while
-// a second request waits; the second never overlaps the first.
+// TestLockAutoExtend: a 400ms lease is kept alive through a 1.5s upstream
+// (three leases long) while a second request waits; the second never
+// overlaps the first.
 func TestLockAutoExtend(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := newExclusivityUpstream(3 * time.Second)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1s","wait":"20s"}`, r.Addr))
+	up := newExclusivityUpstream(1500 * time.Millisecond)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"400ms","wait":"20s"}`, r.Addr))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
 	starts := make([]time.Time, 2)
@@ -178,7 +179,7 @@ func TestLockAutoExtend(t *testing.T) {
 		go func(i int) {
 			defer wg.Done()
 			if i == 1 {
-				time.Sleep(300 * time.Millisecond)
+				time.Sleep(200 * time.Millisecond)
 			}
 			starts[i] = time.Now()
 			resp, body := get(t, srv.URL+"/slow")
@@ -190,8 +191,8 @@ func TestLockAutoExtend(t *testing.T) {
 	}
 	wg.Wait()
 	up.check(t)
-	if ends[1].Sub(ends[0]) < 2500*time.Millisecond {
-		t.Errorf("second request ended %s after the first; it should have waited for the 3s holder", ends[1].Sub(ends[0]))
+	if ends[1].Sub(ends[0]) < 1200*time.Millisecond {
+		t.Errorf("second request ended %s after the first; it should have waited for the 1.5s holder", ends[1].Sub(ends[0]))
 	}
 }
 
@@ -519,6 +520,7 @@ func TestLockOnLost(t *testing.T) {
 	r := startRedis(t)
 	for _, mode := range []string{"cancel", "continue"} {
 		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
 			entered := make(chan struct{})
 			var canceled atomic.Bool
 			up := func(w http.ResponseWriter, req *http.Request) error {
@@ -527,11 +529,11 @@ func TestLockOnLost(t *testing.T) {
 				case <-req.Context().Done():
 					canceled.Store(true)
 					return req.Context().Err()
-				case <-time.After(3 * time.Second):
+				case <-time.After(1200 * time.Millisecond):
 				}
 				return nil
 			}
-			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"600ms","on_lost":"%s","prefix":"lost:%s:"}`, r.Addr, mode, mode))
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"300ms","on_lost":"%s","prefix":"lost:%s:"}`, r.Addr, mode, mode))
 			lostBefore := lostCount()
 			srv := handlerServer(t, h, up)
 			done := make(chan *http.Response, 1)
@@ -733,12 +735,16 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+	// The waiters subscribe in the background: wait until Redis confirms.
 	ctx := context.Background()
-	chans, err := r.Client().PubSubChannels(ctx, "*").Result()
+	rc := r.Client()
+	waitFor(5*time.Second, func() bool { return wakeSubscribers(rc) >= 1 })
+	time.Sleep(100 * time.Millisecond) // room for a (wrong) second subscription
+	chans, err := rc.PubSubChannels(ctx, "*").Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	subs, _ := r.Client().PubSubNumSub(ctx, wakeChannel).Result()
+	subs, _ := rc.PubSubNumSub(ctx, wakeChannel).Result()
 	close(release)
 	wg.Wait()
 	if len(chans) != 1 || chans[0] != wakeChannel || subs[wakeChannel] != 1 {

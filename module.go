@@ -6,6 +6,24 @@
 //   - http.handlers.redis_ratelimit admits or rejects requests against per-key
 //     limits kept in Redis, exact across every Caddy instance sharing it.
 //
+// Where things are:
+//
+//	module.go            connection settings, the pooled client (one per identical settings)
+//	lockhandler.go       http.handlers.redis_lock: config, Provision, ServeHTTP
+//	redlock.go           the lock engine: acquire/wait/backoff, quorum fan-out, extend, release
+//	lease.go             a held lease: hand-off to local waiters, renewal, the keeper
+//	queue.go             per-key local FIFO queues and the domains that share them
+//	wake.go              the Pub/Sub wake-up listener and its dispatch
+//	ratelimit.go         http.handlers.redis_ratelimit and its decisions
+//	ratelimit_batcher.go the rate limiter's Redis calls: pipelines, NOSCRIPT, breaker
+//	keys.go              every key rule: templates, rendering, hashing, Redis key names
+//	caddyfile.go         both directives' Caddyfile syntax
+//	metrics.go           Prometheus collectors; warnings.go: log throttling
+//	scripts/*.lua        the Lua scripts, embedded
+//
+// The lock engine (redlock.go, lease.go, queue.go, wake.go) imports
+// nothing of net/http or Caddy.
+//
 // This file holds what both handlers share: the Redis connection settings and
 // the pool of clients (one per identical settings, shared across handlers and
 // config reloads).

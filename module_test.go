@@ -18,10 +18,19 @@ import (
 // wholeCaddyMu serialises tests that run the (process-global) Caddy.
 var wholeCaddyMu sync.Mutex
 
+// skipWholeCaddyIfShort skips whole-Caddy tests under -short.
+func skipWholeCaddyIfShort(t *testing.T) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("whole-Caddy test: skipped under -short")
+	}
+}
+
 // runCaddy adapts a Caddyfile and runs it as the whole in-process Caddy
 // until the test ends.
 func runCaddy(t *testing.T, caddyfile string) {
 	t.Helper()
+	skipWholeCaddyIfShort(t)
 	wholeCaddyMu.Lock()
 	cfg, warns, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
 	if err != nil {
@@ -47,6 +56,7 @@ func runCaddy(t *testing.T, caddyfile string) {
 // up, placeholders reach later handlers, and the metrics show up at the
 // admin endpoint.
 func TestWholeCaddyReverseProxy(t *testing.T) {
+	skipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	var mu sync.Mutex
 	inflight := map[string]int{}
@@ -148,6 +158,7 @@ func TestWholeCaddyReverseProxy(t *testing.T) {
 // settings share one client, across a config reload, and a reload leaks no
 // client.
 func TestWholeCaddyReloadSharesClient(t *testing.T) {
+	skipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	port := freePort(t)
 	conf := func(body string) string {

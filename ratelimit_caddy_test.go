@@ -25,6 +25,7 @@ import (
 // reaches the lock), and that the admin /metrics counts denials without
 // naming any user.
 func TestWholeCaddyRateLimit(t *testing.T) {
+	skipWholeCaddyIfShort(t)
 	r := startRedis(t)
 
 	// A `caddy hash-password`-style bcrypt hash (minimum cost, for speed).

@@ -144,17 +144,27 @@ func TestRateLimitCaddyfileErrors(t *testing.T) {
 }
 
 // TestCaddyfileGolden adapts every testdata/*.caddyfile (both directives)
-// and compares the JSON with the .json beside it (UPDATE_GOLDEN=1 rewrites
-// them). It also checks that {client_ip} becomes {http.vars.client_ip}.
+// and every examples/*Caddyfile, and compares the JSON with its golden file
+// (testdata/<name>.json, testdata/examples/<name>.json; UPDATE_GOLDEN=1
+// rewrites them), so neither the parser nor the examples can drift
+// unnoticed. It also checks that {client_ip} becomes {http.vars.client_ip}.
 func TestCaddyfileGolden(t *testing.T) {
 	t.Parallel()
 	files, err := filepath.Glob("testdata/*.caddyfile")
 	if err != nil || len(files) == 0 {
 		t.Fatalf("no testdata/*.caddyfile: %v", err)
 	}
+	examples, err := filepath.Glob("examples/*Caddyfile")
+	if err != nil || len(examples) == 0 {
+		t.Fatalf("no examples/*Caddyfile: %v", err)
+	}
 	adapter := caddyconfig.GetAdapter("caddyfile")
-	for _, f := range files {
-		t.Run(filepath.Base(f), func(t *testing.T) {
+	for _, f := range append(files, examples...) {
+		golden := strings.TrimSuffix(f, ".caddyfile") + ".json"
+		if strings.HasPrefix(f, "examples/") {
+			golden = filepath.Join("testdata", "examples", strings.TrimSuffix(filepath.Base(f), ".Caddyfile")+".json")
+		}
+		t.Run(f, func(t *testing.T) {
 			in, err := os.ReadFile(f)
 			if err != nil {
 				t.Fatal(err)
@@ -171,8 +181,8 @@ func TestCaddyfileGolden(t *testing.T) {
 				t.Fatal(err)
 			}
 			pretty.WriteByte('\n')
-			golden := strings.TrimSuffix(f, ".caddyfile") + ".json"
 			if os.Getenv("UPDATE_GOLDEN") != "" {
+				_ = os.MkdirAll(filepath.Dir(golden), 0o755)
 				if err := os.WriteFile(golden, pretty.Bytes(), 0o644); err != nil {
 					t.Fatal(err)
 				}

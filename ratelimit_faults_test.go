@@ -132,3 +132,38 @@ func TestRateLimitBreakerProbes(t *testing.T) {
 		t.Fatal("breaker did not close after a success")
 	}
 }
+
+// TestRateLimitBatcherLogsThroughCurrentConfig: the batcher and breaker
+// outlive a config reload; their log lines go to the logger of the handler
+// whose call caused them, not to the first config's logger forever.
+func TestRateLimitBatcherLogsThroughCurrentConfig(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	mk := func() (*RedisRateLimit, *observer.ObservedLogs) {
+		h := newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Timeout = caddy.Duration(200 * time.Millisecond)
+		})
+		core, logs := observer.New(zapcore.InfoLevel)
+		h.logger = zap.New(core)
+		return h, logs
+	}
+	old, oldLogs := mk()
+	if a := serveRL(old, "192.0.2.1", nil); !a.passed {
+		t.Fatal("first decision failed")
+	}
+	cur, curLogs := mk() // the reloaded config, sharing the client
+	if cur.client != old.client {
+		t.Fatal("the reloaded handler does not share the client")
+	}
+	_ = old.Cleanup()
+	r.Kill()
+	for i := 0; i < breakerThreshold+1; i++ {
+		serveRL(cur, "192.0.2.2", nil)
+	}
+	if curLogs.FilterMessageSnippet("redis unreachable").Len() != 1 {
+		t.Errorf("the current config's logger did not get the breaker's warning: %v", curLogs.All())
+	}
+	if n := oldLogs.FilterMessageSnippet("redis unreachable").Len(); n != 0 {
+		t.Errorf("the old config's logger got %d breaker warnings after the reload", n)
+	}
+}

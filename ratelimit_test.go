@@ -37,6 +37,7 @@ func newRateLimit(t *testing.T, r *testRedis, mod func(h *RedisRateLimit)) *Redi
 		cancel()
 		t.Fatalf("provision: %v", err)
 	}
+	quietRateLimit(h)
 	if err := h.Validate(); err != nil {
 		t.Fatalf("validate: %v", err)
 	}
@@ -660,6 +661,7 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 		if err := h.Provision(ctx); err != nil {
 			t.Fatal(err)
 		}
+		quietRateLimit(h)
 		return h
 	}
 	h1, h2 := mk(), mk()
@@ -744,7 +746,7 @@ func TestRateLimitSlidingRemaining(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Second)}}
+		h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(2 * time.Second)}}
 	})
 	send := func(k int, wantLastRem int) {
 		t.Helper()
@@ -759,17 +761,17 @@ func TestRateLimitSlidingRemaining(t *testing.T) {
 		}
 	}
 	send(8, 2)                          // 8 in the window
-	time.Sleep(1100 * time.Millisecond) // all 8 leave: more than the 4 steps, so binary search
+	time.Sleep(2200 * time.Millisecond) // all 8 leave: more than the 4 steps, so binary search
 	send(2, 8)
-	time.Sleep(600 * time.Millisecond)
+	time.Sleep(1200 * time.Millisecond)
 	send(3, 5) // 5 in the window
-	time.Sleep(500 * time.Millisecond)
+	time.Sleep(1000 * time.Millisecond)
 	send(1, 6) // the first 2 left (stepping): 3 + 1 in the window
 	send(6, 0)
 	if a := serveRL(h, "192.0.2.50", nil); a.passed {
 		t.Fatal("11th request within the window admitted")
 	}
-	n, err := r.Client().StrLen(context.Background(), "caddy:rl:{192.0.2.50}:sw:10/1s").Result()
+	n, err := r.Client().StrLen(context.Background(), "caddy:rl:{192.0.2.50}:sw:10/2s").Result()
 	if err != nil || n != 24+8*10 {
 		t.Fatalf("log is %d bytes, want %d (header + 10 slots)", n, 24+8*10)
 	}

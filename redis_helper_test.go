@@ -6,6 +6,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -50,7 +51,23 @@ func startRedis(t testing.TB, args ...string) *testRedis {
 	r.Addr = "127.0.0.1:" + strconv.Itoa(r.Port)
 	r.start()
 	t.Cleanup(r.Kill)
+	t.Cleanup(r.dumpLogOnFailure)
 	return r
+}
+
+// dumpLogOnFailure prints the end of the server's log when the test failed.
+func (r *testRedis) dumpLogOnFailure() {
+	if !r.t.Failed() {
+		return
+	}
+	b, err := os.ReadFile(filepath.Join(r.dir, "redis.log"))
+	if err != nil {
+		return
+	}
+	if len(b) > 4000 {
+		b = b[len(b)-4000:]
+	}
+	r.t.Logf("log of %s:\n%s", r, b)
 }
 
 // startRedisOnPort starts a server on a port chosen before (to test "Redis
@@ -60,6 +77,7 @@ func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
 	r := &testRedis{t: t, args: args, dir: t.TempDir(), Port: port, Addr: "127.0.0.1:" + strconv.Itoa(port)}
 	r.start()
 	t.Cleanup(r.Kill)
+	t.Cleanup(r.dumpLogOnFailure)
 	return r
 }
 
@@ -68,7 +86,13 @@ func (r *testRedis) start() {
 	a := append([]string{"--port", strconv.Itoa(r.Port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
 		"--dir", r.dir, "--daemonize", "no", "--loglevel", "warning"}, r.args...)
 	r.cmd = exec.Command("redis-server", a...)
-	r.cmd.Stdout, r.cmd.Stderr = os.Stderr, os.Stderr
+	// The server's own log goes to a file, shown only when the test fails.
+	logf, err := os.OpenFile(filepath.Join(r.dir, "redis.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		r.t.Fatalf("redis log file: %v", err)
+	}
+	defer logf.Close()
+	r.cmd.Stdout, r.cmd.Stderr = logf, logf
 	r.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := r.cmd.Start(); err != nil {
 		r.t.Fatalf("starting redis-server: %v", err)

@@ -198,8 +198,11 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 
 	subscribed := false
 	for n := 0; ; n++ {
-		// Skip a useless attempt while this instance itself holds every permit.
-		if n > 0 || !q.heldLocally(l.opts.Permits) {
+		// While this instance itself holds every permit, its holder hands
+		// the lease on or wakes this waiter: skip the first attempt, and
+		// poll only as the safety net (a holder that lost its lease).
+		local := q.heldLocally(l.opts.Permits)
+		if n > 0 || !local {
 			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys), busyKey)
 			if a.err != nil {
 				if ctx.Err() != nil {
@@ -230,7 +233,9 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			return nil, &busyError{err: ErrNotObtained, retryAfter: q.retryHint()}
 		}
 		d := l.backoff(n)
-		if retryAfter > 0 && retryAfter < d {
+		if local {
+			d = l.opts.BackoffMax // only the safety net
+		} else if retryAfter > 0 && retryAfter < d {
 			d = retryAfter + time.Millisecond
 		}
 		t := time.NewTimer(d)
@@ -463,7 +468,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		l.releaseKeys(keys, token, 0, removed, false)
 		return attempt{retryAfter: 0}
 	}
-	return attempt{lease: &lease{l: l, keys: keys, token: token, Fence: fence - int64(chain) + 1, Start: start,
+	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
 		until: start.Add(validity), released: released, removed: removed, chainLeft: chain - 1, raise: raise}}
 }
 

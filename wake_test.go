@@ -130,6 +130,7 @@ func provisionLockScoped(t *testing.T, cfg string) (*RedisLock, func()) {
 		cancel()
 		t.Fatalf("provision: %v", err)
 	}
+	quietLock(h)
 	var once sync.Once
 	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
 	t.Cleanup(done)

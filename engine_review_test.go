@@ -1,0 +1,195 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// Tests of what a review of the lock engine found (each failed before its fix).
+
+// TestLeaseKeepsItsQueue: the first holder of a quiet key keeps its local
+// queue until it releases, so a waiter that arrives later queues behind it
+// (where the hand-off and heldLocally look) instead of in a fresh queue.
+func TestLeaseKeepsItsQueue(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"wait":"10s"`))
+	keys := []string{storedKey(h.Prefix, "/quiet")}
+	ls, err := h.locker.Acquire(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *lease, 1)
+	go func() {
+		l2, err := h.locker.Acquire(context.Background(), keys)
+		if err != nil {
+			t.Errorf("waiter: %v", err)
+		}
+		got <- l2
+	}()
+	if !waitFor(5*time.Second, func() bool { return ls.q.waiting() == 1 }) {
+		t.Fatalf("the later waiter did not queue in the holder's queue (holder's queue has %d waiters)", ls.q.waiting())
+	}
+	if !ls.q.heldLocally(1) {
+		t.Fatal("the holder's queue does not know the lock is held here")
+	}
+	ls.release()
+	select {
+	case l2 := <-got:
+		if l2 == nil {
+			t.Fatal("waiter got no lease")
+		}
+		l2.release()
+	case <-time.After(10 * time.Second):
+		t.Fatal("waiter not served within 10s of the release")
+	}
+	if n := len(h.locker.dom.queues); n != 0 {
+		t.Fatalf("%d queues left in the domain after every lease was released", n)
+	}
+}
+
+// TestHandOffUsesReceiversOptions: two handlers with the same prefix and
+// key but another ttl do not hand leases to each other: a waiter always
+// holds a lease of its own handler's ttl.
+func TestHandOffUsesReceiversOptions(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	blocker := provisionLock(t, lockCfg(r.Addr, `"ttl":"30s","timeout":"700ms"`))
+	long := provisionLock(t, lockCfg(r.Addr, `"ttl":"30s","wait":"10s"`))
+	short := provisionLock(t, lockCfg(r.Addr, `"ttl":"2s","wait":"10s"`))
+	keys := []string{storedKey(long.Prefix, "/ttl")}
+	held, err := blocker.locker.Acquire(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Two waiters of the long handler and one of the short one queue while
+	// the key is held elsewhere, so the first of them to get it reserves a
+	// block of tokens for hand-offs.
+	type got struct {
+		ls    *lease
+		pttl  time.Duration
+		short bool
+	}
+	res := make(chan got, 3)
+	acquire := func(h *RedisLock) {
+		ls, err := h.locker.Acquire(context.Background(), keys)
+		if err != nil {
+			t.Errorf("acquire: %v", err)
+			res <- got{}
+			return
+		}
+		pttl, _ := r.Client().PTTL(context.Background(), keys[0]).Result()
+		time.Sleep(20 * time.Millisecond)
+		res <- got{ls, pttl, h == short}
+		ls.release()
+	}
+	go acquire(long)
+	time.Sleep(100 * time.Millisecond)
+	go acquire(long)
+	time.Sleep(100 * time.Millisecond)
+	go acquire(short)
+	time.Sleep(100 * time.Millisecond)
+	held.release()
+	for i := 0; i < 3; i++ {
+		select {
+		case g := <-res:
+			if g.ls == nil {
+				t.Fatal("a waiter got no lease")
+			}
+			if g.short && g.pttl > 2*time.Second {
+				t.Errorf("a request of the short handler (ttl 2s) held a lease of %s in Redis", g.pttl)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatal("waiter not served")
+		}
+	}
+}
+
+// TestWakeListenerRestartsAfterPanic: a listener whose dispatch panics logs
+// the panic with its stack, subscribes again by itself and keeps waking.
+func TestWakeListenerRestartsAfterPanic(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	rc := r.Client()
+	core, logs := observer.New(zapcore.ErrorLevel)
+	c := redis.NewClient(&redis.Options{Addr: r.Addr})
+	defer c.Close()
+	wl := newWakeListener(c, func() *zap.Logger { return zap.New(core) })
+	defer wl.stop()
+	got := make(chan string, 10)
+	wl.dispatch = func(p string) {
+		if p == "boom" {
+			panic("dispatch exploded")
+		}
+		got <- p
+	}
+	if !wl.ensure(context.Background(), 5*time.Second) {
+		t.Fatal("listener did not subscribe")
+	}
+	rc.Publish(context.Background(), wakeChannel, "boom")
+	if !waitFor(5*time.Second, func() bool { return logs.FilterMessageSnippet("panic").Len() == 1 }) {
+		t.Fatal("the panic was not logged")
+	}
+	e := logs.FilterMessageSnippet("panic").All()[0]
+	if !strings.Contains(fmt.Sprint(e.ContextMap()["stack"]), "wake") {
+		t.Errorf("panic log has no stack: %v", e.ContextMap())
+	}
+	// It comes back by itself and delivers again.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		rc.Publish(context.Background(), wakeChannel, "after")
+		select {
+		case p := <-got:
+			if p != "after" {
+				t.Fatalf("got %q", p)
+			}
+			return
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("listener did not deliver again within 10s of a panic")
+		}
+	}
+}
+
+// panicHook panics on the commands of one client.
+type panicHook struct{}
+
+func (panicHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (panicHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error { panic("hooked command exploded") }
+}
+func (panicHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestQuorumFanOutRecoversPanic: a panic in one server's call of a Redlock
+// fan-out is logged with its stack and counts as that server failing; the
+// lock still works on the majority and the process lives on.
+func TestQuorumFanOutRecoversPanic(t *testing.T) {
+	t.Parallel()
+	_, addrs := startRedlock(t, 3)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"wait":"2s"}`, addrs))
+	core, logs := observer.New(zapcore.ErrorLevel)
+	h.locker.logger = zap.New(core)
+	h.locker.servers[1].client.AddHook(panicHook{})
+	keys := []string{storedKey(h.Prefix, "/panic")}
+	for i := 0; i < 3; i++ {
+		ls, err := h.locker.Acquire(context.Background(), keys)
+		if err != nil {
+			t.Fatalf("acquire %d with one server panicking: %v", i, err)
+		}
+		ls.release()
+	}
+	if logs.FilterMessageSnippet("panic").Len() == 0 {
+		t.Fatal("the panics were not logged")
+	}
+}

@@ -1,0 +1,24 @@
+package redisdlm
+
+import (
+	"flag"
+	"os"
+	"testing"
+)
+
+// TestMain runs more tests at once than -parallel's default (GOMAXPROCS):
+// most of them wait on Redis servers and timers, not on the CPU. An
+// explicit -parallel wins.
+func TestMain(m *testing.M) {
+	flag.Parse()
+	set := false
+	flag.Visit(func(f *flag.Flag) {
+		if f.Name == "test.parallel" {
+			set = true
+		}
+	})
+	if !set {
+		_ = flag.Set("test.parallel", "8")
+	}
+	os.Exit(m.Run())
+}
