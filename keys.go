@@ -3,6 +3,7 @@ package redisdlm
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -12,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // Every key rule of both handlers: which templates are allowed, how they
@@ -26,60 +28,119 @@ const maxKeyLen = 200
 
 // knownNamespaces are the placeholder namespaces that can render at request
 // time in an HTTP handler. A key placeholder outside them would render empty
-// for every request and silently put every client in one bucket.
-var knownNamespaces = []string{"http.", "env.", "time.", "system.", "file.", "vars."}
+// for every request and silently put every client in one bucket. Caddyfile
+// shorthands ({client_ip}, {header.X}, {vars.x}, ...) are expanded first, in
+// the Caddyfile and in JSON alike.
+var knownNamespaces = []string{"http.", "env.", "time.", "system.", "file."}
 
-// templatePlaceholders returns the placeholder names in tmpl, honouring
-// Caddy's escapes (\{ and \}).
-func templatePlaceholders(tmpl string) ([]string, error) {
-	var out []string
-	for i := 0; i < len(tmpl); i++ {
-		switch tmpl[i] {
-		case '\\':
+// Errors of a key that cannot identify a client: the request is answered
+// 400 (redis_lock) or limited by its client IP (redis_ratelimit).
+var (
+	errKeyUnknown = errors.New("placeholder unknown for this request")
+	errKeyEmpty   = errors.New("placeholder rendered empty")
+)
+
+// keyTemplate is a key template compiled once: its literal text and its
+// placeholders, in order.
+type keyTemplate struct {
+	raw   string
+	parts []keyPart
+}
+
+// keyPart is literal text, or a placeholder when ph is set.
+type keyPart struct {
+	lit, ph string
+}
+
+// parseKeyTemplate expands Caddyfile shorthands in raw, checks that every
+// placeholder is in a known namespace, and compiles it. Caddy's escapes \{
+// and \} stand for literal braces.
+func parseKeyTemplate(raw string) (*keyTemplate, error) {
+	s := expandShorthands(raw)
+	if strings.TrimSpace(s) == "" {
+		return nil, fmt.Errorf("key template is empty")
+	}
+	t := &keyTemplate{raw: s}
+	var lit strings.Builder
+	flush := func() {
+		if lit.Len() > 0 {
+			t.parts = append(t.parts, keyPart{lit: lit.String()})
+			lit.Reset()
+		}
+	}
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '\\' && i+1 < len(s) && (s[i+1] == '{' || s[i+1] == '}'):
+			lit.WriteByte(s[i+1])
 			i++
-		case '{':
-			end := strings.IndexByte(tmpl[i:], '}')
+		case c == '{':
+			end := strings.IndexByte(s[i:], '}')
 			if end < 0 {
-				return nil, fmt.Errorf("unclosed placeholder in %q", tmpl)
+				return nil, fmt.Errorf("unclosed placeholder in %q", raw)
 			}
-			out = append(out, tmpl[i+1:i+end])
+			name := s[i+1 : i+end]
+			if !knownNamespace(name) {
+				return nil, fmt.Errorf("key %q: placeholder {%s} is outside Caddy's known namespaces (http.*, env.*, time.*, system.*, file.*); it would render empty for every request", raw, name)
+			}
+			flush()
+			t.parts = append(t.parts, keyPart{ph: name})
 			i += end
+		default:
+			lit.WriteByte(c)
 		}
 	}
-	return out, nil
+	flush()
+	return t, nil
 }
 
-// checkKeyTemplate rejects a key template with a placeholder outside the
-// namespaces Caddy fills in for HTTP requests.
-func checkKeyTemplate(tmpl string) error {
-	if strings.TrimSpace(tmpl) == "" {
-		return fmt.Errorf("key template is empty")
-	}
-	names, err := templatePlaceholders(tmpl)
-	if err != nil {
-		return err
-	}
-	for _, n := range names {
-		ok := false
-		for _, ns := range knownNamespaces {
-			if strings.HasPrefix(n, ns) {
-				ok = true
-				break
-			}
-		}
-		if !ok {
-			return fmt.Errorf("key %q: placeholder {%s} is outside Caddy's known namespaces (http.*, env.*, time.*, system.*, file.*); it would render empty for every request", tmpl, n)
+func knownNamespace(name string) bool {
+	for _, ns := range knownNamespaces {
+		if strings.HasPrefix(name, ns) {
+			return true
 		}
 	}
-	return nil
+	return false
 }
 
-// renderKey renders a key template for one request. It fails when a
-// placeholder is unknown at request time (e.g. {http.auth.user.id} with no
-// authentication before this handler); header placeholders are always
-// known and render "" when the header is missing.
-func renderKey(repl *caddy.Replacer, tmpl string) (string, error) {
-	return repl.ReplaceOrErr(tmpl, false, true)
+// checkKeyTemplate reports what parseKeyTemplate would reject.
+func checkKeyTemplate(raw string) error {
+	_, err := parseKeyTemplate(raw)
+	return err
+}
+
+// render renders the template for one request. Every placeholder must be
+// known and non-empty (errKeyUnknown, errKeyEmpty, naming it): a key with a
+// hole, such as "user:" for a request without the user header, would put
+// every such client in one shared lock or bucket.
+func (t *keyTemplate) render(repl *caddy.Replacer) (string, error) {
+	if len(t.parts) == 1 && t.parts[0].ph != "" {
+		return t.value(repl, t.parts[0].ph)
+	}
+	var b strings.Builder
+	for _, p := range t.parts {
+		if p.ph == "" {
+			b.WriteString(p.lit)
+			continue
+		}
+		v, err := t.value(repl, p.ph)
+		if err != nil {
+			return "", err
+		}
+		b.WriteString(v)
+	}
+	return b.String(), nil
+}
+
+func (t *keyTemplate) value(repl *caddy.Replacer, name string) (string, error) {
+	v, ok := repl.Get(name)
+	if !ok {
+		return "", fmt.Errorf("{%s}: %w", name, errKeyUnknown)
+	}
+	s := caddy.ToString(v)
+	if s == "" {
+		return "", fmt.Errorf("{%s}: %w", name, errKeyEmpty)
+	}
+	return s, nil
 }
 
 // keyHash is the one hashing rule for keys: "sha256:" and the hex digest.
@@ -122,21 +183,21 @@ func sortKeys(keys []string) []string {
 }
 
 // renderKeys renders the lock's key templates into sorted, deduplicated
-// Redis keys and a display form for logs and placeholders.
+// Redis keys and a display form for logs and placeholders. A template with
+// an unknown or empty placeholder fails the request (400): an unknown one
+// is logged once per template as a warning, an empty one at debug level.
 func (h *RedisLock) renderKeys(repl *caddy.Replacer) ([]string, string, error) {
-	rendered := make([]string, 0, len(h.Keys))
-	for _, tmpl := range h.Keys {
-		k, err := renderKey(repl, tmpl)
+	rendered := make([]string, 0, len(h.keyTmpls))
+	for _, t := range h.keyTmpls {
+		k, err := t.render(repl)
 		if err != nil {
-			if h.warn.first(tmpl) {
+			if errors.Is(err, errKeyUnknown) && h.warn.first(t.raw) {
 				h.logger.Warn("lock key uses a placeholder unknown for this request; answering 400",
-					zap.String("template", tmpl), zap.Error(err))
+					zap.String("template", t.raw), zap.Error(err))
+			} else if c := h.logger.Check(zapcore.DebugLevel, "lock key has an empty placeholder; answering 400"); c != nil {
+				c.Write(zap.String("template", t.raw), zap.Error(err))
 			}
-			return nil, "", fmt.Errorf("rendering lock key %q: %w", tmpl, err)
-		}
-		if k == "" {
-			h.logger.Debug("lock key rendered empty; answering 400", zap.String("template", tmpl))
-			return nil, "", fmt.Errorf("lock key %q rendered empty", tmpl)
+			return nil, "", fmt.Errorf("rendering lock key %q: %w", t.raw, err)
 		}
 		rendered = append(rendered, k)
 	}
@@ -149,45 +210,18 @@ func (h *RedisLock) renderKeys(repl *caddy.Replacer) ([]string, string, error) {
 }
 
 // limitID renders the rate limiter's key template for r: the identity of
-// its limit, used inside the Redis hash tag.
+// its limit, used inside the Redis hash tag. A key with an unknown or empty
+// placeholder falls back to the client IP (logged once per template).
 func (h *RedisRateLimit) limitID(r *http.Request, repl *caddy.Replacer) string {
-	var key string
-	var err error
-	if h.keyPH != "" {
-		// What ReplaceOrErr does for a template that is one placeholder.
-		if v, ok := repl.Get(h.keyPH); ok {
-			key = caddy.ToString(v)
-		} else {
-			err = fmt.Errorf("unrecognized placeholder {%s}", h.keyPH)
-		}
-	} else {
-		key, err = repl.ReplaceOrErr(h.key, false, true)
-	}
+	key, err := h.keyTmpl.render(repl)
 	if err != nil {
-		if h.warn.first(h.key) {
-			h.logger.Warn("rate limit key has a placeholder unknown for this request; limiting by client IP instead (logged once)",
-				zap.String("key_template", h.key), zap.Error(err))
+		if h.warn.first(h.keyTmpl.raw) {
+			h.logger.Warn("rate limit key has a placeholder unknown or empty for this request; limiting by client IP instead (logged once)",
+				zap.String("key_template", h.keyTmpl.raw), zap.Error(err))
 		}
-		key = ""
-	}
-	if key == "" {
 		return limitIDFor("", clientIP(r))
 	}
 	return limitIDFor(key, "")
-}
-
-// wholePlaceholder returns the name of the placeholder that is all of
-// template (as in "{http.request.header.X-Key}"), or "" when the template is
-// anything else; such a key is rendered by one lookup, without parsing.
-func wholePlaceholder(template string) string {
-	if len(template) < 3 || template[0] != '{' || template[len(template)-1] != '}' {
-		return ""
-	}
-	name := template[1 : len(template)-1]
-	if strings.ContainsAny(name, "{}\\") || strings.HasPrefix(name, "file.") {
-		return ""
-	}
-	return name
 }
 
 // limitIDFor maps a rendered key to the id in the hash tag, injectively:

@@ -128,6 +128,7 @@ type RedisLock struct {
 	RedisConfig
 
 	logger   *zap.Logger
+	keyTmpls []*keyTemplate
 	locker   *locker
 	poolKeys []string
 	warn     *warnings
@@ -189,6 +190,13 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	}
 	if err := h.Validate(); err != nil {
 		return err
+	}
+	for _, k := range h.Keys {
+		t, err := parseKeyTemplate(k)
+		if err != nil {
+			return fmt.Errorf("redis_lock: key: %w", err)
+		}
+		h.keyTmpls = append(h.keyTmpls, t)
 	}
 
 	settings, err := h.RedisConfig.resolve()

@@ -156,8 +156,7 @@ type RedisRateLimit struct {
 
 	// runtime state
 	logger    *zap.Logger
-	key       string // Key with Caddyfile shorthands expanded
-	keyPH     string // the placeholder that is the whole key, if it is one
+	keyTmpl   *keyTemplate
 	keyHead   string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
 	rates     []rateSpec
 	script    *redis.Script
@@ -201,9 +200,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.now == nil {
 		h.now = time.Now
 	}
-	h.key = expandShorthands(h.Key)
-	if h.key == "" {
-		h.key = DefaultRateLimitKey
+	keyRaw := h.Key
+	if keyRaw == "" {
+		keyRaw = DefaultRateLimitKey
 	}
 	h.algo = h.Algorithm
 	if h.algo == "" {
@@ -262,7 +261,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	}
 	h.policy = strings.Join(policies, ", ")
 	h.keyHead = h.Prefix + "{"
-	h.keyPH = wholePlaceholder(h.key)
+	if h.keyTmpl, err = parseKeyTemplate(keyRaw); err != nil {
+		return fmt.Errorf("redis_ratelimit: key: %w", err)
+	}
 	for _, s := range h.rates {
 		h.argv = append(h.argv, s.n, s.window.Microseconds())
 		if h.algo == algoGCRA {
@@ -282,7 +283,7 @@ func (h *RedisRateLimit) Validate() error {
 	if err := h.RedisConfig.validate(false); err != nil {
 		return fmt.Errorf("redis_ratelimit: %w", err)
 	}
-	key := expandShorthands(h.Key)
+	key := h.Key
 	if key == "" {
 		key = DefaultRateLimitKey
 	}
