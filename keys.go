@@ -170,6 +170,14 @@ func storedKey(prefix, rendered string) string {
 func fenceKey(lockKey string) string { return lockKey + ":fence" }
 func waitqKey(lockKey string) string { return lockKey + ":waitq" }
 
+// wakeID is how a wake-up names a lock key on the Pub/Sub channel: an
+// opaque digest, so a client of a shared Redis that subscribes learns
+// nothing of the keys (user ids, paths) being locked.
+func wakeID(lockKey string) string {
+	sum := sha256.Sum256([]byte(lockKey))
+	return hex.EncodeToString(sum[:16])
+}
+
 // sortKeys deduplicates and sorts keys.
 func sortKeys(keys []string) []string {
 	sort.Strings(keys)

@@ -28,11 +28,12 @@ type lease struct {
 	mu    sync.Mutex
 	until time.Time // validity end as this process sees it
 	done  bool
-	// q is the local queue of the key set; the lease holds a reference to
-	// it (ownsRef) from Acquire until release, so waiters that arrive
-	// meanwhile queue where the hand-off looks for them.
-	q       *keyQueue
-	ownsRef bool
+	// q is the local queue of the key set. The lease holds a reference to
+	// it, and to its servers, from Acquire until release (owned), so waiters
+	// that arrive meanwhile queue where the hand-off looks for them, and the
+	// servers' clients stay open for the release.
+	q     *keyQueue
+	owned bool
 	// released is set before the release is sent, so a server that grants
 	// this token late releases it again (see tryAcquire); removed has bit i
 	// set once server i's release answered that it removed the token, so a
@@ -55,6 +56,12 @@ func (ls *lease) Valid() time.Duration {
 	return time.Until(ls.until)
 }
 
+func (ls *lease) validUntil() time.Time {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.until
+}
+
 func (ls *lease) setUntil(t time.Time) {
 	ls.mu.Lock()
 	ls.until = t
@@ -75,7 +82,7 @@ func (ls *lease) release() {
 	}
 	ls.done = true
 	ls.mu.Unlock()
-	defer ls.dropQueue()
+	defer ls.dropRefs()
 	if ls.handOff() {
 		// The next holder waits in this P's run-next slot: let it run now
 		// rather than after this request's own wind-down.
@@ -85,18 +92,19 @@ func (ls *lease) release() {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false)
 	if ls.q != nil {
 		ls.q.released()
 	}
 	ls.l.dom.wakeKeys(ls.keys)
 }
 
-// dropQueue gives back the lease's reference to its local queue.
-func (ls *lease) dropQueue() {
-	if ls.ownsRef {
-		ls.ownsRef = false
+// dropRefs gives back the lease's references to its queue and servers.
+func (ls *lease) dropRefs() {
+	if ls.owned {
+		ls.owned = false
 		ls.l.dom.putQueue(ls.q)
+		ls.l.unuseServers()
 	}
 }
 

@@ -258,8 +258,8 @@ func TestLockRedisDownThenUp(t *testing.T) {
 	if resp.StatusCode != 200 {
 		t.Fatalf("after redis started: status %d (%s), want 200", resp.StatusCode, body)
 	}
-	if tok := lastToken.Load().(string); tok != "1" {
-		t.Errorf("fencing token %q, want 1", tok)
+	if tok, err := strconv.ParseInt(lastToken.Load().(string), 10, 64); err != nil || tok <= 0 {
+		t.Errorf("fencing token %q, want a token from Redis", lastToken.Load())
 	}
 }
 
@@ -387,14 +387,15 @@ func TestLockMultiKeyFencing(t *testing.T) {
 	single := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}"]}`, r.Addr)), up)
 	multi := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}","{http.request.header.B}"]}`, r.Addr)), up)
 	for i := 0; i < 5; i++ {
-		get(t, single.URL+"/", "A", "b") // raise b's counter to 5
+		get(t, single.URL+"/", "A", "b") // raise b's counter
 	}
+	b, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
 	get(t, multi.URL+"/", "A", "a", "B", "b")
-	m, _ := strconv.Atoi(tok.Load().(string))
+	m, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
 	get(t, single.URL+"/", "A", "a")
-	s, _ := strconv.Atoi(tok.Load().(string))
-	if m != 6 || s <= m {
-		t.Fatalf("multi-key token %d (want 6), then key a alone %d (want > %d)", m, s, m)
+	s, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
+	if b <= 0 || m <= b || s <= m {
+		t.Fatalf("key b alone %d, then a and b %d (want > %d), then key a alone %d (want > %d)", b, m, b, s, m)
 	}
 }
 
@@ -423,11 +424,12 @@ func TestLockKeyRendering(t *testing.T) {
 	if v, _ := seen.Load("http.redis_lock.key"); v != "user:alice" {
 		t.Errorf("key placeholder %q", v)
 	}
-	if v, _ := seen.Load("http.redis_lock.fencing_token"); v != "1" {
-		t.Errorf("fencing_token placeholder %q", v)
+	tokVal, _ := seen.Load("http.redis_lock.fencing_token")
+	if n, err := strconv.ParseInt(fmt.Sprint(tokVal), 10, 64); err != nil || n <= 999999 {
+		t.Errorf("fencing_token placeholder %q, want a token (Redis time in µs or above)", tokVal)
 	}
-	if v, _ := seen.Load("header"); v != "1" {
-		t.Errorf("fencing header %q: the client's value must be replaced", v)
+	if v, _ := seen.Load("header"); v != tokVal {
+		t.Errorf("fencing header %q, want the token %q: the client's value must be replaced", v, tokVal)
 	}
 	if v, _ := seen.Load("http.redis_lock.wait_ms"); v == "" {
 		t.Error("wait_ms placeholder empty")

@@ -20,6 +20,7 @@ var (
 	// The acquire histogram's four results, looked up once.
 	acquiredSeconds, timeoutSeconds, canceledSeconds, errorSeconds prometheus.Observer
 	lockLostTotal                                                  prometheus.Counter
+	lockReleaseFailures                                            prometheus.Counter
 	rateLimitTotal                                                 *prometheus.CounterVec
 )
 
@@ -47,6 +48,10 @@ func initMetrics() {
 			Name: "caddy_redis_lock_lost_total",
 			Help: "Leases found lost by an extension while their request ran.",
 		})
+		lockReleaseFailures = prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "caddy_redis_lock_release_failures_total",
+			Help: "Lock releases (and undos of acquisitions whose answer was lost) that Redis did not answer; each is retried in the background.",
+		})
 		rateLimitTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
@@ -62,7 +67,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, rateLimitTotal} {
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, rateLimitTotal} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -71,4 +76,10 @@ func registerMetrics(ctx caddy.Context) error {
 		}
 	}
 	return nil
+}
+
+// countReleaseFailure counts a release that Redis did not answer.
+func countReleaseFailure() {
+	initMetrics()
+	lockReleaseFailures.Inc()
 }

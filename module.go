@@ -381,14 +381,18 @@ type pooledClient struct {
 
 // Destruct implements caddy.Destructor: it runs when the last handler using
 // this client has been cleaned up.
+//
+// The client itself closes once no lock request or background release of
+// an old config uses it any more: a reload that changes the connection
+// settings must not cut off the release of a lock an old request holds.
 func (p *pooledClient) Destruct() error {
 	p.mu.Lock()
 	if p.rl != nil {
 		p.rl.close()
 	}
 	p.mu.Unlock()
-	p.lock.close()
-	return p.client.Close()
+	p.lock.closeWhenIdle(func() { _ = p.client.Close() })
+	return nil
 }
 
 // rateLimit runs one rate-limit script call: batched with concurrent calls
@@ -422,7 +426,7 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 			return nil, err
 		}
 		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
-		return &pooledClient{settings: s, client: c, lock: newServer(key, c, logger)}, nil
+		return &pooledClient{settings: s, client: c, lock: newServer(key, c, s.Timeout, logger)}, nil
 	})
 	if err != nil {
 		return nil, "", err

@@ -21,8 +21,8 @@ type domain struct {
 	refs int    // guarded by domainsMu
 
 	mu     sync.Mutex
-	queues map[string]*keyQueue // by joined key set
-	byKey  map[string]map[*keyQueue]struct{}
+	queues map[string]*keyQueue              // by joined key set
+	byWake map[string]map[*keyQueue]struct{} // by the wakeID of each key
 }
 
 var (
@@ -35,7 +35,7 @@ func acquireDomain(key string) *domain {
 	defer domainsMu.Unlock()
 	d := domains[key]
 	if d == nil {
-		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byKey: map[string]map[*keyQueue]struct{}{}}
+		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byWake: map[string]map[*keyQueue]struct{}{}}
 		domains[key] = d
 	}
 	d.refs++
@@ -71,13 +71,15 @@ func (d *domain) queue(keys []string) *keyQueue {
 	defer d.mu.Unlock()
 	q := d.queues[id]
 	if q == nil {
-		q = &keyQueue{id: id, keys: keys}
+		q = &keyQueue{id: id, keys: keys, wakeIDs: make([]string, len(keys))}
 		d.queues[id] = q
-		for _, k := range keys {
-			m := d.byKey[k]
+		for i, k := range keys {
+			w := wakeID(k)
+			q.wakeIDs[i] = w
+			m := d.byWake[w]
 			if m == nil {
 				m = map[*keyQueue]struct{}{}
-				d.byKey[k] = m
+				d.byWake[w] = m
 			}
 			m[q] = struct{}{}
 		}
@@ -93,22 +95,32 @@ func (d *domain) putQueue(q *keyQueue) {
 	q.refs--
 	if q.refs == 0 {
 		delete(d.queues, q.id)
-		for _, k := range q.keys {
-			delete(d.byKey[k], q)
-			if len(d.byKey[k]) == 0 {
-				delete(d.byKey, k)
+		for _, w := range q.wakeIDs {
+			delete(d.byWake[w], q)
+			if len(d.byWake[w]) == 0 {
+				delete(d.byWake, w)
 			}
 		}
 	}
 }
 
 // wakeKeys wakes the head waiter of every local queue that involves one of
-// keys (a release here or, via Pub/Sub, elsewhere).
+// keys (a release here).
 func (d *domain) wakeKeys(keys []string) {
+	ids := make([]string, len(keys))
+	for i, k := range keys {
+		ids[i] = wakeID(k)
+	}
+	d.wake(ids)
+}
+
+// wake wakes the head waiter of every local queue that involves a key of
+// one of the wake ids (a release here or, via Pub/Sub, elsewhere).
+func (d *domain) wake(ids []string) {
 	d.mu.Lock()
 	var qs []*keyQueue
-	for _, k := range keys {
-		for q := range d.byKey[k] {
+	for _, w := range ids {
+		for q := range d.byWake[w] {
 			qs = append(qs, q)
 		}
 	}
@@ -121,9 +133,10 @@ func (d *domain) wakeKeys(keys []string) {
 // keyQueue is the FIFO of this instance's waiters for one key set. Only
 // the head asks Redis; the others wait for their turn.
 type keyQueue struct {
-	id   string
-	keys []string
-	refs int // guarded by domain.mu
+	id      string
+	keys    []string
+	wakeIDs []string
+	refs    int // guarded by domain.mu
 
 	mu      sync.Mutex
 	waiters []*waiter

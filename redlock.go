@@ -68,21 +68,72 @@ func (e *busyError) Unwrap() error { return e.err }
 
 // server is one Redis server, or one Cluster or Sentinel group, as the
 // engine sees it: a stable id (identical connection settings give the same
-// id), the client, and the server's Pub/Sub wake-up listener.
+// id), the client, the server's Pub/Sub wake-up listener, and the releases
+// it still owes (retried in the background).
+//
+// A server counts its users (requests holding or waiting for a lock on it,
+// background releases): when its owner closes it, the client stays open
+// until the last user is done, so a config reload never cuts off the
+// release of a lock that an old request still holds.
 type server struct {
-	id     string
-	client redis.UniversalClient
-	wake   *wakeListener
+	id      string
+	client  redis.UniversalClient
+	timeout time.Duration // bound of one call
+	wake    *wakeListener
+	rel     releaser
+	logger  func() *zap.Logger
+
+	mu      sync.Mutex
+	users   int
+	closing bool
+	onIdle  func()
 }
 
 // newServer wraps a client; nothing is dialed until the first call.
-// logger returns the logger of the moment (the listener outlives configs).
-func newServer(id string, c redis.UniversalClient, logger func() *zap.Logger) *server {
-	return &server{id: id, client: c, wake: newWakeListener(c, logger)}
+// logger returns the logger of the moment (the server outlives configs).
+func newServer(id string, c redis.UniversalClient, timeout time.Duration, logger func() *zap.Logger) *server {
+	s := &server{id: id, client: c, timeout: timeout, wake: newWakeListener(c, logger), logger: logger}
+	s.rel.s = s
+	s.rel.warn = newWarnings(10 * time.Second)
+	return s
 }
 
-// close stops the wake-up listener; the client is its owner's to close.
-func (s *server) close() { s.wake.stop() }
+// use and unuse count a user of the server.
+func (s *server) use() {
+	s.mu.Lock()
+	s.users++
+	s.mu.Unlock()
+}
+
+func (s *server) unuse() {
+	s.mu.Lock()
+	s.users--
+	idle := s.closing && s.users == 0
+	f := s.onIdle
+	s.mu.Unlock()
+	if idle && f != nil {
+		go f()
+	}
+}
+
+// closeWhenIdle stops the wake-up listener and runs closeClient once no
+// user is left (at once when none is).
+func (s *server) closeWhenIdle(closeClient func()) {
+	s.mu.Lock()
+	if s.closing {
+		s.mu.Unlock()
+		return
+	}
+	s.closing = true
+	once := new(sync.Once)
+	s.onIdle = func() { once.Do(func() { s.wake.stop(); closeClient() }) }
+	idle := s.users == 0
+	f := s.onIdle
+	s.mu.Unlock()
+	if idle {
+		f()
+	}
+}
 
 // lockOptions configures a locker.
 type lockOptions struct {
@@ -143,6 +194,7 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 		l.dom.putQueue(q)
 		return nil, &busyError{err: ErrTooManyWaiters, retryAfter: q.retryHint()}
 	}
+	l.useServers()
 	ls, err := l.wait(ctx, q, w, keys)
 	// Leave the queue; a lease handed on just as the wait ended is taken
 	// when the caller still wants it, and passed on otherwise.
@@ -159,14 +211,27 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 			go l.leaveWaitq(keys)
 		}
 		l.dom.putQueue(q)
+		l.unuseServers()
 		return nil, err
 	}
 	if !ls.chained {
 		q.acquired()
 	}
-	// The queue reference taken above now belongs to the lease.
-	ls.q, ls.ownsRef = q, true
+	// The queue and server references taken above now belong to the lease.
+	ls.q, ls.owned = q, true
 	return ls, nil
+}
+
+func (l *locker) useServers() {
+	for _, s := range l.servers {
+		s.use()
+	}
+}
+
+func (l *locker) unuseServers() {
+	for _, s := range l.servers {
+		s.unuse()
+	}
 }
 
 // wait runs one waiter's turn: queue, attempts, wake-ups and polls.
@@ -358,11 +423,17 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	// server's release already removed it (its grant came first there).
 	var failed atomic.Bool
 	released, removed := new(atomic.Bool), new(atomic.Uint64)
+	// A late error is an outcome nobody knows: released in the background
+	// if the attempt failed or the lease is gone already.
 	lateGrant := func(k string) func(i int, r result) {
 		return func(i int, r result) {
-			if r.err == nil && r.v.([]int64)[0] == 1 && (failed.Load() || released.Load()) &&
-				(len(keys) > 1 || removed.Load()&(1<<i) == 0) {
-				l.releaseOn(l.servers[i].client, k, token)
+			if !failed.Load() && !released.Load() {
+				return
+			}
+			if r.err != nil {
+				l.releaseOn(i, k, token, true)
+			} else if r.v.([]int64)[0] == 1 && (len(keys) > 1 || removed.Load()&(1<<i) == 0) {
+				l.releaseOn(i, k, token, false)
 			}
 		}
 	}
@@ -376,14 +447,15 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	for i, k := range order {
 		// Ask every server at once; stop as soon as the outcome is decided.
-		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+			c := s.client
 			keys := []string{k, fenceKey(k), waitqKey(k)}
 			if l.opts.SyncReplicas > 0 {
 				return l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain)
 			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor(), chain).Int64Slice()
+			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain).Int64Slice()
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
@@ -403,14 +475,14 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		}
 		failed.Store(true)
 		// Not taken: give back what this attempt took, everywhere at once.
-		// On one server a refused key holds nothing; with Redlock a
-		// minority may have granted it.
+		// On one server a refused key holds nothing, but one whose answer
+		// was lost may; with Redlock a minority may have granted it.
 		undo := order[:i]
-		if n > 1 {
+		if n > 1 || errs > 0 {
 			undo = order[:i+1]
 		}
 		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0, removed, false)
+			l.releaseKeys(undo, token, 0, removed, false, errs > 0)
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
@@ -455,7 +527,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// must reach it before the token is used (a max-register).
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
 			failed.Store(true)
-			l.releaseKeys(keys, token, 0, removed, false)
+			l.releaseKeys(keys, token, 0, removed, false, false)
 			return attempt{err: err}
 		}
 	}
@@ -465,7 +537,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0, removed, false)
+		l.releaseKeys(keys, token, 0, removed, false, false)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
@@ -479,7 +551,7 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	pipe := c.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, l.timeFloor(), chain)
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, l.opts.Timeout.Milliseconds())
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
@@ -497,16 +569,6 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 		}
 	}
 	return v, nil
-}
-
-// timeFloor is "1" in Redlock mode: fencing counters then never fall below
-// Redis time in microseconds, so a server restarted empty cannot hand out a
-// token that was already used.
-func (l *locker) timeFloor() string {
-	if len(l.servers) > 1 {
-		return "1"
-	}
-	return "0"
 }
 
 // drift is the clock-drift allowance of a Redlock lease: 1% of ttl + 2ms.
@@ -529,18 +591,29 @@ func tally(res []result) (granted, busy, errs int) {
 }
 
 // extend renews ls for another ttl on every server; it counts only with a
-// majority within validity.
+// majority, and only while the lease is valid: an extension that starts,
+// or is answered, after the lease's validity ended is a lost lease in
+// every mode (the lease may have lapsed and been taken by a rival
+// meanwhile; it is never revived).
+//
+// The decision comes as soon as a majority answered; the calls to the
+// other servers go on within the timeout, so a Redlock member that
+// restarted empty gets the lease back in this round, not the next.
 func (l *locker) extend(ctx context.Context, ls *lease) error {
 	start := time.Now()
+	prev := ls.validUntil()
+	if !start.Before(prev) {
+		return fmt.Errorf("%w: its validity ended %s before it could be extended (this process or redis was paused or slow)", ErrLeaseLost, start.Sub(prev).Round(time.Millisecond))
+	}
 	recreate := "0"
 	if len(l.servers) > 1 {
 		recreate = "1"
 	}
 	for _, k := range ls.keys {
-		results := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
-			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
 			defer cancel()
-			return extendScript.Run(cctx, c, []string{k}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+			return extendScript.Run(cctx, s.client, []string{k, fenceKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
 		}, func(res []result, _ int) bool {
 			ok, bad := 0, 0
 			for _, r := range res {
@@ -568,13 +641,13 @@ func (l *locker) extend(ctx context.Context, ls *lease) error {
 			if errs > 0 && ok+errs >= l.quorum {
 				// Not refused by a majority: Redis is unreachable; the lease
 				// may still hold until it runs out.
-				if ls.Valid() < 0 {
-					return fmt.Errorf("%w: lease ran out while redis was unreachable: %v", ErrLeaseLost, lastErr)
-				}
 				return fmt.Errorf("%w: extending: %v", ErrUnavailable, lastErr)
 			}
 			return ErrLeaseLost
 		}
+	}
+	if now := time.Now(); now.After(prev) {
+		return fmt.Errorf("%w: the extension was answered %s after the lease's validity ended", ErrLeaseLost, now.Sub(prev).Round(time.Millisecond))
 	}
 	validity := l.opts.TTL - time.Since(start)
 	if len(l.servers) > 1 {
@@ -591,10 +664,10 @@ func (l *locker) extend(ctx context.Context, ls *lease) error {
 // each key needs a majority.
 func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) error {
 	for _, k := range keys {
-		res := l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
+		res := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return fenceRaiseScript.Run(cctx, c, []string{fenceKey(k)}, fence).Int64()
+			return fenceRaiseScript.Run(cctx, s.client, []string{fenceKey(k)}, fence, 2*l.opts.TTL.Milliseconds()).Int64()
 		}, l.majorityAnswered, nil)
 		ok := 0
 		for _, r := range res {
@@ -607,61 +680,6 @@ func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) er
 		}
 	}
 	return nil
-}
-
-// releaseKeys releases token on keys on every server, in parallel, with a
-// short background context (the request's may be canceled). It returns as
-// soon as a majority released each key; a slow or paused server finishes
-// in the background (or its lease simply runs out).
-//
-// With one key and removed not nil, bit i of removed is set when server i
-// answers that it removed the token.
-func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake bool) {
-	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
-	one := func(k string) {
-		msg := ""
-		if wake {
-			msg = l.dom.id + " " + k
-		}
-		l.callAll(ctx, func(ctx context.Context, c redis.UniversalClient) (any, error) {
-			n, err := releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, msg, raise).Int64()
-			if err == nil && n == 1 && removed != nil && len(keys) == 1 {
-				for i, s := range l.servers {
-					if s.client == c {
-						removed.Or(1 << i)
-					}
-				}
-			}
-			return n, err
-		}, l.majorityAnswered, nil)
-	}
-	if len(keys) == 1 {
-		one(keys[0])
-	} else {
-		var wg sync.WaitGroup
-		for _, k := range keys {
-			wg.Add(1)
-			go func(k string) {
-				defer wg.Done()
-				defer l.recoverPanic("releasing a lock key")
-				one(k)
-			}(k)
-		}
-		wg.Wait()
-	}
-	if len(l.servers) == 1 {
-		cancel()
-	} else {
-		// Let the stragglers finish within the timeout, then free the context.
-		time.AfterFunc(l.opts.Timeout, cancel)
-	}
-}
-
-// releaseOn releases token on one key of one server (a late grant).
-func (l *locker) releaseOn(c redis.UniversalClient, k, token string) {
-	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
-	defer cancel()
-	_ = releaseScript.Run(ctx, c, []string{k, fenceKey(k)}, token, wakeChannel, "", 0).Err()
 }
 
 // majorityAnswered ends a fan-out once a majority answered without error.
@@ -685,32 +703,33 @@ type result struct {
 // callAll runs f on every server in parallel and returns the results in
 // server order; decide is called after each result and may end the wait
 // early (a majority decided) by returning true. Results that arrive after
-// that go to late (if not nil) instead, so the caller can undo them.
+// that go to late (if not nil) instead, so the caller can undo them. When
+// ctx ends first, callAll returns what it has (the rest go to late).
 //
 // A panic in f becomes that server's error (logged with its stack), never
 // a crash of the process.
-func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, c redis.UniversalClient) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
+func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, i int, s *server) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
 	res := make([]result, len(l.servers))
-	safe := func(c redis.UniversalClient) (v any, err error) {
+	safe := func(i int) (v any, err error) {
 		defer func() {
 			if r := recover(); r != nil {
 				l.logPanic("calling redis", r)
 				v, err = nil, fmt.Errorf("redisdlm: panic calling redis: %v", r)
 			}
 		}()
-		return f(ctx, c)
+		return f(ctx, i, l.servers[i])
 	}
 	if len(l.servers) == 1 {
-		v, err := safe(l.servers[0].client)
+		v, err := safe(0)
 		res[0] = result{v: v, err: err, done: true}
 		return res
 	}
 	var mu sync.Mutex
 	closed := false
 	arrived := make(chan struct{}, len(l.servers))
-	for i, s := range l.servers {
-		go func(i int, c redis.UniversalClient) {
-			v, err := safe(c)
+	for i := range l.servers {
+		go func(i int) {
+			v, err := safe(i)
 			r := result{v: v, err: err, done: true}
 			mu.Lock()
 			if closed {
@@ -724,17 +743,24 @@ func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, c redi
 			res[i] = r
 			mu.Unlock()
 			arrived <- struct{}{}
-		}(i, s.client)
+		}(i)
+	}
+	finish := func() []result {
+		closed = true
+		out := append([]result(nil), res...)
+		mu.Unlock()
+		return out
 	}
 	for n := 1; n <= len(l.servers); n++ {
-		<-arrived
+		select {
+		case <-arrived:
+		case <-ctx.Done():
+			mu.Lock()
+			return finish()
+		}
 		mu.Lock()
-		stop := decide != nil && decide(res, n)
-		if stop || n == len(l.servers) {
-			closed = true
-			out := append([]result(nil), res...)
-			mu.Unlock()
-			return out
+		if (decide != nil && decide(res, n)) || n == len(l.servers) {
+			return finish()
 		}
 		mu.Unlock()
 	}

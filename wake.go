@@ -16,7 +16,7 @@ import (
 )
 
 // wakeChannel is the one Pub/Sub channel per Redis server on which releases
-// are announced; the message is "<domain id> <lock key>".
+// are announced; the message is "<domain id> <wakeID of the lock key>".
 const wakeChannel = "redisdlm:wake"
 
 // dispatchWake delivers a release announced on Redis to the local queues of
@@ -24,12 +24,12 @@ const wakeChannel = "redisdlm:wake"
 // queue already). Two domains in one process share a Redis server when they
 // use different client settings or lease options for it.
 func dispatchWake(payload string) {
-	from, key, ok := strings.Cut(payload, " ")
+	from, id, ok := strings.Cut(payload, " ")
 	if !ok {
 		return
 	}
 	for _, d := range otherDomains(from) {
-		d.wakeKeys([]string{key})
+		d.wake([]string{id})
 	}
 }
 

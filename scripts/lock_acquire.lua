@@ -1,17 +1,18 @@
 -- Take one permit of a lock, owner-checked, with a fencing counter.
 -- KEYS[1] lock: sorted set, member = holder token, score = lease end (ms, Redis TIME)
--- KEYS[2] fence: integer counter, one per lock key, never expires
+-- KEYS[2] fence: the key's fencing counter; it expires once the lock is idle
 -- KEYS[3] waitq: sorted set of waiting Caddy instances, score = entry expiry (ms)
 -- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits, ARGV[4] instance id,
 -- ARGV[5] waitq entry lifetime ms; 0 turns the turn-taking of instances off (Redlock and
 -- several keys: separate wait lists could each favour another instance, and
 -- then nobody would get a majority or all keys)
--- ARGV[6] "1" (Redlock): the fencing counter never falls below Redis TIME in
--- microseconds, so a server that restarted empty still hands out tokens above
--- every earlier one (given server clocks that roughly agree)
--- ARGV[7] how many fencing tokens to reserve (>= 1): a lease that this
+-- ARGV[6] how many fencing tokens to reserve (>= 1): a lease that this
 -- instance will hand on to its own queued waiters without a Redis call uses
 -- the block fence-k+1 .. fence, one token per holder
+-- Fencing counters never fall below Redis TIME in microseconds, so a counter
+-- lost to a restart, a failover to a lagging replica or its own expiry
+-- still hands out tokens above every earlier one (given a server clock that
+-- does not step back).
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the earliest lease ends} when not.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -40,14 +41,13 @@ if free or held then
 	if life > 0 then
 		redis.call('ZREM', KEYS[3], ARGV[4])
 	end
-	local k = tonumber(ARGV[7])
-	if ARGV[6] == '1' then
-		local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-		local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
-		redis.call('SET', KEYS[2], string.format('%d', f))
-		return {1, f}
-	end
-	return {1, redis.call('INCRBY', KEYS[2], k)}
+	local k = tonumber(ARGV[6])
+	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
+	-- The counter outlives the newest lease by a ttl; after that the time
+	-- floor alone keeps tokens increasing.
+	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', tonumber(last[2]) + ttl)
+	return {1, f}
 end
 -- Busy: queue this instance and say when the earliest lease ends. An entry
 -- lives as long as its instance keeps asking; the instance that asked least

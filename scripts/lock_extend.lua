@@ -1,16 +1,25 @@
 -- Extend a lease, owner-checked.
--- KEYS[1] lock sorted set; ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits,
--- ARGV[4] "1" to re-create a lease that is missing while a permit is free
--- (a Redlock server that restarted empty).
+-- KEYS[1] lock sorted set, KEYS[2] fencing counter
+-- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits,
+-- ARGV[4] "1" to re-create a lease that is missing on a server that lost its
+-- state (a Redlock server restarted empty: neither the lease nor the key's
+-- fencing counter is there, and a permit is free). A server whose counter
+-- is still there saw the lease end or be released, and never revives it.
 -- Returns 1 when the lease now runs ttl from now, 0 when it is lost.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) or
-	(ARGV[4] == '1' and redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3])) then
-	redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+	(ARGV[4] == '1' and redis.call('EXISTS', KEYS[2]) == 0 and redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3])) then
+	redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 	local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-	redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]))
+	local endms = tonumber(last[2])
+	redis.call('PEXPIREAT', KEYS[1], endms)
+	-- Keep the counter as long as the lease (re-create it at the time floor).
+	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), us)
+	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', endms + ttl)
 	return 1
 end
 return 0

@@ -3,13 +3,18 @@
 -- ARGV[1] token, ARGV[2] wake channel, ARGV[3] message ("" = no wake-up:
 -- the undo of a failed attempt must not make its rivals retry in step),
 -- ARGV[4] fencing token to write back (Redlock: the highest counter the
--- granting majority returned, so the next majority sees it; 0 = none)
+-- granting majority returned, so the next majority sees it; 0 = none),
+-- ARGV[5] ttl ms (a counter written back lives on for twice that)
 -- Returns 1 when this token held the lock, 0 otherwise.
 local raise = tonumber(ARGV[4])
 if raise > 0 then
 	local c = tonumber(redis.call('GET', KEYS[2]) or '0')
 	if c < raise then
-		redis.call('SET', KEYS[2], ARGV[4])
+		if redis.call('PTTL', KEYS[2]) > 0 then
+			redis.call('SET', KEYS[2], ARGV[4], 'KEEPTTL')
+		else
+			redis.call('SET', KEYS[2], ARGV[4], 'PX', 2 * tonumber(ARGV[5]))
+		end
 	end
 end
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])

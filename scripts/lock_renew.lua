@@ -6,6 +6,7 @@
 -- is not held any more or another instance waits.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
 	return {0, 0}
@@ -17,7 +18,11 @@ for _, id in ipairs(waiting) do
 		return {0, 0}
 	end
 end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]))
-return {1, redis.call('INCRBY', KEYS[2], tonumber(ARGV[4]))}
+local k = tonumber(ARGV[4])
+local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
+redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', tonumber(last[2]) + ttl)
+return {1, f}

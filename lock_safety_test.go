@@ -1,0 +1,300 @@
+package redisdlm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+)
+
+// Tests of the lock under ordinary Redis faults (pauses, restarts, lost
+// answers, reloads). Each failed before its fix.
+
+// heldBy reports how many holders a lock key has on r.
+func heldBy(r *testRedis, key string) int64 {
+	n, _ := r.Client().ZCard(context.Background(), key).Result()
+	return n
+}
+
+// TestPausedHolderIsNotRevived: a holder whose process was paused past its
+// lease (modelled by a lease nobody extends) must find it lost when it
+// extends again — on one server and on a Redlock quorum, where the extend
+// script used to re-create the missing lease — even after a rival held
+// and released the lock meanwhile.
+func TestPausedHolderIsNotRevived(t *testing.T) {
+	t.Parallel()
+	for _, n := range []int{1, 3} {
+		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
+			t.Parallel()
+			rs, addrs := startRedlock(t, n)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"600ms","wait":"5s"}`, addrs))
+			rival := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"600ms","wait":"5s","timeout":"700ms"}`, addrs))
+			keys := []string{storedKey(h.Prefix, "/paused")}
+			ls, err := h.locker.Acquire(context.Background(), keys)
+			if err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(800 * time.Millisecond) // "paused" past the lease
+			other, err := rival.locker.Acquire(context.Background(), keys)
+			if err != nil {
+				t.Fatalf("rival: %v", err)
+			}
+			other.release()
+			err = h.locker.extend(context.Background(), ls)
+			if !errors.Is(err, ErrLeaseLost) {
+				t.Fatalf("extension after the lease ran out: %v, want ErrLeaseLost", err)
+			}
+			for _, r := range rs {
+				if heldBy(r, keys[0]) != 0 {
+					t.Errorf("%s holds the lapsed lease again", r)
+				}
+			}
+			// The keeper reports it through on_lost.
+			lost := make(chan error, 1)
+			k := ls.keep(true, 0, func(err error) { lost <- err })
+			defer k.stop()
+			select {
+			case err := <-lost:
+				if !errors.Is(err, ErrLeaseLost) {
+					t.Fatalf("on_lost got %v", err)
+				}
+			case <-time.After(5 * time.Second):
+				t.Fatal("the keeper did not report the lapsed lease lost")
+			}
+		})
+	}
+}
+
+// releaseFailures reads caddy_redis_lock_release_failures_total.
+func releaseFailures() float64 {
+	initMetrics()
+	var m dto.Metric
+	_ = lockReleaseFailures.Write(&m)
+	return m.GetCounter().GetValue()
+}
+
+// freeWithin waits until no server holds key.
+func freeWithin(d time.Duration, key string, rs ...*testRedis) bool {
+	return waitFor(d, func() bool {
+		for _, r := range rs {
+			if heldBy(r, key) != 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// TestNoOrphanAfterLostAnswer: a lock call whose answer is lost (Redis
+// paused past the timeout, or the client gone mid-call) leaves nothing held
+// for longer than about a second after Redis answers again; so does a
+// release that Redis did not answer, which is also counted.
+func TestNoOrphanAfterLostAnswer(t *testing.T) {
+	t.Parallel()
+	t.Run("acquire timed out", func(t *testing.T) {
+		t.Parallel()
+		for _, n := range []int{1, 3} {
+			rs, addrs := startRedlock(t, n)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"keys":["a","b"],"timeout":"300ms","wait":"0s"}`, addrs))
+			srv := handlerServer(t, h, okHandler)
+			// Warm connections: the lost answers are those of calls that
+			// reached Redis on a connection it already served.
+			if resp, _ := get(t, srv.URL+"/"); resp == nil || resp.StatusCode != 200 {
+				t.Fatalf("warm-up: %v", resp)
+			}
+			for _, r := range rs {
+				r.Pause()
+			}
+			if resp, _ := get(t, srv.URL+"/"); resp == nil || resp.StatusCode != 503 {
+				t.Fatalf("%d servers paused: %v, want 503", n, resp)
+			}
+			for _, r := range rs {
+				r.Resume()
+			}
+			for _, k := range []string{storedKey(h.Prefix, "a"), storedKey(h.Prefix, "b")} {
+				if !freeWithin(3*time.Second, k, rs...) {
+					t.Fatalf("%d servers: %s still held 3s after Redis answered again", n, k)
+				}
+			}
+			if resp, _ := get(t, srv.URL+"/"); resp == nil || resp.StatusCode != 200 {
+				t.Fatalf("after the pause: %v, want 200", resp)
+			}
+		}
+	})
+	t.Run("client gone mid-call", func(t *testing.T) {
+		t.Parallel()
+		r := startRedis(t)
+		h := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","wait":"10s"`))
+		key := storedKey(h.Prefix, "/gone")
+		warm, err := h.locker.Acquire(context.Background(), []string{key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		warm.release()
+		r.Pause()
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		_, err = h.locker.Acquire(ctx, []string{key})
+		cancel()
+		if err == nil {
+			t.Fatal("acquired with Redis paused")
+		}
+		r.Resume()
+		if !freeWithin(3*time.Second, key, r) {
+			t.Fatal("the lease of a caller that went away mid-call is still held 3s after Redis answered again")
+		}
+	})
+	t.Run("release not answered", func(t *testing.T) {
+		t.Parallel()
+		r := startRedis(t)
+		h := provisionLock(t, lockCfg(r.Addr, `"timeout":"300ms","ttl":"30s"`))
+		key := storedKey(h.Prefix, "/rel")
+		ls, err := h.locker.Acquire(context.Background(), []string{key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		before := releaseFailures()
+		r.Pause()
+		ls.release()
+		time.Sleep(500 * time.Millisecond)
+		r.Resume()
+		if !freeWithin(3*time.Second, key, r) {
+			t.Fatal("a release Redis did not answer was not retried: the key is still held 3s after Redis answered again")
+		}
+		if releaseFailures() <= before {
+			t.Error("the failed release was not counted in caddy_redis_lock_release_failures_total")
+		}
+	})
+}
+
+// TestFencingTokensSurviveRestartAndExpiry: tokens strictly increase across
+// a Redis restarted empty and across the expiry of the fencing counter,
+// which expires once its lock is idle.
+func TestFencingTokensSurviveRestartAndExpiry(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"ttl":"200ms"`))
+	key := storedKey(h.Prefix, "/fence")
+	var last int64
+	take := func(what string) {
+		t.Helper()
+		ls, err := h.locker.Acquire(context.Background(), []string{key})
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		if ls.fence <= last {
+			t.Fatalf("%s: token %d after %d", what, ls.fence, last)
+		}
+		last = ls.fence
+		ls.release()
+	}
+	for i := 0; i < 3; i++ {
+		take("before the restart")
+	}
+	if pttl, _ := r.Client().PTTL(context.Background(), fenceKey(key)).Result(); pttl <= 0 {
+		t.Fatalf("fencing counter has no expiry (PTTL %s)", pttl)
+	}
+	r.Restart()
+	take("after a restart empty")
+	if !waitFor(5*time.Second, func() bool {
+		n, _ := r.Client().Exists(context.Background(), fenceKey(key)).Result()
+		return n == 0
+	}) {
+		t.Fatal("fencing counter of an idle lock did not expire")
+	}
+	take("after the counter expired")
+}
+
+// TestReloadKeepsClientForRelease: when a reload drops the last handler of
+// a connection while one of its requests still holds a lock, the client
+// stays open until that lock is released, then closes.
+func TestReloadKeepsClientForRelease(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h, cleanup := provisionLockScoped(t, lockCfg(r.Addr, `"timeout":"444ms"`))
+	key := storedKey(h.Prefix, "/reload")
+	ls, err := h.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	client := h.locker.servers[0].client
+	cleanup() // the old config goes away
+	ls.release()
+	if heldBy(r, key) != 0 {
+		t.Fatal("the release of a request of the old config did not reach Redis")
+	}
+	if !waitFor(3*time.Second, func() bool { return client.Ping(context.Background()).Err() != nil }) {
+		t.Fatal("the old client was not closed after its last lock was released")
+	}
+}
+
+// TestRedlockRestartedMemberRecreatedAtOnce: the extension round after a
+// member restarted empty re-creates the lease there, although a majority
+// answered first (its call is not cut off).
+func TestRedlockRestartedMemberRecreatedAtOnce(t *testing.T) {
+	t.Parallel()
+	rs, addrs := startRedlock(t, 3)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"20s","timeout":"2s"}`, addrs))
+	key := storedKey(h.Prefix, "/member")
+	ls, err := h.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ls.release()
+	rs[0].Restart()
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := h.locker.extend(ctx, ls); err != nil {
+		t.Fatalf("extend: %v", err)
+	}
+	cancel() // as the keeper does after each round
+	if !waitFor(3*time.Second, func() bool { return heldBy(rs[0], key) == 1 }) {
+		t.Fatal("the restarted member did not get the lease back in this extension round")
+	}
+}
+
+// TestWakeMessagesAreOpaque: a client of a shared Redis that subscribes to
+// the wake-up channel learns nothing of the keys being locked.
+func TestWakeMessagesAreOpaque(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	sub := r.Client().Subscribe(context.Background(), wakeChannel)
+	defer sub.Close()
+	if _, err := sub.Receive(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var got atomic.Value
+	got.Store("")
+	go func() {
+		for m := range sub.Channel() {
+			got.Store(got.Load().(string) + m.Payload + "\n")
+		}
+	}()
+	release := make(chan struct{})
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Query().Get("hold") == "1" {
+			<-release
+		}
+		return nil
+	}
+	a := provisionLock(t, lockCfg(r.Addr, `"wait":"10s"`))
+	b := provisionLock(t, lockCfg(r.Addr, `"wait":"10s","timeout":"600ms"`))
+	sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
+	holder := goFetch(context.Background(), sa.URL+"/secret-alice?hold=1")
+	time.Sleep(200 * time.Millisecond)
+	waiter := goFetch(context.Background(), sb.URL+"/secret-alice")
+	time.Sleep(300 * time.Millisecond)
+	close(release)
+	await(t, holder, 20*time.Second, "holder")
+	await(t, waiter, 20*time.Second, "waiter")
+	if !waitFor(3*time.Second, func() bool { return got.Load().(string) != "" }) {
+		t.Fatal("no wake-up published for a cross-instance waiter")
+	}
+	if msgs := got.Load().(string); strings.Contains(msgs, "alice") {
+		t.Fatalf("wake-up messages show the lock key: %q", msgs)
+	}
+}

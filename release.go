@@ -1,0 +1,249 @@
+package redisdlm
+
+// Releasing: the owner-checked release fan-out, and the releases a server
+// did not answer, retried in the background until it does, so a lost
+// answer (a timeout, a pause, a failover, a client that went away) never
+// leaves a lease held until its ttl runs out.
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// releaseJob is one owner-checked release of one key on one server.
+type releaseJob struct {
+	key, token string
+	msg        string // wake-up announced when it removes the lease; "" for none
+	raise      int64  // fencing counter to write back (Redlock); 0 for none
+	ttlMs      int64
+	// unknown: the acquisition's answer was lost, so the lease may appear
+	// after a first release found nothing (the acquire script can still be
+	// queued on the server, on another connection): a "not held" answer
+	// is confirmed once more a little later.
+	unknown bool
+}
+
+// run sends the release; it reports whether the token was removed.
+func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
+	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key)}, j.token, wakeChannel, j.msg, j.raise, j.ttlMs).Int64()
+	return n == 1, err
+}
+
+// releaseKeys releases token on keys on every server, in parallel. It
+// returns as soon as a majority released each key; a server that fails or
+// does not answer in time gets the release again in the background.
+//
+// With one key and removed not nil, bit i of removed is set when server i
+// answers that it removed the token. unknown marks the undo of an
+// acquisition whose outcome is not known.
+func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool) {
+	one := func(k string) {
+		job := releaseJob{key: k, token: token, raise: raise, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown}
+		if wake {
+			job.msg = l.dom.id + " " + wakeID(k)
+		}
+		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *server) (any, error) {
+			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+			defer cancel()
+			ok, err := job.run(cctx, s)
+			if err == nil && ok && removed != nil && len(keys) == 1 {
+				removed.Or(1 << i)
+			}
+			return ok, err
+		}, l.majorityAnswered, func(i int, r result) {
+			if r.err != nil {
+				l.servers[i].rel.retry(job, r.err)
+			}
+		})
+		for i, r := range res {
+			if r.done && r.err != nil {
+				l.servers[i].rel.retry(job, r.err)
+			}
+		}
+	}
+	if len(keys) == 1 {
+		one(keys[0])
+		return
+	}
+	var wg sync.WaitGroup
+	for _, k := range keys {
+		wg.Add(1)
+		go func(k string) {
+			defer wg.Done()
+			defer l.recoverPanic("releasing a lock key")
+			one(k)
+		}(k)
+	}
+	wg.Wait()
+}
+
+// releaseOn releases token on one key of server i (a late grant, or a
+// late answer that was lost): in the background until the server answers.
+func (l *locker) releaseOn(i int, k, token string, unknown bool) {
+	job := releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown}
+	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
+	defer cancel()
+	if removed, err := job.run(ctx, l.servers[i]); err != nil || (unknown && !removed) {
+		l.servers[i].rel.retry(job, err)
+	}
+}
+
+// Retrying releases.
+const (
+	releaseRetryMin = 50 * time.Millisecond
+	releaseRetryMax = 400 * time.Millisecond
+	// releaseConfirm: an unknown outcome's "not held" answer is checked
+	// again after this long.
+	releaseConfirm = 200 * time.Millisecond
+	// releaseBatch bounds the releases sent in one pipeline.
+	releaseBatch = 256
+)
+
+// releaser holds the releases one server still owes and retries them, in
+// one pipeline per round, until the server answers. A job is given up
+// 2 × ttl + 10s after it was first queued: by then the lease has run out
+// unless the server was frozen that long (then it holds it for at most one
+// more ttl after it thaws).
+type releaser struct {
+	s    *server
+	warn *warnings
+
+	mu      sync.Mutex
+	pending map[releaseJob]*releaseState
+	running bool
+}
+
+type releaseState struct {
+	giveUp  time.Time
+	confirm time.Time // unknown outcome answered "not held": ask again then
+}
+
+// retry queues job (err is why it failed; nil for a confirmation).
+func (r *releaser) retry(job releaseJob, err error) {
+	if err != nil {
+		countReleaseFailure()
+		if due, n := r.warn.due(); due {
+			if lg := r.s.logger(); lg != nil {
+				lg.Warn("releasing a lock failed; retrying in the background until redis answers",
+					zap.Error(err), zap.Int64("failures_since_last_warning", n))
+			}
+		}
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.pending == nil {
+		r.pending = map[releaseJob]*releaseState{}
+	}
+	if _, ok := r.pending[job]; !ok {
+		st := &releaseState{giveUp: time.Now().Add(2*time.Duration(job.ttlMs)*time.Millisecond + 10*time.Second)}
+		if err == nil {
+			st.confirm = time.Now().Add(releaseConfirm)
+		}
+		r.pending[job] = st
+	}
+	if !r.running {
+		r.running = true
+		r.s.use() // the client stays open while releases are owed
+		go r.run()
+	}
+}
+
+// pendingCount is how many releases are owed (for tests and the admin API).
+func (r *releaser) pendingCount() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.pending)
+}
+
+func (r *releaser) run() {
+	defer r.s.unuse()
+	defer func() {
+		if p := recover(); p != nil {
+			if lg := r.s.logger(); lg != nil {
+				lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
+			}
+			r.mu.Lock()
+			r.running = false
+			r.mu.Unlock()
+		}
+	}()
+	wait := releaseRetryMin
+	for {
+		r.mu.Lock()
+		now := time.Now()
+		var jobs []releaseJob
+		for j, st := range r.pending {
+			switch {
+			case now.After(st.giveUp):
+				delete(r.pending, j)
+				if lg := r.s.logger(); lg != nil {
+					lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself")
+				}
+			case st.confirm.After(now):
+			case len(jobs) < releaseBatch:
+				jobs = append(jobs, j)
+			}
+		}
+		if len(r.pending) == 0 {
+			r.running = false
+			r.mu.Unlock()
+			return
+		}
+		r.mu.Unlock()
+
+		if len(jobs) > 0 {
+			progress := r.send(jobs)
+			if progress {
+				wait = releaseRetryMin
+			} else if wait *= 2; wait > releaseRetryMax {
+				wait = releaseRetryMax
+			}
+		}
+		time.Sleep(wait)
+	}
+}
+
+// send runs one round of jobs in a pipeline and settles the answered ones.
+func (r *releaser) send(jobs []releaseJob) (progress bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), r.s.timeout)
+	defer cancel()
+	type call struct {
+		removed bool
+		err     error
+	}
+	out := make([]call, len(jobs))
+	var wg sync.WaitGroup
+	for i, j := range jobs {
+		wg.Add(1)
+		go func(i int, j releaseJob) {
+			defer wg.Done()
+			defer func() {
+				if p := recover(); p != nil {
+					out[i].err = fmt.Errorf("redisdlm: panic releasing a lock: %v", p)
+				}
+			}()
+			out[i].removed, out[i].err = j.run(ctx, r.s)
+		}(i, j)
+	}
+	wg.Wait()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, j := range jobs {
+		st := r.pending[j]
+		if st == nil || out[i].err != nil {
+			continue
+		}
+		progress = true
+		if j.unknown && !out[i].removed && st.confirm.IsZero() {
+			st.confirm = time.Now().Add(releaseConfirm)
+			continue
+		}
+		delete(r.pending, j)
+	}
+	return progress
+}
