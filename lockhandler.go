@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -130,6 +132,7 @@ type RedisLock struct {
 	logger   *zap.Logger
 	keyTmpls []*keyTemplate
 	locker   *locker
+	holds    *holdTimes
 	poolKeys []string
 	warn     *warnings
 }
@@ -147,6 +150,7 @@ func (RedisLock) CaddyModule() caddy.ModuleInfo {
 func (h *RedisLock) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	h.warn = newWarnings(time.Second)
+	h.holds = new(holdTimes)
 	if err := registerMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
@@ -309,7 +313,7 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 	switch {
 	case errors.As(err, &busy):
 		timeoutSeconds.Observe(waited.Seconds())
-		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(busy.retryAfter), 10))
+		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(h.estimateFree(busy)), 10))
 		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
 		}
@@ -376,7 +380,9 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		keep.stop()
 		cancel(nil)
 		lease.release()
-		lockHeldSeconds.Observe(time.Since(lease.start).Seconds())
+		held := time.Since(lease.start)
+		lockHeldSeconds.Observe(held.Seconds())
+		h.holds.add(held)
 		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
 			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence))
 		}
@@ -411,6 +417,52 @@ func (w *startedWriter) Write(b []byte) (int, error) {
 
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper }
+
+// estimateFree estimates when a busy lock will be free for this request:
+// the median hold time this handler has seen, once for the holder and once
+// for every request queued ahead here, capped by the holder's remaining
+// lease (the lock is free then at the latest, unless extended). Before
+// any hold was seen, the remaining lease is all there is.
+func (h *RedisLock) estimateFree(b *busyError) time.Duration {
+	med, ok := h.holds.median()
+	if !ok {
+		return b.leaseLeft
+	}
+	est := med * time.Duration(b.ahead+1)
+	if b.leaseLeft > 0 && est > b.leaseLeft {
+		est = b.leaseLeft
+	}
+	return est
+}
+
+// holdTimes keeps the last hold times of a handler for its median.
+type holdTimes struct {
+	mu   sync.Mutex
+	ring [31]time.Duration
+	n    int // holds seen
+}
+
+func (t *holdTimes) add(d time.Duration) {
+	t.mu.Lock()
+	t.ring[t.n%len(t.ring)] = d
+	t.n++
+	t.mu.Unlock()
+}
+
+// median of the holds kept; false when none was seen.
+func (t *holdTimes) median() (time.Duration, bool) {
+	t.mu.Lock()
+	n := min(t.n, len(t.ring))
+	var buf [len(t.ring)]time.Duration
+	copy(buf[:], t.ring[:n])
+	t.mu.Unlock()
+	if n == 0 {
+		return 0, false
+	}
+	s := buf[:n]
+	slices.Sort(s)
+	return s[n/2], true
+}
 
 // Interface guards
 var (

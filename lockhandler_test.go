@@ -753,3 +753,53 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 		t.Fatalf("20 keys waited on: channels %v, subscribers %v; want one channel %s with one subscriber", chans, subs, wakeChannel)
 	}
 }
+
+// TestLockRetryAfterFromHoldTimes: a duplicate of a job that takes about
+// 1.5s is told to retry in about 2s, not in the auto-extended lease's 60s;
+// with requests queued ahead it is told proportionally later, never past
+// the holder's lease; before any hold was seen, the lease is all there is.
+func TestLockRetryAfterFromHoldTimes(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	entered := make(chan struct{}, 4)
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		entered <- struct{}{}
+		time.Sleep(1500 * time.Millisecond)
+		return nil
+	}
+	h := provisionLock(t, lockCfg(r.Addr, `"ttl":"60s","wait":"0s"`))
+	srv := handlerServer(t, h, up)
+	retry := func() int {
+		t.Helper()
+		resp, _ := get(t, srv.URL+"/job")
+		if resp == nil || resp.StatusCode != 423 {
+			t.Fatalf("duplicate: %v, want 423", resp)
+		}
+		n, err := strconv.Atoi(resp.Header.Get("Retry-After"))
+		if err != nil {
+			t.Fatalf("Retry-After %q", resp.Header.Get("Retry-After"))
+		}
+		return n
+	}
+	first := goFetch(context.Background(), srv.URL+"/job")
+	<-entered
+	if n := retry(); n < 55 || n > 60 {
+		t.Errorf("no hold seen yet: Retry-After %d, want the remaining lease (~60)", n)
+	}
+	await(t, first, 20*time.Second, "first job")
+	second := goFetch(context.Background(), srv.URL+"/job")
+	<-entered
+	if n := retry(); n < 1 || n > 3 {
+		t.Errorf("after one 1.5s hold: Retry-After %d, want about 2 (not the 60s lease)", n)
+	}
+	await(t, second, 20*time.Second, "second job")
+
+	b := &busyError{err: ErrNotObtained, leaseLeft: 4 * time.Second, ahead: 5}
+	if est := h.estimateFree(b); est != 4*time.Second {
+		t.Errorf("6 holds of ~1.5s queued, lease 4s left: estimate %s, want the lease's 4s", est)
+	}
+	b = &busyError{err: ErrNotObtained, leaseLeft: 60 * time.Second, ahead: 2}
+	if est := h.estimateFree(b); est < 4*time.Second || est > 7*time.Second {
+		t.Errorf("2 queued ahead of ~1.5s holds: estimate %s, want about 4.5s", est)
+	}
+}

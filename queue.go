@@ -140,8 +140,8 @@ type keyQueue struct {
 
 	mu      sync.Mutex
 	waiters []*waiter
-	held    int           // leases of this key set held in this instance
-	hint    time.Duration // last known time until the holder's lease ends
+	held    int       // leases of this key set held in this instance
+	hint    time.Time // last known end of the holder's lease
 }
 
 // waiter is one request waiting in a keyQueue.
@@ -205,6 +205,18 @@ func (q *keyQueue) waiting() int {
 	return len(q.waiters)
 }
 
+// position counts the waiters queued before w.
+func (q *keyQueue) position(w *waiter) int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for i, x := range q.waiters {
+		if x == w {
+			return i
+		}
+	}
+	return len(q.waiters)
+}
+
 func (q *keyQueue) empty() bool { return q.waiting() == 0 }
 
 func (q *keyQueue) acquired() {
@@ -240,13 +252,17 @@ func (q *keyQueue) wakeHead() {
 
 func (q *keyQueue) setRetryHint(d time.Duration) {
 	q.mu.Lock()
-	q.hint = d
+	q.hint = time.Now().Add(d)
 	q.mu.Unlock()
 }
 
-// retryHint is the last known time until the holder's lease ends.
+// retryHint is the last known time until the holder's lease ends (0 when
+// unknown or past).
 func (q *keyQueue) retryHint() time.Duration {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.hint
+	if d := time.Until(q.hint); d > 0 {
+		return d
+	}
+	return 0
 }

@@ -57,10 +57,13 @@ var (
 )
 
 // busyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
-// the lock could not be taken in time; retryAfter estimates when it frees.
+// the lock could not be taken in time. leaseLeft is the time until the
+// holder's lease ends (0 when unknown), ahead the requests of this instance
+// that queued before this one: the handler estimates Retry-After from them.
 type busyError struct {
-	err        error
-	retryAfter time.Duration
+	err       error
+	leaseLeft time.Duration
+	ahead     int
 }
 
 func (e *busyError) Error() string { return e.err.Error() }
@@ -192,10 +195,14 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 	w, ok := q.enqueue(l.opts.MaxWaiters)
 	if !ok {
 		l.dom.putQueue(q)
-		return nil, &busyError{err: ErrTooManyWaiters, retryAfter: q.retryHint()}
+		return nil, &busyError{err: ErrTooManyWaiters, leaseLeft: q.retryHint(), ahead: q.waiting()}
 	}
 	l.useServers()
 	ls, err := l.wait(ctx, q, w, keys)
+	var busy *busyError
+	if errors.As(err, &busy) {
+		busy.ahead = q.position(w)
+	}
 	// Leave the queue; a lease handed on just as the wait ended is taken
 	// when the caller still wants it, and passed on otherwise.
 	if extra := q.leave(w); extra != nil {
@@ -217,6 +224,7 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 	if !ls.chained {
 		q.acquired()
 	}
+	q.setRetryHint(ls.Valid())
 	// The queue and server references taken above now belong to the lease.
 	ls.q, ls.owned = q, true
 	return ls, nil
@@ -248,7 +256,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 	// Wait for this waiter's turn: first come, first served.
 	if !w.head() {
 		if l.opts.Wait <= 0 {
-			return nil, &busyError{err: ErrNotObtained, retryAfter: q.retryHint()}
+			return nil, &busyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 		select {
 		case <-w.turn:
@@ -257,7 +265,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-deadline:
-			return nil, &busyError{err: ErrNotObtained, retryAfter: q.retryHint()}
+			return nil, &busyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 	}
 
@@ -284,7 +292,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				return nil, ctx.Err()
 			}
 			if l.opts.Wait <= 0 {
-				return nil, &busyError{err: ErrNotObtained, retryAfter: retryAfter}
+				return nil, &busyError{err: ErrNotObtained, leaseLeft: retryAfter}
 			}
 			if !subscribed {
 				// Subscribe, then try once more: a release between the failed
@@ -295,7 +303,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				}
 			}
 		} else if l.opts.Wait <= 0 {
-			return nil, &busyError{err: ErrNotObtained, retryAfter: q.retryHint()}
+			return nil, &busyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 		d := l.backoff(n)
 		if local {
@@ -319,7 +327,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			return nil, ctx.Err()
 		case <-deadline:
 			t.Stop()
-			return nil, &busyError{err: ErrNotObtained, retryAfter: retryAfter}
+			return nil, &busyError{err: ErrNotObtained, leaseLeft: retryAfter}
 		}
 		t.Stop()
 	}
