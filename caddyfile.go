@@ -2,6 +2,7 @@ package redisdlm
 
 import (
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -44,6 +45,9 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		fail_open
 //		sync_replicas  <n>             # default 0
 //		prefix         <string>        # default caddy:lock:
+//		replay         <duration>      # execute once: keep the holder's response; default 0 = off
+//		replay_max     <size>          # largest response body kept for replay; default 1MiB
+//		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256
 //		redis          <address|url>...
 //		cluster        <address|url>...
 //		sentinel       <master> <address>...
@@ -59,11 +63,15 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
 	}
-	redisLine := 0 // line of the last `redis` subdirective, for the server count check
+	redisLine := 0  // line of the last `redis` subdirective, for the server count check
+	replayLine := 0 // line of `replay`, for the checks against other subdirectives
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if sub == "redis" {
+		switch sub {
+		case "redis":
 			redisLine = d.Line()
+		case "replay":
+			replayLine = d.Line()
 		}
 		switch sub {
 		case "key":
@@ -185,6 +193,31 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", dir, v)
 			}
 			h.Prefix = v
+		case "replay":
+			v, err := parsePositiveDuration(d, dir)
+			if err != nil {
+				return err
+			}
+			h.Replay = caddy.Duration(v)
+		case "replay_max":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			n, err := parseSize(v)
+			if err != nil {
+				return d.Errf("%s: replay_max: %v", dir, err)
+			}
+			h.ReplayMax = n
+		case "fingerprint":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.Errf("%s: fingerprint: want off or one or more templates", dir)
+			}
+			if len(args) > 1 && slices.Contains(args, "off") {
+				return d.Errf("%s: fingerprint: off stands alone", dir)
+			}
+			h.Fingerprint = args
 		default:
 			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
 			if err != nil {
@@ -193,6 +226,20 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !ok {
 				return d.Errf("%s: unknown subdirective %q", dir, sub)
 			}
+		}
+	}
+	if h.Replay > 0 {
+		var why string
+		switch {
+		case h.Permits > 1:
+			why = fmt.Sprintf("cannot be used with permits %d: several holders at once would each run the route", h.Permits)
+		case len(h.Keys) > 1:
+			why = "takes one key template: the stored answer belongs to one lock key"
+		case len(h.Addresses) > 1:
+			why = "needs one Redis (a server, a Cluster or a Sentinel), not a Redlock quorum"
+		}
+		if why != "" {
+			return fmt.Errorf("%s: replay: %s, at %s:%d", dir, why, d.File(), replayLine)
 		}
 	}
 	if n := len(h.Addresses); n > 1 && (n%2 == 0 || n > 7) {

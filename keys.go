@@ -167,7 +167,8 @@ func storedKey(prefix, rendered string) string {
 
 // fenceKey is the fencing counter of a lock key; waitqKey the list of
 // instances waiting for it. Both share the lock key's hash tag.
-func fenceKey(lockKey string) string { return lockKey + ":fence" }
+func fenceKey(lockKey string) string  { return lockKey + ":fence" }
+func replayKey(lockKey string) string { return lockKey + ":replay" }
 func waitqKey(lockKey string) string { return lockKey + ":waitq" }
 
 // wakeID is how a wake-up names a lock key on the Pub/Sub channel: an

@@ -74,7 +74,12 @@ func (ls *lease) markLost() { ls.lost.Store(true) }
 // release gives the lease back on every server and wakes the next local
 // waiter — or hands it on to that waiter without a Redis call. It is safe
 // to call more than once.
-func (ls *lease) release() {
+func (ls *lease) release() { ls.releaseWith("") }
+
+// releaseWith releases the lease; a non-empty answer is stored for replay
+// in the same script (and then the lease is never handed on locally: the
+// waiters are woken and find the answer).
+func (ls *lease) releaseWith(answer string) {
 	ls.mu.Lock()
 	if ls.done {
 		ls.mu.Unlock()
@@ -83,7 +88,7 @@ func (ls *lease) release() {
 	ls.done = true
 	ls.mu.Unlock()
 	defer ls.dropRefs()
-	if ls.handOff() {
+	if answer == "" && ls.handOff() {
 		// The next holder waits in this P's run-next slot: let it run now
 		// rather than after this request's own wind-down.
 		runtime.Gosched()
@@ -92,7 +97,7 @@ func (ls *lease) release() {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false, answer)
 	if ls.q != nil {
 		ls.q.released()
 	}

@@ -126,6 +126,31 @@ type RedisLock struct {
 	// Namespace of the Redis keys. Default: "caddy:lock:".
 	Prefix string `json:"prefix,omitempty"`
 
+	// Execute once: keep the holder's response (status, headers without
+	// hop-by-hop ones, body) in Redis this long, stored by the same script
+	// that releases the lock. Every request with the same key that waited
+	// for the lock, in any Caddy instance, and every one that arrives within
+	// this time gets the stored response, with `Idempotent-Replayed: true`,
+	// instead of running the rest of the route. Not stored: 5xx, a body over
+	// replay_max, a streamed (flushed) or aborted response, a lost lease;
+	// then the waiters take the lock in turn. A response is replayed to
+	// anyone presenting the same key: put the user in the key. Needs one
+	// key, one permit and one Redis (a server, Cluster or Sentinel; not a
+	// Redlock quorum). 0 turns it off. Default: 0.
+	Replay caddy.Duration `json:"replay,omitempty"`
+
+	// The largest response body kept for replay, in bytes; with the default
+	// fingerprint also the largest request body (a larger one is answered
+	// 413). Default: 1048576 (1 MiB).
+	ReplayMax int64 `json:"replay_max,omitempty"`
+
+	// What a replayed request must match beyond the key, as templates
+	// rendered per request; a request whose key has a stored response but
+	// whose fingerprint differs gets 422 and never reaches the upstream.
+	// ["off"] skips the check. Default: the method, the URI and the SHA-256
+	// of the request body (read up to replay_max and passed on unchanged).
+	Fingerprint []string `json:"fingerprint,omitempty"`
+
 	// Redis connection settings.
 	RedisConfig
 
@@ -192,6 +217,9 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	if h.Prefix == "" {
 		h.Prefix = DefaultLockPrefix
 	}
+	if h.ReplayMax == 0 {
+		h.ReplayMax = DefaultReplayMax
+	}
 	if err := h.Validate(); err != nil {
 		return err
 	}
@@ -226,6 +254,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		MaxWaiters:   h.MaxWaiters,
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
+		Replay:       time.Duration(h.Replay),
 	}, h.logger)
 	return nil
 }
@@ -265,6 +294,18 @@ func (h *RedisLock) Validate() error {
 		return fmt.Errorf("redis_lock: sync_replicas: must not be negative, got %d", h.SyncReplicas)
 	case strings.ContainsAny(h.Prefix, "{}"):
 		return fmt.Errorf("redis_lock: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", h.Prefix)
+	case h.Replay < 0:
+		return errors.New("redis_lock: replay: must not be negative")
+	case h.ReplayMax < 0:
+		return fmt.Errorf("redis_lock: replay_max: must be positive, got %d", h.ReplayMax)
+	case h.Replay > 0 && h.Permits > 1:
+		return fmt.Errorf("redis_lock: replay: cannot be used with permits %d: several holders at once would each run the route, and only one answer can be replayed", h.Permits)
+	case h.Replay > 0 && len(h.Keys) > 1:
+		return errors.New("redis_lock: replay: takes one key template: the stored answer belongs to one lock key")
+	case h.Replay > 0 && len(h.Addresses) > 1:
+		return errors.New("redis_lock: replay: needs one Redis (a server, a Cluster or a Sentinel), not a Redlock quorum: an answer stored on a majority could be missed by a later majority that shares only one server with it")
+	case len(h.Fingerprint) > 1 && slices.Contains(h.Fingerprint, "off"):
+		return errors.New("redis_lock: fingerprint: off stands alone")
 	case strings.ContainsAny(h.FencingHeader, " \t\r\n:"):
 		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name", h.FencingHeader)
 	}
@@ -292,6 +333,16 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		return caddyhttp.Error(http.StatusBadRequest, err)
 	}
 
+	var fp string
+	if h.Replay > 0 {
+		if fp, err = h.fingerprint(r, repl); err != nil {
+			if errors.Is(err, errBodyTooLarge) {
+				return caddyhttp.Error(http.StatusRequestEntityTooLarge, err)
+			}
+			return caddyhttp.Error(http.StatusBadRequest, err)
+		}
+	}
+
 	start := time.Now()
 	lockWaiters.Inc()
 	lease, err := h.locker.Acquire(r.Context(), keys)
@@ -301,10 +352,14 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	repl.Set("http.redis_lock.wait_ms", waited.Milliseconds())
 
 	if err != nil {
+		var rp *replayed
+		if errors.As(err, &rp) {
+			return h.serveReplay(w, fp, display, rp.answer)
+		}
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
 	acquiredSeconds.Observe(waited.Seconds())
-	return h.serveLocked(w, r, next, repl, lease, display, waited)
+	return h.serveLocked(w, r, next, repl, lease, display, waited, fp)
 }
 
 // acquireFailed answers a request that did not get the lock.
@@ -353,7 +408,10 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 }
 
 // serveLocked runs the next handler while the lease is held and kept alive.
-func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration) (err error) {
+//
+// With replay, the response is recorded on its way to the client and, if it
+// can be replayed, stored by the release.
+func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration, fp string) (err error) {
 	fence := strconv.FormatInt(lease.fence, 10)
 	repl.Set("http.redis_lock.fencing_token", fence)
 	h.setFencingHeader(r, fence)
@@ -374,12 +432,22 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	}
 	keep := lease.keep(*h.AutoExtend, time.Duration(h.MaxHold), onLost)
 
+	var rec *recorder
+	if h.Replay > 0 {
+		rec = newRecorder(w, h.ReplayMax)
+		w = rec
+	}
 	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	completed := false // next returned (did not panic)
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
 		keep.stop()
 		cancel(nil)
-		lease.release()
+		if rec != nil {
+			h.releaseReplay(lease, rec, fp, display, err, !completed || lost.Load(), r.Context().Err() != nil)
+		} else {
+			lease.release()
+		}
 		held := time.Since(lease.start)
 		lockHeldSeconds.Observe(held.Seconds())
 		h.holds.add(held)
@@ -391,6 +459,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		}
 	}()
 	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
+	completed = true
 	if err != nil && lost.Load() && h.OnLost == "cancel" && !rw.started.Load() {
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
@@ -417,6 +486,22 @@ func (w *startedWriter) Write(b []byte) (int, error) {
 
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper }
+
+// releaseReplay releases a replay lock, storing the holder's answer with
+// the release when it can be replayed.
+func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, fp, display string, handlerErr error, lost, clientGone bool) {
+	ans, why := rec.answer(fp, handlerErr, lost, clientGone)
+	if ans == "" {
+		replayNotStored.Inc()
+		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
+			c.Write(zap.String("key", display), zap.String("reason", why))
+		}
+		ls.release()
+		return
+	}
+	replayStored.Inc()
+	ls.releaseWith(ans)
+}
 
 // estimateFree estimates when a busy lock will be free for this request:
 // the median hold time this handler has seen, once for the holder and once

@@ -21,6 +21,8 @@ var (
 	acquiredSeconds, timeoutSeconds, canceledSeconds, errorSeconds prometheus.Observer
 	lockLostTotal                                                  prometheus.Counter
 	lockReleaseFailures                                            prometheus.Counter
+	lockReplays                                                    *prometheus.CounterVec
+	replayReplayed, replayStored, replayNotStored, replayMismatch  prometheus.Counter
 	rateLimitTotal                                                 *prometheus.CounterVec
 )
 
@@ -52,6 +54,14 @@ func initMetrics() {
 			Name: "caddy_redis_lock_release_failures_total",
 			Help: "Lock releases (and undos of acquisitions whose answer was lost) that Redis did not answer; each is retried in the background.",
 		})
+		lockReplays = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "caddy_redis_lock_replays_total",
+			Help: "redis_lock replay outcomes: answers replayed, responses stored or not stored, requests that did not match the stored one.",
+		}, []string{"result"}) // replayed|stored|not_stored|mismatch
+		replayReplayed = lockReplays.WithLabelValues("replayed")
+		replayStored = lockReplays.WithLabelValues("stored")
+		replayNotStored = lockReplays.WithLabelValues("not_stored")
+		replayMismatch = lockReplays.WithLabelValues("mismatch")
 		rateLimitTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
@@ -67,7 +77,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, rateLimitTotal} {
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -149,7 +149,16 @@ type lockOptions struct {
 	Timeout    time.Duration // bound of one Redis call
 	// SyncReplicas > 0: WAIT for that many replicas before a lock counts.
 	SyncReplicas int
+	// Replay > 0: an acquisition answers with a holder's stored answer
+	// (kept this long) when there is one (one server, one key).
+	Replay time.Duration
 }
+
+// replayed is what Acquire returns when an earlier holder's answer is
+// stored for the key: the request is answered with it, no lock is taken.
+type replayed struct{ answer string }
+
+func (r *replayed) Error() string { return "redisdlm: answered from a stored response" }
 
 // locker takes locks on one Redis server or a Redlock quorum of servers.
 type locker struct {
@@ -286,6 +295,9 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			if a.lease != nil {
 				return a.lease, nil
 			}
+			if a.answer != "" {
+				return nil, &replayed{answer: a.answer}
+			}
 			retryAfter, busyKey, split = a.retryAfter, a.busyKey, a.split
 			q.setRetryHint(retryAfter)
 			if ctx.Err() != nil {
@@ -408,8 +420,9 @@ type attempt struct {
 	// split: the attempt took part of what it needed (some servers or some
 	// keys) from a rival that did the same; both wait a random backoff
 	// rather than the next wake-up, so they do not collide again in step.
-	split bool
-	err   error // Redis unreachable / no quorum
+	split  bool
+	err    error  // Redis unreachable / no quorum
+	answer string // a stored answer to replay (replay on)
 }
 
 // tryAcquire makes one attempt on every key (sorted) and every server.
@@ -431,6 +444,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	// server's release already removed it (its grant came first there).
 	var failed atomic.Bool
 	released, removed := new(atomic.Bool), new(atomic.Uint64)
+	var answer atomic.Pointer[string]
 	// A late error is an outcome nobody knows: released in the background
 	// if the attempt failed or the lease is gone already.
 	lateGrant := func(k string) func(i int, r result) {
@@ -457,18 +471,25 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// Ask every server at once; stop as soon as the outcome is decided.
 		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
 			c := s.client
-			keys := []string{k, fenceKey(k), waitqKey(k)}
+			keys := []string{k, fenceKey(k), waitqKey(k), replayKey(k)}
 			if l.opts.SyncReplicas > 0 {
 				return l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain)
 			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain).Int64Slice()
+			v, ans, err := acquireReply(acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag()))
+			if ans != "" {
+				answer.Store(&ans)
+			}
+			return v, err
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
 		}, lateGrant(k))
 		granted, busy, errs := tally(results)
+		if a := answer.Load(); a != nil {
+			return attempt{answer: *a}
+		}
 		if granted >= l.quorum {
 			var keyMax int64
 			for _, r := range results {
@@ -490,7 +511,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			undo = order[:i+1]
 		}
 		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0, removed, false, errs > 0)
+			l.releaseKeys(undo, token, 0, removed, false, errs > 0, "")
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
@@ -535,7 +556,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// must reach it before the token is used (a max-register).
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
 			failed.Store(true)
-			l.releaseKeys(keys, token, 0, removed, false, false)
+			l.releaseKeys(keys, token, 0, removed, false, false, "")
 			return attempt{err: err}
 		}
 	}
@@ -545,7 +566,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0, removed, false, false)
+		l.releaseKeys(keys, token, 0, removed, false, false, "")
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
@@ -559,11 +580,11 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	pipe := c.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain)
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, "0")
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, l.opts.Timeout.Milliseconds())
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
-	v, err := acq.Int64Slice()
+	v, _, err := acquireReply(acq)
 	if err != nil {
 		return nil, err
 	}
@@ -577,6 +598,37 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 		}
 	}
 	return v, nil
+}
+
+// replayFlag tells the acquire script to look for a stored answer.
+func (l *locker) replayFlag() string {
+	if l.opts.Replay > 0 {
+		return "1"
+	}
+	return "0"
+}
+
+// acquireReply reads the acquire script's answer: {code, n} and, for code
+// 2, the stored answer.
+func acquireReply(cmd *redis.Cmd) ([]int64, string, error) {
+	v, err := cmd.Slice()
+	if err != nil {
+		return nil, "", err
+	}
+	if len(v) < 2 {
+		return nil, "", fmt.Errorf("redisdlm: unexpected acquire answer %v", v)
+	}
+	code, ok1 := v[0].(int64)
+	n, ok2 := v[1].(int64)
+	if !ok1 || !ok2 {
+		return nil, "", fmt.Errorf("redisdlm: unexpected acquire answer %v", v)
+	}
+	if code == 2 && len(v) == 3 {
+		if s, ok := v[2].(string); ok && s != "" {
+			return []int64{code, n}, s, nil
+		}
+	}
+	return []int64{code, n}, "", nil
 }
 
 // drift is the clock-drift allowance of a Redlock lease: 1% of ttl + 2ms.

@@ -21,6 +21,10 @@ type releaseJob struct {
 	msg        string // wake-up announced when it removes the lease; "" for none
 	raise      int64  // fencing counter to write back (Redlock); 0 for none
 	ttlMs      int64
+	// answer is the holder's answer to store for replay ("" for none),
+	// kept replayMs.
+	answer   string
+	replayMs int64
 	// unknown: the acquisition's answer was lost, so the lease may appear
 	// after a first release found nothing (the acquire script can still be
 	// queued on the server, on another connection): a "not held" answer
@@ -30,7 +34,8 @@ type releaseJob struct {
 
 // run sends the release; it reports whether the token was removed.
 func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
-	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key)}, j.token, wakeChannel, j.msg, j.raise, j.ttlMs).Int64()
+	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key)},
+		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs).Int64()
 	return n == 1, err
 }
 
@@ -40,10 +45,12 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 //
 // With one key and removed not nil, bit i of removed is set when server i
 // answers that it removed the token. unknown marks the undo of an
-// acquisition whose outcome is not known.
-func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool) {
+// acquisition whose outcome is not known; answer (one key only) is stored
+// for replay.
+func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
 	one := func(k string) {
-		job := releaseJob{key: k, token: token, raise: raise, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown}
+		job := releaseJob{key: k, token: token, raise: raise, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown,
+			answer: answer, replayMs: l.opts.Replay.Milliseconds()}
 		if wake {
 			job.msg = l.dom.id + " " + wakeID(k)
 		}

@@ -2,6 +2,7 @@
 -- KEYS[1] lock: sorted set, member = holder token, score = lease end (ms, Redis TIME)
 -- KEYS[2] fence: the key's fencing counter; it expires once the lock is idle
 -- KEYS[3] waitq: sorted set of waiting Caddy instances, score = entry expiry (ms)
+-- KEYS[4] replay (with ARGV[7] = "1"): the stored answer of an earlier holder
 -- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits, ARGV[4] instance id,
 -- ARGV[5] waitq entry lifetime ms; 0 turns the turn-taking of instances off (Redlock and
 -- several keys: separate wait lists could each favour another instance, and
@@ -13,7 +14,16 @@
 -- lost to a restart, a failover to a lagging replica or its own expiry
 -- still hands out tokens above every earlier one (given a server clock that
 -- does not step back).
--- Returns {1, fence} when taken (the block's last token); {0, ms until the earliest lease ends} when not.
+-- ARGV[7] "1" when the lock replays stored answers (replay)
+-- Returns {1, fence} when taken (the block's last token); {0, ms until the
+-- earliest lease ends} when not; {2, 0, answer} when an earlier holder's
+-- answer is stored (then nothing is taken: the request is answered with it).
+if ARGV[7] == '1' then
+	local stored = redis.call('GET', KEYS[4])
+	if stored then
+		return {2, 0, stored}
+	end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])

@@ -5,6 +5,10 @@
 -- ARGV[4] fencing token to write back (Redlock: the highest counter the
 -- granting majority returned, so the next majority sees it; 0 = none),
 -- ARGV[5] ttl ms (a counter written back lives on for twice that)
+-- ARGV[6] the holder's answer to store for replay ("" = none), ARGV[7] how
+-- long it is kept (ms); KEYS[3] where. It is stored only while the token
+-- still holds the lock, in the same script that releases it, so a waiter
+-- can never take the lock and miss it.
 -- Returns 1 when this token held the lock, 0 otherwise.
 local raise = tonumber(ARGV[4])
 if raise > 0 then
@@ -15,6 +19,13 @@ if raise > 0 then
 		else
 			redis.call('SET', KEYS[2], ARGV[4], 'PX', 2 * tonumber(ARGV[5]))
 		end
+	end
+end
+if ARGV[6] ~= '' then
+	local leaseEnd = redis.call('ZSCORE', KEYS[1], ARGV[1])
+	local t = redis.call('TIME')
+	if leaseEnd and tonumber(leaseEnd) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then
+		redis.call('SET', KEYS[3], ARGV[6], 'PX', tonumber(ARGV[7]))
 	end
 end
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])

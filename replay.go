@@ -1,0 +1,256 @@
+package redisdlm
+
+// Execute once (`replay`): the holder's response is captured while it
+// streams to its own client, stored in Redis by the script that releases
+// the lock, and given to every duplicate — waiting or arriving later, in
+// any instance — instead of running the route again.
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// HeaderIdempotentReplayed marks an answer replayed from a stored response.
+const HeaderIdempotentReplayed = "Idempotent-Replayed"
+
+// DefaultReplayMax is the largest response body (and, with the default
+// fingerprint, request body) that replay handles: 1 MiB.
+const DefaultReplayMax = 1 << 20
+
+// replayFormat starts every stored answer (a version, for later changes).
+const replayFormat = "rdlm1"
+
+// hopByHop are the headers that describe one connection, not the response;
+// they are never stored (nor those that Connection names).
+var hopByHop = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
+	"Proxy-Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
+
+// errBodyTooLarge: with the default fingerprint a request body over
+// replay_max cannot be fingerprinted; it is answered 413.
+var errBodyTooLarge = errors.New("redisdlm: request body larger than replay_max")
+
+// fingerprint returns the identity a replay must match beyond the key:
+// by default method, URI and the SHA-256 of the body (the body is read, up
+// to replay_max, and passed on unchanged), or the rendered templates, or
+// "" with `fingerprint off`.
+func (h *RedisLock) fingerprint(r *http.Request, repl *caddy.Replacer) (string, error) {
+	if h.fingerprintOff() {
+		return "", nil
+	}
+	if len(h.Fingerprint) > 0 {
+		parts := make([]string, len(h.Fingerprint))
+		for i, t := range h.Fingerprint {
+			parts[i] = repl.ReplaceAll(t, "")
+		}
+		return digest(strings.Join(parts, "\x00")), nil
+	}
+	sum := sha256.New()
+	if r.Body != nil && r.Body != http.NoBody {
+		body, err := io.ReadAll(io.LimitReader(r.Body, h.ReplayMax+1))
+		if err != nil {
+			return "", fmt.Errorf("reading the request body: %w", err)
+		}
+		if int64(len(body)) > h.ReplayMax {
+			return "", errBodyTooLarge
+		}
+		_ = r.Body.Close()
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		sum.Write(body)
+	}
+	return digest(r.Method + "\x00" + r.RequestURI + "\x00" + hex.EncodeToString(sum.Sum(nil))), nil
+}
+
+func (h *RedisLock) fingerprintOff() bool {
+	return len(h.Fingerprint) == 1 && h.Fingerprint[0] == "off"
+}
+
+func digest(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:])
+}
+
+// storedAnswer is a response as kept in Redis.
+type storedAnswer struct {
+	Fingerprint string      `json:"f"`
+	Status      int         `json:"s"`
+	Header      http.Header `json:"h"`
+	body        []byte
+}
+
+// encode lays an answer out as "rdlm1\n<json head>\n<body>".
+func (a *storedAnswer) encode() string {
+	head, _ := json.Marshal(a)
+	var b strings.Builder
+	b.Grow(len(replayFormat) + len(head) + len(a.body) + 2)
+	b.WriteString(replayFormat)
+	b.WriteByte('\n')
+	b.Write(head)
+	b.WriteByte('\n')
+	b.Write(a.body)
+	return b.String()
+}
+
+func decodeAnswer(s string) (*storedAnswer, error) {
+	format, rest, ok := strings.Cut(s, "\n")
+	if !ok || format != replayFormat {
+		return nil, errors.New("redisdlm: stored answer in an unknown format")
+	}
+	head, body, ok := strings.Cut(rest, "\n")
+	if !ok {
+		return nil, errors.New("redisdlm: stored answer cut short")
+	}
+	a := new(storedAnswer)
+	if err := json.Unmarshal([]byte(head), a); err != nil {
+		return nil, fmt.Errorf("redisdlm: stored answer: %w", err)
+	}
+	a.body = []byte(body)
+	return a, nil
+}
+
+// serveReplay answers r with a stored answer, or 422 when r's fingerprint
+// differs from the stored request's.
+func (h *RedisLock) serveReplay(w http.ResponseWriter, fp, display, stored string) error {
+	a, err := decodeAnswer(stored)
+	if err != nil {
+		return caddyhttp.Error(http.StatusInternalServerError, err)
+	}
+	if a.Fingerprint != fp {
+		replayMismatch.Inc()
+		if c := h.logger.Check(zapcore.DebugLevel, "replay: request differs from the stored one; answering 422"); c != nil {
+			c.Write(zap.String("key", display))
+		}
+		return caddyhttp.Error(http.StatusUnprocessableEntity,
+			errors.New("redisdlm: this key was used with another request (method, URI or body differ)"))
+	}
+	replayReplayed.Inc()
+	if c := h.logger.Check(zapcore.DebugLevel, "replaying stored response"); c != nil {
+		c.Write(zap.String("key", display), zap.Int("status", a.Status))
+	}
+	hdr := w.Header()
+	for k, v := range a.Header {
+		hdr[k] = v
+	}
+	hdr.Set(HeaderIdempotentReplayed, "true")
+	hdr.Set("Content-Length", strconv.Itoa(len(a.body)))
+	w.WriteHeader(a.Status)
+	_, _ = w.Write(a.body)
+	return nil
+}
+
+// recorder passes a response on to the client unchanged and keeps a copy
+// of it, up to max bytes of body, for replay.
+type recorder struct {
+	*caddyhttp.ResponseWriterWrapper
+	max      int64
+	status   int
+	header   http.Header // copied when the header is written
+	body     bytes.Buffer
+	overflow bool  // the body outgrew max
+	flushed  bool  // streamed: not stored
+	writeErr error // the client went away mid-response
+}
+
+func newRecorder(w http.ResponseWriter, max int64) *recorder {
+	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, max: max}
+}
+
+func (rec *recorder) WriteHeader(code int) {
+	if rec.status == 0 && code >= 200 {
+		rec.status = code
+		rec.header = rec.Header().Clone()
+	}
+	rec.ResponseWriterWrapper.WriteHeader(code)
+}
+
+func (rec *recorder) Write(b []byte) (int, error) {
+	if rec.status == 0 {
+		rec.WriteHeader(http.StatusOK)
+	}
+	if !rec.overflow {
+		if int64(rec.body.Len()+len(b)) > rec.max {
+			rec.overflow = true
+			rec.body = bytes.Buffer{}
+		} else {
+			rec.body.Write(b)
+		}
+	}
+	n, err := rec.ResponseWriterWrapper.Write(b)
+	if err != nil && rec.writeErr == nil {
+		rec.writeErr = err
+	}
+	return n, err
+}
+
+func (rec *recorder) Flush() {
+	rec.flushed = true
+	_ = http.NewResponseController(rec.ResponseWriterWrapper).Flush()
+}
+
+// Unwrap lets http.ResponseController reach the underlying writer.
+func (rec *recorder) Unwrap() http.ResponseWriter { return rec.ResponseWriterWrapper }
+
+// answer returns the response to store, or why it is not stored.
+func (rec *recorder) answer(fp string, handlerErr error, lost bool, clientGone bool) (string, string) {
+	switch {
+	case handlerErr != nil:
+		return "", "the route returned an error"
+	case lost:
+		return "", "the lease was lost"
+	case rec.status == 0:
+		return "", "no response was written"
+	case rec.status >= 500:
+		return "", "status " + strconv.Itoa(rec.status)
+	case rec.overflow:
+		return "", "the body is larger than replay_max"
+	case rec.flushed:
+		return "", "the response was streamed (flushed)"
+	case rec.writeErr != nil || clientGone:
+		return "", "the response was aborted"
+	}
+	hdr := rec.header
+	for _, c := range hdr.Values("Connection") {
+		for _, name := range strings.Split(c, ",") {
+			hdr.Del(strings.TrimSpace(name))
+		}
+	}
+	for _, name := range hopByHop {
+		hdr.Del(name)
+	}
+	hdr.Del(HeaderIdempotentReplayed)
+	a := &storedAnswer{Fingerprint: fp, Status: rec.status, Header: hdr, body: rec.body.Bytes()}
+	return a.encode(), ""
+}
+
+// parseSize reads a size such as 1048576, 512KiB, 1MiB, 2MB or 64kb.
+func parseSize(s string) (int64, error) {
+	t := strings.TrimSpace(s)
+	mult := int64(1)
+	lower := strings.ToLower(t)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"kib", 1 << 10}, {"mib", 1 << 20}, {"gib", 1 << 30}, {"kb", 1000}, {"mb", 1000 * 1000}, {"gb", 1000 * 1000 * 1000}, {"b", 1}} {
+		if strings.HasSuffix(lower, u.suffix) {
+			mult, t = u.mult, strings.TrimSpace(t[:len(t)-len(u.suffix)])
+			break
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n <= 0 {
+		return 0, fmt.Errorf("invalid size %q: want a positive number of bytes, optionally with KiB, MiB, KB or MB", s)
+	}
+	return n * mult, nil
+}

@@ -1,0 +1,301 @@
+package redisdlm
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// orderUpstream places an "order" per call: it counts calls and answers
+// with the call's number in the body and a header, plus a cookie. The
+// status comes from ?status=, the body size from ?size=, a delay from
+// ?sleep=.
+type orderUpstream struct{ calls atomic.Int64 }
+
+func (u *orderUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	n := u.calls.Add(1)
+	_, _ = io.Copy(io.Discard, r.Body)
+	if d, err := time.ParseDuration(r.URL.Query().Get("sleep")); err == nil {
+		time.Sleep(d)
+	}
+	status := http.StatusCreated
+	if s, err := strconv.Atoi(r.URL.Query().Get("status")); err == nil {
+		status = s
+	}
+	body := fmt.Sprintf("order #%d", n)
+	if size, err := strconv.Atoi(r.URL.Query().Get("size")); err == nil {
+		body = strings.Repeat("x", size)
+	}
+	w.Header().Set("X-Order", strconv.FormatInt(n, 10))
+	w.Header().Set("Set-Cookie", "session=s"+strconv.FormatInt(n, 10))
+	w.Header().Set("Connection", "X-Hop")
+	w.Header().Set("X-Hop", "per-connection")
+	w.WriteHeader(status)
+	_, _ = io.WriteString(w, body)
+	return nil
+}
+
+// post sends one POST with headers (name, value pairs) and returns status,
+// headers and body; it never touches testing.T (safe in goroutines).
+func post(url, body string, hdr ...string) (int, http.Header, string, error) {
+	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Set(hdr[i], hdr[i+1])
+	}
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		return 0, nil, "", err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, string(b), nil
+}
+
+const replayCfg = `"keys":["{http.request.header.X-User}:{http.request.header.Idempotency-Key}"],"replay":"30s","wait":"20s"`
+
+// TestReplayDuplicatesRunOnce: concurrent duplicates over two instances
+// reach the upstream exactly once and all get the same status, body and
+// headers (Set-Cookie included, hop-by-hop headers not); a late duplicate
+// is replayed too; another user with the same Idempotency-Key runs; the
+// same key with another body is 422 and never reaches the upstream.
+func TestReplayDuplicatesRunOnce(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := new(orderUpstream)
+	a := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"2s"`))
+	b := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"3s"`))
+	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+
+	type answer struct {
+		status int
+		hdr    http.Header
+		body   string
+		err    error
+	}
+	const n = 20
+	answers := make([]answer, n)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			base := sa.URL
+			if i%2 == 1 {
+				base = sb.URL
+			}
+			st, h, body, err := post(base+"/orders?sleep=300ms", `{"sku":"a"}`, "X-User", "alice", "Idempotency-Key", "k1")
+			answers[i] = answer{st, h, body, err}
+		}(i)
+	}
+	wg.Wait()
+	if c := up.calls.Load(); c != 1 {
+		t.Fatalf("%d concurrent duplicates over two instances made %d upstream calls, want 1", n, c)
+	}
+	replays := 0
+	for i, ans := range answers {
+		if ans.err != nil || ans.status != 201 || ans.body != "order #1" || ans.hdr.Get("X-Order") != "1" || ans.hdr.Get("Set-Cookie") != "session=s1" {
+			t.Fatalf("answer %d: %d %q %v (X-Order %q, Set-Cookie %q), want 201 \"order #1\"", i, ans.status, ans.body, ans.err, ans.hdr.Get("X-Order"), ans.hdr.Get("Set-Cookie"))
+		}
+		if ans.hdr.Get(HeaderIdempotentReplayed) == "true" {
+			replays++
+			if ans.hdr.Get("X-Hop") != "" {
+				t.Errorf("answer %d replayed a hop-by-hop header", i)
+			}
+		}
+	}
+	if replays != n-1 {
+		t.Errorf("%d answers marked %s, want %d", replays, HeaderIdempotentReplayed, n-1)
+	}
+
+	// A late duplicate, in either instance.
+	st, h, body, _ := post(sb.URL+"/orders?sleep=300ms", `{"sku":"a"}`, "X-User", "alice", "Idempotency-Key", "k1")
+	if st != 201 || body != "order #1" || h.Get(HeaderIdempotentReplayed) != "true" || up.calls.Load() != 1 {
+		t.Fatalf("late duplicate: %d %q replayed=%q, upstream calls %d", st, body, h.Get(HeaderIdempotentReplayed), up.calls.Load())
+	}
+	// The same key with another body.
+	if st, _, _, _ := post(sa.URL+"/orders?sleep=300ms", `{"sku":"b"}`, "X-User", "alice", "Idempotency-Key", "k1"); st != 422 || up.calls.Load() != 1 {
+		t.Fatalf("another request under a used key: %d (upstream calls %d), want 422 and no call", st, up.calls.Load())
+	}
+	// Another user with the same Idempotency-Key is another key.
+	if st, _, body, _ := post(sa.URL+"/orders", `{"sku":"a"}`, "X-User", "bob", "Idempotency-Key", "k1"); st != 201 || body != "order #2" {
+		t.Fatalf("bob with alice's Idempotency-Key: %d %q, want his own order #2", st, body)
+	}
+}
+
+// TestReplayNotStored: a 5xx, a body over replay_max, a streamed response
+// and a response whose client went away are not stored: the next request
+// runs the route.
+func TestReplayNotStored(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	for _, tc := range []struct {
+		name, query string
+	}{
+		{"5xx", "status=503"},
+		{"over replay_max", "size=100"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			up := new(orderUpstream)
+			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":64,"prefix":"ns:`+tc.name+`:"`))
+			srv := handlerServer(t, h, up.ServeHTTP)
+			for i := 1; i <= 2; i++ {
+				_, hdr, _, err := post(srv.URL+"/o?"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
+				if err != nil || hdr.Get(HeaderIdempotentReplayed) != "" {
+					t.Fatalf("request %d: %v, replayed %q: a %s response must not be replayed", i, err, hdr.Get(HeaderIdempotentReplayed), tc.name)
+				}
+			}
+			if c := up.calls.Load(); c != 2 {
+				t.Fatalf("%d upstream calls, want 2 (%s not stored)", c, tc.name)
+			}
+		})
+	}
+	t.Run("streamed", func(t *testing.T) {
+		t.Parallel()
+		var calls atomic.Int64
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:streamed:"`))
+		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
+			calls.Add(1)
+			_, _ = io.WriteString(w, "part")
+			http.NewResponseController(w).Flush()
+			return nil
+		})
+		for i := 0; i < 2; i++ {
+			post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
+		}
+		if c := calls.Load(); c != 2 {
+			t.Fatalf("%d calls, want 2 (a streamed response is not stored)", c)
+		}
+	})
+	t.Run("holder's client went away", func(t *testing.T) {
+		t.Parallel()
+		var calls atomic.Int64
+		started := make(chan struct{}, 4)
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:gone:"`))
+		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
+			if calls.Add(1) == 1 {
+				started <- struct{}{}
+				w.WriteHeader(200)
+				<-r.Context().Done() // the client goes away mid-response
+				_, _ = io.WriteString(w, "too late")
+				return nil
+			}
+			_, _ = io.WriteString(w, "second")
+			return nil
+		})
+		ctx, cancel := context.WithCancel(context.Background())
+		req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/g", strings.NewReader("x"))
+		req.Header.Set("X-User", "u")
+		req.Header.Set("Idempotency-Key", "k")
+		go func() {
+			resp, err := http.DefaultClient.Do(req)
+			if err == nil {
+				resp.Body.Close()
+			}
+		}()
+		<-started
+		waiter := make(chan string, 1)
+		go func() {
+			_, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
+			waiter <- body + hdr.Get(HeaderIdempotentReplayed)
+		}()
+		time.Sleep(200 * time.Millisecond)
+		cancel()
+		select {
+		case got := <-waiter:
+			if got != "second" {
+				t.Fatalf("waiter got %q, want to run the route itself (\"second\")", got)
+			}
+		case <-time.After(20 * time.Second):
+			t.Fatal("waiter not answered")
+		}
+	})
+}
+
+// TestReplayCoalescesGets: 30 concurrent GETs of one URI cost one upstream
+// call (request coalescing with a short replay).
+func TestReplayCoalescesGets(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := new(orderUpstream)
+	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"2s","wait":"20s"`))
+	srv := handlerServer(t, h, up.ServeHTTP)
+	var wg sync.WaitGroup
+	var bad atomic.Int32
+	for i := 0; i < 30; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, body := get(t, srv.URL+"/catalog?page=1&sleep=200ms")
+			if resp == nil || resp.StatusCode != 201 || body != "order #1" {
+				bad.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	if c := up.calls.Load(); c != 1 || bad.Load() != 0 {
+		t.Fatalf("30 concurrent GETs: %d upstream calls, %d bad answers; want 1 call, all the same answer", c, bad.Load())
+	}
+}
+
+// TestReplayLargeRequestBody: with the default fingerprint a request body
+// over replay_max is answered 413 and never reaches the upstream; with
+// `fingerprint off` the body is not read at all.
+func TestReplayLargeRequestBody(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := new(orderUpstream)
+	h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":16`))
+	srv := handlerServer(t, h, up.ServeHTTP)
+	if st, _, _, _ := post(srv.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
+		t.Fatalf("body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
+	}
+	off := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":16,"fingerprint":["off"],"prefix":"off:"`))
+	so := handlerServer(t, off, up.ServeHTTP)
+	if st, _, _, _ := post(so.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 201 {
+		t.Fatalf("fingerprint off: %d, want 201", st)
+	}
+	if st, hdr, _, _ := post(so.URL+"/big", "another body", "X-User", "u", "Idempotency-Key", "k"); st != 201 || hdr.Get(HeaderIdempotentReplayed) != "true" {
+		t.Fatalf("fingerprint off, another body: %d replayed=%q, want the stored answer", st, hdr.Get(HeaderIdempotentReplayed))
+	}
+}
+
+// TestReplayConfigErrors: replay with permits > 1, several keys or a
+// Redlock quorum is refused, in the Caddyfile (with the line) and in JSON.
+func TestReplayConfigErrors(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct{ name, block, want string }{
+		{"permits", "replay 1m\n\tpermits 2", "permits 2"},
+		{"keys", "replay 1m\n\tkey a\n\tkey b", "one key"},
+		{"redlock", "replay 1m\n\tredis 127.0.0.1:1 127.0.0.1:2 127.0.0.1:3", "Redlock"},
+		{"replay_max", "replay_max lots", "replay_max"},
+		{"fingerprint", "fingerprint off {http.request.uri}", "off stands alone"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := new(RedisLock)
+			err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\t" + tc.block + "\n}"))
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "redis_lock") || !strings.Contains(err.Error(), ":") {
+				t.Fatalf("Caddyfile: %v, want an error naming redis_lock and %q", err, tc.want)
+			}
+		})
+	}
+	for _, cfg := range []string{`{"replay":"1m","permits":2}`, `{"replay":"1m","keys":["a","b"]}`, `{"replay":"1m","redis":["127.0.0.1:1","127.0.0.1:2","127.0.0.1:3"]}`} {
+		h := new(RedisLock)
+		if err := json.Unmarshal([]byte(cfg), h); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "replay") {
+			t.Errorf("JSON %s: %v, want a replay error", cfg, err)
+		}
+	}
+}
