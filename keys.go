@@ -169,7 +169,7 @@ func storedKey(prefix, rendered string) string {
 // instances waiting for it. Both share the lock key's hash tag.
 func fenceKey(lockKey string) string  { return lockKey + ":fence" }
 func replayKey(lockKey string) string { return lockKey + ":replay" }
-func waitqKey(lockKey string) string { return lockKey + ":waitq" }
+func waitqKey(lockKey string) string  { return lockKey + ":waitq" }
 
 // wakeID is how a wake-up names a lock key on the Pub/Sub channel: an
 // opaque digest, so a client of a shared Redis that subscribes learns
