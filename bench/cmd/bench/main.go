@@ -1113,9 +1113,12 @@ func run() error {
 
 	// 6. redis_ratelimit: its own Caddy process and redis-servers.
 	rl := runRateLimit(step)
+	// 7. Execute once: its own Caddy processes and redis-server.
+	rp := runReplay(step, 50)
 	step("done; stopping")
 
 	printReport(e, hot, cmdRows, seq, rl, time.Since(begin))
+	printReplay(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, rp)
 	return nil
 }
 
