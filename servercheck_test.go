@@ -1,0 +1,193 @@
+package redisdlm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// pooledFor returns the pooled client behind a provisioned handler's pool
+// key (without changing its reference count for long).
+func pooledFor(t *testing.T, key string) *pooledClient {
+	t.Helper()
+	v, loaded, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return nil, errors.New("not pooled")
+	})
+	if err != nil || !loaded {
+		t.Fatalf("pool key %s: loaded %v, %v", key, loaded, err)
+	}
+	_, _ = clientPool.Delete(key)
+	return v.(*pooledClient)
+}
+
+// observeChecks makes the server checks of h's clients log to an observer.
+func observeChecks(t *testing.T, h *RedisLock) *observer.ObservedLogs {
+	t.Helper()
+	core, logs := observer.New(zapcore.WarnLevel)
+	for _, k := range h.poolKeys {
+		pooledFor(t, k).check.setLogger(zap.New(core))
+	}
+	return logs
+}
+
+// hammer sends n concurrent requests for distinct keys (so the client
+// opens several connections) and returns the statuses seen.
+func hammer(t *testing.T, url string, n int) map[int]int {
+	t.Helper()
+	var mu sync.Mutex
+	seen := map[int]int{}
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			resp, _ := get(t, fmt.Sprintf("%s/k%d", url, i))
+			if resp != nil {
+				mu.Lock()
+				seen[resp.StatusCode]++
+				mu.Unlock()
+			}
+		}(i)
+	}
+	wg.Wait()
+	return seen
+}
+
+func gaugeValue(g interface{ Write(*dto.Metric) error }) float64 {
+	var m dto.Metric
+	_ = g.Write(&m)
+	return m.GetGauge().GetValue()
+}
+
+func isEvicting(sc *serverCheck, addr string) bool {
+	evicting.Lock()
+	defer evicting.Unlock()
+	return evicting.by[addr][sc]
+}
+
+// TestServerCheckEvictingPolicy: on the first connection to a server with an
+// evicting maxmemory-policy, one error log names the server and the policy
+// (once per server, not per connection) and the server counts in
+// caddy_redis_evicting_servers until its client is closed; noeviction
+// logs nothing. Locks still work: the check warns, it does not refuse.
+func TestServerCheckEvictingPolicy(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []string{"allkeys-lru", "volatile-lru", "noeviction"} {
+		t.Run(policy, func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", policy)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s"}`, r.Addr))
+			logs := observeChecks(t, h)
+			pc := pooledFor(t, h.poolKeys[0])
+			srv := handlerServer(t, h, okHandler)
+			if seen := hammer(t, srv.URL, 20); seen[200] != 20 {
+				t.Fatalf("statuses %v, want 20 × 200", seen)
+			}
+			errs := logs.FilterMessageSnippet("evicts keys").All()
+			if policy == "noeviction" {
+				if len(errs) != 0 || isEvicting(pc.check, r.Addr) {
+					t.Fatalf("noeviction: logged %v, gauge entry %v", errs, isEvicting(pc.check, r.Addr))
+				}
+				return
+			}
+			if len(errs) != 1 {
+				t.Fatalf("%d error logs about eviction, want exactly 1 (once per server): %v", len(errs), logs.All())
+			}
+			f := errs[0].ContextMap()
+			if errs[0].Level != zapcore.ErrorLevel || f["server"] != r.Addr || f["maxmemory_policy"] != policy {
+				t.Errorf("log %s %q %v: want error level naming server %s and policy %s", errs[0].Level, errs[0].Message, f, r.Addr, policy)
+			}
+			if !isEvicting(pc.check, r.Addr) || gaugeValue(evictingServers) < 1 {
+				t.Errorf("server not counted in caddy_redis_evicting_servers (gauge %v)", gaugeValue(evictingServers))
+			}
+			pc.check.close()
+			if isEvicting(pc.check, r.Addr) {
+				t.Error("a closed client's server still counts as evicting")
+			}
+		})
+	}
+}
+
+// TestServerCheckConfigRefused: a user whose ACL refuses CONFIG gets one
+// warning for the server, however many connections, and working locks.
+func TestServerCheckConfigRefused(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	if err := r.Client().Do(context.Background(), "acl", "setuser", "app", "on", ">pw", "~*", "&*", "+@all", "-config").Err(); err != nil {
+		t.Fatal(err)
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s"}`, r.Addr))
+	logs := observeChecks(t, h)
+	srv := handlerServer(t, h, okHandler)
+	if seen := hammer(t, srv.URL, 20); seen[200] != 20 {
+		t.Fatalf("statuses %v, want 20 × 200", seen)
+	}
+	warns := logs.FilterMessageSnippet("cannot read maxmemory-policy").All()
+	if len(warns) != 1 || warns[0].Level != zapcore.WarnLevel || warns[0].ContextMap()["server"] != r.Addr {
+		t.Fatalf("want one warning naming %s, got %v", r.Addr, logs.All())
+	}
+	if n := len(logs.All()); n != 1 {
+		t.Errorf("%d log lines, want only the warning: %v", n, logs.All())
+	}
+}
+
+// TestServerCheckVersionTooOld: a server older than the minimum (here the
+// minimum is raised above the installed 7.0) is refused with a clear error:
+// one error log, and the lock answers by its fail policy (503, or the
+// request passes unlocked with fail_open).
+func TestServerCheckVersionTooOld(t *testing.T) {
+	t.Parallel()
+	for _, failOpen := range []bool{false, true} {
+		t.Run(fmt.Sprintf("fail_open=%v", failOpen), func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","fail_open":%v}`, r.Addr, failOpen))
+			logs := observeChecks(t, h)
+			pc := pooledFor(t, h.poolKeys[0])
+			pc.check.mu.Lock()
+			pc.check.minVersion = [2]int{99, 0}
+			pc.check.mu.Unlock()
+			srv := handlerServer(t, h, okHandler)
+			for i := 0; i < 5; i++ {
+				resp, body := get(t, srv.URL+"/v")
+				if resp == nil {
+					t.Fatal("no response")
+				}
+				if failOpen {
+					if resp.StatusCode != 200 {
+						t.Fatalf("fail_open: status %d %s, want 200", resp.StatusCode, body)
+					}
+					continue
+				}
+				if resp.StatusCode != 503 || !strings.Contains(body, "needs Redis 99.0 or newer") || !strings.Contains(body, "version 7.") {
+					t.Fatalf("status %d %q: want 503 saying the server's version and the minimum", resp.StatusCode, body)
+				}
+			}
+			errs := logs.FilterMessageSnippet("too old").All()
+			if len(errs) != 1 || errs[0].Level != zapcore.ErrorLevel || errs[0].ContextMap()["server"] != r.Addr {
+				t.Fatalf("want one error log naming %s, got %v", r.Addr, logs.All())
+			}
+			if n, _ := r.Client().Exists(context.Background(), storedKey(h.Prefix, "/v")).Result(); n != 0 {
+				t.Error("a lock was written to a server refused as too old")
+			}
+		})
+	}
+}
+
+func TestVersionAtLeast(t *testing.T) {
+	t.Parallel()
+	for v, want := range map[string]bool{"7.0.15": true, "7.2.4": true, "8.0.0": true, "6.2.14": false, "6.9": false, "< 6.0": false, "": false, "x.y": false} {
+		if got := versionAtLeast(v, [2]int{7, 0}); got != want {
+			t.Errorf("versionAtLeast(%q, 7.0) = %v, want %v", v, got, want)
+		}
+	}
+}
