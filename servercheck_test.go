@@ -4,12 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -189,5 +193,121 @@ func TestVersionAtLeast(t *testing.T) {
 		if got := versionAtLeast(v, [2]int{7, 0}); got != want {
 			t.Errorf("versionAtLeast(%q, 7.0) = %v, want %v", v, got, want)
 		}
+	}
+}
+
+// usedMemory reads used_memory from INFO memory.
+func usedMemory(t *testing.T, c *redis.Client) int64 {
+	t.Helper()
+	info, err := c.Info(context.Background(), "memory").Result()
+	if err != nil {
+		t.Fatalf("info memory: %v", err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	t.Fatal("no used_memory in INFO memory")
+	return 0
+}
+
+// fillRedis writes 2 MiB and sets maxmemory 256 KiB below the memory then
+// used, so the server is clearly over its limit (noeviction keeps the data).
+func fillRedis(t *testing.T, c *redis.Client) (maxmemory int64) {
+	t.Helper()
+	v := strings.Repeat("x", 1024)
+	for i := 0; i < 2048; i += 128 {
+		pipe := c.Pipeline()
+		for j := i; j < i+128; j++ {
+			pipe.Set(context.Background(), fmt.Sprintf("fill:%d", j), v, 0)
+		}
+		if _, err := pipe.Exec(context.Background()); err != nil {
+			t.Fatalf("filling redis: %v", err)
+		}
+	}
+	maxmemory = usedMemory(t, c) - 256<<10
+	if err := c.ConfigSet(context.Background(), "maxmemory", strconv.FormatInt(maxmemory, 10)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(context.Background(), "probe", "x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "OOM") {
+		t.Fatalf("a write over maxmemory answered %v, want OOM", err)
+	}
+	return maxmemory
+}
+
+// TestLockScriptsRespectMaxmemory: on a noeviction server over its
+// maxmemory, new locks are refused (503 by the fail policy, with the OOM
+// error logged) and used memory does not grow; a lease already held keeps
+// being extended and is released (those two scripts only keep or free
+// memory, so they run over the limit).
+func TestLockScriptsRespectMaxmemory(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t, "--maxmemory-policy", "noeviction")
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"300ms"}`, r.Addr))
+	core, logs := observer.New(zapcore.WarnLevel)
+	h.logger = zap.New(core)
+	h.locker.logger = h.logger
+	in, proceed := make(chan struct{}), make(chan struct{})
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Path == "/held" {
+			close(in)
+			<-proceed
+		}
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	var once sync.Once
+	release := func() { once.Do(func() { close(proceed) }) }
+	t.Cleanup(release) // before the server's Cleanup, which waits for the holder
+	held := make(chan int, 1)
+	go func() {
+		resp, _ := get(t, srv.URL+"/held")
+		if resp == nil {
+			held <- 0
+			return
+		}
+		held <- resp.StatusCode
+	}()
+	<-in
+	rc := r.Client() // one connection: each new one costs memory too
+	maxmemory := fillRedis(t, rc)
+	const n = 1000
+	var before int64
+	for i := 0; i < n; i++ {
+		if i == 100 {
+			// The first calls load the scripts and warm the connections.
+			before = usedMemory(t, rc)
+		}
+		resp, body := get(t, fmt.Sprintf("%s/k%d", srv.URL, i))
+		if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "OOM") {
+			t.Fatalf("request %d over maxmemory: %v %q, want 503 with the OOM error", i, resp, body)
+		}
+	}
+	after := usedMemory(t, rc)
+	if after-before > 96<<10 {
+		t.Errorf("used_memory grew by %d bytes over %d refused locks (from %d to %d, maxmemory %d)", after-before, n-100, before, after, maxmemory)
+	}
+	t.Logf("used_memory %d before, %d after %d refused locks", before, after, n-100)
+	if len(logs.FilterMessageSnippet("answering 503").FilterFieldKey("error").All()) == 0 ||
+		!strings.Contains(fmt.Sprint(logs.All()[0].ContextMap()["error"]), "OOM") {
+		t.Errorf("no warning carrying the OOM error: %v", logs.All())
+	}
+	// The holder's lease (ttl 300ms) has been extended over the limit the
+	// whole time (well over a ttl by now).
+	release()
+	if code := <-held; code != 200 {
+		t.Errorf("holder over maxmemory: status %d, want 200 (lease extended)", code)
+	}
+	if lost := logs.FilterMessageSnippet("lease lost").Len(); lost != 0 {
+		t.Errorf("%d lost leases over maxmemory", lost)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the held lock was not released over maxmemory")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -1,3 +1,4 @@
+#!lua
 -- Take one permit of a lock, owner-checked, with a fencing counter.
 -- KEYS[1] lock: sorted set, member = holder token, score = lease end (ms, Redis TIME)
 -- KEYS[2] fence: integer counter, one per lock key, never expires

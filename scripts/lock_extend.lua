@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Extend a lease, owner-checked.
 -- KEYS[1] lock sorted set; ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits,
 -- ARGV[4] "1" to re-create a lease that is missing while a permit is free
