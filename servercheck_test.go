@@ -245,7 +245,7 @@ func fillRedis(t *testing.T, c *redis.Client) (maxmemory int64) {
 func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t, "--maxmemory-policy", "noeviction")
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"300ms"}`, r.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"1500ms"}`, r.Addr))
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
 	h.locker.logger = h.logger
@@ -271,6 +271,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 		held <- resp.StatusCode
 	}()
 	<-in
+	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
 	maxmemory := fillRedis(t, rc)
 	const n = 1000
@@ -294,8 +295,12 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 		!strings.Contains(fmt.Sprint(logs.All()[0].ContextMap()["error"]), "OOM") {
 		t.Errorf("no warning carrying the OOM error: %v", logs.All())
 	}
-	// The holder's lease (ttl 300ms) has been extended over the limit the
-	// whole time (well over a ttl by now).
+	// The holder's lease (ttl 1.5s) is extended over the limit for more
+	// than two ttls.
+	time.Sleep(time.Until(heldSince.Add(3200 * time.Millisecond)))
+	if rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() != 1 {
+		t.Error("the held lease is gone while its request runs")
+	}
 	release()
 	if code := <-held; code != 200 {
 		t.Errorf("holder over maxmemory: status %d, want 200 (lease extended)", code)
