@@ -33,8 +33,8 @@ func TestPausedHolderIsNotRevived(t *testing.T) {
 		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
 			t.Parallel()
 			rs, addrs := startRedlock(t, n)
-			h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"600ms","wait":"5s"}`, addrs))
-			rival := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"600ms","wait":"5s","timeout":"700ms"}`, addrs))
+			h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"600ms","wait":"5s","timeout":"2s"}`, addrs))
+			rival := provisionLock(t, fmt.Sprintf(`{"redis":%s,"ttl":"600ms","wait":"5s","timeout":"2100ms"}`, addrs))
 			keys := []string{storedKey(h.Prefix, "/paused")}
 			ls, err := h.locker.Acquire(context.Background(), keys)
 			if err != nil {

@@ -24,6 +24,7 @@ var (
 	lockReplays                                                    *prometheus.CounterVec
 	replayReplayed, replayStored, replayNotStored, replayMismatch  prometheus.Counter
 	rateLimitTotal                                                 *prometheus.CounterVec
+	evictingServers                                                prometheus.Gauge
 )
 
 func initMetrics() {
@@ -66,6 +67,10 @@ func initMetrics() {
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
 		}, []string{"result"}) // allowed|denied|error
+		evictingServers = prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "caddy_redis_evicting_servers",
+			Help: "Redis servers in use whose maxmemory-policy evicts keys (locks need noeviction).",
+		})
 	})
 }
 
@@ -77,7 +82,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal} {
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, evictingServers} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -290,8 +290,9 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 	return out, nil
 }
 
-// newClient builds (but does not dial) the go-redis client for s.
-func (s serverSettings) newClient() (redis.UniversalClient, error) {
+// newClient builds (but does not dial) the go-redis client for s; check
+// runs on every new connection.
+func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, error) {
 	var tlsConf *tls.Config
 	if s.TLS || s.CAFile != "" {
 		tlsConf = &tls.Config{MinVersion: tls.VersionTLS12}
@@ -316,6 +317,7 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 		o.PoolSize = 64
 		o.MinIdleConns = 0
 		o.Protocol = 2 // no RESP3 feature is used: skip the push-notification checks per reply
+		o.OnConnect = check.onConnect
 	}
 	switch s.Mode {
 	case "cluster":
@@ -323,6 +325,7 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
 			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			OnConnect: check.onConnect,
 		}
 		return redis.NewClusterClient(co), nil
 	case "sentinel":
@@ -331,6 +334,7 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 			DB: s.DB, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
 			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			OnConnect: check.onConnect,
 		}
 		return redis.NewFailoverClient(fo), nil
 	}
@@ -374,6 +378,7 @@ type pooledClient struct {
 	settings serverSettings
 	client   redis.UniversalClient
 	lock     *server
+	check    *serverCheck // version and maxmemory-policy, per server
 
 	mu sync.Mutex
 	rl *rlBatcher // made by the first rate-limit call
@@ -391,7 +396,10 @@ func (p *pooledClient) Destruct() error {
 		p.rl.close()
 	}
 	p.mu.Unlock()
-	p.lock.closeWhenIdle(func() { _ = p.client.Close() })
+	p.lock.closeWhenIdle(func() {
+		p.check.close()
+		_ = p.client.Close()
+	})
 	return nil
 }
 
@@ -421,12 +429,13 @@ func (p *pooledClient) batcher() *rlBatcher {
 func acquireClient(s serverSettings) (*pooledClient, string, error) {
 	key := s.poolKey()
 	val, _, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
-		c, err := s.newClient()
+		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
+		check := newServerCheck(logger)
+		c, err := s.newClient(check)
 		if err != nil {
 			return nil, err
 		}
-		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
-		return &pooledClient{settings: s, client: c, lock: newServer(key, c, s.Timeout, logger)}, nil
+		return &pooledClient{settings: s, client: c, lock: newServer(key, c, s.Timeout, logger), check: check}, nil
 	})
 	if err != nil {
 		return nil, "", err

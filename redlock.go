@@ -573,15 +573,28 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		until: start.Add(validity), released: released, removed: removed, chainLeft: chain - 1, raise: raise}}
 }
 
-// acquireSynced runs the acquire script and WAIT on one connection (WAIT
-// counts the replicas that have this connection's writes). A grant that too
-// few replicas acknowledged is an error: the lock is released by the caller.
+// acquireSynced runs the acquire script and WAIT in one pipeline on the
+// key's own master (WAIT counts the replicas that have this connection's
+// writes; on a Cluster it goes to the master of the key's slot, not to a
+// random one). WAIT's timeout is half the call's timeout, below the read
+// timeout, so too few acknowledgements are an answer, not an i/o timeout.
+// A grant that too few replicas acknowledged is an error: the caller's
+// undo releases it, owner-checked, at once.
 func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int) ([]int64, error) {
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
-	pipe := c.Pipeline()
+	node := c
+	if cc, ok := c.(*redis.ClusterClient); ok {
+		m, err := cc.MasterForKey(cctx, keys[0])
+		if err != nil {
+			return nil, fmt.Errorf("sync_replicas: finding the key's master: %w", err)
+		}
+		node = m
+	}
+	waitMs := max((l.opts.Timeout / 2).Milliseconds(), 1) // 0 would block for ever
+	pipe := node.Pipeline()
 	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, "0")
-	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, l.opts.Timeout.Milliseconds())
+	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, waitMs)
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
 	v, _, err := acquireReply(acq)
@@ -590,11 +603,15 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 	}
 	if v[0] == 1 {
 		n, err := wait.Result()
-		if err != nil {
-			return nil, err
+		switch {
+		case err != nil:
+			err = fmt.Errorf("sync_replicas: waiting for replicas: %w", err)
+		case n < int64(l.opts.SyncReplicas):
+			err = fmt.Errorf("sync_replicas: %d of %d replicas acknowledged the lock", n, l.opts.SyncReplicas)
 		}
-		if n < int64(l.opts.SyncReplicas) {
-			return nil, fmt.Errorf("sync_replicas: %d of %d replicas acknowledged the lock", n, l.opts.SyncReplicas)
+		if err != nil {
+			// The caller's undo releases the grant (owner-checked) at once.
+			return nil, err
 		}
 	}
 	return v, nil

@@ -1,3 +1,4 @@
+#!lua
 -- Raise a fencing counter to at least ARGV[1] (several keys: every key's
 -- counter must reach the one token that serves them all). Returns the counter.
 -- ARGV[2] ms the counter lives on (it expires once its lock is idle).

@@ -1,3 +1,4 @@
+#!lua
 -- Take one permit of a lock, owner-checked, with a fencing counter.
 -- KEYS[1] lock: sorted set, member = holder token, score = lease end (ms, Redis TIME)
 -- KEYS[2] fence: the key's fencing counter; it expires once the lock is idle

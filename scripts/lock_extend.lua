@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Extend a lease, owner-checked.
 -- KEYS[1] lock sorted set, KEYS[2] fencing counter
 -- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits,

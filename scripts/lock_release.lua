@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- Release a lease, owner-checked, and wake the waiters of other instances.
 -- KEYS[1] lock sorted set; KEYS[2] fencing counter
 -- ARGV[1] token, ARGV[2] wake channel, ARGV[3] message ("" = no wake-up:

@@ -1,3 +1,4 @@
+#!lua
 -- Renew a held lease for another block of local hand-offs, unless another
 -- Caddy instance is waiting for the key (then it must get its turn).
 -- KEYS[1] lock sorted set, KEYS[2] fencing counter, KEYS[3] waitq

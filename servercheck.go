@@ -1,0 +1,265 @@
+package redisdlm
+
+// The per-server checks of SPEC §2, run on the first connection to each
+// Redis server (never in Provision): the server's version must be at least
+// minRedisVersion, and its maxmemory-policy must not evict keys.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// minRedisVersion is the oldest Redis the plugin runs on: the lock scripts
+// declare script flags (a `#!lua` first line), which Redis 7.0 introduced,
+// so that Redis refuses them up front when it is over maxmemory.
+var minRedisVersion = [2]int{7, 0}
+
+// recheckEvery is how long a server's verdict stands: a new connection to
+// it after that checks again (a server upgraded or reconfigured in place).
+const recheckEvery = time.Minute
+
+// tooOldError refuses a connection to a server older than the minimum. It
+// unwraps to nothing (go-redis hands the caller an OnConnect error's
+// unwrapped cause, and this message must reach the caller whole).
+type tooOldError struct{ msg string }
+
+func (e *tooOldError) Error() string { return e.msg }
+
+// errHelloUnparsed: HELLO answered without a version (e.g. a proxy).
+var errHelloUnparsed = errors.New("redisdlm: HELLO answer without a version")
+
+// serverCheck checks each server one client connects to, once per server
+// (not per connection): go-redis calls onConnect for every new connection.
+type serverCheck struct {
+	mu         sync.Mutex
+	logger     func() *zap.Logger
+	minVersion [2]int
+	servers    map[string]*serverState // by address
+}
+
+// serverState is what is known of one server.
+type serverState struct {
+	mu           sync.Mutex
+	checked      time.Time
+	err          error // not nil: the server is unusable (too old)
+	evicting     bool
+	configDenied bool // CONFIG GET was refused; warned once
+}
+
+func newServerCheck(logger func() *zap.Logger) *serverCheck {
+	return &serverCheck{logger: logger, minVersion: minRedisVersion, servers: map[string]*serverState{}}
+}
+
+// setLogger replaces the logger (tests observe the checks' log lines).
+func (sc *serverCheck) setLogger(l *zap.Logger) {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	sc.logger = func() *zap.Logger { return l }
+}
+
+func (sc *serverCheck) log() *zap.Logger {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	return sc.logger()
+}
+
+// onConnect is the go-redis OnConnect hook: it checks the server behind cn
+// unless it was checked less than recheckEvery ago, and refuses the
+// connection when the server is unusable. Concurrent first connections to
+// one server wait for one check.
+func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
+	addr := connAddr(cn)
+	sc.mu.Lock()
+	st := sc.servers[addr]
+	if st == nil {
+		st = &serverState{}
+		sc.servers[addr] = st
+	}
+	minVersion := sc.minVersion
+	sc.mu.Unlock()
+
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !st.checked.IsZero() && time.Since(st.checked) < recheckEvery {
+		return st.err
+	}
+	sentinel, err := sc.checkVersion(ctx, cn, addr, st, minVersion)
+	if err != nil {
+		return err // a failed call: this connection is not usable either
+	}
+	if st.err == nil && !sentinel {
+		if err := sc.checkPolicy(ctx, cn, addr, st); err != nil {
+			return err
+		}
+	}
+	st.checked = time.Now()
+	return st.err
+}
+
+// checkVersion reads the server's version from HELLO (allowed by the
+// minimal ACL; Redis before 6.0 does not know the command) and sets st.err
+// when it is too old. It returns an error only when the call itself failed,
+// and reports whether the server is a Sentinel (go-redis runs the hook on
+// its connections to the Sentinels too; they hold no keys).
+func (sc *serverCheck) checkVersion(ctx context.Context, cn *redis.Conn, addr string, st *serverState, minVersion [2]int) (sentinel bool, err error) {
+	version, mode, err := hello(ctx, cn)
+	if mode == "sentinel" {
+		st.err = nil
+		return true, nil
+	}
+	var re redis.Error
+	switch {
+	case err != nil && errors.As(err, &re) && strings.HasPrefix(strings.ToUpper(re.Error()), "ERR UNKNOWN COMMAND"):
+		version = "< 6.0"
+	case err != nil && (errors.As(err, &re) || errors.Is(err, errHelloUnparsed)):
+		// Refused (e.g. NOPERM) or an odd answer: the version is unknown; go on.
+		sc.log().Warn("cannot read the redis version; make sure the server runs Redis "+versionString(minVersion)+" or newer",
+			zap.String("server", addr), zap.Error(err))
+		st.err = nil
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	if versionAtLeast(version, minVersion) {
+		st.err = nil
+		return false, nil
+	}
+	st.err = &tooOldError{fmt.Sprintf("redisdlm: redis at %s is version %s; redisdlm needs Redis %s or newer (its lock scripts use script flags)",
+		addr, version, versionString(minVersion))}
+	sc.log().Error("redis server too old; calls to it fail until it is upgraded",
+		zap.String("server", addr), zap.String("redis_version", version),
+		zap.String("required", versionString(minVersion)+" or newer"))
+	return false, nil
+}
+
+// checkPolicy reads maxmemory-policy: an evicting policy can drop a held
+// lock and its fencing counter and let two holders in. It returns an error
+// only when the call itself failed.
+func (sc *serverCheck) checkPolicy(ctx context.Context, cn *redis.Conn, addr string, st *serverState) error {
+	cfg, err := cn.ConfigGet(ctx, "maxmemory-policy").Result()
+	var re redis.Error
+	if err != nil && errors.As(err, &re) {
+		// Refused by ACL, or CONFIG renamed or disabled (managed Redis).
+		if !st.configDenied {
+			st.configDenied = true
+			sc.log().Warn("cannot read maxmemory-policy (CONFIG GET refused); locks need maxmemory-policy noeviction",
+				zap.String("server", addr), zap.Error(err))
+		}
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	policy := cfg["maxmemory-policy"]
+	evicting := strings.HasPrefix(policy, "allkeys-") || strings.HasPrefix(policy, "volatile-")
+	if evicting {
+		sc.log().Error("redis server evicts keys: it can drop a held lock and its fencing counter and let two holders in; set maxmemory-policy noeviction",
+			zap.String("server", addr), zap.String("maxmemory_policy", policy))
+	}
+	if evicting != st.evicting {
+		st.evicting = evicting
+		markEvicting(sc, addr, evicting)
+	}
+	return nil
+}
+
+// close withdraws this client's servers from the evicting-servers gauge.
+func (sc *serverCheck) close() {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	for addr, st := range sc.servers {
+		st.mu.Lock()
+		if st.evicting {
+			st.evicting = false
+			markEvicting(sc, addr, false)
+		}
+		st.mu.Unlock()
+	}
+}
+
+// evicting counts, per server address, the clients that found it with an
+// evicting policy; the gauge is the number of such servers.
+var evicting = struct {
+	sync.Mutex
+	by map[string]map[*serverCheck]bool
+}{by: map[string]map[*serverCheck]bool{}}
+
+func markEvicting(sc *serverCheck, addr string, on bool) {
+	initMetrics()
+	evicting.Lock()
+	defer evicting.Unlock()
+	if on {
+		if evicting.by[addr] == nil {
+			evicting.by[addr] = map[*serverCheck]bool{}
+		}
+		evicting.by[addr][sc] = true
+	} else if m := evicting.by[addr]; m != nil {
+		delete(m, sc)
+		if len(m) == 0 {
+			delete(evicting.by, addr)
+		}
+	}
+	evictingServers.Set(float64(len(evicting.by)))
+}
+
+// hello asks the server for its version and mode ("standalone",
+// "cluster" or "sentinel") with HELLO; without arguments HELLO leaves the
+// protocol as it is.
+func hello(ctx context.Context, cn *redis.Conn) (version, mode string, err error) {
+	v, err := cn.Do(ctx, "hello").Result()
+	if err != nil {
+		return "", "", err
+	}
+	fields := map[string]string{}
+	switch m := v.(type) {
+	case []any: // RESP2: a flat list of names and values
+		for i := 0; i+1 < len(m); i += 2 {
+			k, _ := m[i].(string)
+			fields[k], _ = m[i+1].(string)
+		}
+	case map[any]any: // RESP3
+		for k, x := range m {
+			ks, _ := k.(string)
+			fields[ks], _ = x.(string)
+		}
+	}
+	if fields["version"] == "" {
+		return "", "", fmt.Errorf("%w: %T", errHelloUnparsed, v)
+	}
+	return fields["version"], fields["mode"], nil
+}
+
+// versionAtLeast reports whether version ("7.0.15") is at least min.
+// An unparsable version counts as too old.
+func versionAtLeast(version string, min [2]int) bool {
+	parts := strings.SplitN(version, ".", 3)
+	if len(parts) < 2 {
+		return false
+	}
+	major, err1 := strconv.Atoi(parts[0])
+	minor, err2 := strconv.Atoi(parts[1])
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	return major > min[0] || major == min[0] && minor >= min[1]
+}
+
+func versionString(v [2]int) string { return fmt.Sprintf("%d.%d", v[0], v[1]) }
+
+// connAddr is the host:port of the server behind cn (never with user
+// info): go-redis names a connection "Redis<host:port db:n>".
+func connAddr(cn *redis.Conn) string {
+	s := strings.TrimPrefix(cn.String(), "Redis<")
+	if i := strings.LastIndex(s, " db:"); i >= 0 {
+		s = s[:i]
+	}
+	return strings.TrimSuffix(s, ">")
+}

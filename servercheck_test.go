@@ -1,0 +1,318 @@
+package redisdlm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// pooledFor returns the pooled client behind a provisioned handler's pool
+// key (without changing its reference count for long).
+func pooledFor(t *testing.T, key string) *pooledClient {
+	t.Helper()
+	v, loaded, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return nil, errors.New("not pooled")
+	})
+	if err != nil || !loaded {
+		t.Fatalf("pool key %s: loaded %v, %v", key, loaded, err)
+	}
+	_, _ = clientPool.Delete(key)
+	return v.(*pooledClient)
+}
+
+// observeChecks makes the server checks of h's clients log to an observer.
+func observeChecks(t *testing.T, h *RedisLock) *observer.ObservedLogs {
+	t.Helper()
+	core, logs := observer.New(zapcore.WarnLevel)
+	for _, k := range h.poolKeys {
+		pooledFor(t, k).check.setLogger(zap.New(core))
+	}
+	return logs
+}
+
+// hammer sends n concurrent requests for distinct keys (so the client
+// opens several connections) and returns the statuses seen.
+func hammer(t *testing.T, url string, n int) map[int]int {
+	t.Helper()
+	var mu sync.Mutex
+	seen := map[int]int{}
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			resp, _ := get(t, fmt.Sprintf("%s/k%d", url, i))
+			if resp != nil {
+				mu.Lock()
+				seen[resp.StatusCode]++
+				mu.Unlock()
+			}
+		}(i)
+	}
+	wg.Wait()
+	return seen
+}
+
+func gaugeValue(g interface{ Write(*dto.Metric) error }) float64 {
+	var m dto.Metric
+	_ = g.Write(&m)
+	return m.GetGauge().GetValue()
+}
+
+func isEvicting(sc *serverCheck, addr string) bool {
+	evicting.Lock()
+	defer evicting.Unlock()
+	return evicting.by[addr][sc]
+}
+
+// TestServerCheckEvictingPolicy: on the first connection to a server with an
+// evicting maxmemory-policy, one error log names the server and the policy
+// (once per server, not per connection) and the server counts in
+// caddy_redis_evicting_servers until its client is closed; noeviction
+// logs nothing. Locks still work: the check warns, it does not refuse.
+func TestServerCheckEvictingPolicy(t *testing.T) {
+	t.Parallel()
+	for _, policy := range []string{"allkeys-lru", "volatile-lru", "noeviction"} {
+		t.Run(policy, func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", policy)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s"}`, r.Addr))
+			logs := observeChecks(t, h)
+			pc := pooledFor(t, h.poolKeys[0])
+			srv := handlerServer(t, h, okHandler)
+			if seen := hammer(t, srv.URL, 20); seen[200] != 20 {
+				t.Fatalf("statuses %v, want 20 × 200", seen)
+			}
+			errs := logs.FilterMessageSnippet("evicts keys").All()
+			if policy == "noeviction" {
+				if len(errs) != 0 || isEvicting(pc.check, r.Addr) {
+					t.Fatalf("noeviction: logged %v, gauge entry %v", errs, isEvicting(pc.check, r.Addr))
+				}
+				return
+			}
+			if len(errs) != 1 {
+				t.Fatalf("%d error logs about eviction, want exactly 1 (once per server): %v", len(errs), logs.All())
+			}
+			f := errs[0].ContextMap()
+			if errs[0].Level != zapcore.ErrorLevel || f["server"] != r.Addr || f["maxmemory_policy"] != policy {
+				t.Errorf("log %s %q %v: want error level naming server %s and policy %s", errs[0].Level, errs[0].Message, f, r.Addr, policy)
+			}
+			if !isEvicting(pc.check, r.Addr) || gaugeValue(evictingServers) < 1 {
+				t.Errorf("server not counted in caddy_redis_evicting_servers (gauge %v)", gaugeValue(evictingServers))
+			}
+			pc.check.close()
+			if isEvicting(pc.check, r.Addr) {
+				t.Error("a closed client's server still counts as evicting")
+			}
+		})
+	}
+}
+
+// TestServerCheckConfigRefused: a user whose ACL refuses CONFIG gets one
+// warning for the server, however many connections, and working locks.
+func TestServerCheckConfigRefused(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	if err := r.Client().Do(context.Background(), "acl", "setuser", "app", "on", ">pw", "~*", "&*", "+@all", "-config").Err(); err != nil {
+		t.Fatal(err)
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s"}`, r.Addr))
+	logs := observeChecks(t, h)
+	srv := handlerServer(t, h, okHandler)
+	if seen := hammer(t, srv.URL, 20); seen[200] != 20 {
+		t.Fatalf("statuses %v, want 20 × 200", seen)
+	}
+	warns := logs.FilterMessageSnippet("cannot read maxmemory-policy").All()
+	if len(warns) != 1 || warns[0].Level != zapcore.WarnLevel || warns[0].ContextMap()["server"] != r.Addr {
+		t.Fatalf("want one warning naming %s, got %v", r.Addr, logs.All())
+	}
+	if n := len(logs.All()); n != 1 {
+		t.Errorf("%d log lines, want only the warning: %v", n, logs.All())
+	}
+}
+
+// TestServerCheckVersionTooOld: a server older than the minimum (here the
+// minimum is raised above the installed 7.0) is refused with a clear error:
+// one error log, and the lock answers by its fail policy (503, or the
+// request passes unlocked with fail_open).
+func TestServerCheckVersionTooOld(t *testing.T) {
+	t.Parallel()
+	for _, failOpen := range []bool{false, true} {
+		t.Run(fmt.Sprintf("fail_open=%v", failOpen), func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","fail_open":%v}`, r.Addr, failOpen))
+			logs := observeChecks(t, h)
+			pc := pooledFor(t, h.poolKeys[0])
+			pc.check.mu.Lock()
+			pc.check.minVersion = [2]int{99, 0}
+			pc.check.mu.Unlock()
+			srv := handlerServer(t, h, okHandler)
+			for i := 0; i < 5; i++ {
+				resp, body := get(t, srv.URL+"/v")
+				if resp == nil {
+					t.Fatal("no response")
+				}
+				if failOpen {
+					if resp.StatusCode != 200 {
+						t.Fatalf("fail_open: status %d %s, want 200", resp.StatusCode, body)
+					}
+					continue
+				}
+				if resp.StatusCode != 503 || !strings.Contains(body, "needs Redis 99.0 or newer") || !strings.Contains(body, "version 7.") {
+					t.Fatalf("status %d %q: want 503 saying the server's version and the minimum", resp.StatusCode, body)
+				}
+			}
+			errs := logs.FilterMessageSnippet("too old").All()
+			if len(errs) != 1 || errs[0].Level != zapcore.ErrorLevel || errs[0].ContextMap()["server"] != r.Addr {
+				t.Fatalf("want one error log naming %s, got %v", r.Addr, logs.All())
+			}
+			if n, _ := r.Client().Exists(context.Background(), storedKey(h.Prefix, "/v")).Result(); n != 0 {
+				t.Error("a lock was written to a server refused as too old")
+			}
+		})
+	}
+}
+
+func TestVersionAtLeast(t *testing.T) {
+	t.Parallel()
+	for v, want := range map[string]bool{"7.0.15": true, "7.2.4": true, "8.0.0": true, "6.2.14": false, "6.9": false, "< 6.0": false, "": false, "x.y": false} {
+		if got := versionAtLeast(v, [2]int{7, 0}); got != want {
+			t.Errorf("versionAtLeast(%q, 7.0) = %v, want %v", v, got, want)
+		}
+	}
+}
+
+// usedMemory reads used_memory from INFO memory.
+func usedMemory(t *testing.T, c *redis.Client) int64 {
+	t.Helper()
+	info, err := c.Info(context.Background(), "memory").Result()
+	if err != nil {
+		t.Fatalf("info memory: %v", err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	t.Fatal("no used_memory in INFO memory")
+	return 0
+}
+
+// fillRedis writes 2 MiB and sets maxmemory 256 KiB below the memory then
+// used, so the server is clearly over its limit (noeviction keeps the data).
+func fillRedis(t *testing.T, c *redis.Client) (maxmemory int64) {
+	t.Helper()
+	v := strings.Repeat("x", 1024)
+	for i := 0; i < 2048; i += 128 {
+		pipe := c.Pipeline()
+		for j := i; j < i+128; j++ {
+			pipe.Set(context.Background(), fmt.Sprintf("fill:%d", j), v, 0)
+		}
+		if _, err := pipe.Exec(context.Background()); err != nil {
+			t.Fatalf("filling redis: %v", err)
+		}
+	}
+	maxmemory = usedMemory(t, c) - 256<<10
+	if err := c.ConfigSet(context.Background(), "maxmemory", strconv.FormatInt(maxmemory, 10)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Set(context.Background(), "probe", "x", 0).Err(); err == nil || !strings.HasPrefix(err.Error(), "OOM") {
+		t.Fatalf("a write over maxmemory answered %v, want OOM", err)
+	}
+	return maxmemory
+}
+
+// TestLockScriptsRespectMaxmemory: on a noeviction server over its
+// maxmemory, new locks are refused (503 by the fail policy, with the OOM
+// error logged) and used memory does not grow; a lease already held keeps
+// being extended and is released (those two scripts only keep or free
+// memory, so they run over the limit).
+func TestLockScriptsRespectMaxmemory(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t, "--maxmemory-policy", "noeviction")
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"1500ms"}`, r.Addr))
+	core, logs := observer.New(zapcore.WarnLevel)
+	h.logger = zap.New(core)
+	h.locker.logger = h.logger
+	in, proceed := make(chan struct{}), make(chan struct{})
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Path == "/held" {
+			close(in)
+			<-proceed
+		}
+		w.WriteHeader(http.StatusOK)
+		return nil
+	})
+	var once sync.Once
+	release := func() { once.Do(func() { close(proceed) }) }
+	t.Cleanup(release) // before the server's Cleanup, which waits for the holder
+	held := make(chan int, 1)
+	go func() {
+		resp, _ := get(t, srv.URL+"/held")
+		if resp == nil {
+			held <- 0
+			return
+		}
+		held <- resp.StatusCode
+	}()
+	<-in
+	heldSince := time.Now()
+	rc := r.Client() // one connection: each new one costs memory too
+	maxmemory := fillRedis(t, rc)
+	const n = 1000
+	var before int64
+	for i := 0; i < n; i++ {
+		if i == 100 {
+			// The first calls load the scripts and warm the connections.
+			before = usedMemory(t, rc)
+		}
+		resp, body := get(t, fmt.Sprintf("%s/k%d", srv.URL, i))
+		if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "OOM") {
+			t.Fatalf("request %d over maxmemory: %v %q, want 503 with the OOM error", i, resp, body)
+		}
+	}
+	after := usedMemory(t, rc)
+	if after-before > 96<<10 {
+		t.Errorf("used_memory grew by %d bytes over %d refused locks (from %d to %d, maxmemory %d)", after-before, n-100, before, after, maxmemory)
+	}
+	t.Logf("used_memory %d before, %d after %d refused locks", before, after, n-100)
+	if len(logs.FilterMessageSnippet("answering 503").FilterFieldKey("error").All()) == 0 ||
+		!strings.Contains(fmt.Sprint(logs.All()[0].ContextMap()["error"]), "OOM") {
+		t.Errorf("no warning carrying the OOM error: %v", logs.All())
+	}
+	// The holder's lease (ttl 1.5s) is extended over the limit for more
+	// than two ttls.
+	time.Sleep(time.Until(heldSince.Add(3200 * time.Millisecond)))
+	if rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() != 1 {
+		t.Error("the held lease is gone while its request runs")
+	}
+	release()
+	if code := <-held; code != 200 {
+		t.Errorf("holder over maxmemory: status %d, want 200 (lease extended)", code)
+	}
+	if lost := logs.FilterMessageSnippet("lease lost").Len(); lost != 0 {
+		t.Errorf("%d lost leases over maxmemory", lost)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the held lock was not released over maxmemory")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

@@ -1,0 +1,118 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// waitReplicaOnline waits until master reports n online replicas.
+func waitReplicaOnline(t *testing.T, master *redis.Client, n int) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		info, _ := master.Info(context.Background(), "replication").Result()
+		if strings.Count(info, "state=online") >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica not online in time: %s", info)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestSyncReplicas: with a real primary and replica, sync_replicas 1
+// grants while the replica acknowledges; with the replica paused the lock
+// answers 503 saying how many replicas acknowledged (WAIT ends before the
+// read timeout), and the grant is released at once, not left for the ttl.
+func TestSyncReplicas(t *testing.T) {
+	t.Parallel()
+	primary := startRedis(t)
+	replica := startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+	pc := primary.Client()
+	waitReplicaOnline(t, pc, 1)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"sync_replicas":1,"wait":"0s","ttl":"30s","timeout":"500ms"}`, primary.Addr))
+	srv := handlerServer(t, h, okHandler)
+
+	if resp, body := get(t, srv.URL+"/a"); resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("replica running: %v %q, want 200", resp, body)
+	}
+	replica.Pause()
+	resp, body := get(t, srv.URL+"/b")
+	if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "sync_replicas: 0 of 1 replicas acknowledged the lock") {
+		t.Errorf("replica paused: %v %q, want 503 with \"0 of 1 replicas acknowledged\"", resp, body)
+	}
+	if n, _ := pc.ZCard(context.Background(), storedKey(h.Prefix, "/b")).Result(); n != 0 {
+		ttl, _ := pc.PTTL(context.Background(), storedKey(h.Prefix, "/b")).Result()
+		t.Errorf("a lease whose WAIT failed is left behind (%d holders, ttl %s)", n, ttl)
+	}
+	replica.Resume()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		resp, body := get(t, srv.URL+"/c")
+		if resp != nil && resp.StatusCode == 200 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica resumed: %v %q, want 200", resp, body)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestSyncReplicasCluster: on a Cluster, WAIT runs on the key's own master.
+// Only the master of key "a" has a replica, so "a" is granted every time and
+// a key on another master is refused every time (with WAIT sent to a random
+// master, both would be a coin toss).
+func TestSyncReplicasCluster(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"1s"}`, seeds))
+	srv := handlerServer(t, h, okHandler)
+
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{rs[0].Addr}})
+	t.Cleanup(func() { cc.Close() })
+	ctx := context.Background()
+	masterOf := func(path string) *redis.Client {
+		m, err := cc.MasterForKey(ctx, storedKey(h.Prefix, path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	ma := masterOf("/a")
+	other := ""
+	for i := 0; i < 100 && other == ""; i++ {
+		if p := fmt.Sprintf("/b%d", i); masterOf(p).Options().Addr != ma.Options().Addr {
+			other = p
+		}
+	}
+	id, err := ma.Do(ctx, "cluster", "myid").Text()
+	if err != nil {
+		t.Fatal(err)
+	}
+	replica := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+	out, err := exec.Command("redis-cli", "--cluster", "add-node", replica.Addr, ma.Options().Addr,
+		"--cluster-slave", "--cluster-master-id", id).CombinedOutput()
+	if err != nil {
+		t.Fatalf("redis-cli --cluster add-node: %v\n%s", err, out)
+	}
+	waitReplicaOnline(t, ma, 1)
+
+	for i := 0; i < 8; i++ {
+		if resp, body := get(t, srv.URL+"/a"); resp == nil || resp.StatusCode != 200 {
+			t.Errorf("key on the master with a replica, try %d: %v %q, want 200", i, resp, body)
+		}
+		resp, body := get(t, srv.URL+other)
+		if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "0 of 1 replicas acknowledged") {
+			t.Errorf("key on a master without a replica, try %d: %v %q, want 503 with \"0 of 1 replicas acknowledged\"", i, resp, body)
+		}
+	}
+}
