@@ -1,0 +1,260 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// startSentinels starts n sentinels that monitor master as "mymaster" with
+// the given quorum, declare it down after downAfter, and know each other
+// and the master's replicas before it returns.
+func startSentinels(t *testing.T, master *testRedis, n, quorum, replicas int, downAfter time.Duration) []string {
+	t.Helper()
+	var addrs []string
+	for i := 0; i < n; i++ {
+		dir := t.TempDir()
+		port := freePort(t)
+		cfg := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n"+
+			"sentinel monitor mymaster 127.0.0.1 %d %d\n"+
+			"sentinel down-after-milliseconds mymaster %d\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
+			port, dir, filepath.Join(dir, "sentinel.log"), master.Port, quorum, downAfter.Milliseconds())
+		conf := filepath.Join(dir, "sentinel.conf")
+		if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command("redis-server", conf, "--sentinel")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := cmd.Start(); err != nil {
+			t.Fatalf("starting sentinel: %v", err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		addrs = append(addrs, fmt.Sprintf("127.0.0.1:%d", port))
+	}
+	deadline := time.Now().Add(40 * time.Second)
+	for _, a := range addrs {
+		c := redis.NewSentinelClient(&redis.Options{Addr: a, DialTimeout: time.Second, ReadTimeout: time.Second})
+		for {
+			reps, _ := c.Replicas(context.Background(), "mymaster").Result()
+			peers, _ := c.Sentinels(context.Background(), "mymaster").Result()
+			if len(reps) >= replicas && len(peers) >= n-1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				c.Close()
+				t.Fatalf("sentinel %s knows %d replicas and %d other sentinels; want %d and %d", a, len(reps), len(peers), replicas, n-1)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		c.Close()
+	}
+	return addrs
+}
+
+// startReplica starts a replica of master and waits until its link is up.
+func startReplica(t *testing.T, master *testRedis) *testRedis {
+	t.Helper()
+	r := startRedis(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.Port))
+	if !waitFor(20*time.Second, func() bool {
+		info, _ := r.Client().Info(context.Background(), "replication").Result()
+		return strings.Contains(info, "master_link_status:up")
+	}) {
+		t.Fatal("replica did not sync with the master")
+	}
+	return r
+}
+
+// holderCounter is an upstream that counts holders per key at once and the
+// answers by status; it never sleeps long, so a holder is gone well before
+// a failover completes.
+type holderCounter struct {
+	mu       sync.Mutex
+	inflight map[string]int
+	maxSeen  int
+	tokens   map[string]int64
+	backward int
+}
+
+func (u *holderCounter) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	key := r.URL.Path
+	tok, _ := strconv.ParseInt(r.Header.Get("Lock-Fencing-Token"), 10, 64)
+	u.mu.Lock()
+	u.inflight[key]++
+	u.maxSeen = max(u.maxSeen, u.inflight[key])
+	if tok <= u.tokens[key] {
+		u.backward++
+	}
+	u.tokens[key] = max(u.tokens[key], tok)
+	u.mu.Unlock()
+	time.Sleep(3 * time.Millisecond)
+	u.mu.Lock()
+	u.inflight[key]--
+	u.mu.Unlock()
+	return nil
+}
+
+// statusLog records answers with their time.
+type statusLog struct {
+	mu  sync.Mutex
+	got []struct {
+		at     time.Time
+		status int
+	}
+}
+
+func (s *statusLog) add(status int) {
+	s.mu.Lock()
+	s.got = append(s.got, struct {
+		at     time.Time
+		status int
+	}{time.Now(), status})
+	s.mu.Unlock()
+}
+
+// summary counts answers by status, and returns the first moment after
+// from from which every answer had status ok (zero if never).
+func (s *statusLog) summary(from time.Time, ok int) (map[int]int, time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	counts := map[int]int{}
+	var since time.Time
+	for _, g := range s.got {
+		counts[g.status]++
+		if g.at.Before(from) {
+			continue
+		}
+		if g.status != ok {
+			since = time.Time{}
+		} else if since.IsZero() {
+			since = g.at
+		}
+	}
+	return counts, since
+}
+
+// TestSentinelFailoverDuringTraffic: a primary, a replica and 3 sentinels
+// (quorum 2); the primary is killed during lock and rate-limit traffic.
+// The lock answers only 200 or 503 and never lets two holders in; the
+// fail_closed rate limiter answers by Redis again within seconds of the
+// promotion; both work on the new primary. The figures are logged.
+func TestSentinelFailoverDuringTraffic(t *testing.T) {
+	t.Parallel()
+	primary := startRedis(t)
+	replica := startReplica(t, primary)
+	sentinels := startSentinels(t, primary, 3, 2, 1, time.Second)
+	list := `"` + strings.Join(sentinels, `","`) + `"`
+	conn := fmt.Sprintf(`"sentinel_master":"mymaster","sentinels":[%s],"timeout":"500ms"`, list)
+	up := &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
+	lock := provisionLock(t, fmt.Sprintf(`{%s,"ttl":"3s","wait":"10s"}`, conn))
+	ls := handlerServer(t, lock, up.ServeHTTP)
+	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"failover","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
+	rs := handlerServer(t, rl, okHandler)
+
+	var lockLog, rlLog statusLog
+	ctx, stop := context.WithCancel(context.Background())
+	var wg sync.WaitGroup
+	client := &http.Client{Timeout: 30 * time.Second}
+	fetch := func(url string, log *statusLog) {
+		resp, err := client.Get(url)
+		if err != nil {
+			log.add(0)
+			return
+		}
+		resp.Body.Close()
+		log.add(resp.StatusCode)
+	}
+	for i := 0; i < 8; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				fetch(fmt.Sprintf("%s/k%d", ls.URL, i%4), &lockLog)
+			}
+		}(i)
+	}
+	for i := 0; i < 2; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				fetch(rs.URL+"/", &rlLog)
+				time.Sleep(5 * time.Millisecond)
+			}
+		}()
+	}
+	time.Sleep(time.Second)
+	killed := time.Now()
+	primary.Kill()
+	// Wait for the promotion, then for both handlers to answer 200 for 2s.
+	var promoted time.Time
+	var promotedOK atomic.Bool
+	sc := redis.NewSentinelClient(&redis.Options{Addr: sentinels[0]})
+	defer sc.Close()
+	deadline := killed.Add(40 * time.Second)
+	for time.Now().Before(deadline) {
+		if !promotedOK.Load() {
+			if a, err := sc.GetMasterAddrByName(context.Background(), "mymaster").Result(); err == nil && a[1] == strconv.Itoa(replica.Port) {
+				promoted = time.Now()
+				promotedOK.Store(true)
+			}
+		} else {
+			_, lockSince := lockLog.summary(promoted, 200)
+			_, rlSince := rlLog.summary(promoted, 200)
+			if !lockSince.IsZero() && !rlSince.IsZero() && time.Since(lockSince) > 2*time.Second && time.Since(rlSince) > 2*time.Second {
+				break
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	stop()
+	wg.Wait()
+	if !promotedOK.Load() {
+		t.Fatal("the sentinels did not promote the replica within 40s")
+	}
+	lockCounts, lockSince := lockLog.summary(promoted, 200)
+	rlCounts, rlSince := rlLog.summary(promoted, 200)
+	t.Logf("failover: replica promoted %s after the kill; lock answers %v, 200 only from %s after the promotion; rate limiter answers %v, by Redis only from %s after the promotion; fencing tokens not above the key's last one: %d",
+		promoted.Sub(killed).Round(time.Millisecond), lockCounts, since(lockSince, promoted), rlCounts, since(rlSince, promoted), up.backward)
+	for s := range lockCounts {
+		if s != 200 && s != http.StatusServiceUnavailable {
+			t.Errorf("lock answered %d %d time(s); want only 200 or 503", s, lockCounts[s])
+		}
+	}
+	for s := range rlCounts {
+		if s != 200 && s != http.StatusServiceUnavailable {
+			t.Errorf("fail_closed rate limiter answered %d %d time(s); want only 200 or 503", s, rlCounts[s])
+		}
+	}
+	if up.maxSeen > 1 {
+		t.Errorf("%d holders of one key at once", up.maxSeen)
+	}
+	if lockSince.IsZero() || rlSince.IsZero() {
+		t.Fatalf("after the promotion the handlers did not recover (lock from %v, rate limiter from %v)", lockSince, rlSince)
+	}
+	if d := rlSince.Sub(promoted); d > 10*time.Second {
+		t.Errorf("the rate limiter decided by Redis again %s after the promotion; want within seconds", d)
+	}
+	// The scripts ran on the new primary (a replica refuses writes).
+	if n := replica.CommandCalls("evalsha") + replica.CommandCalls("eval"); n < 10 {
+		t.Errorf("%d script calls on the new primary; the handlers did not move to it", n)
+	}
+}
+
+func since(at, from time.Time) string {
+	if at.IsZero() {
+		return "never"
+	}
+	return at.Sub(from).Round(time.Millisecond).String()
+}
