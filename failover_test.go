@@ -258,3 +258,167 @@ func since(at, from time.Time) string {
 	}
 	return at.Sub(from).Round(time.Millisecond).String()
 }
+
+// startClusterWithReplicas starts a Redis Cluster of 3 masters with one
+// replica each, and waits until every node sees it whole and ok.
+func startClusterWithReplicas(t *testing.T) []*testRedis {
+	t.Helper()
+	var rs []*testRedis
+	var addrs []string
+	for i := 0; i < 6; i++ {
+		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+		rs = append(rs, r)
+		addrs = append(addrs, r.Addr)
+	}
+	args := append([]string{"--cluster", "create"}, addrs...)
+	args = append(args, "--cluster-replicas", "1", "--cluster-yes")
+	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
+		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
+	}
+	for _, r := range rs {
+		c := r.Client()
+		if !waitFor(40*time.Second, func() bool {
+			info, _ := c.ClusterInfo(context.Background()).Result()
+			return strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:6")
+		}) {
+			t.Fatalf("cluster node %s did not become ok", r.Addr)
+		}
+	}
+	return rs
+}
+
+// TestClusterFailoverDuringTraffic: on a Cluster of 3 masters and 3
+// replicas, the replica of the master that serves a hot lock key and a
+// rate-limit key takes over (CLUSTER FAILOVER, the manual, coordinated one)
+// during traffic. The lock answers only 200 or 503 and never lets two
+// holders in, the fail_closed rate limiter decides by Redis again within
+// seconds, and both end up on the new master.
+func TestClusterFailoverDuringTraffic(t *testing.T) {
+	t.Parallel()
+	rs := startClusterWithReplicas(t)
+	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
+	conn := fmt.Sprintf(`"cluster":%s,"timeout":"500ms"`, seeds)
+	up := &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
+	lock := provisionLock(t, fmt.Sprintf(`{%s,"ttl":"3s","wait":"10s"}`, conn))
+	ls := handlerServer(t, lock, up.ServeHTTP)
+	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"/hot","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
+	rls := handlerServer(t, rl, okHandler)
+
+	// The master of the slot of both keys (hash tag {/hot}), and its replica.
+	ctx := context.Background()
+	slot, err := rs[0].Client().ClusterKeySlot(ctx, storedKey(lock.Prefix, "/hot")).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var master, replica *testRedis
+	for _, r := range rs {
+		nodes, _ := r.Client().ClusterNodes(ctx).Result()
+		for _, line := range strings.Split(nodes, "\n") {
+			f := strings.Fields(line)
+			if len(f) < 9 || !strings.Contains(f[2], "myself") || !strings.Contains(f[2], "master") {
+				continue
+			}
+			for _, rng := range f[8:] {
+				lo, hi, _ := strings.Cut(rng, "-")
+				l, _ := strconv.ParseInt(lo, 10, 64)
+				h, _ := strconv.ParseInt(hi, 10, 64)
+				if slot >= l && slot <= h {
+					master = r
+				}
+			}
+		}
+	}
+	if master == nil {
+		t.Fatal("no master serves the key's slot")
+	}
+	for _, r := range rs {
+		info, _ := r.Client().Info(ctx, "replication").Result()
+		if strings.Contains(info, "role:slave") && strings.Contains(info, fmt.Sprintf("master_port:%d", master.Port)) {
+			replica = r
+		}
+	}
+	if replica == nil {
+		t.Fatal("the key's master has no replica")
+	}
+
+	var lockLog, rlLog statusLog
+	tctx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	client := &http.Client{Timeout: 30 * time.Second}
+	fetch := func(url string, log *statusLog) {
+		resp, err := client.Get(url)
+		if err != nil {
+			log.add(0)
+			return
+		}
+		resp.Body.Close()
+		log.add(resp.StatusCode)
+	}
+	for i := 0; i < 6; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for tctx.Err() == nil {
+				fetch(ls.URL+"/hot", &lockLog)
+			}
+		}()
+	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for tctx.Err() == nil {
+			fetch(rls.URL+"/", &rlLog)
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	time.Sleep(time.Second)
+	started := time.Now()
+	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
+		t.Fatalf("CLUSTER FAILOVER: %v", err)
+	}
+	var switched time.Time
+	if waitFor(30*time.Second, func() bool {
+		info, _ := replica.Client().Info(ctx, "replication").Result()
+		return strings.Contains(info, "role:master")
+	}) {
+		switched = time.Now()
+	}
+	if switched.IsZero() {
+		stop()
+		wg.Wait()
+		t.Fatal("the replica did not become master within 30s")
+	}
+	waitFor(20*time.Second, func() bool {
+		_, l := lockLog.summary(switched, 200)
+		_, r := rlLog.summary(switched, 200)
+		return !l.IsZero() && !r.IsZero() && time.Since(l) > 2*time.Second && time.Since(r) > 2*time.Second
+	})
+	stop()
+	wg.Wait()
+	lockCounts, lockSince := lockLog.summary(switched, 200)
+	rlCounts, rlSince := rlLog.summary(switched, 200)
+	t.Logf("cluster failover: replica took over %s after CLUSTER FAILOVER; lock answers %v, 200 only from %s after; rate limiter answers %v, by Redis only from %s after; fencing tokens not above the key's last one: %d",
+		switched.Sub(started).Round(time.Millisecond), lockCounts, since(lockSince, switched), rlCounts, since(rlSince, switched), up.backward)
+	for s, n := range lockCounts {
+		if s != 200 && s != http.StatusServiceUnavailable {
+			t.Errorf("lock answered %d %d time(s); want only 200 or 503", s, n)
+		}
+	}
+	for s, n := range rlCounts {
+		if s != 200 && s != http.StatusServiceUnavailable {
+			t.Errorf("fail_closed rate limiter answered %d %d time(s); want only 200 or 503", s, n)
+		}
+	}
+	if up.maxSeen > 1 {
+		t.Errorf("%d holders of one key at once", up.maxSeen)
+	}
+	if lockSince.IsZero() || rlSince.IsZero() {
+		t.Fatalf("after the failover the handlers did not recover (lock from %v, rate limiter from %v)", lockSince, rlSince)
+	}
+	if d := rlSince.Sub(switched); d > 10*time.Second {
+		t.Errorf("the rate limiter decided by Redis again %s after the failover; want within seconds", d)
+	}
+	if n := replica.CommandCalls("evalsha") + replica.CommandCalls("eval"); n < 10 {
+		t.Errorf("%d script calls on the new master; the lock did not move to it", n)
+	}
+}
