@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -18,39 +17,7 @@ import (
 
 // startCluster starts three redis-server masters in cluster mode on free
 // loopback ports and joins them into one Cluster (no replicas).
-func startCluster(t *testing.T) []*testRedis {
-	t.Helper()
-	var rs []*testRedis
-	var addrs []string
-	for i := 0; i < 3; i++ {
-		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-		rs = append(rs, r)
-		addrs = append(addrs, r.Addr)
-	}
-	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	out, err := exec.Command("redis-cli", args...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
-	}
-	// Every node must see the whole cluster as ok (all slots assigned and
-	// the other nodes known), or a client may meet CLUSTERDOWN at first.
-	deadline := time.Now().Add(30 * time.Second)
-	for _, r := range rs {
-		c := r.Client()
-		for {
-			info, _ := c.ClusterInfo(context.Background()).Result()
-			if strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:3") {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("cluster node %s did not become ok: %s", r.Addr, info)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-	}
-	return rs
-}
+func startCluster(t *testing.T) []*testRedis { return startClusterNodes(t, 3, 0) }
 
 // TestClusterLockAndRateLimit: on a 3-master Redis Cluster, locks on keys
 // spread over all slots are exclusive with increasing tokens (every script

@@ -10,7 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -144,6 +143,94 @@ func (s *statusLog) summary(from time.Time, ok int) (map[int]int, time.Time) {
 	return counts, since
 }
 
+// failoverTraffic sends lock requests (lockClients loops over lockURLs) and
+// rate-limit requests in closed loops, and records their answers, until
+// stop is called.
+type failoverTraffic struct {
+	lock, rl statusLog
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+}
+
+func startFailoverTraffic(lockClients int, lockURLs []string, rlURL string) *failoverTraffic {
+	ctx, cancel := context.WithCancel(context.Background())
+	tr := &failoverTraffic{cancel: cancel}
+	client := &http.Client{Timeout: 30 * time.Second}
+	loop := func(url string, log *statusLog, pause time.Duration) {
+		defer tr.wg.Done()
+		for ctx.Err() == nil {
+			resp, err := client.Get(url)
+			if err != nil {
+				log.add(0)
+				continue
+			}
+			resp.Body.Close()
+			log.add(resp.StatusCode)
+			time.Sleep(pause)
+		}
+	}
+	for i := 0; i < lockClients; i++ {
+		tr.wg.Add(1)
+		go loop(lockURLs[i%len(lockURLs)], &tr.lock, 0)
+	}
+	tr.wg.Add(2)
+	go loop(rlURL, &tr.rl, 5*time.Millisecond)
+	go loop(rlURL, &tr.rl, 5*time.Millisecond)
+	return tr
+}
+
+func (tr *failoverTraffic) stop() {
+	tr.cancel()
+	tr.wg.Wait()
+}
+
+// recovered reports whether both handlers have answered only 200 for 2s
+// since switched.
+func (tr *failoverTraffic) recovered(switched time.Time) bool {
+	_, l := tr.lock.summary(switched, 200)
+	_, r := tr.rl.summary(switched, 200)
+	return !l.IsZero() && !r.IsZero() && time.Since(l) > 2*time.Second && time.Since(r) > 2*time.Second
+}
+
+// check logs the figures of a failover that took effect at switched, and
+// fails the test unless the lock and the fail_closed rate limiter answered
+// only 200 or 503, no key had two holders, both recovered (the rate limiter
+// within 10s), and the scripts ran on the new master.
+func (tr *failoverTraffic) check(t *testing.T, what string, fault, switched time.Time, up *holderCounter, newMaster *testRedis) {
+	t.Helper()
+	lockCounts, lockSince := tr.lock.summary(switched, 200)
+	rlCounts, rlSince := tr.rl.summary(switched, 200)
+	t.Logf("%s: new master %s after the fault; lock answers %v, 200 only from %s after; rate limiter answers %v, by Redis only from %s after; fencing tokens not above the key's last one: %d",
+		what, switched.Sub(fault).Round(time.Millisecond), lockCounts, since(lockSince, switched), rlCounts, since(rlSince, switched), up.backward)
+	for name, counts := range map[string]map[int]int{"lock": lockCounts, "fail_closed rate limiter": rlCounts} {
+		for s, n := range counts {
+			if s != 200 && s != http.StatusServiceUnavailable {
+				t.Errorf("%s answered %d %d time(s); want only 200 or 503", name, s, n)
+			}
+		}
+	}
+	if up.maxSeen > 1 {
+		t.Errorf("%d holders of one key at once", up.maxSeen)
+	}
+	if lockSince.IsZero() || rlSince.IsZero() {
+		t.Fatalf("after the failover the handlers did not recover (lock from %v, rate limiter from %v)", lockSince, rlSince)
+	}
+	if d := rlSince.Sub(switched); d > 10*time.Second {
+		t.Errorf("the rate limiter decided by Redis again %s after the failover; want within seconds", d)
+	}
+	// The scripts ran on the new master (a replica refuses writes).
+	if n := newMaster.CommandCalls("evalsha") + newMaster.CommandCalls("eval"); n < 10 {
+		t.Errorf("%d script calls on the new master; the handlers did not move to it", n)
+	}
+}
+
+func since(at, from time.Time) string {
+	if at.IsZero() {
+		return "never"
+	}
+	return at.Sub(from).Round(time.Millisecond).String()
+}
+
 // TestSentinelFailoverDuringTraffic: a primary, a replica and 3 sentinels
 // (quorum 2); the primary is killed during lock and rate-limit traffic.
 // The lock answers only 200 or 503 and never lets two holders in; the
@@ -162,124 +249,51 @@ func TestSentinelFailoverDuringTraffic(t *testing.T) {
 	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"failover","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
 	rs := handlerServer(t, rl, okHandler)
 
-	var lockLog, rlLog statusLog
-	ctx, stop := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	client := &http.Client{Timeout: 30 * time.Second}
-	fetch := func(url string, log *statusLog) {
-		resp, err := client.Get(url)
-		if err != nil {
-			log.add(0)
-			return
-		}
-		resp.Body.Close()
-		log.add(resp.StatusCode)
-	}
-	for i := 0; i < 8; i++ {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			for ctx.Err() == nil {
-				fetch(fmt.Sprintf("%s/k%d", ls.URL, i%4), &lockLog)
-			}
-		}(i)
-	}
-	for i := 0; i < 2; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for ctx.Err() == nil {
-				fetch(rs.URL+"/", &rlLog)
-				time.Sleep(5 * time.Millisecond)
-			}
-		}()
-	}
+	tr := startFailoverTraffic(8, []string{ls.URL + "/k0", ls.URL + "/k1", ls.URL + "/k2", ls.URL + "/k3"}, rs.URL+"/")
 	time.Sleep(time.Second)
 	killed := time.Now()
 	primary.Kill()
 	// Wait for the promotion, then for both handlers to answer 200 for 2s.
-	var promoted time.Time
-	var promotedOK atomic.Bool
 	sc := redis.NewSentinelClient(&redis.Options{Addr: sentinels[0]})
 	defer sc.Close()
-	deadline := killed.Add(40 * time.Second)
-	for time.Now().Before(deadline) {
-		if !promotedOK.Load() {
-			if a, err := sc.GetMasterAddrByName(context.Background(), "mymaster").Result(); err == nil && a[1] == strconv.Itoa(replica.Port) {
-				promoted = time.Now()
-				promotedOK.Store(true)
-			}
-		} else {
-			_, lockSince := lockLog.summary(promoted, 200)
-			_, rlSince := rlLog.summary(promoted, 200)
-			if !lockSince.IsZero() && !rlSince.IsZero() && time.Since(lockSince) > 2*time.Second && time.Since(rlSince) > 2*time.Second {
-				break
-			}
-		}
-		time.Sleep(50 * time.Millisecond)
+	var promoted time.Time
+	if waitFor(40*time.Second, func() bool {
+		a, err := sc.GetMasterAddrByName(context.Background(), "mymaster").Result()
+		return err == nil && a[1] == strconv.Itoa(replica.Port)
+	}) {
+		promoted = time.Now()
+		waitFor(20*time.Second, func() bool { return tr.recovered(promoted) })
 	}
-	stop()
-	wg.Wait()
-	if !promotedOK.Load() {
+	tr.stop()
+	if promoted.IsZero() {
 		t.Fatal("the sentinels did not promote the replica within 40s")
 	}
-	lockCounts, lockSince := lockLog.summary(promoted, 200)
-	rlCounts, rlSince := rlLog.summary(promoted, 200)
-	t.Logf("failover: replica promoted %s after the kill; lock answers %v, 200 only from %s after the promotion; rate limiter answers %v, by Redis only from %s after the promotion; fencing tokens not above the key's last one: %d",
-		promoted.Sub(killed).Round(time.Millisecond), lockCounts, since(lockSince, promoted), rlCounts, since(rlSince, promoted), up.backward)
-	for s := range lockCounts {
-		if s != 200 && s != http.StatusServiceUnavailable {
-			t.Errorf("lock answered %d %d time(s); want only 200 or 503", s, lockCounts[s])
-		}
-	}
-	for s := range rlCounts {
-		if s != 200 && s != http.StatusServiceUnavailable {
-			t.Errorf("fail_closed rate limiter answered %d %d time(s); want only 200 or 503", s, rlCounts[s])
-		}
-	}
-	if up.maxSeen > 1 {
-		t.Errorf("%d holders of one key at once", up.maxSeen)
-	}
-	if lockSince.IsZero() || rlSince.IsZero() {
-		t.Fatalf("after the promotion the handlers did not recover (lock from %v, rate limiter from %v)", lockSince, rlSince)
-	}
-	if d := rlSince.Sub(promoted); d > 10*time.Second {
-		t.Errorf("the rate limiter decided by Redis again %s after the promotion; want within seconds", d)
-	}
-	// The scripts ran on the new primary (a replica refuses writes).
-	if n := replica.CommandCalls("evalsha") + replica.CommandCalls("eval"); n < 10 {
-		t.Errorf("%d script calls on the new primary; the handlers did not move to it", n)
-	}
+	tr.check(t, "sentinel failover", killed, promoted, up, replica)
 }
 
-func since(at, from time.Time) string {
-	if at.IsZero() {
-		return "never"
-	}
-	return at.Sub(from).Round(time.Millisecond).String()
-}
-
-// startClusterWithReplicas starts a Redis Cluster of 3 masters with one
-// replica each, and waits until every node sees it whole and ok.
-func startClusterWithReplicas(t *testing.T) []*testRedis {
+// startClusterNodes starts a Redis Cluster of masters masters with
+// replicas replicas each, on free loopback ports, and waits until every
+// node sees it whole and ok (or a client may meet CLUSTERDOWN at first).
+func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
 	t.Helper()
 	var rs []*testRedis
 	var addrs []string
-	for i := 0; i < 6; i++ {
+	for i := 0; i < masters*(1+replicas); i++ {
 		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
 		rs = append(rs, r)
 		addrs = append(addrs, r.Addr)
 	}
 	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", "1", "--cluster-yes")
+	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
 	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
 		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
 	}
+	known := fmt.Sprintf("cluster_known_nodes:%d", len(rs))
 	for _, r := range rs {
 		c := r.Client()
 		if !waitFor(40*time.Second, func() bool {
 			info, _ := c.ClusterInfo(context.Background()).Result()
-			return strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:6")
+			return strings.Contains(info, "cluster_state:ok") && strings.Contains(info, known)
 		}) {
 			t.Fatalf("cluster node %s did not become ok", r.Addr)
 		}
@@ -295,7 +309,7 @@ func startClusterWithReplicas(t *testing.T) []*testRedis {
 // seconds, and both end up on the new master.
 func TestClusterFailoverDuringTraffic(t *testing.T) {
 	t.Parallel()
-	rs := startClusterWithReplicas(t)
+	rs := startClusterNodes(t, 3, 1)
 	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
 	conn := fmt.Sprintf(`"cluster":%s,"timeout":"500ms"`, seeds)
 	up := &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
@@ -341,36 +355,7 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 		t.Fatal("the key's master has no replica")
 	}
 
-	var lockLog, rlLog statusLog
-	tctx, stop := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	client := &http.Client{Timeout: 30 * time.Second}
-	fetch := func(url string, log *statusLog) {
-		resp, err := client.Get(url)
-		if err != nil {
-			log.add(0)
-			return
-		}
-		resp.Body.Close()
-		log.add(resp.StatusCode)
-	}
-	for i := 0; i < 6; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for tctx.Err() == nil {
-				fetch(ls.URL+"/hot", &lockLog)
-			}
-		}()
-	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for tctx.Err() == nil {
-			fetch(rls.URL+"/", &rlLog)
-			time.Sleep(5 * time.Millisecond)
-		}
-	}()
+	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
 	time.Sleep(time.Second)
 	started := time.Now()
 	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
@@ -384,41 +369,10 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 		switched = time.Now()
 	}
 	if switched.IsZero() {
-		stop()
-		wg.Wait()
+		tr.stop()
 		t.Fatal("the replica did not become master within 30s")
 	}
-	waitFor(20*time.Second, func() bool {
-		_, l := lockLog.summary(switched, 200)
-		_, r := rlLog.summary(switched, 200)
-		return !l.IsZero() && !r.IsZero() && time.Since(l) > 2*time.Second && time.Since(r) > 2*time.Second
-	})
-	stop()
-	wg.Wait()
-	lockCounts, lockSince := lockLog.summary(switched, 200)
-	rlCounts, rlSince := rlLog.summary(switched, 200)
-	t.Logf("cluster failover: replica took over %s after CLUSTER FAILOVER; lock answers %v, 200 only from %s after; rate limiter answers %v, by Redis only from %s after; fencing tokens not above the key's last one: %d",
-		switched.Sub(started).Round(time.Millisecond), lockCounts, since(lockSince, switched), rlCounts, since(rlSince, switched), up.backward)
-	for s, n := range lockCounts {
-		if s != 200 && s != http.StatusServiceUnavailable {
-			t.Errorf("lock answered %d %d time(s); want only 200 or 503", s, n)
-		}
-	}
-	for s, n := range rlCounts {
-		if s != 200 && s != http.StatusServiceUnavailable {
-			t.Errorf("fail_closed rate limiter answered %d %d time(s); want only 200 or 503", s, n)
-		}
-	}
-	if up.maxSeen > 1 {
-		t.Errorf("%d holders of one key at once", up.maxSeen)
-	}
-	if lockSince.IsZero() || rlSince.IsZero() {
-		t.Fatalf("after the failover the handlers did not recover (lock from %v, rate limiter from %v)", lockSince, rlSince)
-	}
-	if d := rlSince.Sub(switched); d > 10*time.Second {
-		t.Errorf("the rate limiter decided by Redis again %s after the failover; want within seconds", d)
-	}
-	if n := replica.CommandCalls("evalsha") + replica.CommandCalls("eval"); n < 10 {
-		t.Errorf("%d script calls on the new master; the lock did not move to it", n)
-	}
+	waitFor(20*time.Second, func() bool { return tr.recovered(switched) })
+	tr.stop()
+	tr.check(t, "cluster failover", started, switched, up, replica)
 }

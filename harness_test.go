@@ -23,6 +23,22 @@ import (
 func provisionLock(t testing.TB, cfg string) *RedisLock {
 	t.Helper()
 	h := new(RedisLock)
+	provisionJSON(t, cfg, h)
+	quietLock(h)
+	return h
+}
+
+// provisionRateLimitJSON does the same for a redis_ratelimit handler.
+func provisionRateLimitJSON(t testing.TB, cfg string) *RedisRateLimit {
+	t.Helper()
+	h := new(RedisRateLimit)
+	provisionJSON(t, cfg, h)
+	quietRateLimit(h)
+	return h
+}
+
+func provisionJSON(t testing.TB, cfg string, h provisionable) {
+	t.Helper()
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		t.Fatalf("config %s: %v", cfg, err)
 	}
@@ -31,9 +47,7 @@ func provisionLock(t testing.TB, cfg string) *RedisLock {
 	if err := h.Provision(ctx); err != nil {
 		t.Fatalf("provision: %v", err)
 	}
-	quietLock(h)
 	t.Cleanup(func() { _ = h.Cleanup() })
-	return h
 }
 
 // quietLock and quietRateLimit replace the debug logger that Caddy gives a

@@ -1,13 +1,11 @@
 package redisdlm
 
 import (
-	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
-	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"math/big"
@@ -19,8 +17,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // testPKI is a CA made at run time with a server certificate for 127.0.0.1
@@ -200,22 +196,4 @@ func checkFastTLSError(t *testing.T, what, err, want string, took time.Duration)
 	if took > 4*time.Second {
 		t.Errorf("%s answered after %s; a TLS failure must not wait out the 5s timeout", what, took)
 	}
-}
-
-// provisionRateLimitJSON builds a redis_ratelimit handler from its JSON form
-// and provisions it like Caddy would; it is cleaned up when the test ends.
-func provisionRateLimitJSON(t testing.TB, cfg string) *RedisRateLimit {
-	t.Helper()
-	h := new(RedisRateLimit)
-	if err := json.Unmarshal([]byte(cfg), h); err != nil {
-		t.Fatalf("config %s: %v", cfg, err)
-	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	t.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
-		t.Fatalf("provision: %v", err)
-	}
-	quietRateLimit(h)
-	t.Cleanup(func() { _ = h.Cleanup() })
-	return h
 }
