@@ -7,7 +7,6 @@ import (
 	"os"
 	"sort"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -42,21 +41,7 @@ func TestACLMinimal(t *testing.T) {
 		t.Fatal("both handlers share one client; the test needs two, so wake-ups cross Pub/Sub")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
-	var wg sync.WaitGroup
-	for i := 0; i < 60; i++ {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			srv := sa
-			if i%2 == 1 {
-				srv = sb
-			}
-			if resp, body := get(t, fmt.Sprintf("%s/acl%d", srv.URL, i%3)); resp == nil || resp.StatusCode != 200 {
-				t.Errorf("lock as ACL user: %v %s", resp, body)
-			}
-		}(i)
-	}
-	wg.Wait()
+	getAllOK(t, 60, []string{sa.URL, sb.URL}, "acl", 3)
 	up.check(t)
 
 	// A semaphore of 2 and a wait that runs out.

@@ -46,9 +46,10 @@ func startSentinels(t *testing.T, master *testRedis, n, quorum, replicas int, do
 	for _, a := range addrs {
 		c := redis.NewSentinelClient(&redis.Options{Addr: a, DialTimeout: time.Second, ReadTimeout: time.Second})
 		for {
+			m, err := c.GetMasterAddrByName(context.Background(), "mymaster").Result()
 			reps, _ := c.Replicas(context.Background(), "mymaster").Result()
 			peers, _ := c.Sentinels(context.Background(), "mymaster").Result()
-			if len(reps) >= replicas && len(peers) >= n-1 {
+			if err == nil && len(m) == 2 && len(reps) >= replicas && len(peers) >= n-1 {
 				break
 			}
 			if time.Now().After(deadline) {

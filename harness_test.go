@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -122,4 +123,21 @@ func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
 		}
 	}
 	return resp, sb.String()
+}
+
+// getAllOK sends n concurrent GETs, request i to urls[i%len(urls)] + path
+// "/<name><i%keys>", and fails the test for any answer but 200.
+func getAllOK(t *testing.T, n int, urls []string, name string, keys int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			if resp, body := get(t, fmt.Sprintf("%s/%s%d", urls[i%len(urls)], name, i%keys)); resp == nil || resp.StatusCode != 200 {
+				t.Errorf("request %d: %v %s", i, resp, body)
+			}
+		}(i)
+	}
+	wg.Wait()
 }
