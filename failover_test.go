@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -302,30 +303,23 @@ func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
 	return rs
 }
 
-// TestClusterFailoverDuringTraffic: on a Cluster of 3 masters and 3
-// replicas, the replica of the master that serves a hot lock key and a
-// rate-limit key takes over (CLUSTER FAILOVER, the manual, coordinated one)
-// during traffic. The lock answers only 200 or 503 and never lets two
-// holders in, the fail_closed rate limiter decides by Redis again within
-// seconds, and both end up on the new master.
-func TestClusterFailoverDuringTraffic(t *testing.T) {
-	t.Parallel()
-	rs := startClusterNodes(t, 3, 1)
+// clusterHotKey provisions a lock and a fail_closed rate limiter on the
+// Cluster rs, both on the hash tag {/hot}, and returns their servers, the
+// upstream behind the lock, the tag's slot and the master serving it.
+func clusterHotKey(t *testing.T, rs []*testRedis) (ls, rls *httptest.Server, up *holderCounter, slot int64, master *testRedis) {
+	t.Helper()
 	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
 	conn := fmt.Sprintf(`"cluster":%s,"timeout":"500ms"`, seeds)
-	up := &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
+	up = &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
 	lock := provisionLock(t, fmt.Sprintf(`{%s,"ttl":"3s","wait":"10s"}`, conn))
-	ls := handlerServer(t, lock, up.ServeHTTP)
+	ls = handlerServer(t, lock, up.ServeHTTP)
 	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"/hot","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
-	rls := handlerServer(t, rl, okHandler)
-
-	// The master of the slot of both keys (hash tag {/hot}), and its replica.
+	rls = handlerServer(t, rl, okHandler)
 	ctx := context.Background()
 	slot, err := rs[0].Client().ClusterKeySlot(ctx, storedKey(lock.Prefix, "/hot")).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	var master, replica *testRedis
 	for _, r := range rs {
 		nodes, _ := r.Client().ClusterNodes(ctx).Result()
 		for _, line := range strings.Split(nodes, "\n") {
@@ -334,7 +328,10 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 				continue
 			}
 			for _, rng := range f[8:] {
-				lo, hi, _ := strings.Cut(rng, "-")
+				lo, hi, ok := strings.Cut(rng, "-")
+				if !ok {
+					hi = lo
+				}
 				l, _ := strconv.ParseInt(lo, 10, 64)
 				h, _ := strconv.ParseInt(hi, 10, 64)
 				if slot >= l && slot <= h {
@@ -346,6 +343,21 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 	if master == nil {
 		t.Fatal("no master serves the key's slot")
 	}
+	return ls, rls, up, slot, master
+}
+
+// TestClusterFailoverDuringTraffic: on a Cluster of 3 masters and 3
+// replicas, the replica of the master that serves a hot lock key and a
+// rate-limit key takes over (CLUSTER FAILOVER, the manual, coordinated one)
+// during traffic. The lock answers only 200 or 503 and never lets two
+// holders in, the fail_closed rate limiter decides by Redis again within
+// seconds, and both end up on the new master.
+func TestClusterFailoverDuringTraffic(t *testing.T) {
+	t.Parallel()
+	rs := startClusterNodes(t, 3, 1)
+	ctx := context.Background()
+	ls, rls, up, _, master := clusterHotKey(t, rs)
+	var replica *testRedis
 	for _, r := range rs {
 		info, _ := r.Client().Info(ctx, "replication").Result()
 		if strings.Contains(info, "role:slave") && strings.Contains(info, fmt.Sprintf("master_port:%d", master.Port)) {
@@ -376,4 +388,66 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 	waitFor(20*time.Second, func() bool { return tr.recovered(switched) })
 	tr.stop()
 	tr.check(t, "cluster failover", started, switched, up, replica)
+}
+
+// TestClusterSlotMigrationDuringTraffic: the slot of a hot lock key and a
+// rate-limit key (hash tag {/hot}) moves to another master during traffic
+// (SETSLOT IMPORTING/MIGRATING, MIGRATE of its keys in steps, SETSLOT
+// NODE), the way redis-cli --cluster reshard does it. The lock answers
+// only 200 or 503 and never lets two holders in, the fail_closed rate
+// limiter answers by Redis again within seconds of the move, and both end
+// up on the new master.
+func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
+	t.Parallel()
+	rs := startClusterNodes(t, 3, 0)
+	ctx := context.Background()
+	ls, rls, up, slot, src := clusterHotKey(t, rs)
+	dst := rs[0]
+	if dst == src {
+		dst = rs[1]
+	}
+	id := func(r *testRedis) string {
+		v, err := r.Client().Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	srcID, dstID := id(src), id(dst)
+	do := func(r *testRedis, args ...any) {
+		if err := r.Client().Do(ctx, args...).Err(); err != nil {
+			t.Fatalf("%v on %s: %v", args, r, err)
+		}
+	}
+	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
+	time.Sleep(time.Second)
+	started := time.Now()
+	do(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID)
+	do(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID)
+	// Move the keys one at a time, with traffic in between, so requests
+	// meet the slot half moved.
+	moved := 0
+	for i := 0; i < 100; i++ {
+		keys, err := src.Client().ClusterGetKeysInSlot(ctx, int(slot), 1).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(keys) == 0 {
+			break
+		}
+		time.Sleep(300 * time.Millisecond)
+		if err := src.Client().Do(ctx, "MIGRATE", "127.0.0.1", dst.Port, keys[0], 0, 5000).Err(); err != nil && !strings.Contains(err.Error(), "NOKEY") {
+			t.Fatalf("MIGRATE %s: %v", keys[0], err)
+		}
+		moved++
+	}
+	time.Sleep(300 * time.Millisecond)
+	for _, r := range rs {
+		do(r, "CLUSTER", "SETSLOT", slot, "NODE", dstID)
+	}
+	switched := time.Now()
+	waitFor(20*time.Second, func() bool { return tr.recovered(switched) })
+	tr.stop()
+	t.Logf("slot %d moved with %d keys in %s", slot, moved, switched.Sub(started).Round(time.Millisecond))
+	tr.check(t, "slot migration", started, switched, up, dst)
 }
