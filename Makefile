@@ -6,7 +6,7 @@ MODULE  := github.com/caddy-dlm/redisdlm
 PSEUDO  := v0.0.0-00010101000000-000000000000
 SOURCES := $(wildcard *.go) $(wildcard scripts/*.lua) go.mod go.sum
 
-.PHONY: all caddy upstream run stop test bench redis-server
+.PHONY: all caddy upstream run stop test bench redis-server fuzz
 
 all: caddy
 
@@ -42,6 +42,12 @@ redis-server:
 test: redis-server
 	go vet ./...
 	go test -race -count=1 ./...
+
+# Every fuzz target for FUZZTIME each (default 30s), printing the inputs
+# tried; the seed corpora under testdata/fuzz/ are replayed by plain go test.
+FUZZTIME ?= 30s
+fuzz:
+	@FUZZTIME=$(FUZZTIME) tools/fuzz.sh
 
 # The hot-key ceiling for `make bench`: stock Caddy plus bench/benchmutex (a
 # process-wide sync.Mutex handler, benchmarking only), rebuilt only when it changes.

@@ -55,6 +55,7 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		password       <secret>
 //		db             <index>
 //		tls            [<ca_file>]
+//		tls_client_cert <cert_file> <key_file>
 //		timeout        <duration>      # default 500ms
 //	}
 func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -276,6 +277,7 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 //		password <secret>
 //		db       <index>
 //		tls      [<ca_file>]
+//		tls_client_cert <cert_file> <key_file>
 //		timeout  <duration>           # default 500ms
 //	}
 func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
@@ -404,6 +406,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	password <secret>
 //	db       <index>
 //	tls      [<ca_file>]
+//	tls_client_cert <cert_file> <key_file>
 //	timeout  <duration>
 func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool, error) {
 	sub := d.Val()
@@ -463,6 +466,13 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 		if len(args) == 1 {
 			c.TLSCAFile = args[0]
 		}
+	case "tls_client_cert":
+		args := d.RemainingArgs()
+		if len(args) != 2 {
+			return true, d.Errf("%s: tls_client_cert: want <cert_file> <key_file>, got %d argument(s)", dir, len(args))
+		}
+		c.TLS = true
+		c.TLSClientCertFile, c.TLSClientKeyFile = args[0], args[1]
 	case "timeout":
 		v, err := parsePositiveDuration(d, dir)
 		if err != nil {

@@ -4,53 +4,16 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"os"
-	"os/exec"
-	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
-	"github.com/redis/go-redis/v9"
 )
 
 // startCluster starts three redis-server masters in cluster mode on free
 // loopback ports and joins them into one Cluster (no replicas).
-func startCluster(t *testing.T) []*testRedis {
-	t.Helper()
-	var rs []*testRedis
-	var addrs []string
-	for i := 0; i < 3; i++ {
-		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-		rs = append(rs, r)
-		addrs = append(addrs, r.Addr)
-	}
-	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	out, err := exec.Command("redis-cli", args...).CombinedOutput()
-	if err != nil {
-		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
-	}
-	// Every node must see the whole cluster as ok (all slots assigned and
-	// the other nodes known), or a client may meet CLUSTERDOWN at first.
-	deadline := time.Now().Add(30 * time.Second)
-	for _, r := range rs {
-		c := r.Client()
-		for {
-			info, _ := c.ClusterInfo(context.Background()).Result()
-			if strings.Contains(info, "cluster_state:ok") && strings.Contains(info, "cluster_known_nodes:3") {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("cluster node %s did not become ok: %s", r.Addr, info)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-	}
-	return rs
-}
+func startCluster(t *testing.T) []*testRedis { return startClusterNodes(t, 3, 0) }
 
 // TestClusterLockAndRateLimit: on a 3-master Redis Cluster, locks on keys
 // spread over all slots are exclusive with increasing tokens (every script
@@ -64,21 +27,7 @@ func TestClusterLockAndRateLimit(t *testing.T) {
 	a := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"2s","wait":"30s"}`, seeds))
 	b := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"3s","wait":"30s"}`, seeds))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
-	var wg sync.WaitGroup
-	for i := 0; i < 120; i++ {
-		wg.Add(1)
-		go func(i int) {
-			defer wg.Done()
-			srv := sa
-			if i%2 == 1 {
-				srv = sb
-			}
-			if resp, body := get(t, fmt.Sprintf("%s/k%d", srv.URL, i%6)); resp == nil || resp.StatusCode != 200 {
-				t.Errorf("request %d: %v %s", i, resp, body)
-			}
-		}(i)
-	}
-	wg.Wait()
+	getAllOK(t, 120, []string{sa.URL, sb.URL}, "k", 6)
 	up.check(t)
 	// The six keys landed on more than one master.
 	masters := 0
@@ -124,33 +73,7 @@ func TestClusterLockAndRateLimit(t *testing.T) {
 // startSentinel starts a redis-server in sentinel mode that monitors master
 // under the name "mymaster", and returns its address.
 func startSentinel(t *testing.T, master *testRedis) string {
-	t.Helper()
-	dir := t.TempDir()
-	conf := dir + "/sentinel.conf"
-	port := freePort(t)
-	cfg := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor mymaster 127.0.0.1 %d 1\nsentinel down-after-milliseconds mymaster 5000\n", port, dir, master.Port)
-	if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command("redis-server", conf, "--sentinel")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting sentinel: %v", err)
-	}
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-	addr := fmt.Sprintf("127.0.0.1:%d", port)
-	c := redis.NewSentinelClient(&redis.Options{Addr: addr})
-	defer c.Close()
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		if a, err := c.GetMasterAddrByName(context.Background(), "mymaster").Result(); err == nil && len(a) == 2 {
-			return addr
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("sentinel did not report the master in time")
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	return startSentinels(t, master, 1, 1, 0, 5*time.Second)[0]
 }
 
 // TestSentinelLock: redis_lock through a Sentinel-managed Redis (the client

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -23,6 +24,22 @@ import (
 func provisionLock(t testing.TB, cfg string) *RedisLock {
 	t.Helper()
 	h := new(RedisLock)
+	provisionJSON(t, cfg, h)
+	quietLock(h)
+	return h
+}
+
+// provisionRateLimitJSON does the same for a redis_ratelimit handler.
+func provisionRateLimitJSON(t testing.TB, cfg string) *RedisRateLimit {
+	t.Helper()
+	h := new(RedisRateLimit)
+	provisionJSON(t, cfg, h)
+	quietRateLimit(h)
+	return h
+}
+
+func provisionJSON(t testing.TB, cfg string, h provisionable) {
+	t.Helper()
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		t.Fatalf("config %s: %v", cfg, err)
 	}
@@ -31,9 +48,7 @@ func provisionLock(t testing.TB, cfg string) *RedisLock {
 	if err := h.Provision(ctx); err != nil {
 		t.Fatalf("provision: %v", err)
 	}
-	quietLock(h)
 	t.Cleanup(func() { _ = h.Cleanup() })
-	return h
 }
 
 // quietLock and quietRateLimit replace the debug logger that Caddy gives a
@@ -108,4 +123,21 @@ func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
 		}
 	}
 	return resp, sb.String()
+}
+
+// getAllOK sends n concurrent GETs, request i to urls[i%len(urls)] + path
+// "/<name><i%keys>", and fails the test for any answer but 200.
+func getAllOK(t *testing.T, n int, urls []string, name string, keys int) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			if resp, body := get(t, fmt.Sprintf("%s/%s%d", urls[i%len(urls)], name, i%keys)); resp == nil || resp.StatusCode != 200 {
+				t.Errorf("request %d: %v %s", i, resp, body)
+			}
+		}(i)
+	}
+	wg.Wait()
 }

@@ -1,14 +1,21 @@
 package redisdlm
 
 import (
+	"errors"
+	"net/http"
+	"net/url"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
-// FuzzLockCaddyfile: the parser never panics, and what it accepts passes
-// Validate (run with go test -fuzz FuzzLockCaddyfile).
+// FuzzLockCaddyfile: the parser never panics, its errors name the
+// directive, and what it accepts passes Validate and round-trips
+// Caddyfile → JSON → Provision (make fuzz runs it; the corpus in
+// testdata/fuzz/FuzzLockCaddyfile is replayed by go test).
 func FuzzLockCaddyfile(f *testing.F) {
 	for _, s := range []string{
 		"key {http.request.header.X-User-ID}\nttl 10s\nwait 0",
@@ -16,6 +23,9 @@ func FuzzLockCaddyfile(f *testing.F) {
 		"backoff 1ms 2ms\nstatus 409\non_lost continue\nfail_open",
 		"key {",
 		"sentinel m 127.0.0.1:26379\ntls ca.pem\ntimeout 1s",
+		"redis rediss://u:p@h:6380/2\nusername x\npassword {env.PW}\ndb 3\ntls_client_cert c.pem c.key",
+		"cluster 127.0.0.1:7000 redis://h:7001\nsync_replicas 1\nmax_waiters 10\nmax_hold 1m\nauto_extend off",
+		"key {http.request.header.A} {query.b}\nfencing_header off\nprefix p:\nstatus 503",
 	} {
 		f.Add(s)
 	}
@@ -23,11 +33,13 @@ func FuzzLockCaddyfile(f *testing.F) {
 		d := caddyfile.NewTestDispenser("redis_lock {\n" + body + "\n}")
 		h := new(RedisLock)
 		if err := h.UnmarshalCaddyfile(d); err != nil {
+			checkParseError(t, "redis_lock", err)
 			return
 		}
 		if err := h.Validate(); err != nil && !strings.Contains(err.Error(), "redis_lock") {
 			t.Fatalf("validate error does not name the directive: %v", err)
 		}
+		checkRoundTrip(t, "redis_lock", h, &h.RedisConfig, new(RedisLock))
 	})
 }
 
@@ -50,6 +62,53 @@ func FuzzStoredKey(f *testing.F) {
 		}
 		if len(ka) > len("p:{}")+maxKeyLen {
 			t.Fatalf("Redis key %q longer than the bound", ka)
+		}
+	})
+}
+
+// FuzzKeyRender: any key template is compiled or refused without a panic;
+// a compiled one renders any header and path into a Redis key whose hash
+// tag spans the whole key and whose length is bounded, for the lock and the
+// rate limiter alike; a placeholder that renders empty is an error, never a
+// shorter key.
+func FuzzKeyRender(f *testing.F) {
+	for _, s := range [][3]string{
+		{"{http.request.header.X-U}", "alice", "/a"},
+		{"user:{http.request.header.X-U}", "", "/a"},
+		{"{path}:{header.X-U}", "b}{c", "/p{q}"},
+		{"{http.request.uri.path}", "", strings.Repeat("/x", 300)},
+		{"lit\\{eral\\}", "", "/"},
+		{"{unknown.ns}", "a", "/"},
+		{"{http.request.header.X-U", "a", "/"},
+		{"sha256:{http.request.header.X-U}", "00", "/"},
+	} {
+		f.Add(s[0], s[1], s[2])
+	}
+	f.Fuzz(func(t *testing.T, tmpl, hdr, path string) {
+		kt, err := parseKeyTemplate(tmpl)
+		if err != nil {
+			return
+		}
+		r := &http.Request{Method: "GET", URL: &url.URL{Path: path}, Header: http.Header{"X-U": {hdr}}, Host: "h"}
+		repl := caddyhttp.NewTestReplacer(r)
+		k, err := kt.render(repl)
+		if err != nil {
+			if !errors.Is(err, errKeyEmpty) && !errors.Is(err, errKeyUnknown) {
+				t.Fatalf("render %q: unexpected error %v", tmpl, err)
+			}
+			return
+		}
+		if k == "" {
+			t.Fatalf("template %q rendered an empty key without an error", tmpl)
+		}
+		for _, rk := range []string{storedKey("caddy:lock:", k), "caddy:rl:{" + limitIDFor(k, "") + "}"} {
+			open, closing := strings.IndexByte(rk, '{'), strings.IndexByte(rk, '}')
+			if open < 0 || closing != len(rk)-1 || strings.Count(rk, "{") != 1 {
+				t.Fatalf("key %q: Redis key %q breaks the hash tag", k, rk)
+			}
+			if len(rk) > len("caddy:lock:{}")+maxKeyLen {
+				t.Fatalf("key %q: Redis key of %d bytes, over the bound", k, len(rk))
+			}
 		}
 	})
 }

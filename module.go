@@ -91,8 +91,18 @@ type RedisConfig struct {
 	TLS bool `json:"tls,omitempty"`
 
 	// PEM file with the certificate authorities that verify the server's
-	// certificate when TLS is on. Default: the system's roots.
+	// certificate when TLS is on. Setting it turns TLS on. Default: the
+	// system's roots.
 	TLSCAFile string `json:"tls_ca_file,omitempty"`
+
+	// PEM file with the client certificate presented to Redis, for servers
+	// that require one (`tls-auth-clients yes`, Redis's default when TLS is
+	// on). Needs TLSClientKeyFile; setting it turns TLS on. Default: no
+	// client certificate.
+	TLSClientCertFile string `json:"tls_client_cert_file,omitempty"`
+
+	// PEM file with the private key of TLSClientCertFile. Default: none.
+	TLSClientKeyFile string `json:"tls_client_key_file,omitempty"`
 
 	// Bound on one Redis call: dial, read and write each. A dead or paused
 	// Redis costs a request at most this long per call. Default: 500ms.
@@ -110,6 +120,8 @@ type serverSettings struct {
 	DB       int           `json:"db,omitempty"`
 	TLS      bool          `json:"tls,omitempty"`
 	CAFile   string        `json:"ca_file,omitempty"`
+	CertFile string        `json:"cert_file,omitempty"`
+	KeyFile  string        `json:"key_file,omitempty"`
 	Timeout  time.Duration `json:"timeout"`
 }
 
@@ -122,10 +134,17 @@ func (s serverSettings) poolKey() string {
 
 // display names the server in logs and errors, never with a password.
 func (s serverSettings) display() string {
-	if s.Mode == "sentinel" {
-		return "sentinel " + s.Master + "@" + strings.Join(s.Addrs, ",")
+	addrs := make([]string, len(s.Addrs))
+	for i, a := range s.Addrs {
+		addrs[i] = redactURL(a)
 	}
-	return strings.Join(s.Addrs, ",")
+	switch s.Mode {
+	case "sentinel":
+		return "sentinel " + s.Master + "@" + strings.Join(addrs, ",")
+	case "cluster":
+		return "cluster " + strings.Join(addrs, ",")
+	}
+	return strings.Join(addrs, ",")
 }
 
 // hasPlaceholder reports whether a value still needs the replacer.
@@ -134,49 +153,111 @@ func hasPlaceholder(s string) bool {
 }
 
 // validateAddress checks one `host:port` or redis URL without dialing it.
-// Its errors never contain a password.
+// Its errors keep their reason and never contain a password.
 func validateAddress(addr string) error {
 	if hasPlaceholder(addr) {
 		return nil
 	}
+	shown := redactURL(addr)
 	if strings.Contains(addr, "://") {
 		u, err := url.Parse(addr)
 		if err != nil {
-			return fmt.Errorf("invalid redis URL %q", redactURL(addr))
+			var ue *url.Error
+			if errors.As(err, &ue) {
+				err = ue.Err // the url.Error repeats the URL, password included
+			}
+			return fmt.Errorf("invalid redis URL %q: %s", shown, strings.ReplaceAll(err.Error(), addr, shown))
 		}
 		if u.Scheme != "redis" && u.Scheme != "rediss" {
-			return fmt.Errorf("invalid redis URL %q: scheme must be redis:// or rediss://", redactURL(addr))
+			return fmt.Errorf("invalid redis URL %q: scheme must be redis:// or rediss://", shown)
+		}
+		if h := u.Hostname(); h != "" {
+			if err := checkHost(h); err != nil {
+				return fmt.Errorf("invalid redis URL %q: %v", shown, err)
+			}
+		}
+		if p := u.Port(); p != "" {
+			if err := checkPort(p); err != nil {
+				return fmt.Errorf("invalid redis URL %q: %v", shown, err)
+			}
 		}
 		if _, err := redis.ParseURL(addr); err != nil {
-			return fmt.Errorf("invalid redis URL %q: %s", redactURL(addr), strings.ReplaceAll(err.Error(), addr, redactURL(addr)))
+			return fmt.Errorf("invalid redis URL %q: %s", shown, strings.ReplaceAll(err.Error(), addr, shown))
 		}
 		return nil
 	}
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil || host == "" {
-		return fmt.Errorf("invalid redis address %q: want host:port or a redis:// URL", addr)
+	const want = "want host:port or a redis:// or rediss:// URL"
+	if strings.ContainsAny(addr, "/@") {
+		return fmt.Errorf("invalid redis address %q: %s (is the \"://\" of a URL mistyped?)", shown, want)
 	}
-	if p, err := strconv.Atoi(port); err != nil || p < 1 || p > 65535 {
-		return fmt.Errorf("invalid redis address %q: bad port", addr)
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		var ae *net.AddrError
+		if errors.As(err, &ae) {
+			return fmt.Errorf("invalid redis address %q: %s; %s", shown, ae.Err, want)
+		}
+		return fmt.Errorf("invalid redis address %q: %s", shown, want)
+	}
+	if host == "" {
+		return fmt.Errorf("invalid redis address %q: missing host; %s", shown, want)
+	}
+	if err := checkHost(host); err != nil {
+		return fmt.Errorf("invalid redis address %q: %v", shown, err)
+	}
+	if err := checkPort(port); err != nil {
+		return fmt.Errorf("invalid redis address %q: %v", shown, err)
 	}
 	return nil
 }
 
-// redactURL hides the password of a redis URL.
-func redactURL(s string) string {
-	u, err := url.Parse(s)
-	if err != nil || u.User == nil {
-		if i := strings.Index(s, "@"); i >= 0 {
-			if j := strings.Index(s, "://"); j >= 0 && j < i {
-				return s[:j+3] + "xxxxx" + s[i:]
-			}
+// checkHost accepts an IP address or a DNS name (letters, digits, '-',
+// '_' and '.').
+func checkHost(h string) error {
+	if net.ParseIP(h) != nil {
+		return nil
+	}
+	for _, r := range h {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.') {
+			return fmt.Errorf("host %q is neither an IP address nor a DNS name", h)
 		}
+	}
+	return nil
+}
+
+// checkPort accepts a TCP port number in 1-65535.
+func checkPort(p string) error {
+	n, err := strconv.Atoi(p)
+	if err != nil {
+		return fmt.Errorf("port %q is not a number", p)
+	}
+	if n < 1 || n > 65535 {
+		return fmt.Errorf("port %d is out of range 1-65535", n)
+	}
+	return nil
+}
+
+// redactURL hides the password of a redis URL. Of something that is not a
+// valid URL but holds an '@', it hides everything before the last '@'.
+func redactURL(s string) string {
+	if u, err := url.Parse(s); err == nil && strings.Contains(s, "://") {
+		if _, ok := u.User.Password(); ok {
+			u.User = url.UserPassword(u.User.Username(), "xxxxx")
+			return u.String()
+		}
+		if u.User == nil || u.User.Username() == "" {
+			return s
+		}
+		return u.String()
+	}
+	i := strings.LastIndex(s, "@")
+	if i < 0 {
 		return s
 	}
-	if _, ok := u.User.Password(); ok {
-		u.User = url.UserPassword(u.User.Username(), "xxxxx")
+	j := 0
+	if k := strings.Index(s, "//"); k >= 0 && k < i {
+		j = k + 2
 	}
-	return u.String()
+	return s[:j] + "xxxxx" + s[i:]
 }
 
 // validate checks the settings without dialing. allowRedlock accepts
@@ -222,6 +303,9 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 	if c.Timeout < 0 {
 		return errors.New("timeout: must be positive")
 	}
+	if (c.TLSClientCertFile == "") != (c.TLSClientKeyFile == "") {
+		return errors.New("tls_client_cert: needs both a certificate file and a key file")
+	}
 	return nil
 }
 
@@ -240,6 +324,8 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		DB:       c.DB,
 		TLS:      c.TLS,
 		CAFile:   repl.ReplaceAll(c.TLSCAFile, ""),
+		CertFile: repl.ReplaceAll(c.TLSClientCertFile, ""),
+		KeyFile:  repl.ReplaceAll(c.TLSClientKeyFile, ""),
 		Timeout:  timeout,
 	}
 	replAll := func(in []string) ([]string, error) {
@@ -290,23 +376,40 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 	return out, nil
 }
 
+// tlsConfig reads the CA and client certificate files of s; nil when TLS
+// is off (a rediss:// URL turns it on by itself in newClient).
+func (s serverSettings) tlsConfig() (*tls.Config, error) {
+	if !s.TLS && s.CAFile == "" && s.CertFile == "" {
+		return nil, nil
+	}
+	conf := &tls.Config{MinVersion: tls.VersionTLS12}
+	if s.CAFile != "" {
+		pem, err := os.ReadFile(s.CAFile)
+		if err != nil {
+			return nil, fmt.Errorf("tls: reading the CA file: %w", err)
+		}
+		pool := x509.NewCertPool()
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("tls: CA file %s holds no PEM certificate", s.CAFile)
+		}
+		conf.RootCAs = pool
+	}
+	if s.CertFile != "" || s.KeyFile != "" {
+		cert, err := tls.LoadX509KeyPair(s.CertFile, s.KeyFile)
+		if err != nil {
+			return nil, fmt.Errorf("tls_client_cert: loading %s and %s: %w", s.CertFile, s.KeyFile, err)
+		}
+		conf.Certificates = []tls.Certificate{cert}
+	}
+	return conf, nil
+}
+
 // newClient builds (but does not dial) the go-redis client for s; check
 // runs on every new connection.
 func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, error) {
-	var tlsConf *tls.Config
-	if s.TLS || s.CAFile != "" {
-		tlsConf = &tls.Config{MinVersion: tls.VersionTLS12}
-		if s.CAFile != "" {
-			pem, err := os.ReadFile(s.CAFile)
-			if err != nil {
-				return nil, fmt.Errorf("reading tls ca_file: %w", err)
-			}
-			pool := x509.NewCertPool()
-			if !pool.AppendCertsFromPEM(pem) {
-				return nil, fmt.Errorf("tls ca_file %s holds no PEM certificate", s.CAFile)
-			}
-			tlsConf.RootCAs = pool
-		}
+	tlsConf, err := s.tlsConfig()
+	if err != nil {
+		return nil, err
 	}
 	common := func(o *redis.Options) {
 		o.DialTimeout, o.ReadTimeout, o.WriteTimeout, o.PoolTimeout = s.Timeout, s.Timeout, s.Timeout, s.Timeout
@@ -341,7 +444,6 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 	addr := s.Addrs[0]
 	var o *redis.Options
 	if strings.Contains(addr, "://") {
-		var err error
 		o, err = redis.ParseURL(addr)
 		if err != nil {
 			return nil, fmt.Errorf("invalid redis URL %q", redactURL(addr))
@@ -357,8 +459,10 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		}
 		if o.TLSConfig == nil {
 			o.TLSConfig = tlsConf
-		} else if tlsConf != nil && tlsConf.RootCAs != nil {
-			o.TLSConfig.RootCAs = tlsConf.RootCAs
+		} else if tlsConf != nil {
+			// rediss:// with `tls <ca>` or a client certificate: keep the
+			// URL's server name, add the files.
+			o.TLSConfig.RootCAs, o.TLSConfig.Certificates = tlsConf.RootCAs, tlsConf.Certificates
 		}
 	} else {
 		o = &redis.Options{Addr: addr, Username: s.Username, Password: s.Password, DB: s.DB, TLSConfig: tlsConf}

@@ -1,20 +1,32 @@
 package redisdlm
 
 import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// FuzzRateLimitCaddyfile: the parser never panics, and what it accepts
-// passes Validate.
+// FuzzRateLimitCaddyfile: the parser never panics, its errors name the
+// directive, and what it accepts passes Validate and round-trips
+// Caddyfile → JSON → Provision.
 func FuzzRateLimitCaddyfile(f *testing.F) {
 	for _, s := range []string{
 		"redis_ratelimit {\n rate 10 1s\n}",
 		"redis_ratelimit {\n rate 10 1s\n rate 100 1h\n algorithm gcra\n burst 5\n key {client_ip}\n}",
 		"redis_ratelimit {\n rate 0 1s\n status 99\n}",
 		"redis_ratelimit {\n redis redis://:x@h:1/2\n rate 1 1ms\n prefix p:\n headers off\n dry_run\n}",
+		"redis_ratelimit {\n sentinel m 127.0.0.1:26379 127.0.0.1:26380\n rate 5 1s\n fail_closed\n status 503\n timeout 100ms\n}",
+		"redis_ratelimit {\n cluster 127.0.0.1:7000\n key {http.auth.user.id}\n rate 100000 1h\n}",
+		"redis_ratelimit {\n redis redis//h:1\n rate 1 1s\n}",
 	} {
 		f.Add(s)
 	}
@@ -25,6 +37,9 @@ func FuzzRateLimitCaddyfile(f *testing.F) {
 		}
 		var h RedisRateLimit
 		if err := h.UnmarshalCaddyfile(caddyfile.NewDispenser(tokens)); err != nil {
+			if len(tokens) > 0 && tokens[0].Text == "redis_ratelimit" {
+				checkParseError(t, "redis_ratelimit", err)
+			}
 			return
 		}
 		if strings.Contains(in, "{env.") || strings.Contains(in, "{file.") {
@@ -33,6 +48,7 @@ func FuzzRateLimitCaddyfile(f *testing.F) {
 		if err := h.Validate(); err != nil {
 			t.Fatalf("parser accepted %q but Validate rejects it: %v", in, err)
 		}
+		checkRoundTrip(t, "redis_ratelimit", &h, &h.RedisConfig, new(RedisRateLimit))
 	})
 }
 
@@ -51,6 +67,62 @@ func FuzzRateLimitKey(f *testing.F) {
 		}
 		if a != b && ia == ib {
 			t.Fatalf("keys %q and %q share the id %q", a, b, ia)
+		}
+	})
+}
+
+// FuzzRateLimitHeaders: for any rate a handler accepts and any wait, the
+// answer's fields are well formed: RateLimit-Policy `"r0";q=<n>;w=<s>`
+// (w = the window in whole seconds, rounded up), RateLimit
+// `"r0";r=<remaining>;t=<s>`, and Retry-After whole seconds ≥ 1 and never
+// before the wait ends. The rejection is answered from the deny cache, so
+// no Redis is needed.
+func FuzzRateLimitHeaders(f *testing.F) {
+	f.Add(uint32(10), int64(time.Minute), int64(1500*time.Millisecond), false)
+	f.Add(uint32(1), int64(time.Millisecond), int64(time.Nanosecond), true)
+	f.Add(uint32(100000), int64(24*time.Hour), int64(23*time.Hour), false)
+	f.Add(uint32(7), int64(1500*time.Millisecond), int64(0), true)
+	policyRE := regexp.MustCompile(`^"r0";q=([0-9]+);w=([0-9]+)$`)
+	fieldRE := regexp.MustCompile(`^"r0";r=([0-9]+);t=([0-9]+)$`)
+	f.Fuzz(func(t *testing.T, n uint32, window, wait int64, gcra bool) {
+		h := &RedisRateLimit{Key: "k", Rates: []Rate{{Requests: int(n), Window: caddy.Duration(window)}}}
+		h.Addresses = []string{"127.0.0.1:1"}
+		if gcra {
+			h.Algorithm = algoGCRA
+		}
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		defer cancel()
+		err := h.Provision(ctx)
+		defer h.Cleanup()
+		if err != nil {
+			if !strings.Contains(err.Error(), "redis_ratelimit") {
+				t.Fatalf("provision error does not name the directive: %v", err)
+			}
+			return
+		}
+		quietRateLimit(h)
+		now := time.Now()
+		if wait < int64(time.Millisecond) || wait > int64(1000*time.Hour) {
+			wait = int64(time.Millisecond)
+		}
+		h.deny.put("k", denyEntry{until: now.Add(time.Duration(wait)), retryAt: now.Add(time.Duration(wait)), tight: 0}, now)
+		req := httptest.NewRequest("GET", "/", nil)
+		req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer()))
+		w := httptest.NewRecorder()
+		err = h.ServeHTTP(w, req, caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil }))
+		if err == nil {
+			return // the cached rejection ran out already
+		}
+		m := policyRE.FindStringSubmatch(w.Header().Get(HeaderRateLimitPolicy))
+		if m == nil || m[1] != strconv.FormatUint(uint64(n), 10) || m[2] != strconv.FormatInt(ceilSeconds(time.Duration(window)), 10) {
+			t.Fatalf("RateLimit-Policy %q for rate %d %s", w.Header().Get(HeaderRateLimitPolicy), n, time.Duration(window))
+		}
+		if !fieldRE.MatchString(w.Header().Get(HeaderRateLimit)) {
+			t.Fatalf("RateLimit %q", w.Header().Get(HeaderRateLimit))
+		}
+		ra, err := strconv.ParseInt(w.Header().Get(HeaderRetryAfter), 10, 64)
+		if err != nil || ra < 1 || time.Duration(ra)*time.Second < time.Duration(wait)-time.Since(now) {
+			t.Fatalf("Retry-After %q for a wait of %s", w.Header().Get(HeaderRetryAfter), time.Duration(wait))
 		}
 	})
 }

@@ -43,9 +43,9 @@ func observeChecks(t *testing.T, h *RedisLock) *observer.ObservedLogs {
 	return logs
 }
 
-// hammer sends n concurrent requests for distinct keys (so the client
+// hammerURL sends n concurrent requests for distinct keys (so the client
 // opens several connections) and returns the statuses seen.
-func hammer(t *testing.T, url string, n int) map[int]int {
+func hammerURL(t *testing.T, url string, n int) map[int]int {
 	t.Helper()
 	var mu sync.Mutex
 	seen := map[int]int{}
@@ -93,7 +93,7 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 			logs := observeChecks(t, h)
 			pc := pooledFor(t, h.poolKeys[0])
 			srv := handlerServer(t, h, okHandler)
-			if seen := hammer(t, srv.URL, 20); seen[200] != 20 {
+			if seen := hammerURL(t, srv.URL, 20); seen[200] != 20 {
 				t.Fatalf("statuses %v, want 20 × 200", seen)
 			}
 			errs := logs.FilterMessageSnippet("evicts keys").All()
@@ -132,7 +132,7 @@ func TestServerCheckConfigRefused(t *testing.T) {
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s"}`, r.Addr))
 	logs := observeChecks(t, h)
 	srv := handlerServer(t, h, okHandler)
-	if seen := hammer(t, srv.URL, 20); seen[200] != 20 {
+	if seen := hammerURL(t, srv.URL, 20); seen[200] != 20 {
 		t.Fatalf("statuses %v, want 20 × 200", seen)
 	}
 	warns := logs.FilterMessageSnippet("cannot read maxmemory-policy").All()

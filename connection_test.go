@@ -1,0 +1,153 @@
+package redisdlm
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// addressForms are Redis addresses with the reason a rejection must give
+// ("" = accepted). secretPW never appears in an error.
+const secretPW = "hunter2x"
+
+var addressForms = []struct{ addr, reason string }{
+	{"127.0.0.1:6379", ""},
+	{"localhost:6379", ""},
+	{"redis-1.internal_net:6379", ""},
+	{"[::1]:6379", ""},
+	{"redis://127.0.0.1:6379", ""},
+	{"redis://127.0.0.1", ""},
+	{"rediss://user:" + secretPW + "@h:6380/2", ""},
+	{"redis://:" + secretPW + "@h", ""},
+	{"{env.REDIS_ADDR}", ""},
+	{"redis://{env.REDIS_HOST}:6379", ""},
+	{"redis//127.0.0.1:6379", "://"},
+	{"redis//:" + secretPW + "@127.0.0.1:6379", "://"},
+	{"redis:/127.0.0.1:6379", "://"},
+	{"127.0.0.1:99999", "port 99999 is out of range 1-65535"},
+	{"127.0.0.1:0", "port 0 is out of range"},
+	{"127.0.0.1:abc", `port "abc" is not a number`},
+	{"127.0.0.1", "missing port"},
+	{":6379", "missing host"},
+	{"ho!st:6379", "neither an IP address nor a DNS name"},
+	{"redis://h:99999", "port 99999 is out of range"},
+	{"redis://:" + secretPW + "@h:99999", "port 99999 is out of range"},
+	{"redis://:" + secretPW + "@h:1x/", "invalid port"},
+	{"redis://h:1/x", "invalid database number"},
+	{"http://h:1", "scheme must be redis:// or rediss://"},
+	{"redis://h!st:1", "neither an IP address nor a DNS name"},
+}
+
+// TestAddressFormsAgree: both handlers accept and reject the same Redis
+// address forms, in the Caddyfile and in JSON, and a rejection keeps its
+// reason, names directive, subdirective and line (Caddyfile), and never
+// shows a password.
+func TestAddressFormsAgree(t *testing.T) {
+	t.Parallel()
+	for _, f := range addressForms {
+		for _, sub := range []string{"redis", "cluster"} {
+			var errs []string
+			check := func(what string, err error, wantPrefix string) {
+				if f.reason == "" {
+					if err != nil {
+						t.Errorf("%s %s %q: rejected: %v", what, sub, f.addr, err)
+					}
+					return
+				}
+				if err == nil {
+					t.Errorf("%s %s %q: accepted, want an error saying %q", what, sub, f.addr, f.reason)
+					return
+				}
+				msg := err.Error()
+				errs = append(errs, msg)
+				if !strings.Contains(msg, f.reason) || !strings.Contains(msg, wantPrefix) {
+					t.Errorf("%s %s %q: error %q, want it to start with %q and say %q", what, sub, f.addr, msg, wantPrefix, f.reason)
+				}
+			}
+			for _, dir := range []string{"redis_lock", "redis_ratelimit"} {
+				src := fmt.Sprintf("%s {\n\trate 1 1s\n\t%s %s\n}", dir, sub, f.addr)
+				if dir == "redis_lock" {
+					src = fmt.Sprintf("%s {\n\t%s %s\n}", dir, sub, f.addr)
+				}
+				var u caddyfile.Unmarshaler = new(RedisLock)
+				if dir == "redis_ratelimit" {
+					u = new(RedisRateLimit)
+				}
+				check(dir+" Caddyfile", u.UnmarshalCaddyfile(caddyfile.NewTestDispenser(src)), dir+": "+sub+": ")
+				if f.reason != "" && len(errs) > 0 && !strings.Contains(errs[len(errs)-1], "Testfile:3") && !strings.Contains(errs[len(errs)-1], "Testfile:2") {
+					t.Errorf("%s %s %q: error %q does not name the Caddyfile line", dir, sub, f.addr, errs[len(errs)-1])
+				}
+			}
+			list, _ := json.Marshal([]string{f.addr})
+			lock := new(RedisLock)
+			_ = json.Unmarshal([]byte(fmt.Sprintf(`{%q:%s}`, sub, list)), lock)
+			check("redis_lock JSON", lock.Validate(), "redis_lock: ")
+			rl := new(RedisRateLimit)
+			_ = json.Unmarshal([]byte(fmt.Sprintf(`{%q:%s,"rates":[{"requests":1,"window":"1s"}]}`, sub, list)), rl)
+			check("redis_ratelimit JSON", rl.Validate(), "redis_ratelimit: ")
+			for _, e := range errs {
+				if strings.Contains(e, secretPW) {
+					t.Errorf("error shows the password: %s", e)
+				}
+			}
+		}
+	}
+}
+
+// TestRedactURL: every rendering of a server hides the password, valid URL
+// or not.
+func TestRedactURL(t *testing.T) {
+	t.Parallel()
+	for _, s := range []string{
+		"redis://:" + secretPW + "@h:1", "rediss://u:" + secretPW + "@h:1/2", "redis//:" + secretPW + "@h:1",
+		"redis://u:" + secretPW + "@h:1x", secretPW + "@h:1", "redis://:" + secretPW + "@[::1]:1",
+	} {
+		for _, mode := range []string{"single", "cluster", "sentinel"} {
+			d := serverSettings{Mode: mode, Addrs: []string{s, "127.0.0.1:1"}, Master: "m", Password: secretPW}.display()
+			if strings.Contains(d, secretPW) || !strings.Contains(d, "127.0.0.1:1") {
+				t.Errorf("display of %q (%s) = %q", s, mode, d)
+			}
+		}
+	}
+	if got := redactURL("rediss://alice:" + secretPW + "@h:1/2"); got != "rediss://alice:xxxxx@h:1/2" {
+		t.Errorf("redactURL kept too little or too much: %q", got)
+	}
+}
+
+// TestTLSClientCertCaddyfile: tls_client_cert sets both files and turns TLS
+// on; a wrong argument count is an error with the line; JSON with one file
+// of the pair is refused by both handlers.
+func TestTLSClientCertCaddyfile(t *testing.T) {
+	t.Parallel()
+	h := new(RedisLock)
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\ttls_client_cert c.pem c.key\n}")); err != nil {
+		t.Fatal(err)
+	}
+	if h.TLSClientCertFile != "c.pem" || h.TLSClientKeyFile != "c.key" || !h.TLS {
+		t.Errorf("parsed %+v", h.RedisConfig)
+	}
+	b, _ := json.Marshal(h)
+	if !strings.Contains(string(b), `"tls_client_cert_file":"c.pem","tls_client_key_file":"c.key"`) {
+		t.Errorf("JSON form %s", b)
+	}
+	for _, body := range []string{"tls_client_cert c.pem", "tls_client_cert", "tls_client_cert a b c"} {
+		rl := new(RedisRateLimit)
+		err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_ratelimit {\n\trate 1 1s\n\t" + body + "\n}"))
+		if err == nil || !strings.Contains(err.Error(), "redis_ratelimit: tls_client_cert: want <cert_file> <key_file>") || !strings.Contains(err.Error(), "Testfile:3") {
+			t.Errorf("%q: %v", body, err)
+		}
+	}
+	lock := new(RedisLock)
+	_ = json.Unmarshal([]byte(`{"tls_client_cert_file":"c.pem"}`), lock)
+	if err := lock.Validate(); err == nil || !strings.Contains(err.Error(), "redis_lock: tls_client_cert: needs both") {
+		t.Errorf("lock with a cert but no key: %v", err)
+	}
+	rl := new(RedisRateLimit)
+	_ = json.Unmarshal([]byte(`{"tls_client_key_file":"c.key","rates":[{"requests":1,"window":"1s"}]}`), rl)
+	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "redis_ratelimit: tls_client_cert: needs both") {
+		t.Errorf("rate limit with a key but no cert: %v", err)
+	}
+}

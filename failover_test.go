@@ -1,0 +1,453 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// startSentinels starts n sentinels that monitor master as "mymaster" with
+// the given quorum, declare it down after downAfter, and know each other
+// and the master's replicas before it returns.
+func startSentinels(t *testing.T, master *testRedis, n, quorum, replicas int, downAfter time.Duration) []string {
+	t.Helper()
+	var addrs []string
+	for i := 0; i < n; i++ {
+		dir := t.TempDir()
+		port := freePort(t)
+		cfg := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n"+
+			"sentinel monitor mymaster 127.0.0.1 %d %d\n"+
+			"sentinel down-after-milliseconds mymaster %d\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
+			port, dir, filepath.Join(dir, "sentinel.log"), master.Port, quorum, downAfter.Milliseconds())
+		conf := filepath.Join(dir, "sentinel.conf")
+		if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		cmd := exec.Command("redis-server", conf, "--sentinel")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := cmd.Start(); err != nil {
+			t.Fatalf("starting sentinel: %v", err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		addrs = append(addrs, fmt.Sprintf("127.0.0.1:%d", port))
+	}
+	deadline := time.Now().Add(40 * time.Second)
+	for _, a := range addrs {
+		c := redis.NewSentinelClient(&redis.Options{Addr: a, DialTimeout: time.Second, ReadTimeout: time.Second})
+		for {
+			m, err := c.GetMasterAddrByName(context.Background(), "mymaster").Result()
+			reps, _ := c.Replicas(context.Background(), "mymaster").Result()
+			peers, _ := c.Sentinels(context.Background(), "mymaster").Result()
+			if err == nil && len(m) == 2 && len(reps) >= replicas && len(peers) >= n-1 {
+				break
+			}
+			if time.Now().After(deadline) {
+				c.Close()
+				t.Fatalf("sentinel %s knows %d replicas and %d other sentinels; want %d and %d", a, len(reps), len(peers), replicas, n-1)
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		c.Close()
+	}
+	return addrs
+}
+
+// startReplica starts a replica of master and waits until its link is up.
+func startReplica(t *testing.T, master *testRedis) *testRedis {
+	t.Helper()
+	r := startRedis(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.Port))
+	if !waitFor(20*time.Second, func() bool {
+		info, _ := r.Client().Info(context.Background(), "replication").Result()
+		return strings.Contains(info, "master_link_status:up")
+	}) {
+		t.Fatal("replica did not sync with the master")
+	}
+	return r
+}
+
+// holderCounter is an upstream that counts holders per key at once and the
+// answers by status; it never sleeps long, so a holder is gone well before
+// a failover completes.
+type holderCounter struct {
+	mu       sync.Mutex
+	inflight map[string]int
+	maxSeen  int
+	tokens   map[string]int64
+	backward int
+}
+
+func (u *holderCounter) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	key := r.URL.Path
+	tok, _ := strconv.ParseInt(r.Header.Get("Lock-Fencing-Token"), 10, 64)
+	u.mu.Lock()
+	u.inflight[key]++
+	u.maxSeen = max(u.maxSeen, u.inflight[key])
+	if tok <= u.tokens[key] {
+		u.backward++
+	}
+	u.tokens[key] = max(u.tokens[key], tok)
+	u.mu.Unlock()
+	time.Sleep(3 * time.Millisecond)
+	u.mu.Lock()
+	u.inflight[key]--
+	u.mu.Unlock()
+	return nil
+}
+
+// statusLog records answers with their time.
+type statusLog struct {
+	mu  sync.Mutex
+	got []struct {
+		at     time.Time
+		status int
+	}
+}
+
+func (s *statusLog) add(status int) {
+	s.mu.Lock()
+	s.got = append(s.got, struct {
+		at     time.Time
+		status int
+	}{time.Now(), status})
+	s.mu.Unlock()
+}
+
+// summary counts answers by status, and returns the first moment after
+// from from which every answer had status ok (zero if never).
+func (s *statusLog) summary(from time.Time, ok int) (map[int]int, time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	counts := map[int]int{}
+	var since time.Time
+	for _, g := range s.got {
+		counts[g.status]++
+		if g.at.Before(from) {
+			continue
+		}
+		if g.status != ok {
+			since = time.Time{}
+		} else if since.IsZero() {
+			since = g.at
+		}
+	}
+	return counts, since
+}
+
+// failoverTraffic sends lock requests (lockClients loops over lockURLs) and
+// rate-limit requests in closed loops, and records their answers, until
+// stop is called.
+type failoverTraffic struct {
+	lock, rl statusLog
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+}
+
+func startFailoverTraffic(lockClients int, lockURLs []string, rlURL string) *failoverTraffic {
+	ctx, cancel := context.WithCancel(context.Background())
+	tr := &failoverTraffic{cancel: cancel}
+	client := &http.Client{Timeout: 30 * time.Second}
+	loop := func(url string, log *statusLog, pause time.Duration) {
+		defer tr.wg.Done()
+		for ctx.Err() == nil {
+			resp, err := client.Get(url)
+			if err != nil {
+				log.add(0)
+				continue
+			}
+			resp.Body.Close()
+			log.add(resp.StatusCode)
+			time.Sleep(pause)
+		}
+	}
+	for i := 0; i < lockClients; i++ {
+		tr.wg.Add(1)
+		go loop(lockURLs[i%len(lockURLs)], &tr.lock, 0)
+	}
+	tr.wg.Add(2)
+	go loop(rlURL, &tr.rl, 5*time.Millisecond)
+	go loop(rlURL, &tr.rl, 5*time.Millisecond)
+	return tr
+}
+
+func (tr *failoverTraffic) stop() {
+	tr.cancel()
+	tr.wg.Wait()
+}
+
+// recovered reports whether both handlers have answered only 200 for 2s
+// since switched.
+func (tr *failoverTraffic) recovered(switched time.Time) bool {
+	_, l := tr.lock.summary(switched, 200)
+	_, r := tr.rl.summary(switched, 200)
+	return !l.IsZero() && !r.IsZero() && time.Since(l) > 2*time.Second && time.Since(r) > 2*time.Second
+}
+
+// check logs the figures of a failover that took effect at switched, and
+// fails the test unless the lock and the fail_closed rate limiter answered
+// only 200 or 503, no key had two holders, both recovered (the rate limiter
+// within 10s), and the scripts ran on the new master.
+func (tr *failoverTraffic) check(t *testing.T, what string, fault, switched time.Time, up *holderCounter, newMaster *testRedis) {
+	t.Helper()
+	lockCounts, lockSince := tr.lock.summary(switched, 200)
+	rlCounts, rlSince := tr.rl.summary(switched, 200)
+	t.Logf("%s: new master %s after the fault; lock answers %v, 200 only from %s after; rate limiter answers %v, by Redis only from %s after; fencing tokens not above the key's last one: %d",
+		what, switched.Sub(fault).Round(time.Millisecond), lockCounts, since(lockSince, switched), rlCounts, since(rlSince, switched), up.backward)
+	for name, counts := range map[string]map[int]int{"lock": lockCounts, "fail_closed rate limiter": rlCounts} {
+		for s, n := range counts {
+			if s != 200 && s != http.StatusServiceUnavailable {
+				t.Errorf("%s answered %d %d time(s); want only 200 or 503", name, s, n)
+			}
+		}
+	}
+	if up.maxSeen > 1 {
+		t.Errorf("%d holders of one key at once", up.maxSeen)
+	}
+	if lockSince.IsZero() || rlSince.IsZero() {
+		t.Fatalf("after the failover the handlers did not recover (lock from %v, rate limiter from %v)", lockSince, rlSince)
+	}
+	if d := rlSince.Sub(switched); d > 10*time.Second {
+		t.Errorf("the rate limiter decided by Redis again %s after the failover; want within seconds", d)
+	}
+	// The scripts ran on the new master (a replica refuses writes).
+	if n := newMaster.CommandCalls("evalsha") + newMaster.CommandCalls("eval"); n < 10 {
+		t.Errorf("%d script calls on the new master; the handlers did not move to it", n)
+	}
+}
+
+func since(at, from time.Time) string {
+	if at.IsZero() {
+		return "never"
+	}
+	return at.Sub(from).Round(time.Millisecond).String()
+}
+
+// TestSentinelFailoverDuringTraffic: a primary, a replica and 3 sentinels
+// (quorum 2); the primary is killed during lock and rate-limit traffic.
+// The lock answers only 200 or 503 and never lets two holders in; the
+// fail_closed rate limiter answers by Redis again within seconds of the
+// promotion; both work on the new primary. The figures are logged.
+func TestSentinelFailoverDuringTraffic(t *testing.T) {
+	t.Parallel()
+	primary := startRedis(t)
+	replica := startReplica(t, primary)
+	sentinels := startSentinels(t, primary, 3, 2, 1, time.Second)
+	list := `"` + strings.Join(sentinels, `","`) + `"`
+	conn := fmt.Sprintf(`"sentinel_master":"mymaster","sentinels":[%s],"timeout":"500ms"`, list)
+	up := &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
+	lock := provisionLock(t, fmt.Sprintf(`{%s,"ttl":"3s","wait":"10s"}`, conn))
+	ls := handlerServer(t, lock, up.ServeHTTP)
+	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"failover","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
+	rs := handlerServer(t, rl, okHandler)
+
+	tr := startFailoverTraffic(8, []string{ls.URL + "/k0", ls.URL + "/k1", ls.URL + "/k2", ls.URL + "/k3"}, rs.URL+"/")
+	time.Sleep(time.Second)
+	killed := time.Now()
+	primary.Kill()
+	// Wait for the promotion, then for both handlers to answer 200 for 2s.
+	sc := redis.NewSentinelClient(&redis.Options{Addr: sentinels[0]})
+	defer sc.Close()
+	var promoted time.Time
+	if waitFor(40*time.Second, func() bool {
+		a, err := sc.GetMasterAddrByName(context.Background(), "mymaster").Result()
+		return err == nil && a[1] == strconv.Itoa(replica.Port)
+	}) {
+		promoted = time.Now()
+		waitFor(20*time.Second, func() bool { return tr.recovered(promoted) })
+	}
+	tr.stop()
+	if promoted.IsZero() {
+		t.Fatal("the sentinels did not promote the replica within 40s")
+	}
+	tr.check(t, "sentinel failover", killed, promoted, up, replica)
+}
+
+// startClusterNodes starts a Redis Cluster of masters masters with
+// replicas replicas each, on free loopback ports, and waits until every
+// node sees it whole and ok (or a client may meet CLUSTERDOWN at first).
+func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
+	t.Helper()
+	var rs []*testRedis
+	var addrs []string
+	for i := 0; i < masters*(1+replicas); i++ {
+		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+		rs = append(rs, r)
+		addrs = append(addrs, r.Addr)
+	}
+	args := append([]string{"--cluster", "create"}, addrs...)
+	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
+	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
+		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
+	}
+	known := fmt.Sprintf("cluster_known_nodes:%d", len(rs))
+	for _, r := range rs {
+		c := r.Client()
+		if !waitFor(40*time.Second, func() bool {
+			info, _ := c.ClusterInfo(context.Background()).Result()
+			return strings.Contains(info, "cluster_state:ok") && strings.Contains(info, known)
+		}) {
+			t.Fatalf("cluster node %s did not become ok", r.Addr)
+		}
+	}
+	return rs
+}
+
+// clusterHotKey provisions a lock and a fail_closed rate limiter on the
+// Cluster rs, both on the hash tag {/hot}, and returns their servers, the
+// upstream behind the lock, the tag's slot and the master serving it.
+func clusterHotKey(t *testing.T, rs []*testRedis) (ls, rls *httptest.Server, up *holderCounter, slot int64, master *testRedis) {
+	t.Helper()
+	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
+	conn := fmt.Sprintf(`"cluster":%s,"timeout":"500ms"`, seeds)
+	up = &holderCounter{inflight: map[string]int{}, tokens: map[string]int64{}}
+	lock := provisionLock(t, fmt.Sprintf(`{%s,"ttl":"3s","wait":"10s"}`, conn))
+	ls = handlerServer(t, lock, up.ServeHTTP)
+	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"/hot","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
+	rls = handlerServer(t, rl, okHandler)
+	ctx := context.Background()
+	slot, err := rs[0].Client().ClusterKeySlot(ctx, storedKey(lock.Prefix, "/hot")).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rs {
+		nodes, _ := r.Client().ClusterNodes(ctx).Result()
+		for _, line := range strings.Split(nodes, "\n") {
+			f := strings.Fields(line)
+			if len(f) < 9 || !strings.Contains(f[2], "myself") || !strings.Contains(f[2], "master") {
+				continue
+			}
+			for _, rng := range f[8:] {
+				lo, hi, ok := strings.Cut(rng, "-")
+				if !ok {
+					hi = lo
+				}
+				l, _ := strconv.ParseInt(lo, 10, 64)
+				h, _ := strconv.ParseInt(hi, 10, 64)
+				if slot >= l && slot <= h {
+					master = r
+				}
+			}
+		}
+	}
+	if master == nil {
+		t.Fatal("no master serves the key's slot")
+	}
+	return ls, rls, up, slot, master
+}
+
+// TestClusterFailoverDuringTraffic: on a Cluster of 3 masters and 3
+// replicas, the replica of the master that serves a hot lock key and a
+// rate-limit key takes over (CLUSTER FAILOVER, the manual, coordinated one)
+// during traffic. The lock answers only 200 or 503 and never lets two
+// holders in, the fail_closed rate limiter decides by Redis again within
+// seconds, and both end up on the new master.
+func TestClusterFailoverDuringTraffic(t *testing.T) {
+	t.Parallel()
+	rs := startClusterNodes(t, 3, 1)
+	ctx := context.Background()
+	ls, rls, up, _, master := clusterHotKey(t, rs)
+	var replica *testRedis
+	for _, r := range rs {
+		info, _ := r.Client().Info(ctx, "replication").Result()
+		if strings.Contains(info, "role:slave") && strings.Contains(info, fmt.Sprintf("master_port:%d", master.Port)) {
+			replica = r
+		}
+	}
+	if replica == nil {
+		t.Fatal("the key's master has no replica")
+	}
+
+	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
+	time.Sleep(time.Second)
+	started := time.Now()
+	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
+		t.Fatalf("CLUSTER FAILOVER: %v", err)
+	}
+	var switched time.Time
+	if waitFor(30*time.Second, func() bool {
+		info, _ := replica.Client().Info(ctx, "replication").Result()
+		return strings.Contains(info, "role:master")
+	}) {
+		switched = time.Now()
+	}
+	if switched.IsZero() {
+		tr.stop()
+		t.Fatal("the replica did not become master within 30s")
+	}
+	waitFor(20*time.Second, func() bool { return tr.recovered(switched) })
+	tr.stop()
+	tr.check(t, "cluster failover", started, switched, up, replica)
+}
+
+// TestClusterSlotMigrationDuringTraffic: the slot of a hot lock key and a
+// rate-limit key (hash tag {/hot}) moves to another master during traffic
+// (SETSLOT IMPORTING/MIGRATING, MIGRATE of its keys in steps, SETSLOT
+// NODE), the way redis-cli --cluster reshard does it. The lock answers
+// only 200 or 503 and never lets two holders in, the fail_closed rate
+// limiter answers by Redis again within seconds of the move, and both end
+// up on the new master.
+func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
+	t.Parallel()
+	rs := startClusterNodes(t, 3, 0)
+	ctx := context.Background()
+	ls, rls, up, slot, src := clusterHotKey(t, rs)
+	dst := rs[0]
+	if dst == src {
+		dst = rs[1]
+	}
+	id := func(r *testRedis) string {
+		v, err := r.Client().Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	srcID, dstID := id(src), id(dst)
+	do := func(r *testRedis, args ...any) {
+		if err := r.Client().Do(ctx, args...).Err(); err != nil {
+			t.Fatalf("%v on %s: %v", args, r, err)
+		}
+	}
+	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
+	time.Sleep(time.Second)
+	started := time.Now()
+	do(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID)
+	do(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID)
+	// Move the keys one at a time, with traffic in between, so requests
+	// meet the slot half moved.
+	moved := 0
+	for i := 0; i < 100; i++ {
+		keys, err := src.Client().ClusterGetKeysInSlot(ctx, int(slot), 1).Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(keys) == 0 {
+			break
+		}
+		time.Sleep(300 * time.Millisecond)
+		if err := src.Client().Do(ctx, "MIGRATE", "127.0.0.1", dst.Port, keys[0], 0, 5000).Err(); err != nil && !strings.Contains(err.Error(), "NOKEY") {
+			t.Fatalf("MIGRATE %s: %v", keys[0], err)
+		}
+		moved++
+	}
+	time.Sleep(300 * time.Millisecond)
+	for _, r := range rs {
+		do(r, "CLUSTER", "SETSLOT", slot, "NODE", dstID)
+	}
+	switched := time.Now()
+	waitFor(20*time.Second, func() bool { return tr.recovered(switched) })
+	tr.stop()
+	t.Logf("slot %d moved with %d keys in %s", slot, moved, switched.Sub(started).Round(time.Millisecond))
+	tr.check(t, "slot migration", started, switched, up, dst)
+}
