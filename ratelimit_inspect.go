@@ -166,7 +166,7 @@ type quotaAnswer struct {
 	Key       string      `json:"key"`
 	Algorithm string      `json:"algorithm"`
 	RedisKeys []string    `json:"redis_keys"`
-	Rates     []quotaView `json:"rates"`
+	Rates     []quotaView `json:"rates,omitempty"`
 	Reset     bool        `json:"reset,omitempty"` // DELETE: the quota was reset
 }
 
