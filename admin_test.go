@@ -2,6 +2,7 @@ package redisdlm
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -522,5 +523,68 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestAdminOnCluster: the admin API's lock and quota calls work on a Redis
+// Cluster (every script's keys share one hash slot), and a force-released
+// lease cannot be extended.
+func TestAdminOnCluster(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	seeds := fmt.Sprintf(`["%s","%s"]`, rs[0].Addr, rs[1].Addr)
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"2s","name":"c"}`, seeds))
+	call := func(method, key string, f func(w http.ResponseWriter, r *http.Request) error) (int, string) {
+		w := httptest.NewRecorder()
+		err := f(w, httptest.NewRequest(method, "/", nil))
+		var ae caddy.APIError
+		if errors.As(err, &ae) {
+			return ae.HTTPStatus, ae.Message
+		}
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, key, err)
+		}
+		return 200, w.Body.String()
+	}
+	ctx := t.Context()
+	for _, key := range []string{"alpha", "beta/1", "gamma"} {
+		rk := storedKey(h.Prefix, key)
+		ls, err := h.locker.Acquire(ctx, []string{rk})
+		if err != nil {
+			t.Fatal(err)
+		}
+		status, body := call("GET", key, func(w http.ResponseWriter, r *http.Request) error { return inspectLock(w, r, h, key) })
+		if status != 200 || !strings.Contains(body, `"holder_count": 1`) || !strings.Contains(body, `"held": true`) {
+			t.Errorf("inspect %s on a cluster: %d %s", key, status, body)
+		}
+		status, body = call("POST", key, func(w http.ResponseWriter, r *http.Request) error { return releaseLock(w, r, h, key) })
+		if status != 200 || !strings.Contains(body, `"holders_removed": 1`) {
+			t.Errorf("release %s on a cluster: %d %s", key, status, body)
+		}
+		if err := h.locker.extend(ctx, ls); !errors.Is(err, ErrLeaseLost) {
+			t.Errorf("extending a force-released lease: %v, want ErrLeaseLost", err)
+		}
+		ls.release()
+	}
+
+	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
+		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
+		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
+	})
+	for _, id := range []string{"u1", "u2", "u3"} {
+		if _, err := rl.decide(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		status, body := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) })
+		if status != 200 || !strings.Contains(body, `"remaining": 2`) {
+			t.Errorf("quota of %s on a cluster: %d %s", id, status, body)
+		}
+		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error { return resetQuota(w, r, rl, id) })
+		if status != 200 {
+			t.Errorf("reset of %s on a cluster: %d %s", id, status, body)
+		}
+		if status, _ := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) }); status != 404 {
+			t.Errorf("quota of %s after its reset: %d, want 404", id, status)
+		}
 	}
 }
