@@ -261,39 +261,36 @@ func (a *AdminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		}
 		parts[i] = v
 	}
-	switch {
-	case len(parts) == 3 && parts[0] == "locks":
-		h, err := findHandler(parts[1], "redis_lock")
-		if err != nil {
-			return err
-		}
-		if r.Method != http.MethodGet {
-			return adminError(http.StatusMethodNotAllowed, "method %s not allowed; use GET (POST .../release frees the lock)", r.Method)
-		}
-		return inspectLock(w, r, h.lock, parts[2])
-	case len(parts) == 4 && parts[0] == "locks" && parts[3] == "release":
-		h, err := findHandler(parts[1], "redis_lock")
-		if err != nil {
-			return err
-		}
-		if r.Method != http.MethodPost {
-			return adminError(http.StatusMethodNotAllowed, "method %s not allowed; use POST", r.Method)
-		}
-		return releaseLock(w, r, h.lock, parts[2])
-	case len(parts) == 3 && parts[0] == "limits":
-		h, err := findHandler(parts[1], "redis_ratelimit")
-		if err != nil {
-			return err
-		}
-		switch r.Method {
-		case http.MethodGet:
-			return inspectQuota(w, r, h.limit, parts[2])
-		case http.MethodDelete:
-			return resetQuota(w, r, h.limit, parts[2])
-		}
-		return adminError(http.StatusMethodNotAllowed, "method %s not allowed; use GET or DELETE", r.Method)
+	// {locks|limits}/<handler>/<key>[/release]
+	kinds := map[string]string{"locks": "redis_lock", "limits": "redis_ratelimit"}
+	kind := kinds[parts[0]]
+	release := len(parts) == 4 && parts[0] == "locks" && parts[3] == "release"
+	if kind == "" || len(parts) != 3 && !release {
+		return adminError(http.StatusNotFound, "no such redisdlm admin resource %q; see GET /redisdlm/", r.URL.Path)
 	}
-	return adminError(http.StatusNotFound, "no such redisdlm admin resource %q; see GET /redisdlm/", r.URL.Path)
+	e, err := findHandler(parts[1], kind)
+	if err != nil {
+		return err
+	}
+	key := parts[2]
+	allowed := "GET or DELETE"
+	switch {
+	case release:
+		if r.Method == http.MethodPost {
+			return releaseLock(w, r, e.lock, key)
+		}
+		allowed = "POST"
+	case e.lock != nil:
+		if r.Method == http.MethodGet {
+			return inspectLock(w, r, e.lock, key)
+		}
+		allowed = "GET (POST .../release frees the lock)"
+	case r.Method == http.MethodGet:
+		return inspectQuota(w, r, e.limit, key)
+	case r.Method == http.MethodDelete:
+		return resetQuota(w, r, e.limit, key)
+	}
+	return adminError(http.StatusMethodNotAllowed, "method %s not allowed; use %s", r.Method, allowed)
 }
 
 // findHandler finds a handler of the running config by name or position.

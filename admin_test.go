@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -173,23 +174,13 @@ func (u *lockUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 func (u *lockUpstream) saw(n string) bool {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	for _, s := range u.seen {
-		if s == n {
-			return true
-		}
-	}
-	return false
+	return slices.Contains(u.seen, n)
 }
 
 func (u *lockUpstream) wasCanceled(n string) bool {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	for _, s := range u.canceled {
-		if s == n {
-			return true
-		}
-	}
-	return false
+	return slices.Contains(u.canceled, n)
 }
 
 // TestAdminLockInspectAndRelease: through Caddy's admin endpoint, a held
