@@ -579,3 +579,43 @@ func TestAdminOnCluster(t *testing.T) {
 		}
 	}
 }
+
+// TestAdminLockReplayView: a stored replay under <lockkey>:replay is
+// reported (type, status, size, expiry); without one, replay is null.
+func TestAdminLockReplayView(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"]}`, r.Addr))
+	rc := r.Client()
+	ctx := t.Context()
+	inspect := func(key string) map[string]any {
+		t.Helper()
+		w := httptest.NewRecorder()
+		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), h, key); err != nil {
+			t.Fatalf("inspect %s: %v", key, err)
+		}
+		var m map[string]any
+		if err := json.Unmarshal(w.Body.Bytes(), &m); err != nil {
+			t.Fatal(err)
+		}
+		return m["servers"].([]any)[0].(map[string]any)
+	}
+	hashKey := storedKey(h.Prefix, "h") + ":replay"
+	rc.HSet(ctx, hashKey, "status", "201", "body", "hello")
+	rc.PExpire(ctx, hashKey, 5*time.Second)
+	rv, _ := inspect("h")["replay"].(map[string]any)
+	if rv == nil || rv["type"] != "hash" || rv["status"] != 201.0 || rv["size"] != 8.0 {
+		t.Errorf("hash replay: %v, want type hash, status 201, size 8", rv)
+	}
+	if ms, _ := rv["expires_in_ms"].(float64); ms <= 0 || ms > 5000 {
+		t.Errorf("hash replay expires in %vms, want (0, 5000]", rv["expires_in_ms"])
+	}
+	rc.Set(ctx, storedKey(h.Prefix, "s")+":replay", "0123456789", time.Minute)
+	if rv, _ := inspect("s")["replay"].(map[string]any); rv == nil || rv["type"] != "string" || rv["status"] != nil || rv["size"] != 10.0 {
+		t.Errorf("string replay: %v, want type string, no status, size 10", rv)
+	}
+	rc.Set(ctx, fenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
+	if sv := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
+		t.Errorf("no replay: %v, want replay null and fencing counter 7", sv)
+	}
+}

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
 
 // comingMetrics are metrics the dashboard shows that other work adds to the
@@ -177,4 +179,76 @@ func TestGrafanaDashboard(t *testing.T) {
 		}
 	}
 	t.Logf("%d panels, %d queries", len(dash.Panels), queries)
+}
+
+// TestExamplesHideServerErrors: no example Caddyfile answers a server error
+// (5xx, e.g. 503 when Redis is unreachable) with the error's message, which
+// can name internal Redis addresses: handle_errors routes that show
+// {http.error.message} must match 4xx statuses only.
+func TestExamplesHideServerErrors(t *testing.T) {
+	t.Parallel()
+	files, err := filepath.Glob("examples/*Caddyfile")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no examples: %v", err)
+	}
+	rangeRe := regexp.MustCompile(`\{http\.error\.status_code\} >= \d+ && \{http\.error\.status_code\} <= (\d+)`)
+	inRe := regexp.MustCompile(`\{http\.error\.status_code\} in \[([\d, ]+)\]`)
+	clientOnly := func(match []any) bool {
+		for _, m := range match {
+			expr, _ := m.(map[string]any)["expression"].(string)
+			if g := rangeRe.FindStringSubmatch(expr); g != nil {
+				if hi, _ := strconv.Atoi(g[1]); hi < 500 {
+					return true
+				}
+			}
+			if g := inRe.FindStringSubmatch(expr); g != nil {
+				ok := true
+				for _, c := range strings.Split(g[1], ",") {
+					if n, _ := strconv.Atoi(strings.TrimSpace(c)); n >= 500 {
+						ok = false
+					}
+				}
+				if ok {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	for _, f := range files {
+		in, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out, _, err := caddyconfig.GetAdapter("caddyfile").Adapt(in, map[string]any{"filename": f})
+		if err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		var cfg struct {
+			Apps struct {
+				HTTP struct {
+					Servers map[string]struct {
+						Errors struct {
+							Routes []map[string]any
+						}
+					}
+				}
+			}
+		}
+		if err := json.Unmarshal(out, &cfg); err != nil {
+			t.Fatal(err)
+		}
+		for name, srv := range cfg.Apps.HTTP.Servers {
+			for i, route := range srv.Errors.Routes {
+				handle, _ := json.Marshal(route["handle"])
+				if !strings.Contains(string(handle), "{http.error.message}") && !strings.Contains(string(handle), "{err.message}") {
+					continue
+				}
+				match, _ := route["match"].([]any)
+				if !clientOnly(match) {
+					t.Errorf("%s, server %s, error route %d: shows the error message for any status, also 5xx; limit it to 4xx (handle_errors 4xx)", f, name, i)
+				}
+			}
+		}
+	}
 }
