@@ -580,15 +580,20 @@ func TestAdminOnCluster(t *testing.T) {
 	}
 }
 
-// TestAdminLockReplayView: a stored replay under <lockkey>:replay is
-// reported (type, status, size, expiry); without one, replay is null.
+// TestAdminLockReplayView: a response stored by `replay` under
+// <lockkey>:replay is reported (status, body size, expiry), without its
+// headers (a stored Set-Cookie is a secret); without one, replay is null.
 func TestAdminLockReplayView(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"]}`, r.Addr))
-	rc := r.Client()
-	ctx := t.Context()
-	inspect := func(key string) map[string]any {
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"],"replay":"1m"}`, r.Addr))
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		w.Header().Set("Set-Cookie", "session=s3cret")
+		w.WriteHeader(http.StatusCreated)
+		_, err := io.WriteString(w, "hello")
+		return err
+	})
+	inspect := func(key string) (map[string]any, string) {
 		t.Helper()
 		w := httptest.NewRecorder()
 		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), h, key); err != nil {
@@ -598,24 +603,29 @@ func TestAdminLockReplayView(t *testing.T) {
 		if err := json.Unmarshal(w.Body.Bytes(), &m); err != nil {
 			t.Fatal(err)
 		}
-		return m["servers"].([]any)[0].(map[string]any)
+		return m["servers"].([]any)[0].(map[string]any), w.Body.String()
 	}
-	hashKey := storedKey(h.Prefix, "h") + ":replay"
-	rc.HSet(ctx, hashKey, "status", "201", "body", "hello")
-	rc.PExpire(ctx, hashKey, 5*time.Second)
-	rv, _ := inspect("h")["replay"].(map[string]any)
-	if rv == nil || rv["type"] != "hash" || rv["status"] != 201.0 || rv["size"] != 8.0 {
-		t.Errorf("hash replay: %v, want type hash, status 201, size 8", rv)
+	if resp, body := get(t, srv.URL+"/", "K", "order-1"); resp == nil || resp.StatusCode != 201 || body != "hello" {
+		t.Fatalf("first request: %v %q", resp, body)
 	}
-	if ms, _ := rv["expires_in_ms"].(float64); ms <= 0 || ms > 5000 {
-		t.Errorf("hash replay expires in %vms, want (0, 5000]", rv["expires_in_ms"])
+	sv, body := inspect("order-1")
+	rv, _ := sv["replay"].(map[string]any)
+	if rv == nil || rv["status"] != 201.0 || rv["size"] != 5.0 || rv["format"] != replayFormat {
+		t.Errorf("stored replay: %s; want status 201, size 5, format %s", body, replayFormat)
 	}
-	rc.Set(ctx, storedKey(h.Prefix, "s")+":replay", "0123456789", time.Minute)
-	if rv, _ := inspect("s")["replay"].(map[string]any); rv == nil || rv["type"] != "string" || rv["status"] != nil || rv["size"] != 10.0 {
-		t.Errorf("string replay: %v, want type string, no status, size 10", rv)
+	if ms, _ := rv["expires_in_ms"].(float64); ms <= 0 || ms > 60000 {
+		t.Errorf("replay expires in %vms, want (0, 60000]", rv["expires_in_ms"])
 	}
-	rc.Set(ctx, fenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
-	if sv := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
-		t.Errorf("no replay: %v, want replay null and fencing counter 7", sv)
+	if strings.Contains(body, "s3cret") || strings.Contains(body, "hello") {
+		t.Errorf("the lock view shows the stored response: %s", body)
+	}
+	// A value the plugin did not write is reported by its Redis type.
+	r.Client().HSet(t.Context(), replayKey(storedKey(h.Prefix, "odd")), "x", "y")
+	if sv, body := inspect("odd"); sv["replay"] == nil || sv["replay"].(map[string]any)["format"] != "hash" || sv["replay"].(map[string]any)["status"] != nil {
+		t.Errorf("a hash under :replay: %s", body)
+	}
+	r.Client().Set(t.Context(), fenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
+	if sv, body := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
+		t.Errorf("no replay: %s, want replay null and fencing counter 7", body)
 	}
 }

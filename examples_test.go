@@ -16,10 +16,9 @@ import (
 )
 
 // comingMetrics are metrics the dashboard shows that other work adds to the
-// plugin (execute-once replays, rate-limit pacing, the eviction-policy
-// check), with their types. Remove an entry once metrics.go exports it.
+// plugin (rate-limit pacing, the eviction-policy check), with their types.
+// Remove an entry once the plugin exports it.
 var comingMetrics = map[string]string{
-	"caddy_redis_lock_replays_total":       "counter",
 	"caddy_redis_ratelimit_waited_seconds": "histogram",
 	"caddy_redis_evicting_servers":         "gauge",
 }

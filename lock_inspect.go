@@ -7,6 +7,7 @@ package redisdlm
 import (
 	"context"
 	_ "embed"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -89,10 +90,11 @@ type holderView struct {
 
 // replayView is a response stored for replay under <lockkey>:replay.
 type replayView struct {
-	Type     string `json:"type"`
-	Status   *int64 `json:"status"`
-	Size     int64  `json:"size"`
-	ExpiryMs int64  `json:"expires_in_ms"`
+	Status      *int   `json:"status"` // null when the stored form is not readable
+	Size        int64  `json:"size"`   // of the body, or of the whole value when not readable
+	StoredBytes int64  `json:"stored_bytes"`
+	ExpiryMs    int64  `json:"expires_in_ms"`
+	Format      string `json:"format,omitempty"` // the stored form's version, or the Redis type when not a string
 }
 
 // lockView is GET /redisdlm/locks/<handler>/<key>.
@@ -153,7 +155,7 @@ func inspectLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key strin
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
 		sv := lockServerView{Server: servers[i], Holders: []holderView{}}
 		res, err := adminLockInspectScript.Run(ctx, c,
-			[]string{rk, fenceKey(rk), waitqKey(rk), rk + ":replay"}, lockInstanceID(h)).Slice()
+			[]string{rk, fenceKey(rk), waitqKey(rk), replayKey(rk)}, lockInstanceID(h)).Slice()
 		if err == nil {
 			err = sv.fill(res)
 		}
@@ -207,17 +209,30 @@ func (sv *lockServerView) fill(res []any) error {
 	me, _ := res[3].(int64)
 	sv.ThisInstanceWait = me == 1
 	if typ, _ := res[4].(string); typ != "none" && typ != "" {
-		rv := &replayView{Type: typ}
-		rv.ExpiryMs, _ = res[5].(int64)
-		if s, _ := res[6].(string); s != "" {
-			if st, err := strconv.ParseInt(s, 10, 64); err == nil {
-				rv.Status = &st
-			}
-		}
-		rv.Size, _ = res[7].(int64)
-		sv.Replay = rv
+		head, _ := res[6].(string)
+		size, _ := res[7].(int64)
+		sv.Replay = newReplayView(typ, head, size)
+		sv.Replay.ExpiryMs, _ = res[5].(int64)
 	}
 	return nil
+}
+
+// newReplayView reads what it can of a stored answer from its first bytes
+// (see storedAnswer.encode: "<format>\n<json head>\n<body>").
+func newReplayView(typ, head string, size int64) *replayView {
+	rv := &replayView{Size: size, StoredBytes: size, Format: typ}
+	format, rest, ok := strings.Cut(head, "\n")
+	if typ != "string" || !ok {
+		return rv
+	}
+	js, _, ok := strings.Cut(rest, "\n")
+	var a storedAnswer
+	if !ok || json.Unmarshal([]byte(js), &a) != nil {
+		return rv
+	}
+	rv.Format, rv.Status = format, &a.Status
+	rv.Size = size - int64(len(format)+len(js)+2)
+	return rv
 }
 
 // adminServers returns the display names of a handler's servers.

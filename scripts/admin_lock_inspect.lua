@@ -7,7 +7,7 @@
 -- Returns {{lease left ms of each live holder}, fencing counter or "",
 --          live waiting instances, 1 if ARGV[1] is one of them else 0,
 --          replay type ("none" when absent), replay expiry ms (PTTL),
---          replay status or "", replay size in bytes}.
+--          the replay's first 8 KiB (a string) or "", its size in bytes}.
 -- Holder tokens are never returned: a token can release the lock.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -24,16 +24,14 @@ if score and tonumber(score) > now then
 	me = 1
 end
 local rtype = redis.call('TYPE', KEYS[4]).ok
-local rttl, rstatus, rsize = 0, '', 0
+local rttl, rhead, rsize = 0, '', 0
 if rtype ~= 'none' then
 	rttl = redis.call('PTTL', KEYS[4])
 	if rtype == 'string' then
+		-- The stored answer's format line and JSON head (status, headers)
+		-- come first; the body can be large, so only the start is read.
 		rsize = redis.call('STRLEN', KEYS[4])
-	elseif rtype == 'hash' then
-		rstatus = redis.call('HGET', KEYS[4], 'status') or ''
-		for _, f in ipairs(redis.call('HKEYS', KEYS[4])) do
-			rsize = rsize + redis.call('HSTRLEN', KEYS[4], f)
-		end
+		rhead = redis.call('GETRANGE', KEYS[4], 0, 8191)
 	end
 end
-return {left, fence, waiting, me, rtype, rttl, rstatus, rsize}
+return {left, fence, waiting, me, rtype, rttl, rhead, rsize}
