@@ -6,7 +6,7 @@ MODULE  := github.com/caddy-dlm/redisdlm
 PSEUDO  := v0.0.0-00010101000000-000000000000
 SOURCES := $(wildcard *.go) $(wildcard scripts/*.lua) go.mod go.sum
 
-.PHONY: all caddy upstream run stop test bench redis-server fuzz
+.PHONY: all caddy upstream run stop test test-bench bench redis-server fuzz
 
 all: caddy
 
@@ -39,9 +39,21 @@ redis-server:
 		(apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null
 
+# The plugin's tests (real redis-servers, about a minute), then the
+# benchmark modules' vet and tests.
 test: redis-server
 	go vet ./...
 	go test -race -count=1 ./...
+	@$(MAKE) --no-print-directory test-bench
+
+# The benchmark modules have a go.mod of their own (their dependencies stay
+# out of users' builds), so `go test ./...` at the root skips them.
+BENCH_MODULES := bench bench/benchmutex
+test-bench:
+	@set -e; for m in $(BENCH_MODULES); do \
+		echo "cd $$m && go vet ./... && go test -count=1 ./..."; \
+		(cd $$m && go vet ./... && go test -count=1 ./...); \
+	done
 
 # Every fuzz target for FUZZTIME each (default 30s), printing the inputs
 # tried; the seed corpora under testdata/fuzz/ are replayed by plain go test.

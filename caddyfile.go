@@ -48,6 +48,7 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		replay         <duration>      # execute once: keep the holder's response; default 0 = off
 //		replay_max     <size>          # largest response body kept for replay; default 1MiB
 //		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256
+//		name           <string>        # for the admin API; default: its position
 //		redis          <address|url>...
 //		cluster        <address|url>...
 //		sentinel       <master> <address>...
@@ -219,6 +220,12 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: fingerprint: off stands alone", dir)
 			}
 			h.Fingerprint = args
+		case "name":
+			v, err := parseName(d, dir)
+			if err != nil {
+				return err
+			}
+			h.Name = v
 		default:
 			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
 			if err != nil {
@@ -269,6 +276,7 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 //		dry_run                       # decide, count and send headers, but never reject
 //		fail_closed                   # Redis unreachable: 503 (default: admit and log)
 //		prefix    <string>            # default "caddy:rl:"
+//		name      <string>            # for the admin API; default: its position
 //
 //		redis    <address|url>        # one logical Redis: one address,
 //		cluster  <address|url>...     # or a cluster,
@@ -371,6 +379,12 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: prefix: must not contain { or } (the handler adds the hash tag), got %q", dir, v)
 			}
 			h.Prefix = v
+		case "name":
+			v, err := parseName(d, dir)
+			if err != nil {
+				return err
+			}
+			h.Name = v
 		default:
 			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
 			if err != nil {
@@ -486,6 +500,18 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 		return true, d.Errf("%s: %s: redis, cluster and sentinel are mutually exclusive: use one of them", dir, sub)
 	}
 	return true, nil
+}
+
+// parseName reads the handler's admin API name.
+func parseName(d *caddyfile.Dispenser, dir string) (string, error) {
+	v, err := oneArg(d, dir)
+	if err != nil {
+		return "", err
+	}
+	if err := checkHandlerName(v); err != nil {
+		return "", d.Errf("%s: name: %v", dir, err)
+	}
+	return v, nil
 }
 
 // oneArg reads exactly one argument of the current subdirective.

@@ -151,6 +151,13 @@ type RedisLock struct {
 	// of the request body (read up to replay_max and passed on unchanged).
 	Fingerprint []string `json:"fingerprint,omitempty"`
 
+	// How the admin API (admin.api.redisdlm) names this handler: its locks
+	// are at /redisdlm/locks/<name>/<key>. Letters, digits, `-`, `_` and
+	// `.`, not all digits; unique among the redis_lock handlers of one
+	// config. Default: none (the handler is addressed by its position in
+	// the admin API's list).
+	Name string `json:"name,omitempty"`
+
 	// Redis connection settings.
 	RedisConfig
 
@@ -256,7 +263,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		SyncReplicas: h.SyncReplicas,
 		Replay:       time.Duration(h.Replay),
 	}, h.logger)
-	return nil
+	return adminRegister(ctx, h)
 }
 
 // Validate checks the configuration; it is pure.
@@ -314,6 +321,7 @@ func (h *RedisLock) Validate() error {
 
 // Cleanup gives back what Provision took (also after a failed Provision).
 func (h *RedisLock) Cleanup() error {
+	adminUnregister(h)
 	if h.locker != nil {
 		h.locker.close()
 	}

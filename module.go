@@ -16,6 +16,9 @@
 //	wake.go              the Pub/Sub wake-up listener and its dispatch
 //	ratelimit.go         http.handlers.redis_ratelimit and its decisions
 //	ratelimit_batcher.go the rate limiter's Redis calls: pipelines, NOSCRIPT, breaker
+//	admin.go             admin.api.redisdlm: the handler registry, routes, the list
+//	lock_inspect.go      the admin API's lock inspection and force release
+//	ratelimit_inspect.go the admin API's quota read and reset
 //	keys.go              every key rule: templates, rendering, hashing, Redis key names
 //	caddyfile.go         both directives' Caddyfile syntax
 //	metrics.go           Prometheus collectors; warnings.go: log throttling

@@ -150,6 +150,13 @@ type RedisRateLimit struct {
 	// contain `{` or `}`. Default: `caddy:rl:`.
 	Prefix string `json:"prefix,omitempty"`
 
+	// How the admin API (admin.api.redisdlm) names this handler: its
+	// quotas are at /redisdlm/limits/<name>/<key>. Letters, digits, `-`,
+	// `_` and `.`, not all digits; unique among the redis_ratelimit
+	// handlers of one config. Default: none (the handler is addressed by
+	// its position in the admin API's list).
+	Name string `json:"name,omitempty"`
+
 	// The connection to Redis: one logical Redis (one `redis` address, a
 	// `cluster` or a `sentinel`).
 	RedisConfig
@@ -274,7 +281,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		h.counters[i] = rateLimitTotal.WithLabelValues(result)
 	}
 	h.deny = newDenyCache(denyCacheSize)
-	return nil
+	return adminRegister(ctx, h)
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,
@@ -340,6 +347,7 @@ func checkRate(n int, window time.Duration, algo string) error {
 // Cleanup releases the shared client of this handler (only what Provision
 // acquired).
 func (h *RedisRateLimit) Cleanup() error {
+	adminUnregister(h)
 	releaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The redis_lock demo behind `make run` and `make stop`.
+# The demo behind `make run` and `make stop`: redis_lock on :8080 and
+# redis_ratelimit on :8081 (examples/Caddyfile, which imports
+# examples/ratelimit.Caddyfile).
 #
 #   tools/demo.sh run    start Redis (unless one answers on 127.0.0.1:6379),
-#                        the demo upstream and Caddy with examples/Caddyfile;
-#                        print curl lines to try; stop it all on Ctrl-C
+#                        the demo upstream and Caddy with $CADDYFILE (default
+#                        examples/Caddyfile); print curl lines to try; stop it
+#                        all on Ctrl-C
 #   tools/demo.sh stop   stop what an earlier `run` left behind
 #
 # Expects bin/caddy and bin/upstream (the Makefile builds them). Everything it
@@ -20,6 +23,7 @@ REDIS_HOST=127.0.0.1
 REDIS_PORT=6379
 UPSTREAM_ADDR=127.0.0.1:9080
 HTTP_PORT=8080   # as in examples/Caddyfile
+RL_PORT=8081     # as in examples/ratelimit.Caddyfile
 ADMIN_PORT=2019  # Caddy's default admin endpoint
 
 say() { printf '%s\n' "$*"; }
@@ -105,7 +109,7 @@ run() {
 		die "an earlier demo is still running; stop it with 'make stop'"
 	fi
 	local p
-	for p in "$HTTP_PORT" "$ADMIN_PORT" "${UPSTREAM_ADDR##*:}"; do
+	for p in "$HTTP_PORT" "$RL_PORT" "$ADMIN_PORT" "${UPSTREAM_ADDR##*:}"; do
 		if port_open 127.0.0.1 "$p"; then
 			die "port $p is in use; stop what uses it (an earlier demo: 'make stop')"
 		fi
@@ -139,12 +143,38 @@ run() {
 	say "starting caddy with $CADDYFILE on :$HTTP_PORT (log: .run/caddy.log)"
 	"$CADDY" run --config "$CADDYFILE" --adapter caddyfile >"$RUN_DIR/caddy.log" 2>&1 &
 	echo $! >"$RUN_DIR/caddy.pid"
-	wait_for caddy $! port_open 127.0.0.1 "$HTTP_PORT" ||
+	# The admin endpoint opens first, then the sites of the config.
+	local ready=(port_open 127.0.0.1 "$ADMIN_PORT")
+	if [[ $CADDYFILE == examples/Caddyfile ]]; then
+		ready=(port_open 127.0.0.1 "$RL_PORT")
+	fi
+	wait_for caddy $! "${ready[@]}" ||
 		{ cat "$RUN_DIR/caddy.log" >&2; die "caddy did not start"; }
 
+	if [[ $CADDYFILE == examples/Caddyfile ]]; then
+		print_tries
+	else
+		say ""
+		say "caddy runs $CADDYFILE; what to try is in the comment at its top."
+	fi
+	say ""
+	say "Following the upstream's and Caddy's logs (.run/*.log). Ctrl-C stops everything this started."
+	# (In a script, background jobs ignore Ctrl-C; stop_all ends this one.)
+	tail -n 0 -F "$RUN_DIR/upstream.log" "$RUN_DIR/caddy.log" &
+	echo $! >"$RUN_DIR/tail.pid"
+	# Until Ctrl-C, or until caddy or the upstream exits by itself.
+	wait -n "$(<"$RUN_DIR/caddy.pid")" "$(<"$RUN_DIR/upstream.pid")" || true
+	say "demo: caddy or the upstream exited; stopping" >&2
+	exit 1
+}
+
+# print_tries prints the curl lines of the examples/Caddyfile demo.
+print_tries() {
+	local H=localhost:$HTTP_PORT R=localhost:$RL_PORT A=localhost:$ADMIN_PORT
 	cat <<EOF
 
-redis_lock demo is up: Caddy on http://localhost:$HTTP_PORT -> upstream $UPSTREAM_ADDR (2s per request).
+The demo is up: redis_lock on http://$H -> upstream $UPSTREAM_ADDR (2s per request),
+redis_ratelimit on http://$R, the admin API on http://$A/redisdlm/.
 The upstream answers one JSON line per request: fencing_token is the lock's token,
 in_flight is how many requests for the same key it was serving (1 = serialised).
 Try, in another terminal:
@@ -164,18 +194,35 @@ Try, in another terminal:
   # (c) the same job twice at once: the second is answered 423 at once, with Retry-After
   curl -s 'localhost:$HTTP_PORT/jobs/reindex?sleep=5s' & sleep 0.5; curl -si localhost:$HTTP_PORT/jobs/reindex; wait
 
-  # metrics
-  curl -s localhost:$ADMIN_PORT/metrics | grep caddy_redis_lock
+  # (d) rate limit per user on :$RL_PORT: alice may make 5 requests per 10s, the 6th gets 429
+  for i in 1 2 3 4 5 6; do curl -s -o /dev/null -w '%{http_code} ' -H 'X-User-ID: alice' $R/api/items; done; echo
 
-Following the upstream's and Caddy's logs (.run/*.log). Ctrl-C stops everything this started.
+  #     the answer's headers: RateLimit-Policy lists both rates (5 per 10s, 100 per hour),
+  #     RateLimit the tightest one's remaining quota (r) and seconds until it grows (t),
+  #     Retry-After the seconds until alice may try again
+  curl -si -H 'X-User-ID: alice' $R/api/items
+
+  #     bob has a quota of his own
+  curl -si -H 'X-User-ID: bob' $R/api/items
+
+  # (e) rate limit per client IP, on every path: 20 per 10s, so this ends in 429s
+  for i in \$(seq 25); do curl -s -o /dev/null -w '%{http_code} ' $R/; done; echo
+
+  # (f) the admin API on Caddy's admin endpoint: the handlers, alice's quota
+  #     (reading it counts nothing), and a reset of it
+  curl -s $A/redisdlm/
+  curl -s $A/redisdlm/limits/per_user/alice
+  curl -s -X DELETE $A/redisdlm/limits/per_user/alice
+
+  #     a running job's lock (holders, lease left, fencing counter), then a force
+  #     release: the job's request finds its lease lost at its next extension
+  #     (within ttl/3 = 10s) and is canceled (503). The key, /jobs/reindex, is URL-escaped.
+  curl -s '$H/jobs/reindex?sleep=30s' & sleep 0.5; curl -s $A/redisdlm/locks/jobs/%2Fjobs%2Freindex
+  curl -s -X POST $A/redisdlm/locks/jobs/%2Fjobs%2Freindex/release; wait
+
+  # metrics
+  curl -s $A/metrics | grep caddy_redis_
 EOF
-	# (In a script, background jobs ignore Ctrl-C; stop_all ends this one.)
-	tail -n 0 -F "$RUN_DIR/upstream.log" "$RUN_DIR/caddy.log" &
-	echo $! >"$RUN_DIR/tail.pid"
-	# Until Ctrl-C, or until caddy or the upstream exits by itself.
-	wait -n "$(<"$RUN_DIR/caddy.pid")" "$(<"$RUN_DIR/upstream.pid")" || true
-	say "demo: caddy or the upstream exited; stopping" >&2
-	exit 1
 }
 
 case ${1:-run} in

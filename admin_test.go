@@ -1,0 +1,631 @@
+package redisdlm
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// adminCall sends one request to Caddy's admin endpoint and decodes the
+// JSON answer into a map (nil when the body is not a JSON object).
+func adminCall(t *testing.T, method, u string) (int, map[string]any, string) {
+	t.Helper()
+	req, _ := http.NewRequest(method, u, nil)
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, u, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		m = nil
+	}
+	if ct := resp.Header.Get("Content-Type"); m == nil || !strings.Contains(ct, "json") {
+		t.Errorf("%s %s: answer %q (Content-Type %q) is not a JSON object", method, u, b, ct)
+	}
+	return resp.StatusCode, m, string(b)
+}
+
+// TestAdminListHandlers: GET /redisdlm/ lists the running config's handlers
+// (name, kind, servers without user info, prefix, keys, position), only
+// those of the running config after a reload, and nothing secret.
+func TestAdminListHandlers(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	_, redlock := startRedlock(t, 3)
+	var addrs []string
+	_ = json.Unmarshal([]byte(redlock), &addrs)
+	port, admin := freePort(t), freePort(t)
+	conf := func(extra string) string {
+		return fmt.Sprintf(`{
+	admin localhost:%d
+	auto_https off
+}
+:%d {
+	redis_ratelimit /api/* {
+		name api
+		key {http.request.header.X-User}
+		rate 3 10s
+		redis redis://admin:s3cret-pw@%s/2?client_name=x
+	}
+	redis_lock /orders* {
+		name orders
+		key {http.request.header.X-User}
+		redis %s
+	}
+	redis_lock /jobs/* {
+		prefix jobs:
+		password hunter2-secret
+		redis %s
+	}
+	%s
+	respond ok
+}
+`, admin, port, addrs[0], strings.Join(addrs, " "), addrs[0], extra)
+	}
+	runCaddy(t, conf(""))
+	base := fmt.Sprintf("http://localhost:%d/redisdlm/", admin)
+	status, m, body := adminCall(t, "GET", base)
+	if status != 200 {
+		t.Fatalf("GET /redisdlm/: %d %s", status, body)
+	}
+	for _, secret := range []string{"s3cret-pw", "hunter2-secret", "admin:", "client_name"} {
+		if strings.Contains(body, secret) {
+			t.Errorf("the list shows %q: %s", secret, body)
+		}
+	}
+	list, _ := m["handlers"].([]any)
+	if len(list) != 3 {
+		t.Fatalf("%d handlers listed, want 3: %s", len(list), body)
+	}
+	want := []struct {
+		pos                float64
+		name, kind, prefix string
+		servers, keys      []string
+		path               string
+	}{
+		{0, "api", "redis_ratelimit", "caddy:rl:", []string{"redis://" + addrs[0] + "/2"}, []string{"{http.request.header.X-User}"}, "/redisdlm/limits/api/"},
+		{1, "orders", "redis_lock", "caddy:lock:", addrs, []string{"{http.request.header.X-User}"}, "/redisdlm/locks/orders/"},
+		{2, "", "redis_lock", "jobs:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, "/redisdlm/locks/2/"},
+	}
+	for i, w := range want {
+		h, _ := list[i].(map[string]any)
+		name, _ := h["name"].(string)
+		if h["position"] != w.pos || name != w.name || h["kind"] != w.kind || h["prefix"] != w.prefix || h["path"] != w.path {
+			t.Errorf("handler %d: %v, want position %v name %q kind %s prefix %s path %s", i, h, w.pos, w.name, w.kind, w.prefix, w.path)
+		}
+		if got := fmt.Sprint(h["servers"]); got != fmt.Sprint(w.servers) {
+			t.Errorf("handler %d: servers %s, want %v", i, got, w.servers)
+		}
+		if got := fmt.Sprint(h["keys"]); got != fmt.Sprint(w.keys) {
+			t.Errorf("handler %d: keys %s, want %v", i, got, w.keys)
+		}
+	}
+
+	// After a reload only the new config's handlers are listed.
+	cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(conf(`redis_lock /more* {
+		name more
+		redis `+addrs[1]+`
+	}`)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		t.Fatal(err)
+	}
+	_, m, body = adminCall(t, "GET", base)
+	list, _ = m["handlers"].([]any)
+	if len(list) != 4 || !strings.Contains(body, `"more"`) {
+		t.Errorf("after a reload: %d handlers, want 4 with \"more\": %s", len(list), body)
+	}
+
+	// Unknown resources and handlers: 404 with a JSON error.
+	for _, p := range []string{"locks/nope/k", "limits/nope/k", "locks/api/k", "limits/orders/k", "locks/0/k", "locks/9/k", "nothing/here"} {
+		status, m, body := adminCall(t, "GET", base+p)
+		if status != 404 || m == nil || m["error"] == nil {
+			t.Errorf("GET %s: %d %s, want 404 with a JSON error", p, status, body)
+		}
+	}
+	if status, _, body := adminCall(t, "DELETE", base+"locks/orders/k"); status != 405 {
+		t.Errorf("DELETE on a lock: %d %s, want 405", status, body)
+	}
+}
+
+// lockUpstream is a test upstream: requests with ?hold=1 block until their
+// context ends (or 20s); it records what it saw.
+type lockUpstream struct {
+	mu       sync.Mutex
+	seen     []string // ?n= of each request, in arrival order
+	canceled []string
+}
+
+func (u *lockUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n := r.URL.Query().Get("n")
+	u.mu.Lock()
+	u.seen = append(u.seen, n)
+	u.mu.Unlock()
+	if r.URL.Query().Get("hold") == "1" {
+		select {
+		case <-r.Context().Done():
+			u.mu.Lock()
+			u.canceled = append(u.canceled, n)
+			u.mu.Unlock()
+			return
+		case <-time.After(20 * time.Second):
+		}
+	}
+	fmt.Fprintf(w, "served %s fence=%s", n, r.Header.Get("Lock-Fencing-Token"))
+}
+
+func (u *lockUpstream) saw(n string) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return slices.Contains(u.seen, n)
+}
+
+func (u *lockUpstream) wasCanceled(n string) bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return slices.Contains(u.canceled, n)
+}
+
+// TestAdminLockInspectAndRelease: through Caddy's admin endpoint, a held
+// lock with a waiter shows its holder, lease, fencing counter and waiters
+// (per server with Redlock); a force release frees it for the waiter, the
+// old holder's next extension finds its lease lost (on_lost cancel: its
+// upstream request is canceled, it gets 503) — also with Redlock, where an
+// extension would otherwise re-create the missing lease — and the release
+// is counted as a lost lease.
+func TestAdminLockInspectAndRelease(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	for _, servers := range []int{1, 3} {
+		t.Run(fmt.Sprintf("%d servers", servers), func(t *testing.T) {
+			_, list := startRedlock(t, servers)
+			var addrs []string
+			_ = json.Unmarshal([]byte(list), &addrs)
+			up := &lockUpstream{}
+			us := httptest.NewServer(up)
+			defer us.Close()
+			port, admin := freePort(t), freePort(t)
+			runCaddy(t, fmt.Sprintf(`{
+	admin localhost:%d
+	auto_https off
+}
+:%d {
+	redis_lock /jobs/* {
+		name jobs
+		ttl 900ms
+		wait 15s
+		redis %s
+	}
+	reverse_proxy %s
+}
+`, admin, port, strings.Join(addrs, " "), strings.TrimPrefix(us.URL, "http://")))
+			base := fmt.Sprintf("http://127.0.0.1:%d", port)
+			lockURL := fmt.Sprintf("http://localhost:%d/redisdlm/locks/jobs/%s", admin, url.PathEscape("/jobs/reindex"))
+
+			if status, m, body := adminCall(t, "GET", lockURL); status != 404 || m["error"] == nil {
+				t.Errorf("a key never used: %d %s, want 404 with a JSON error", status, body)
+			}
+			if status, _, body := adminCall(t, "POST", lockURL+"/release"); status != 404 {
+				t.Errorf("releasing a key not held: %d %s, want 404", status, body)
+			}
+
+			lostBefore := lostCount()
+			type answer struct {
+				status int
+				body   string
+			}
+			answers := make(chan answer, 2)
+			send := func(n, hold string) {
+				resp, body := get(t, base+"/jobs/reindex?n="+n+"&hold="+hold)
+				if resp == nil {
+					answers <- answer{}
+					return
+				}
+				answers <- answer{resp.StatusCode, body}
+			}
+			go send("A", "1")
+			if !waitFor(5*time.Second, func() bool { return up.saw("A") }) {
+				t.Fatal("the first request never reached the upstream")
+			}
+			go send("B", "0")
+			var m map[string]any
+			var body string
+			ok := waitFor(5*time.Second, func() bool {
+				_, m, body = adminCall(t, "GET", lockURL)
+				return m["waiters_here"] == 1.0
+			})
+			if !ok {
+				t.Fatalf("the waiter never showed in the admin API: %s", body)
+			}
+			if m["held"] != true || m["held_here"] != 1.0 || m["key"] != "/jobs/reindex" || m["redis_key"] != "caddy:lock:{/jobs/reindex}" {
+				t.Errorf("lock view %s: want held, held_here 1, key and redis_key", body)
+			}
+			svs, _ := m["servers"].([]any)
+			if len(svs) != servers {
+				t.Fatalf("%d servers in the view, want %d: %s", len(svs), servers, body)
+			}
+			for i, s := range svs {
+				sv := s.(map[string]any)
+				holders, _ := sv["holders"].([]any)
+				if sv["server"] != addrs[i] || sv["holder_count"] != 1.0 || len(holders) != 1 || sv["replay"] != nil {
+					t.Errorf("server %d: %v, want %s with one holder and no replay", i, sv, addrs[i])
+					continue
+				}
+				left := holders[0].(map[string]any)["lease_left_ms"].(float64)
+				if left <= 0 || left > 900 {
+					t.Errorf("server %d: lease left %vms, want in (0, 900]", i, left)
+				}
+				if f, _ := sv["fencing_counter"].(float64); f < 1 {
+					t.Errorf("server %d: fencing counter %v, want >= 1", i, sv["fencing_counter"])
+				}
+			}
+			if up.saw("B") {
+				t.Fatal("the waiter was served while the lock was held")
+			}
+
+			status, m, body := adminCall(t, "POST", lockURL+"/release")
+			if status != 200 || !strings.Contains(body, `"holders_removed": 1`) {
+				t.Fatalf("release: %d %s", status, body)
+			}
+			got := map[int]string{}
+			for i := 0; i < 2; i++ {
+				select {
+				case a := <-answers:
+					got[a.status] = a.body
+				case <-time.After(15 * time.Second):
+					t.Fatalf("after the release, answers %v; want the waiter's 200 and the old holder's 503", got)
+				}
+			}
+			if _, canceled := got[503]; !strings.Contains(got[200], "served B") || !canceled {
+				t.Errorf("answers %v: want the waiter served (200) and the old holder canceled (503)", got)
+			}
+			if !up.wasCanceled("A") {
+				t.Error("the old holder's upstream request was not canceled (on_lost cancel)")
+			}
+			if lostCount() < lostBefore+1 {
+				t.Error("the force release was not counted as a lost lease")
+			}
+		})
+	}
+}
+
+// TestAdminQuota: GET shows each rate's used, remaining and reset without
+// counting a request; DELETE resets the key's quota, also in the deny cache;
+// both algorithms; unknown keys are 404.
+func TestAdminQuota(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	port, admin := freePort(t), freePort(t)
+	runCaddy(t, fmt.Sprintf(`{
+	admin localhost:%d
+	auto_https off
+}
+:%d {
+	redis_ratelimit /sw {
+		name sw
+		key {http.request.header.X-User}
+		rate 3 10s
+		rate 10 1m
+		redis %s
+	}
+	redis_ratelimit /gcra {
+		key {http.request.header.X-User}
+		rate 3 10s
+		rate 10 1m
+		algorithm gcra
+		redis %s
+	}
+	respond ok
+}
+`, admin, port, r.Addr, r.Addr))
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	// The unnamed handler is addressed by its position (the adapter sorts
+	// the routes by path, so look it up).
+	_, m, body := adminCall(t, "GET", fmt.Sprintf("http://localhost:%d/redisdlm/", admin))
+	gcraRef := ""
+	for _, h := range m["handlers"].([]any) {
+		if h := h.(map[string]any); h["algorithm"] == "gcra" && h["name"] == nil {
+			gcraRef = fmt.Sprint(h["position"])
+		}
+	}
+	if gcraRef == "" {
+		t.Fatalf("no unnamed gcra handler listed: %s", body)
+	}
+	for _, c := range []struct{ path, ref string }{{"/sw", "sw"}, {"/gcra", gcraRef}} {
+		t.Run(c.path, func(t *testing.T) {
+			quota := fmt.Sprintf("http://localhost:%d/redisdlm/limits/%s/%s", admin, c.ref, url.PathEscape("user:alice/1"))
+			if status, m, body := adminCall(t, "GET", quota); status != 404 || m["error"] == nil {
+				t.Errorf("no request yet: %d %s, want 404", status, body)
+			}
+			call := func() int {
+				resp, _ := get(t, base+c.path, "X-User", "user:alice/1")
+				if resp == nil {
+					return 0
+				}
+				return resp.StatusCode
+			}
+			for i := 0; i < 2; i++ {
+				if s := call(); s != 200 {
+					t.Fatalf("request %d: %d", i, s)
+				}
+			}
+			for i := 0; i < 3; i++ { // reading does not count
+				status, m, body := adminCall(t, "GET", quota)
+				if status != 200 {
+					t.Fatalf("GET quota: %d %s", status, body)
+				}
+				rates, _ := m["rates"].([]any)
+				if len(rates) != 2 {
+					t.Fatalf("rates %s", body)
+				}
+				r0, r1 := rates[0].(map[string]any), rates[1].(map[string]any)
+				if r0["policy"] != "r0" || r0["used"] != 2.0 || r0["remaining"] != 1.0 || r1["used"] != 2.0 || r1["remaining"] != 8.0 {
+					t.Errorf("read %d: %s; want r0 used 2 remaining 1, r1 used 2 remaining 8", i, body)
+				}
+				if reset, _ := r0["reset"].(float64); reset < 1 || reset > 10 {
+					t.Errorf("r0 reset %v, want 1..10 seconds", r0["reset"])
+				}
+			}
+			if s := call(); s != 200 {
+				t.Fatalf("third request: %d", s)
+			}
+			if s := call(); s != 429 {
+				t.Fatalf("fourth request: %d, want 429", s)
+			}
+			status, _, body := adminCall(t, "DELETE", quota)
+			if status != 200 || !strings.Contains(body, `"reset": true`) {
+				t.Fatalf("DELETE: %d %s", status, body)
+			}
+			if s := call(); s != 200 {
+				t.Errorf("after the reset: %d, want 200", s)
+			}
+			if status, _, _ := adminCall(t, "DELETE", quota+"x"); status != 404 {
+				t.Errorf("reset of an unknown key: %d, want 404", status)
+			}
+		})
+	}
+}
+
+// TestHandlerNames: `name` is parsed and checked in the Caddyfile, checked
+// again for JSON configs, and unique per kind in one config.
+func TestHandlerNames(t *testing.T) {
+	t.Parallel()
+	for _, dir := range []string{"redis_lock", "redis_ratelimit"} {
+		for in, want := range map[string]string{
+			"name":             "name: want exactly one argument",
+			"name a b":         "name: want exactly one argument",
+			"name 12":          "must not be all digits",
+			"name a/b":         "letters, digits",
+			"name orders.v2_x": "",
+		} {
+			d := caddyfile.NewTestDispenser(dir + " {\n\t" + in + "\n\trate 1 1s\n}")
+			var err error
+			var got string
+			if dir == "redis_lock" {
+				h := new(RedisLock)
+				d = caddyfile.NewTestDispenser(dir + " {\n\t" + in + "\n}")
+				err, got = h.UnmarshalCaddyfile(d), h.Name
+			} else {
+				h := new(RedisRateLimit)
+				err, got = h.UnmarshalCaddyfile(d), h.Name
+			}
+			switch {
+			case want == "" && (err != nil || got != "orders.v2_x"):
+				t.Errorf("%s %q: %v, name %q", dir, in, err, got)
+			case want != "" && (err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), dir+": name") || !strings.Contains(err.Error(), ":2")):
+				t.Errorf("%s %q: error %v, want %q naming %s: name and the line", dir, in, err, want, dir)
+			}
+		}
+	}
+
+	r := startRedis(t)
+	validate := func(caddyfileText string) error {
+		cfgJSON, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfileText), nil)
+		if err != nil {
+			return err
+		}
+		var cfg caddy.Config
+		if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
+			return err
+		}
+		return caddy.Validate(&cfg)
+	}
+	site := func(body string) string { return ":0 {\n" + body + "\nrespond ok\n}\n" }
+	lock := func(path, name string) string {
+		return fmt.Sprintf("redis_lock %s {\n name %s\n redis %s\n}\n", path, name, r.Addr)
+	}
+	limit := func(path, name string) string {
+		return fmt.Sprintf("redis_ratelimit %s {\n name %s\n rate 1 1s\n redis %s\n}\n", path, name, r.Addr)
+	}
+	if err := validate(site(lock("/a", "dup") + lock("/b", "dup"))); err == nil || !strings.Contains(err.Error(), `redis_lock: name: "dup" is already`) {
+		t.Errorf("two locks named dup: %v", err)
+	}
+	if err := validate(site(limit("/a", "dup") + limit("/b", "dup"))); err == nil || !strings.Contains(err.Error(), `redis_ratelimit: name: "dup" is already`) {
+		t.Errorf("two limits named dup: %v", err)
+	}
+	if err := validate(site(lock("/a", "same") + limit("/a", "same"))); err != nil {
+		t.Errorf("a lock and a limit of one name: %v", err)
+	}
+	// JSON bypasses the Caddyfile parser: Provision checks the name.
+	h := new(RedisLock)
+	_ = json.Unmarshal([]byte(fmt.Sprintf(`{"name":"007","redis":["%s"]}`, r.Addr)), h)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: t.Context()})
+	defer cancel()
+	if err := h.Provision(ctx); err == nil || !strings.Contains(err.Error(), "redis_lock: name:") {
+		t.Errorf("JSON name 007: %v", err)
+	}
+	_ = h.Cleanup()
+}
+
+// TestRateLimitPeekMatchesScript: the admin API's read of a quota gives the
+// remaining quota and reset the rate-limit script itself reported for the
+// last admission, for both algorithms, and changes nothing.
+func TestRateLimitPeekMatchesScript(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	for _, algo := range []string{algoSliding, algoGCRA} {
+		t.Run(algo, func(t *testing.T) {
+			h := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(20 * time.Second)}}
+				h.Algorithm = algo
+				h.Prefix = "peek:" + algo + ":"
+			})
+			ctx := t.Context()
+			if _, found, err := h.peekQuota(ctx, "u"); err != nil || found {
+				t.Fatalf("before any request: found %v, %v", found, err)
+			}
+			for i := 1; i <= 5; i++ {
+				d, err := h.decide(ctx, "u")
+				if err != nil {
+					t.Fatal(err)
+				}
+				if d.allowed != (i <= 4) {
+					t.Fatalf("request %d: allowed %v", i, d.allowed)
+				}
+				h.deny.forget("u")       // ask Redis every time
+				for j := 0; j < 2; j++ { // a second read sees the same: reading counts nothing
+					v, found, err := h.peekQuota(ctx, "u")
+					if err != nil || !found || len(v) != 1 {
+						t.Fatalf("request %d: peek %v %v %v", i, v, found, err)
+					}
+					q := v[0]
+					if q.Remaining != d.remaining || q.Used != 4-d.remaining {
+						t.Errorf("request %d: peek used %d remaining %d, the script said remaining %d", i, q.Used, q.Remaining, d.remaining)
+					}
+					if diff := time.Duration(q.ResetMs)*time.Millisecond - d.reset; diff < -time.Second || diff > time.Second {
+						t.Errorf("request %d: peek reset %dms, the script said %s", i, q.ResetMs, d.reset)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestAdminOnCluster: the admin API's lock and quota calls work on a Redis
+// Cluster (every script's keys share one hash slot), and a force-released
+// lease cannot be extended.
+func TestAdminOnCluster(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	seeds := fmt.Sprintf(`["%s","%s"]`, rs[0].Addr, rs[1].Addr)
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"2s","name":"c"}`, seeds))
+	call := func(method, key string, f func(w http.ResponseWriter, r *http.Request) error) (int, string) {
+		w := httptest.NewRecorder()
+		err := f(w, httptest.NewRequest(method, "/", nil))
+		var ae caddy.APIError
+		if errors.As(err, &ae) {
+			return ae.HTTPStatus, ae.Message
+		}
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, key, err)
+		}
+		return 200, w.Body.String()
+	}
+	ctx := t.Context()
+	for _, key := range []string{"alpha", "beta/1", "gamma"} {
+		rk := storedKey(h.Prefix, key)
+		ls, err := h.locker.Acquire(ctx, []string{rk})
+		if err != nil {
+			t.Fatal(err)
+		}
+		status, body := call("GET", key, func(w http.ResponseWriter, r *http.Request) error { return inspectLock(w, r, h, key) })
+		if status != 200 || !strings.Contains(body, `"holder_count": 1`) || !strings.Contains(body, `"held": true`) {
+			t.Errorf("inspect %s on a cluster: %d %s", key, status, body)
+		}
+		status, body = call("POST", key, func(w http.ResponseWriter, r *http.Request) error { return releaseLock(w, r, h, key) })
+		if status != 200 || !strings.Contains(body, `"holders_removed": 1`) {
+			t.Errorf("release %s on a cluster: %d %s", key, status, body)
+		}
+		if err := h.locker.extend(ctx, ls); !errors.Is(err, ErrLeaseLost) {
+			t.Errorf("extending a force-released lease: %v, want ErrLeaseLost", err)
+		}
+		ls.release()
+	}
+
+	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
+		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
+		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
+	})
+	for _, id := range []string{"u1", "u2", "u3"} {
+		if _, err := rl.decide(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+		status, body := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) })
+		if status != 200 || !strings.Contains(body, `"remaining": 2`) {
+			t.Errorf("quota of %s on a cluster: %d %s", id, status, body)
+		}
+		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error { return resetQuota(w, r, rl, id) })
+		if status != 200 {
+			t.Errorf("reset of %s on a cluster: %d %s", id, status, body)
+		}
+		if status, _ := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) }); status != 404 {
+			t.Errorf("quota of %s after its reset: %d, want 404", id, status)
+		}
+	}
+}
+
+// TestAdminLockReplayView: a response stored by `replay` under
+// <lockkey>:replay is reported (status, body size, expiry), without its
+// headers (a stored Set-Cookie is a secret); without one, replay is null.
+func TestAdminLockReplayView(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"],"replay":"1m"}`, r.Addr))
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		w.Header().Set("Set-Cookie", "session=s3cret")
+		w.WriteHeader(http.StatusCreated)
+		_, err := io.WriteString(w, "hello")
+		return err
+	})
+	inspect := func(key string) (map[string]any, string) {
+		t.Helper()
+		w := httptest.NewRecorder()
+		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), h, key); err != nil {
+			t.Fatalf("inspect %s: %v", key, err)
+		}
+		var m map[string]any
+		if err := json.Unmarshal(w.Body.Bytes(), &m); err != nil {
+			t.Fatal(err)
+		}
+		return m["servers"].([]any)[0].(map[string]any), w.Body.String()
+	}
+	if resp, body := get(t, srv.URL+"/", "K", "order-1"); resp == nil || resp.StatusCode != 201 || body != "hello" {
+		t.Fatalf("first request: %v %q", resp, body)
+	}
+	sv, body := inspect("order-1")
+	rv, _ := sv["replay"].(map[string]any)
+	if rv == nil || rv["status"] != 201.0 || rv["size"] != 5.0 || rv["format"] != replayFormat {
+		t.Errorf("stored replay: %s; want status 201, size 5, format %s", body, replayFormat)
+	}
+	if ms, _ := rv["expires_in_ms"].(float64); ms <= 0 || ms > 60000 {
+		t.Errorf("replay expires in %vms, want (0, 60000]", rv["expires_in_ms"])
+	}
+	if strings.Contains(body, "s3cret") || strings.Contains(body, "hello") {
+		t.Errorf("the lock view shows the stored response: %s", body)
+	}
+	// A value the plugin did not write is reported by its Redis type.
+	r.Client().HSet(t.Context(), replayKey(storedKey(h.Prefix, "odd")), "x", "y")
+	if sv, body := inspect("odd"); sv["replay"] == nil || sv["replay"].(map[string]any)["format"] != "hash" || sv["replay"].(map[string]any)["status"] != nil {
+		t.Errorf("a hash under :replay: %s", body)
+	}
+	r.Client().Set(t.Context(), fenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
+	if sv, body := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
+		t.Errorf("no replay: %s, want replay null and fencing counter 7", body)
+	}
+}

@@ -1,0 +1,300 @@
+package redisdlm
+
+// The lock side of the admin API: a lock key's state on every server and in
+// this instance, and the force release. The lock engine is read through the
+// accessors below only, as it changes often.
+
+import (
+	"context"
+	_ "embed"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+var (
+	//go:embed scripts/admin_lock_inspect.lua
+	adminLockInspectLua string
+	//go:embed scripts/admin_lock_release.lua
+	adminLockReleaseLua string
+
+	adminLockInspectScript = redis.NewScript(adminLockInspectLua)
+	adminLockReleaseScript = redis.NewScript(adminLockReleaseLua)
+)
+
+// adminWakeFrom is the sender of the wake-up a force release publishes: no
+// domain has this id, so every instance's waiters of the key are woken.
+const adminWakeFrom = "admin"
+
+// The lock engine, read through these accessors only (it changes often).
+
+// lockClients returns the clients of the lock's servers, in config order.
+func lockClients(h *RedisLock) []redis.UniversalClient {
+	out := make([]redis.UniversalClient, len(h.locker.servers))
+	for i, s := range h.locker.servers {
+		out[i] = s.client
+	}
+	return out
+}
+
+// lockInstanceID is this instance's id in the lock's Redis wait lists.
+func lockInstanceID(h *RedisLock) string { return h.locker.dom.id }
+
+// lockLocal counts this instance's waiters and holders of a Redis lock key,
+// over every local queue that involves it (a key set holding it).
+func lockLocal(h *RedisLock, redisKey string) (waiters, held int) {
+	d := h.locker.dom
+	d.mu.Lock()
+	w := wakeID(redisKey)
+	qs := make([]*keyQueue, 0, len(d.byWake[w]))
+	for q := range d.byWake[w] {
+		qs = append(qs, q)
+	}
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.mu.Lock()
+		waiters += len(q.waiters)
+		held += q.held
+		q.mu.Unlock()
+	}
+	return waiters, held
+}
+
+// lockWakeLocal wakes this instance's waiters of a Redis lock key.
+func lockWakeLocal(h *RedisLock, redisKey string) { h.locker.dom.wakeKeys([]string{redisKey}) }
+
+// lockServerView is one server's state of a lock key.
+type lockServerView struct {
+	Server           string       `json:"server"`
+	Error            string       `json:"error,omitempty"`
+	HolderCount      int          `json:"holder_count"`
+	Holders          []holderView `json:"holders"`
+	FencingCounter   *int64       `json:"fencing_counter"`
+	InstancesWaiting int          `json:"instances_waiting"`
+	ThisInstanceWait bool         `json:"this_instance_waiting"`
+	Replay           *replayView  `json:"replay"`
+}
+
+// holderView is one holder; its token is a secret (it releases the lock)
+// and is never shown.
+type holderView struct {
+	LeaseLeftMs int64 `json:"lease_left_ms"`
+}
+
+// replayView is a response stored for replay under <lockkey>:replay.
+type replayView struct {
+	Status      *int   `json:"status"` // null when the stored form is not readable
+	Size        int64  `json:"size"`   // of the body, or of the whole value when not readable
+	StoredBytes int64  `json:"stored_bytes"`
+	ExpiryMs    int64  `json:"expires_in_ms"`
+	Format      string `json:"format,omitempty"` // the stored form's version, or the Redis type when not a string
+}
+
+// lockView is GET /redisdlm/locks/<handler>/<key>.
+type lockView struct {
+	Handler     string           `json:"handler"`
+	Key         string           `json:"key"`
+	RedisKey    string           `json:"redis_key"`
+	Held        bool             `json:"held"` // a holder on a majority of servers
+	WaitersHere int              `json:"waiters_here"`
+	HeldHere    int              `json:"held_here"`
+	Servers     []lockServerView `json:"servers"`
+}
+
+// fanOut runs f on every client in parallel, bounded by the handler's
+// timeout per call.
+func fanOut(ctx context.Context, clients []redis.UniversalClient, timeout time.Duration, f func(ctx context.Context, i int, c redis.UniversalClient)) {
+	var wg sync.WaitGroup
+	for i, c := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cctx, cancel := context.WithTimeout(ctx, timeout)
+			defer cancel()
+			f(cctx, i, c)
+		}()
+	}
+	wg.Wait()
+}
+
+func lockTimeout(h *RedisLock) time.Duration {
+	if h.Timeout > 0 {
+		return time.Duration(h.Timeout)
+	}
+	return DefaultTimeout
+}
+
+// handlerRef names a handler in answers and logs.
+func handlerRef(name string) string {
+	if name != "" {
+		return name
+	}
+	return "(unnamed)"
+}
+
+func inspectLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key string) error {
+	if key == "" {
+		return adminError(http.StatusBadRequest, "empty lock key")
+	}
+	rk := storedKey(h.Prefix, key)
+	v := lockView{Handler: handlerRef(h.Name), Key: key, RedisKey: rk}
+	v.WaitersHere, v.HeldHere = lockLocal(h, rk)
+	clients := lockClients(h)
+	v.Servers = make([]lockServerView, len(clients))
+	servers := adminServers(h)
+	found := v.WaitersHere > 0 || v.HeldHere > 0
+	var mu sync.Mutex
+	withHolders := 0
+	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
+		sv := lockServerView{Server: servers[i], Holders: []holderView{}}
+		res, err := adminLockInspectScript.Run(ctx, c,
+			[]string{rk, fenceKey(rk), waitqKey(rk), replayKey(rk)}, lockInstanceID(h)).Slice()
+		if err == nil {
+			err = sv.fill(res)
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if err != nil {
+			sv.Error = err.Error()
+		} else {
+			if sv.HolderCount > 0 {
+				withHolders++
+			}
+			if sv.HolderCount > 0 || sv.FencingCounter != nil || sv.InstancesWaiting > 0 || sv.Replay != nil {
+				found = true
+			}
+		}
+		v.Servers[i] = sv
+	})
+	v.Held = withHolders >= len(clients)/2+1
+	if !found {
+		for _, s := range v.Servers {
+			if s.Error != "" {
+				return adminError(http.StatusBadGateway, "redis %s: %s", s.Server, s.Error)
+			}
+		}
+		return adminError(http.StatusNotFound, "no lock state for key %q (Redis key %s)", key, rk)
+	}
+	return writeJSON(w, v)
+}
+
+// fill reads the inspect script's answer:
+// {holders' lease left ms {..}, fence or "", waiting instances, this
+// instance waiting 0|1, replay type, replay expiry ms, replay status or "",
+// replay size}.
+func (sv *lockServerView) fill(res []any) error {
+	if len(res) != 8 {
+		return fmt.Errorf("unexpected inspect answer of %d values", len(res))
+	}
+	left, _ := res[0].([]any)
+	for _, l := range left {
+		ms, _ := l.(int64)
+		sv.Holders = append(sv.Holders, holderView{LeaseLeftMs: ms})
+	}
+	sv.HolderCount = len(sv.Holders)
+	if s, _ := res[1].(string); s != "" {
+		if f, err := strconv.ParseInt(s, 10, 64); err == nil {
+			sv.FencingCounter = &f
+		}
+	}
+	n, _ := res[2].(int64)
+	sv.InstancesWaiting = int(n)
+	me, _ := res[3].(int64)
+	sv.ThisInstanceWait = me == 1
+	if typ, _ := res[4].(string); typ != "none" && typ != "" {
+		head, _ := res[6].(string)
+		size, _ := res[7].(int64)
+		sv.Replay = newReplayView(typ, head, size)
+		sv.Replay.ExpiryMs, _ = res[5].(int64)
+	}
+	return nil
+}
+
+// newReplayView reads what it can of a stored answer from its first bytes
+// (see storedAnswer.encode: "<format>\n<json head>\n<body>").
+func newReplayView(typ, head string, size int64) *replayView {
+	rv := &replayView{Size: size, StoredBytes: size, Format: typ}
+	format, rest, ok := strings.Cut(head, "\n")
+	if typ != "string" || !ok {
+		return rv
+	}
+	js, _, ok := strings.Cut(rest, "\n")
+	var a storedAnswer
+	if !ok || json.Unmarshal([]byte(js), &a) != nil {
+		return rv
+	}
+	rv.Format, rv.Status = format, &a.Status
+	rv.Size = size - int64(len(format)+len(js)+2)
+	return rv
+}
+
+// adminServers returns the display names of a handler's servers.
+func adminServers(h any) []string {
+	adminRegistry.mu.Lock()
+	defer adminRegistry.mu.Unlock()
+	for _, e := range adminRegistry.entries {
+		if (e.lock != nil && any(e.lock) == h) || (e.limit != nil && any(e.limit) == h) {
+			return e.servers
+		}
+	}
+	return nil
+}
+
+// releaseLock force-releases every holder of a lock key on every server
+// and wakes the key's waiters in every instance. An old holder's next
+// extension then finds its lease lost (the key's fencing counter is still
+// there, so no extension re-creates the lease) and on_lost applies.
+func releaseLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key string) error {
+	if key == "" {
+		return adminError(http.StatusBadRequest, "empty lock key")
+	}
+	rk := storedKey(h.Prefix, key)
+	clients := lockClients(h)
+	servers := adminServers(h)
+	removed := make([]int64, len(clients))
+	errs := make([]string, len(clients))
+	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
+		n, err := adminLockReleaseScript.Run(ctx, c, []string{rk}, wakeChannel, adminWakeFrom+" "+wakeID(rk)).Int64()
+		removed[i] = n
+		if err != nil {
+			errs[i] = err.Error()
+		}
+	})
+	lockWakeLocal(h, rk)
+	total := int64(0)
+	type serverResult struct {
+		Server  string `json:"server"`
+		Removed int64  `json:"holders_removed"`
+		Error   string `json:"error,omitempty"`
+	}
+	out := struct {
+		Handler  string         `json:"handler"`
+		Key      string         `json:"key"`
+		RedisKey string         `json:"redis_key"`
+		Servers  []serverResult `json:"servers"`
+	}{Handler: handlerRef(h.Name), Key: key, RedisKey: rk}
+	failed := 0
+	for i := range clients {
+		total += removed[i]
+		if errs[i] != "" {
+			failed++
+		}
+		out.Servers = append(out.Servers, serverResult{Server: servers[i], Removed: removed[i], Error: errs[i]})
+	}
+	if total == 0 {
+		if failed > 0 {
+			return adminError(http.StatusBadGateway, "releasing %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
+		}
+		return adminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
+	}
+	h.logger.Warn("lock force-released through the admin API",
+		zap.String("key", key), zap.String("handler", out.Handler), zap.Int64("holders_removed", total), zap.Int("servers_failed", failed))
+	return writeJSON(w, out)
+}

@@ -1,0 +1,209 @@
+package redisdlm
+
+// The rate limiter's side of the admin API: a key's quota per rate, read
+// without counting a request, and a reset of that quota.
+
+import (
+	"context"
+	_ "embed"
+	"encoding/binary"
+	"fmt"
+	"math"
+	"net/http"
+	"strconv"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+var (
+	//go:embed scripts/admin_ratelimit_peek.lua
+	adminRateLimitPeekLua    string
+	adminRateLimitPeekScript = redis.NewScript(adminRateLimitPeekLua)
+)
+
+// quotaView is one rate of a key's quota.
+type quotaView struct {
+	Policy    string `json:"policy"` // r0, r1, ... as in RateLimit-Policy
+	Requests  int64  `json:"requests"`
+	Window    string `json:"window"`
+	Used      int64  `json:"used"`
+	Remaining int64  `json:"remaining"`
+	// Until the quota grows again (0 when it is full), in whole seconds
+	// rounded up (as the RateLimit field's t) and in milliseconds.
+	Reset   int64 `json:"reset"`
+	ResetMs int64 `json:"reset_ms"`
+}
+
+// keyTemplateText is the key template, shorthands expanded, for the admin
+// API's list.
+func (h *RedisRateLimit) keyTemplateText() string { return h.keyTmpl.raw }
+
+// limitRedisKeys returns the Redis keys of the limit id, one per rate.
+func (h *RedisRateLimit) limitRedisKeys(id string) []string {
+	keys := make([]string, len(h.rates))
+	for i, s := range h.rates {
+		keys[i] = h.keyHead + id + s.tail
+	}
+	return keys
+}
+
+// adminLimitID maps the admin API's <key> to the limit id: the rendered key
+// as the handler stores it, or with ?fallback=ip the client-IP fallback of
+// a key that rendered empty.
+func adminLimitID(r *http.Request, key string) string {
+	if r.URL.Query().Get("fallback") == "ip" {
+		return limitIDFor("", key)
+	}
+	return limitIDFor(key, "")
+}
+
+// peekQuota reads the quota of one limit id without recording anything.
+// found is false when no rate has state for it.
+func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quotaView, found bool, err error) {
+	ctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	res, err := adminRateLimitPeekScript.Run(ctx, h.client.client, h.limitRedisKeys(id)).Slice()
+	if err != nil {
+		return nil, false, err
+	}
+	if len(res) != 2+len(h.rates) {
+		return nil, false, fmt.Errorf("unexpected peek answer of %d values", len(res))
+	}
+	sec, _ := res[0].(int64)
+	usec, _ := res[1].(int64)
+	now := float64(sec*1000000 + usec)
+	for i, s := range h.rates {
+		raw, _ := res[2+i].(string)
+		if raw != "" {
+			found = true
+		}
+		var used, remaining int64
+		var reset float64 // µs
+		if h.algo == algoGCRA {
+			used, remaining, reset = peekGCRA(raw, now, s)
+		} else {
+			used, remaining, reset = peekSliding(raw, now, s)
+		}
+		resetD := int64(math.Ceil(reset)) // µs
+		views = append(views, quotaView{
+			Policy: "r" + strconv.Itoa(i), Requests: s.n, Window: s.window.String(),
+			Used: used, Remaining: remaining,
+			Reset: (resetD + 999999) / 1000000, ResetMs: (resetD + 999) / 1000,
+		})
+	}
+	return views, found, nil
+}
+
+// peekSliding reads a sliding_window log (see scripts/ratelimit_sliding.lua:
+// a 24-byte header {pos, lo, last}, then a ring of n 8-byte admission times
+// in µs) as the script would count it at now: the admissions within the
+// window, and µs until the oldest of them leaves it.
+func peekSliding(raw string, now float64, s rateSpec) (used, remaining int64, reset float64) {
+	const hdr = 24
+	remaining = s.n
+	if len(raw) < hdr {
+		return 0, remaining, 0
+	}
+	f := func(off int) float64 { return math.Float64frombits(binary.BigEndian.Uint64([]byte(raw[off : off+8]))) }
+	pos := int64(f(0))
+	w := float64(s.window.Microseconds())
+	thr := now - w
+	first := -1.0
+	for j := max(0, pos-s.n); j < pos; j++ {
+		off := hdr + 8*int(j%s.n)
+		if off+8 > len(raw) {
+			break
+		}
+		if t := f(off); t >= thr {
+			used++
+			if first < 0 {
+				first = t
+			}
+		}
+	}
+	remaining = max(0, s.n-used)
+	if first >= 0 {
+		reset = first + w + 1 - now
+	}
+	return used, remaining, reset
+}
+
+// peekGCRA reads a gcra theoretical arrival time (see
+// scripts/ratelimit_gcra.lua) as the script would report it at now without
+// admitting: requests that may pass now, and µs until one more may.
+func peekGCRA(raw string, now float64, s rateSpec) (used, remaining int64, reset float64) {
+	burst := s.burst
+	if raw == "" {
+		return 0, burst, 0
+	}
+	tat, err := strconv.ParseFloat(raw, 64)
+	if err != nil {
+		return 0, burst, 0
+	}
+	tat = max(tat, now)
+	T := float64(s.window.Microseconds()) / float64(s.n)
+	tau := float64(burst) * T
+	debt := tat - now
+	rem := int64(math.Floor((tau - debt + 0.5) / T))
+	rem = min(max(rem, 0), burst)
+	if rem < burst {
+		reset = max(1, math.Ceil(debt-tau+float64(rem+1)*T))
+	}
+	return burst - rem, rem, reset
+}
+
+// forget drops a key from the deny cache.
+func (c *denyCache) forget(id string) {
+	c.mu.Lock()
+	delete(c.m, id)
+	c.mu.Unlock()
+}
+
+// quotaAnswer is GET and DELETE /redisdlm/limits/<handler>/<key>.
+type quotaAnswer struct {
+	Handler   string      `json:"handler"`
+	Key       string      `json:"key"`
+	Algorithm string      `json:"algorithm"`
+	RedisKeys []string    `json:"redis_keys"`
+	Rates     []quotaView `json:"rates,omitempty"`
+	Reset     bool        `json:"reset,omitempty"` // DELETE: the quota was reset
+}
+
+func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
+	if key == "" {
+		return adminError(http.StatusBadRequest, "empty rate limit key")
+	}
+	id := adminLimitID(r, key)
+	views, found, err := h.peekQuota(r.Context(), id)
+	if err != nil {
+		return adminError(http.StatusBadGateway, "reading the quota of %q: %v", key, err)
+	}
+	if !found {
+		return adminError(http.StatusNotFound, "no quota state for key %q (nothing counted in its windows)", key)
+	}
+	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: h.limitRedisKeys(id), Rates: views})
+}
+
+// resetQuota deletes every rate's state of a key, and forgets it in this
+// instance's deny cache (other instances' deny caches hold a rejected key
+// until the moment they last learned, at most that rate's wait).
+func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
+	if key == "" {
+		return adminError(http.StatusBadRequest, "empty rate limit key")
+	}
+	id := adminLimitID(r, key)
+	keys := h.limitRedisKeys(id)
+	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
+	defer cancel()
+	n, err := h.client.client.Del(ctx, keys...).Result()
+	h.deny.forget(id)
+	if err != nil {
+		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
+	}
+	if n == 0 {
+		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
+	}
+	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key), zap.String("handler", handlerRef(h.Name)))
+	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true})
+}
