@@ -24,6 +24,7 @@ var (
 	lockReplays                                                    *prometheus.CounterVec
 	replayReplayed, replayStored, replayNotStored, replayMismatch  prometheus.Counter
 	rateLimitTotal                                                 *prometheus.CounterVec
+	rateLimitWaitedSeconds                                         prometheus.Histogram
 )
 
 func initMetrics() {
@@ -66,6 +67,11 @@ func initMetrics() {
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
 		}, []string{"result"}) // allowed|denied|error
+		rateLimitWaitedSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "caddy_redis_ratelimit_waited_seconds",
+			Help:    "Time redis_ratelimit held an admitted request until its slot (wait).",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
+		})
 	})
 }
 
@@ -77,7 +83,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal} {
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

@@ -26,7 +26,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 	}{
 		{"minimal", `redis_ratelimit {
 			rate 100 1m
-		}`, RedisRateLimit{Rates: []Rate{{100, caddy.Duration(time.Minute)}}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}}},
 		{"everything", `redis_ratelimit {
 			key       {http.request.header.X-API-Key}
 			rate      10 1s
@@ -42,7 +42,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			timeout   250ms
 		}`, RedisRateLimit{
 			Key:       "{http.request.header.X-API-Key}",
-			Rates:     []Rate{{10, caddy.Duration(time.Second)}, {1000, caddy.Duration(time.Hour)}},
+			Rates:     []Rate{{Requests: 10, Window: caddy.Duration(time.Second)}, {Requests: 1000, Window: caddy.Duration(time.Hour)}},
 			Algorithm: "gcra", Burst: 20, Status: 503, Headers: &off, DryRun: true, FailClosed: true, Prefix: "api:rl:",
 			RedisConfig: RedisConfig{Addresses: []string{"redis://:secret@10.0.0.1:6380/2"}, Timeout: caddy.Duration(250 * time.Millisecond)},
 		}},
@@ -50,19 +50,19 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			burst 5
 			rate 1 1s
 			algorithm gcra
-		}`, RedisRateLimit{Burst: 5, Algorithm: "gcra", Rates: []Rate{{1, caddy.Duration(time.Second)}}}},
+		}`, RedisRateLimit{Burst: 5, Algorithm: "gcra", Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}}},
 		{"large n with gcra", `redis_ratelimit {
 			rate 1000000 1h
 			algorithm gcra
-		}`, RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{1000000, caddy.Duration(time.Hour)}}}},
+		}`, RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{Requests: 1000000, Window: caddy.Duration(time.Hour)}}}},
 		{"cluster", `redis_ratelimit {
 			rate 1 1s
 			cluster 10.0.0.1:7000 10.0.0.2:7000
-		}`, RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
 		{"env password", `redis_ratelimit {
 			rate 1 1s
 			password {env.REDIS_PASSWORD}
-		}`, RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var got RedisRateLimit
