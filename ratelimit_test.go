@@ -300,7 +300,9 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 	}
 }
 
-func rlSuffixOf(h *RedisRateLimit, i int) string { return strings.TrimPrefix(h.static.rates[i].suffix, ":") }
+func rlSuffixOf(h *RedisRateLimit, i int) string {
+	return strings.TrimPrefix(h.static.rates[i].suffix, ":")
+}
 
 // TestRateLimitRetryAfterExact: a retry at exactly Retry-After (after the
 // answer) is admitted.
