@@ -303,7 +303,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		h.counters[i] = rateLimitTotal.WithLabelValues(result)
 	}
 	h.waited = rateLimitWaitedSeconds
-	h.deny = newDenyCache(denyCacheSize)
+	if h.counts == nil {
+		h.deny = newDenyCache(denyCacheSize)
+	}
 	return nil
 }
 

@@ -37,7 +37,10 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if p.deny != "" {
 		cacheID = id + "\x00" + p.deny
 	}
-	if e, ok := h.deny.get(cacheID, h.now(), p.cost); ok {
+	if h.deny == nil {
+		// count: an answer that does not count returns its admission, on
+		// any instance, so no deny is known to last.
+	} else if e, ok := h.deny.get(cacheID, h.now(), p.cost); ok {
 		return decision{tight: e.tight, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
 	}
 	var keys [4]string
@@ -52,7 +55,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if err != nil {
 		return decision{}, err
 	}
-	if !d.allowed {
+	if !d.allowed && h.deny != nil {
 		// The script ran after sent and before got, so the request passes
 		// no earlier than sent+wait (the cache holds until shortly before
 		// that, minus a margin for clock-rate differences) and surely by
@@ -117,11 +120,16 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 			c.argv = append(c.argv, s.n, s.window.Microseconds())
 		}
 	} else {
-		c.argv = make([]any, 0, 2+len(p.rates))
+		c.argv = make([]any, 0, 2+2*len(p.rates))
 		c.argv = append(c.argv, d.at, p.cost)
 		for _, s := range p.rates {
-			c.argv = append(c.argv, s.n)
+			c.argv = append(c.argv, s.n, s.window.Microseconds())
 		}
+	}
+	if h.deny != nil && p.deny == "" {
+		h.deny.drop(id) // this instance's deny may be stale now
+	} else if h.deny != nil {
+		h.deny.drop(id + "\x00" + p.deny)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*h.timeout)
 	defer cancel()

@@ -67,6 +67,13 @@ func (c *denyCache) put(id string, e denyEntry, now time.Time) {
 	c.m[id] = e
 }
 
+// drop forgets id (its quota was given back).
+func (c *denyCache) drop(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.m, id)
+}
+
 func (c *denyCache) len() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -215,7 +215,7 @@ func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 	}
 	p := &plan{cost: h.static.cost, rates: h.static.rates}
 	if h.costTmpl != "" {
-		v, err := h.renderInt(repl, "cost", h.costTmpl)
+		v, err := h.renderInt(repl, "cost", h.costTmpl, h.costTmpl)
 		if err != nil {
 			return nil, err
 		}
@@ -226,19 +226,20 @@ func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 		var deny strings.Builder
 		for i, s := range h.static.rates {
 			n, window := s.n, s.window
+			tmpl := s.rateTemplate()
 			var err error
 			if s.nTmpl != "" {
-				if n, err = h.renderInt(repl, "rate", s.nTmpl); err != nil {
+				if n, err = h.renderInt(repl, "rate", tmpl, s.nTmpl); err != nil {
 					return nil, err
 				}
 			}
 			if s.wTmpl != "" {
-				if window, err = h.renderDuration(repl, s.wTmpl); err != nil {
+				if window, err = h.renderDuration(repl, tmpl, s.wTmpl); err != nil {
 					return nil, err
 				}
 			}
 			if err := checkRate(int(min(n, 1<<31)), window, h.algo); err != nil {
-				return nil, h.badRender("rate", s.nTmpl+" "+s.wTmpl, fmt.Sprintf("%d %s", n, window), err)
+				return nil, h.badRender("rate", tmpl, fmt.Sprintf("%d %s", n, window), err)
 			}
 			p.rates[i] = h.newSpec(i, n, window)
 			deny.WriteString(p.rates[i].suffix)
@@ -257,28 +258,41 @@ func (h *RedisRateLimit) hold() time.Duration {
 	return time.Duration(h.Wait)
 }
 
-// renderInt renders a template that must give a whole number >= 1.
-func (h *RedisRateLimit) renderInt(repl *caddy.Replacer, sub, tmpl string) (int64, error) {
-	v, err := repl.ReplaceOrErr(tmpl, false, true)
+// rateTemplate is the rate as written: `<n> <window>`.
+func (s rateSpec) rateTemplate() string {
+	n, w := s.nTmpl, s.wTmpl
+	if n == "" {
+		n = strconv.FormatInt(s.n, 10)
+	}
+	if w == "" {
+		w = s.window.String()
+	}
+	return n + " " + w
+}
+
+// renderInt renders part of a template (of subdirective sub, logged as
+// whole) that must give a whole number >= 1.
+func (h *RedisRateLimit) renderInt(repl *caddy.Replacer, sub, whole, part string) (int64, error) {
+	v, err := repl.ReplaceOrErr(part, false, true)
 	if err != nil {
-		return 0, h.badRender(sub, tmpl, "", err)
+		return 0, h.badRender(sub, whole, "", err)
 	}
 	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
 	if err != nil || n < 1 {
-		return 0, h.badRender(sub, tmpl, v, errors.New("not a whole number >= 1"))
+		return 0, h.badRender(sub, whole, v, errors.New("not a whole number >= 1"))
 	}
 	return n, nil
 }
 
-// renderDuration renders a window template.
-func (h *RedisRateLimit) renderDuration(repl *caddy.Replacer, tmpl string) (time.Duration, error) {
-	v, err := repl.ReplaceOrErr(tmpl, false, true)
+// renderDuration renders a rate's window template.
+func (h *RedisRateLimit) renderDuration(repl *caddy.Replacer, whole, part string) (time.Duration, error) {
+	v, err := repl.ReplaceOrErr(part, false, true)
 	if err != nil {
-		return 0, h.badRender("rate", tmpl, "", err)
+		return 0, h.badRender("rate", whole, "", err)
 	}
 	d, err := caddy.ParseDuration(strings.TrimSpace(v))
 	if err != nil {
-		return 0, h.badRender("rate", tmpl, v, errors.New("not a duration"))
+		return 0, h.badRender("rate", whole, v, errors.New("not a duration"))
 	}
 	return d, nil
 }

@@ -3,17 +3,20 @@
 --
 -- KEYS[i]  the log of rate i (format in ratelimit_sliding.lua).
 -- ARGV[1]  T, the time the admission was recorded at; ARGV[2] its cost c;
--- ARGV[2+i] n of rate i.
+-- ARGV[2i+1] n, ARGV[2i+2] window w in µs, of rate i.
 --
 -- The c slots holding T are taken out and the later slots move up, so the
--- log is as if the request had never come. Slots the ring had dropped
--- already were outside every future window; they come back as time 0. The
--- log keeps its expiry. This reads and writes the whole log: O(n).
+-- log is as if the request had never come. The slots it overwrote in the
+-- ring (the oldest) come back with a time no earlier than theirs: they had
+-- left the window by T, so they were at most T - w - 1, and no later than
+-- any slot kept. So the log is exact again, or a little stricter. The log
+-- keeps its expiry. This reads and writes the whole log: O(n).
 local HDR = 24
 local T = tonumber(ARGV[1])
 local cost = tonumber(ARGV[2])
 for i = 1, #KEYS do
-	local n = tonumber(ARGV[2 + i])
+	local n = tonumber(ARGV[2 * i + 1])
+	local w = tonumber(ARGV[2 * i + 2])
 	local v = redis.call('GET', KEYS[i])
 	if v and #v >= HDR then
 		local pos = struct.unpack('>d', v)
@@ -35,15 +38,20 @@ for i = 1, #KEYS do
 		if removed > 0 then
 			local np = pos - removed
 			local size = math.min(np, n)
+			local fill = T - w - 1
+			if times[1] and times[1] < fill then
+				fill = times[1]
+			end
 			local ring = {}
+			local last = 0
 			for j = np - size, np - 1 do
-				local tj = 0
+				local tj = fill
 				if j >= first then
 					tj = times[j - first + 1]
 				end
 				ring[j % n + 1] = struct.pack('>d', tj)
+				last = tj
 			end
-			local last = times[#times] or 0
 			redis.call('SET', KEYS[i], struct.pack('>ddd', np, np - size, last) .. table.concat(ring), 'KEEPTTL')
 		end
 	end
