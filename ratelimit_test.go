@@ -628,6 +628,11 @@ func TestRateLimitConfigErrors(t *testing.T) {
 		{"unknown namespace", RedisRateLimit{Key: "{foo}", Rates: []Rate{{Requests: 1, Window: sec}}}, "{foo}"},
 		{"two servers", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}}}, "exactly one"},
 		{"bad address", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"localhost"}}}, "address"},
+		{"cost zero", RedisRateLimit{Cost: "0", Rates: []Rate{{Requests: 1, Window: sec}}}, "cost"},
+		{"cost word", RedisRateLimit{Cost: "two", Rates: []Rate{{Requests: 1, Window: sec}}}, "cost"},
+		{"count status", RedisRateLimit{Count: []string{"401", "99"}, Rates: []Rate{{Requests: 1, Window: sec}}}, "count"},
+		{"count class", RedisRateLimit{Count: []string{"0xx"}, Rates: []Rate{{Requests: 1, Window: sec}}}, "count"},
+		{"wait negative", RedisRateLimit{Wait: caddy.Duration(-time.Second), Rates: []Rate{{Requests: 1, Window: sec}}}, "wait"},
 		{"mixed", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1"}, Cluster: []string{"127.0.0.1:2"}}}, "mutually exclusive"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
