@@ -284,12 +284,12 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 			w = time.Second
 		}
 		s := h.newSpec(i, n, w)
-		s.nTmpl, s.wTmpl = r.requestsTmpl, r.windowTmpl
+		s.nTmpl, s.wTmpl = expandShorthands(r.requestsTmpl), expandShorthands(r.windowTmpl)
 		h.dynamic = h.dynamic || s.nTmpl != "" || s.wTmpl != ""
 		h.static.rates[i] = s
 	}
 	if c := string(h.Cost); hasPlaceholder(c) {
-		h.costTmpl = c
+		h.costTmpl = expandShorthands(c)
 	} else if c != "" {
 		h.static.cost, _ = strconv.ParseInt(c, 10, 64) // checked by Validate
 	}
