@@ -481,3 +481,46 @@ func sortTimes(ts []time.Time) {
 }
 
 var _ = strings.Contains
+
+// TestRateLimitPlansOnCluster: placeholder rates, cost, count's return and
+// wait's reservation run on a 3-master Cluster (every key of a decision and
+// of its return shares one hash slot).
+func TestRateLimitPlansOnCluster(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	h := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
+		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
+		h.Key = "{http.request.header.U}"
+		h.Rates = []Rate{rateOf(t, "{plan_rpm}", "1m"), rateOf(t, "100", "{http.request.header.W}")}
+		h.Cost = "{http.request.header.C}"
+		h.Count = []string{"401"}
+		h.Wait = caddy.Duration(2 * time.Second)
+	})
+	for _, user := range []string{"u1", "u2", "u3", "u4"} {
+		prep := func(cost string) func(*http.Request, *caddy.Replacer) {
+			return func(req *http.Request, repl *caddy.Replacer) {
+				req.Header.Set("U", user)
+				req.Header.Set("W", "1h")
+				req.Header.Set("C", cost)
+				withPlan("4")(req, repl)
+			}
+		}
+		fail := func(w http.ResponseWriter, r *http.Request) error { w.WriteHeader(401); return nil }
+		// Answers that do not count give their 3 units back every time.
+		for i := 0; i < 5; i++ {
+			if a := serveRLWith(context.Background(), h, "192.0.2.80", prep("3"), nil); !a.passed || a.err != nil {
+				t.Fatalf("%s: success %d: %d %v", user, i, a.status, a.err)
+			}
+		}
+		if a := serveRLWith(context.Background(), h, "192.0.2.80", prep("3"), fail); !a.passed {
+			t.Fatalf("%s: first counted failure rejected: %d %v", user, a.status, a.err)
+		}
+		// 1 unit left of 4: a cost of 2 would wait a minute, beyond wait.
+		if a := serveRLWith(context.Background(), h, "192.0.2.80", prep("2"), fail); a.passed || a.status != 429 {
+			t.Fatalf("%s: cost 2 with 1 left: passed=%v %d", user, a.passed, a.status)
+		}
+		if a := serveRLWith(context.Background(), h, "192.0.2.80", prep("1"), fail); !a.passed {
+			t.Fatalf("%s: cost 1 with 1 left rejected: %d %v", user, a.status, a.err)
+		}
+	}
+}
