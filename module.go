@@ -311,6 +311,10 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 		o.DialTimeout, o.ReadTimeout, o.WriteTimeout, o.PoolTimeout = s.Timeout, s.Timeout, s.Timeout, s.Timeout
 		// Lock and limit scripts are not idempotent: never resend one.
 		o.MaxRetries = -1
+		// One dial per attempt: go-redis's default retries a failed dial 5
+		// times, 100ms apart, which turns a refused connection into a
+		// timeout of the call.
+		o.DialerRetries = 1
 		o.ContextTimeoutEnabled = true
 		o.DisableIdentity = true
 		o.PoolSize = 64
@@ -322,7 +326,7 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 		co := &redis.ClusterOptions{
 			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
 		}
 		return redis.NewClusterClient(co), nil
 	case "sentinel":
@@ -330,7 +334,7 @@ func (s serverSettings) newClient() (redis.UniversalClient, error) {
 			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
 			DB: s.DB, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
 		}
 		return redis.NewFailoverClient(fo), nil
 	}
