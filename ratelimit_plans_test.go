@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -523,4 +524,50 @@ func TestRateLimitPlansOnCluster(t *testing.T) {
 			t.Fatalf("%s: cost 1 with 1 left rejected: %d %v", user, a.status, a.err)
 		}
 	}
+}
+
+// TestRateLimitCountRoundTrips: an answer that counts costs one script
+// call, one that does not two (its return); the time held by wait is in
+// caddy_redis_ratelimit_waited_seconds.
+func TestRateLimitCountRoundTrips(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
+		h.Count = []string{"4xx"}
+		h.Wait = caddy.Duration(time.Second)
+	})
+	calls := func() int64 { return r.CommandCalls("evalsha") + r.CommandCalls("eval") }
+	status := func(code int) caddyhttp.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) error { w.WriteHeader(code); return nil }
+	}
+	// Load both scripts first (a first call is NOSCRIPT, then EVAL).
+	serveRLWith(context.Background(), h, "192.0.2.79", nil, status(http.StatusOK))
+	waited0 := rlHistogramCount(rateLimitWaitedSeconds)
+	c0 := calls()
+	for i := 0; i < 5; i++ {
+		serveRLWith(context.Background(), h, "192.0.2.79", nil, status(http.StatusNotFound))
+	}
+	if got := calls() - c0; got != 5 {
+		t.Fatalf("5 counted answers made %d script calls, want 5", got)
+	}
+	c0 = calls()
+	for i := 0; i < 5; i++ {
+		serveRLWith(context.Background(), h, "192.0.2.79", nil, status(http.StatusOK))
+	}
+	if got := calls() - c0; got != 10 {
+		t.Fatalf("5 answers that do not count made %d script calls, want 10", got)
+	}
+	if got := rlHistogramCount(rateLimitWaitedSeconds) - waited0; got < 10 {
+		t.Fatalf("waited_seconds observed %d admissions of a wait handler, want at least 10", got)
+	}
+}
+
+// rlHistogramCount reads a prometheus histogram's sample count.
+func rlHistogramCount(h interface{ Write(*dto.Metric) error }) uint64 {
+	var m dto.Metric
+	if err := h.Write(&m); err != nil {
+		return 0
+	}
+	return m.GetHistogram().GetSampleCount()
 }
