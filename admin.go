@@ -323,7 +323,7 @@ func listView(list []*adminEntry) map[string]any {
 			v.Path, v.Prefix, v.Keys = "/redisdlm/locks/"+ref+"/", e.lock.Prefix, e.lock.Keys
 		} else {
 			v.Path, v.Prefix, v.Keys, v.Algorithm = "/redisdlm/limits/"+ref+"/", e.limit.Prefix, []string{e.limit.keyTemplateText()}, e.limit.algo
-			for j, s := range e.limit.rates {
+			for j, s := range e.limit.static.rates {
 				v.Rates = append(v.Rates, rateView{Policy: "r" + strconv.Itoa(j), Requests: s.n, Window: s.window.String()})
 			}
 		}

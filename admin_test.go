@@ -491,7 +491,7 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				t.Fatalf("before any request: found %v, %v", found, err)
 			}
 			for i := 1; i <= 5; i++ {
-				d, err := h.decide(ctx, "u")
+				d, err := h.decide(ctx, "u", &h.static)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -563,7 +563,7 @@ func TestAdminOnCluster(t *testing.T) {
 		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
 	})
 	for _, id := range []string{"u1", "u2", "u3"} {
-		if _, err := rl.decide(ctx, id); err != nil {
+		if _, err := rl.decide(ctx, id, &rl.static); err != nil {
 			t.Fatal(err)
 		}
 		status, body := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) })

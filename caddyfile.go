@@ -276,6 +276,9 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 //		dry_run                       # decide, count and send headers, but never reject
 //		fail_closed                   # Redis unreachable: 503 (default: admit and log)
 //		prefix    <string>            # default "caddy:rl:"
+//		cost      <n>                 # what one request counts for; a number or a placeholder; default 1
+//		count     <status>...         # count only these answers (codes like 401, classes like 5xx); default all
+//		wait      <duration>          # hold a request up to this long for its slot instead of rejecting; default 0
 //		name      <string>            # for the admin API; default: its position
 //
 //		redis    <address|url>        # one logical Redis: one address,
@@ -288,6 +291,10 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 //		tls_client_cert <cert_file> <key_file>
 //		timeout  <duration>           # default 500ms
 //	}
+//
+// In rate, n and window may be placeholders (e.g. {plan_rpm} set by a map),
+// rendered per request; so may cost. Literal values are checked here, with
+// the Caddyfile line; placeholders when a request renders them.
 func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_ratelimit"
 	d.Next() // consume the directive name
@@ -314,13 +321,20 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(args) != 2 {
 				return d.Errf("%s: rate: want <n> <window>, e.g. rate 100 1m; got %d argument(s)", dir, len(args))
 			}
-			n, err := strconv.Atoi(args[0])
-			if err != nil || n < 1 {
+			rate, err := RateOf(args[0], args[1])
+			if err != nil {
+				return d.Errf("%s: rate: %v", dir, err)
+			}
+			if rate.requestsTmpl == "" && rate.Requests < 1 {
 				return d.Errf("%s: rate: the request count must be an integer >= 1, got %q", dir, args[0])
 			}
-			win, err := parseDuration(d, dir, sub, args[1])
-			if err != nil {
-				return err
+			// A placeholder is checked per request; literals here.
+			n, win := rate.Requests, time.Duration(rate.Window)
+			if rate.requestsTmpl != "" {
+				n = 1
+			}
+			if rate.windowTmpl != "" {
+				win = time.Second
 			}
 			if err := checkRate(n, win, ""); err != nil {
 				return d.Errf("%s: rate: %v", dir, err)
@@ -331,7 +345,40 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := checkRate(n, win, algoGCRA); err != nil && gcraErr == nil {
 				gcraErr = d.Errf("%s: rate: %v", dir, err)
 			}
-			h.Rates = append(h.Rates, Rate{Requests: n, Window: caddy.Duration(win)})
+			h.Rates = append(h.Rates, rate)
+		case "cost":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			if !hasPlaceholder(v) {
+				if n, err := strconv.ParseInt(v, 10, 64); err != nil || n < 1 {
+					return d.Errf("%s: cost: want a whole number >= 1 or a placeholder, got %q", dir, v)
+				}
+			}
+			h.Cost = IntOrPlaceholder(v)
+		case "count":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.Errf("%s: count: needs at least one status code or class, e.g. count 401 403 or count 5xx", dir)
+			}
+			if _, err := parseStatusSet(args); err != nil {
+				return d.Errf("%s: count: %v", dir, err)
+			}
+			h.Count = append(h.Count, args...)
+		case "wait":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			dur, err := parseDuration(d, dir, sub, v)
+			if err != nil {
+				return err
+			}
+			if dur < 0 {
+				return d.Errf("%s: wait: must not be negative, got %q", dir, v)
+			}
+			h.Wait = caddy.Duration(dur)
 		case "algorithm":
 			v, err := oneArg(d, dir)
 			if err != nil {

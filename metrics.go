@@ -25,6 +25,7 @@ var (
 	replayReplayed, replayStored, replayNotStored, replayMismatch  prometheus.Counter
 	rateLimitTotal                                                 *prometheus.CounterVec
 	evictingServers                                                prometheus.Gauge
+	rateLimitWaitedSeconds                                         prometheus.Histogram
 )
 
 func initMetrics() {
@@ -71,6 +72,11 @@ func initMetrics() {
 			Name: "caddy_redis_evicting_servers",
 			Help: "Redis servers in use whose maxmemory-policy evicts keys (locks need noeviction).",
 		})
+		rateLimitWaitedSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "caddy_redis_ratelimit_waited_seconds",
+			Help:    "Time redis_ratelimit held an admitted request until its slot (wait).",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
+		})
 	})
 }
 
@@ -82,7 +88,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, evictingServers} {
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

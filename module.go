@@ -418,6 +418,10 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		o.DialTimeout, o.ReadTimeout, o.WriteTimeout, o.PoolTimeout = s.Timeout, s.Timeout, s.Timeout, s.Timeout
 		// Lock and limit scripts are not idempotent: never resend one.
 		o.MaxRetries = -1
+		// One dial per attempt: go-redis's default retries a failed dial 5
+		// times, 100ms apart, which turns a refused connection into a
+		// timeout of the call.
+		o.DialerRetries = 1
 		o.ContextTimeoutEnabled = true
 		o.DisableIdentity = true
 		o.PoolSize = 64
@@ -430,7 +434,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		co := &redis.ClusterOptions{
 			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
 			OnConnect: check.onConnect,
 		}
 		return redis.NewClusterClient(co), nil
@@ -439,7 +443,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
 			DB: s.DB, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
 			OnConnect: check.onConnect,
 		}
 		return redis.NewFailoverClient(fo), nil

@@ -1,14 +1,12 @@
 package redisdlm
 
 import (
-	"context"
 	_ "embed"
 	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -62,24 +60,20 @@ var (
 	slidingLua string
 	//go:embed scripts/ratelimit_gcra.lua
 	gcraLua string
+	//go:embed scripts/ratelimit_sliding_return.lua
+	slidingReturnLua string
+	//go:embed scripts/ratelimit_gcra_return.lua
+	gcraReturnLua string
 
-	slidingScript = redis.NewScript(slidingLua)
-	gcraScript    = redis.NewScript(gcraLua)
+	slidingScript       = redis.NewScript(slidingLua)
+	gcraScript          = redis.NewScript(gcraLua)
+	slidingReturnScript = redis.NewScript(slidingReturnLua)
+	gcraReturnScript    = redis.NewScript(gcraReturnLua)
 )
 
 // ErrRateLimited is the error a rejected request returns to Caddy (with the
 // configured status, 429 by default).
 var ErrRateLimited = errors.New("redisdlm: rate limit exceeded")
-
-// Rate is one limit: at most Requests requests per Window.
-type Rate struct {
-	// The number of requests admitted per window. Required; at least 1.
-	// With sliding_window at most 100000.
-	Requests int `json:"requests"`
-
-	// The length of the window. Required; at least 1ms.
-	Window caddy.Duration `json:"window"`
-}
 
 // RedisRateLimit admits or rejects requests against per-key limits kept in
 // one Redis (a server, a Cluster or a Sentinel group), so every Caddy
@@ -108,7 +102,9 @@ type RedisRateLimit struct {
 	Key string `json:"key,omitempty"`
 
 	// The rates; every one must admit a request. A rejected request is not
-	// charged to any rate. Required: at least one.
+	// charged to any rate. A rate's n and window may be placeholders
+	// (e.g. from `map` or `vars`), rendered per request, so each plan gets
+	// its own limit; see Rate. Required: at least one.
 	Rates []Rate `json:"rates,omitempty"`
 
 	// `sliding_window` (exact: in any interval of length window, at most
@@ -156,29 +152,62 @@ type RedisRateLimit struct {
 	// handlers of one config. Default: none (the handler is addressed by
 	// its position in the admin API's list).
 	Name string `json:"name,omitempty"`
+	// What one request counts for against every rate: a whole number of at
+	// least 1, or a placeholder rendered per request (e.g. one that `map`
+	// sets per endpoint). The RateLimit fields and Retry-After are in these
+	// units. A request that costs more than a rate's requests (with gcra:
+	// its burst) can never pass and is rejected at once, without Retry-After.
+	// A cost that renders to anything but a whole number >= 1 is logged once
+	// per template and answered by the fail policy. In JSON a number or a
+	// string. Default: 1.
+	Cost IntOrPlaceholder `json:"cost,omitempty"`
+
+	// Count only answers with these statuses: codes (`401`) or classes
+	// (`5xx`), each in 100-599. A request is admitted while the count is
+	// below the limit and holds a reservation while it runs; the
+	// reservation stays when its answer is listed, and is returned (a
+	// second Redis call) when it is not. So, over every instance, at most
+	// the limit of counted answers fall in any window, however many
+	// requests run at once. A request whose client went away before an
+	// answer keeps its reservation. Default: every answer counts.
+	Count []string `json:"count,omitempty"`
+
+	// Hold a request that would be rejected, but would be admitted within
+	// this long, until its moment, instead of rejecting it: each held
+	// request reserves its future slot in the same script call, so held
+	// requests pass one by one at the limit's pace, with no polling. A
+	// client that goes away stops waiting at once and its slot is
+	// returned. Requests beyond what `wait` can absorb are rejected at once.
+	// Ignored with dry_run. The time held is in the histogram
+	// caddy_redis_ratelimit_waited_seconds. Default: 0 (reject at once).
+	Wait caddy.Duration `json:"wait,omitempty"`
 
 	// The connection to Redis: one logical Redis (one `redis` address, a
 	// `cluster` or a `sentinel`).
 	RedisConfig
 
 	// runtime state
-	logger    *zap.Logger
-	keyTmpl   *keyTemplate
-	keyHead   string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
-	rates     []rateSpec
-	script    *redis.Script
-	argv      []any // the script's arguments: every rate's n, window (and burst)
-	algo      string
-	status    int
-	sendHdrs  bool
-	policy    string                // the RateLimit-Policy value
-	counters  [3]prometheus.Counter // decisions: allowed, denied, error
-	timeout   time.Duration
-	client    *pooledClient
-	clientKey string
-	deny      *denyCache
-	now       func() time.Time // local monotonic clock, only for the deny cache
-	warn      *warnings
+	logger     *zap.Logger
+	keyTmpl    *keyTemplate
+	keyHead    string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
+	static     plan   // the plan of every request without placeholders; the templates otherwise
+	dynamic    bool   // some rate's n or window is a placeholder
+	costTmpl   string
+	counts     *statusSet // nil: every answer counts
+	script     *redis.Script
+	giveBack   *redis.Script // returns an admission
+	algo       string
+	status     int
+	sendHdrs   bool
+	counters   [3]prometheus.Counter // decisions: allowed, denied, error
+	waited     prometheus.Observer
+	timeout    time.Duration
+	client     *pooledClient
+	clientKey  string
+	deny       *denyCache
+	now        func() time.Time // local monotonic clock, only for the deny cache
+	warn       *warnings
+	settleWarn *warnings
 }
 
 // rateSpec is one rate as the script takes it.
@@ -189,6 +218,8 @@ type rateSpec struct {
 	suffix string // of the Redis key
 	tail   string // "}" + suffix: closes the hash tag
 	name   string // `"r<i>";r=`, the start of its RateLimit field
+	nTmpl  string // the placeholder n comes from, if any
+	wTmpl  string // the placeholder window comes from, if any
 }
 
 // CaddyModule returns the Caddy module information.
@@ -204,6 +235,7 @@ func (RedisRateLimit) CaddyModule() caddy.ModuleInfo {
 func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.logger = ctx.Logger()
 	h.warn = newWarnings(failWarnEvery)
+	h.settleWarn = newWarnings(failWarnEvery)
 	if h.now == nil {
 		h.now = time.Now
 	}
@@ -244,43 +276,42 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.client, h.clientKey = pc, key
 	h.timeout = servers[0].Timeout
 
-	h.script = slidingScript
+	h.script, h.giveBack = slidingScript, slidingReturnScript
 	if h.algo == algoGCRA {
-		h.script = gcraScript
+		h.script, h.giveBack = gcraScript, gcraReturnScript
 	}
-	h.rates = make([]rateSpec, len(h.Rates))
-	policies := make([]string, len(h.Rates))
+	h.static = plan{cost: 1, rates: make([]rateSpec, len(h.Rates))}
 	for i, r := range h.Rates {
-		s := rateSpec{n: int64(r.Requests), window: time.Duration(r.Window)}
-		if h.algo == algoGCRA {
-			s.burst = s.n
-			if h.Burst > 0 {
-				s.burst = int64(h.Burst)
-			}
-			s.suffix = fmt.Sprintf(":gcra:%d/%s:b%d", s.n, s.window, s.burst)
-		} else {
-			s.suffix = fmt.Sprintf(":sw:%d/%s", s.n, s.window)
+		n, w := int64(r.Requests), time.Duration(r.Window)
+		if r.requestsTmpl != "" {
+			n = 1 // a stand-in until a request renders it
 		}
-		s.tail = "}" + s.suffix
-		s.name = fmt.Sprintf(`"r%d";r=`, i)
-		h.rates[i] = s
-		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, s.n, ceilSeconds(s.window))
+		if r.windowTmpl != "" {
+			w = time.Second
+		}
+		s := h.newSpec(i, n, w)
+		s.nTmpl, s.wTmpl = expandShorthands(r.requestsTmpl), expandShorthands(r.windowTmpl)
+		h.dynamic = h.dynamic || s.nTmpl != "" || s.wTmpl != ""
+		h.static.rates[i] = s
 	}
-	h.policy = strings.Join(policies, ", ")
+	if c := string(h.Cost); hasPlaceholder(c) {
+		h.costTmpl = expandShorthands(c)
+	} else if c != "" {
+		h.static.cost, _ = strconv.ParseInt(c, 10, 64) // checked by Validate
+	}
+	h.finish(&h.static, h.hold())
+	h.counts, _ = parseStatusSet(h.Count) // checked by Validate
 	h.keyHead = h.Prefix + "{"
 	if h.keyTmpl, err = parseKeyTemplate(keyRaw); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
-	for _, s := range h.rates {
-		h.argv = append(h.argv, s.n, s.window.Microseconds())
-		if h.algo == algoGCRA {
-			h.argv = append(h.argv, s.burst)
-		}
-	}
 	for i, result := range []string{"allowed", "denied", "error"} {
 		h.counters[i] = rateLimitTotal.WithLabelValues(result)
 	}
-	h.deny = newDenyCache(denyCacheSize)
+	h.waited = rateLimitWaitedSeconds
+	if h.counts == nil {
+		h.deny = newDenyCache(denyCacheSize)
+	}
 	return adminRegister(ctx, h)
 }
 
@@ -308,9 +339,27 @@ func (h *RedisRateLimit) Validate() error {
 		return fmt.Errorf("redis_ratelimit: algorithm: want sliding_window or gcra, got %q", h.Algorithm)
 	}
 	for i, r := range h.Rates {
-		if err := checkRate(r.Requests, time.Duration(r.Window), algo); err != nil {
+		n, w := r.Requests, time.Duration(r.Window)
+		if r.requestsTmpl != "" {
+			n = 1 // checked per request
+		}
+		if r.windowTmpl != "" {
+			w = time.Second
+		}
+		if err := checkRate(n, w, algo); err != nil {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
+	}
+	if c := string(h.Cost); c != "" && !hasPlaceholder(c) {
+		if n, err := strconv.ParseInt(c, 10, 64); err != nil || n < 1 {
+			return fmt.Errorf("redis_ratelimit: cost: want a whole number >= 1 or a placeholder, got %q", c)
+		}
+	}
+	if _, err := parseStatusSet(h.Count); err != nil {
+		return fmt.Errorf("redis_ratelimit: count: %w", err)
+	}
+	if h.Wait < 0 {
+		return fmt.Errorf("redis_ratelimit: wait: must not be negative, got %s", time.Duration(h.Wait))
 	}
 	if h.Burst < 0 || h.Burst != 0 && algo != algoGCRA {
 		if h.Burst < 0 {
@@ -353,48 +402,34 @@ func (h *RedisRateLimit) Cleanup() error {
 	return nil
 }
 
-// decision is the outcome for one request.
-type decision struct {
-	allowed   bool
-	wait      time.Duration // until the request would be admitted (0 when admitted)
-	tight     int           // the rate reported in the RateLimit field
-	remaining int64         // of rate tight
-	reset     time.Duration // until rate tight's quota grows (0 = full)
-	cached    bool          // answered from the deny cache
-}
-
-// ServeHTTP decides the request and either passes it on or rejects it.
+// ServeHTTP decides the request and either passes it on (at once, or
+// held until its slot with wait) or rejects it.
 func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if repl == nil {
 		repl = caddy.NewReplacer()
 	}
 	id := h.limitID(r, repl)
+	p, err := h.planFor(repl)
+	if err != nil {
+		return h.failPolicy(w, r, next, p, err)
+	}
 
-	d, err := h.decide(r.Context(), id)
+	d, err := h.decide(r.Context(), id, p)
 	if err != nil {
 		if ctxErr := r.Context().Err(); ctxErr != nil {
-			return ctxErr // the client went away: nobody reads an answer
+			// The client went away: nobody reads an answer.
+			return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away during the rate-limit decision: %w", ctxErr))
 		}
-		return h.failPolicy(w, r, next, repl, err)
+		return h.failPolicy(w, r, next, p, err)
 	}
 
 	retry := int64(0)
-	if !d.allowed {
+	if !d.allowed && d.wait > 0 {
 		retry = retryAfterSeconds(d.wait)
 	}
 	if h.sendHdrs {
-		// Both fields in one allocation, under their canonical names (as
-		// Header.Set would store them).
-		var buf [64]byte
-		f := append(buf[:0], h.rates[d.tight].name...)
-		f = strconv.AppendInt(f, d.remaining, 10)
-		f = append(f, ";t="...)
-		f = strconv.AppendInt(f, ceilSeconds(d.reset), 10)
-		vals := []string{h.policy, string(f)}
-		hdr := w.Header()
-		hdr[canonRateLimitPolicy] = vals[0:1:1]
-		hdr[canonRateLimit] = vals[1:2:2]
+		h.setHeaders(w.Header(), p, d)
 	}
 	repl.Set("http.redis_ratelimit.remaining", d.remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
@@ -405,165 +440,67 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
 		c.Write(zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),
-			zap.Int64("retry_after", retry), zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.cached))
+			zap.Int64("retry_after", retry), zap.Duration("hold", d.hold), zap.Int64("cost", p.cost),
+			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.cached))
 	}
-	if d.allowed || h.DryRun {
+	if !d.allowed && !h.DryRun {
+		if retry > 0 {
+			w.Header().Set(HeaderRetryAfter, strconv.FormatInt(retry, 10))
+		}
+		return caddyhttp.Error(h.status, ErrRateLimited)
+	}
+	if !d.allowed { // dry run: nothing recorded, nothing to settle
 		return next.ServeHTTP(w, r)
 	}
-	w.Header().Set(HeaderRetryAfter, strconv.FormatInt(retry, 10))
-	return caddyhttp.Error(h.status, ErrRateLimited)
-}
-
-// decide answers from the deny cache, else asks Redis (one script call).
-func (h *RedisRateLimit) decide(ctx context.Context, id string) (decision, error) {
-	if e, ok := h.deny.get(id, h.now()); ok {
-		return decision{tight: e.tight, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
-	}
-	c := &rlCall{script: h.script, argv: h.argv}
-	var keys [4]string
-	c.keys = keys[:0]
-	for _, s := range h.rates {
-		c.keys = append(c.keys, h.keyHead+id+s.tail)
-	}
-	sent := h.now()
-	res, err := h.client.rateLimit(ctx, c, h.logger)
-	got := h.now()
-	if err != nil {
-		return decision{}, err
-	}
-	d, err := parseDecision(res, len(h.rates))
-	if err != nil {
-		return decision{}, err
-	}
-	if !d.allowed {
-		// The script ran after sent and before got, so the request passes
-		// no earlier than sent+wait (the cache holds until shortly before
-		// that, minus a margin for clock-rate differences) and surely by
-		// got+wait (what Retry-After reports from the cache).
-		margin := time.Millisecond + d.wait/1000
-		h.deny.put(id, denyEntry{until: sent.Add(d.wait - margin), retryAt: got.Add(d.wait), tight: d.tight}, got)
-	}
-	return d, nil
-}
-
-// parseDecision reads the script's answer.
-func parseDecision(res any, nrates int) (decision, error) {
-	vals, ok := res.([]any)
-	if !ok || len(vals) != 2+2*nrates {
-		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", res)
-	}
-	num := make([]int64, len(vals))
-	for i, v := range vals {
-		n, ok := v.(int64)
-		if !ok {
-			return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", res)
-		}
-		num[i] = n
-	}
-	d := decision{allowed: num[0] == 1, wait: time.Duration(num[1]) * time.Microsecond, tight: -1}
-	// The tightest rate: the least remaining, then the longest until it grows.
-	for i := 0; i < nrates; i++ {
-		rem, reset := num[2+2*i], time.Duration(num[3+2*i])*time.Microsecond
-		if d.tight < 0 || rem < d.remaining || rem == d.remaining && reset > d.reset {
-			d.tight, d.remaining, d.reset = i, rem, reset
-		}
-	}
-	return d, nil
-}
-
-// failPolicy answers when Redis could not decide.
-func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, err error) error {
-	h.counters[2].Inc()
-	h.warnFail(err)
-	if h.sendHdrs {
-		w.Header().Set(HeaderRateLimitPolicy, h.policy)
-	}
-	if h.FailClosed {
-		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision from redis: %w", err))
-	}
-	return next.ServeHTTP(w, r)
-}
-
-// warnFail logs decisions made without Redis at most every failWarnEvery.
-func (h *RedisRateLimit) warnFail(err error) {
-	due, n := h.warn.due()
-	if !due {
-		return
-	}
-	policy := "admitting requests (fail open)"
-	if h.FailClosed {
-		policy = "rejecting requests with 503 (fail_closed)"
-	}
-	h.logger.Warn("redis unavailable for rate limiting; "+policy,
-		zap.String("redis", h.client.settings.display()),
-		zap.Error(err),
-		zap.Int64("decisions_since_last_warning", n))
-}
-
-// denyCache remembers keys rejected until a moment, so they are answered
-// without Redis until then. It holds at most max entries: when full, it
-// drops expired entries (at most once a second), else an arbitrary one.
-type denyCache struct {
-	mu        sync.Mutex
-	max       int
-	m         map[string]denyEntry
-	lastSweep time.Time
-}
-
-type denyEntry struct {
-	until   time.Time // answer from memory before this (a little early)
-	retryAt time.Time // Retry-After points here (a little late)
-	tight   int       // the rate that rejects
-}
-
-func newDenyCache(max int) *denyCache {
-	return &denyCache{max: max, m: make(map[string]denyEntry)}
-}
-
-func (c *denyCache) get(id string, now time.Time) (denyEntry, bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	e, ok := c.m[id]
-	if !ok {
-		return e, false
-	}
-	if !now.Before(e.until) {
-		delete(c.m, id)
-		return e, false
-	}
-	return e, true
-}
-
-func (c *denyCache) put(id string, e denyEntry, now time.Time) {
-	if !now.Before(e.until) {
-		return
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if _, ok := c.m[id]; !ok && len(c.m) >= c.max {
-		if now.Sub(c.lastSweep) >= time.Second {
-			c.lastSweep = now
-			for k, v := range c.m {
-				if !now.Before(v.until) {
-					delete(c.m, k)
-				}
+	if h.Wait > 0 && !h.DryRun {
+		if d.hold > 0 {
+			t := time.NewTimer(d.hold)
+			select {
+			case <-t.C:
+			case <-r.Context().Done():
+				t.Stop()
+				h.settle(id, p, d)
+				return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while held for its rate-limit slot: %w", r.Context().Err()))
 			}
 		}
-		// Still full: drop some entry; it only costs a Redis call later.
-		for k := range c.m {
-			if len(c.m) < c.max {
-				break
-			}
-			delete(c.m, k)
+		h.waited.Observe(d.hold.Seconds())
+	}
+	if h.counts == nil {
+		return next.ServeHTTP(w, r)
+	}
+	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
+	err = next.ServeHTTP(rec, r)
+	status := rec.Status()
+	if err != nil {
+		var he caddyhttp.HandlerError
+		if errors.As(err, &he) {
+			status = he.StatusCode
+		} else if status == 0 {
+			status = http.StatusInternalServerError
 		}
 	}
-	c.m[id] = e
+	if status == 0 {
+		status = http.StatusOK // nothing written: Caddy answers 200
+	}
+	if status != statusClientClosedRequest && !h.counts.has(status) {
+		h.settle(id, p, d)
+	}
+	return err
 }
 
-func (c *denyCache) len() int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return len(c.m)
+// setHeaders sets the RateLimit-Policy and RateLimit fields of an answer.
+func (h *RedisRateLimit) setHeaders(hdr http.Header, p *plan, d decision) {
+	s := p.rates[d.tight]
+	// Both fields in one allocation, under their canonical names (as
+	// Header.Set would store them). The quota grows within the window.
+	var buf [64]byte
+	f := append(buf[:0], s.name...)
+	f = strconv.AppendInt(f, d.remaining, 10)
+	f = append(f, ";t="...)
+	f = strconv.AppendInt(f, ceilSeconds(min(d.reset, s.window)), 10)
+	vals := []string{p.policy, string(f)}
+	hdr[canonRateLimitPolicy] = vals[0:1:1]
+	hdr[canonRateLimit] = vals[1:2:2]
 }
 
 // Interface guards

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -99,10 +100,28 @@ func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration, lo
 		b.breaker.success(logger)
 	case ctx.Err() != nil:
 		// The client went away: says nothing about Redis.
-	case errors.Is(err, errRedisTimeout) || isRedisDown(err):
+	case errors.Is(err, errRedisTimeout) || isRedisDown(err) || isAuthFailure(err):
 		b.breaker.failure(time.Now(), logger)
 	}
 	return res, err
+}
+
+// isAuthFailure reports whether Redis refused this client's credentials or
+// permissions: every call fails the same way until the config changes, so
+// the breaker counts it like an unreachable Redis (and spares Redis a
+// failing AUTH per request).
+func isAuthFailure(err error) bool {
+	var re redis.Error
+	if !errors.As(err, &re) {
+		return false
+	}
+	msg := re.Error()
+	for _, p := range []string{"WRONGPASS", "NOAUTH", "NOPERM", "ERR AUTH", "ERR invalid password", "ERR Client sent AUTH"} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // call runs one script call through the pipeline and waits at most
@@ -231,7 +250,7 @@ func (b *rlBatcher) send(batch []*rlCall) {
 		cmds[i] = redis.NewCmd(ctx, c.args...)
 		_ = pipe.Process(ctx, cmds[i])
 	}
-	_, _ = pipe.Exec(ctx)
+	_, execErr := pipe.Exec(ctx)
 	// After a Redis restart or SCRIPT FLUSH the script is unknown: send those
 	// calls again with EVAL (which also caches the script). NOSCRIPT means the
 	// script did not run, so nothing is counted twice.
@@ -246,13 +265,22 @@ func (b *rlBatcher) send(batch []*rlCall) {
 		for _, i := range retry {
 			cmds[i] = batch[i].script.Eval(ctx, pipe, batch[i].keys, batch[i].argv...)
 		}
-		_, _ = pipe.Exec(ctx)
+		_, execErr = pipe.Exec(ctx)
 	}
 	answered = true
 	for i, c := range batch {
 		c.res, c.err = cmds[i].Result()
+		if c.err == nil && c.res == nil {
+			// The pipeline failed before this call got an answer (e.g. the
+			// connection's AUTH was refused): that failure is its answer.
+			c.err = execErr
+			if c.err == nil {
+				c.err = errors.New("redisdlm: redis gave no answer")
+			}
+		}
 		if c.err != nil && ctx.Err() != nil && isRedisDown(c.err) {
-			c.err = errRedisTimeout // the deadline of the first call in the pipeline passed
+			// The deadline of the first call in the pipeline passed.
+			c.err = fmt.Errorf("%w (%v)", errRedisTimeout, c.err)
 		}
 		close(c.done)
 	}

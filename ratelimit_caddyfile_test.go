@@ -26,7 +26,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 	}{
 		{"minimal", `redis_ratelimit {
 			rate 100 1m
-		}`, RedisRateLimit{Rates: []Rate{{100, caddy.Duration(time.Minute)}}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}}},
 		{"everything", `redis_ratelimit {
 			key       {http.request.header.X-API-Key}
 			rate      10 1s
@@ -42,7 +42,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			timeout   250ms
 		}`, RedisRateLimit{
 			Key:       "{http.request.header.X-API-Key}",
-			Rates:     []Rate{{10, caddy.Duration(time.Second)}, {1000, caddy.Duration(time.Hour)}},
+			Rates:     []Rate{{Requests: 10, Window: caddy.Duration(time.Second)}, {Requests: 1000, Window: caddy.Duration(time.Hour)}},
 			Algorithm: "gcra", Burst: 20, Status: 503, Headers: &off, DryRun: true, FailClosed: true, Prefix: "api:rl:",
 			RedisConfig: RedisConfig{Addresses: []string{"redis://:secret@10.0.0.1:6380/2"}, Timeout: caddy.Duration(250 * time.Millisecond)},
 		}},
@@ -50,19 +50,34 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			burst 5
 			rate 1 1s
 			algorithm gcra
-		}`, RedisRateLimit{Burst: 5, Algorithm: "gcra", Rates: []Rate{{1, caddy.Duration(time.Second)}}}},
+		}`, RedisRateLimit{Burst: 5, Algorithm: "gcra", Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}}},
 		{"large n with gcra", `redis_ratelimit {
 			rate 1000000 1h
 			algorithm gcra
-		}`, RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{1000000, caddy.Duration(time.Hour)}}}},
+		}`, RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{Requests: 1000000, Window: caddy.Duration(time.Hour)}}}},
 		{"cluster", `redis_ratelimit {
 			rate 1 1s
 			cluster 10.0.0.1:7000 10.0.0.2:7000
-		}`, RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
+		{"plans, cost, count, wait", `redis_ratelimit {
+			rate  {plan_rpm} 1m
+			rate  1000 {http.vars.window}
+			cost  {http.vars.cost}
+			count 401 403 5xx
+			count 429
+			wait  2s
+		}`, RedisRateLimit{
+			Rates: []Rate{mustRate("{plan_rpm}", "1m"), mustRate("1000", "{http.vars.window}")},
+			Cost:  "{http.vars.cost}", Count: []string{"401", "403", "5xx", "429"}, Wait: caddy.Duration(2 * time.Second),
+		}},
+		{"literal cost", `redis_ratelimit {
+			rate 10 1s
+			cost 3
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 10, Window: caddy.Duration(time.Second)}}, Cost: "3"}},
 		{"env password", `redis_ratelimit {
 			rate 1 1s
 			password {env.REDIS_PASSWORD}
-		}`, RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var got RedisRateLimit
@@ -76,6 +91,14 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			}
 		})
 	}
+}
+
+func mustRate(n, w string) Rate {
+	r, err := RateOf(n, w)
+	if err != nil {
+		panic(err)
+	}
+	return r
 }
 
 // TestRateLimitCaddyfileErrors: every bad input fails with a message naming
@@ -123,6 +146,20 @@ func TestRateLimitCaddyfileErrors(t *testing.T) {
 		{"cluster and sentinel", "redis_ratelimit {\n rate 1 1s\n cluster 10.0.0.2:7000\n sentinel mymaster 10.0.0.3:26379\n}", []string{"sentinel:", "mutually exclusive", "Testfile:4"}},
 		{"bad timeout", "redis_ratelimit {\n rate 1 1s\n timeout -1s\n}", []string{"timeout:", "Testfile:3"}},
 		{"bad db", "redis_ratelimit {\n rate 1 1s\n db x\n}", []string{"db:", "Testfile:3"}},
+		{"rate bad literal window with placeholder n", "redis_ratelimit {\n rate {plan_rpm} soon\n}", []string{"rate:", "invalid duration", "Testfile:2"}},
+		{"rate bad literal n with placeholder window", "redis_ratelimit {\n rate 0 {http.vars.w}\n}", []string{"rate:", ">= 1", "Testfile:2"}},
+		{"cost zero", "redis_ratelimit {\n rate 1 1s\n cost 0\n}", []string{"cost:", "Testfile:3"}},
+		{"cost not a number", "redis_ratelimit {\n rate 1 1s\n cost lots\n}", []string{"cost:", `"lots"`, "Testfile:3"}},
+		{"cost fraction", "redis_ratelimit {\n rate 1 1s\n cost 1.5\n}", []string{"cost:", "Testfile:3"}},
+		{"cost no arg", "redis_ratelimit {\n rate 1 1s\n cost\n}", []string{"cost:", "Testfile:3"}},
+		{"count no arg", "redis_ratelimit {\n rate 1 1s\n count\n}", []string{"count:", "Testfile:3"}},
+		{"count status low", "redis_ratelimit {\n rate 1 1s\n count 401 99\n}", []string{"count:", "100-599", `"99"`, "Testfile:3"}},
+		{"count status high", "redis_ratelimit {\n rate 1 1s\n count 600\n}", []string{"count:", "100-599", "Testfile:3"}},
+		{"count bad class", "redis_ratelimit {\n rate 1 1s\n count 6xx\n}", []string{"count:", "Testfile:3"}},
+		{"count word", "redis_ratelimit {\n rate 1 1s\n count failures\n}", []string{"count:", "Testfile:3"}},
+		{"wait bad", "redis_ratelimit {\n rate 1 1s\n wait forever\n}", []string{"wait:", "invalid duration", "Testfile:3"}},
+		{"wait negative", "redis_ratelimit {\n rate 1 1s\n wait -1s\n}", []string{"wait:", "negative", "Testfile:3"}},
+		{"wait two args", "redis_ratelimit {\n rate 1 1s\n wait 1s 2s\n}", []string{"wait:", "Testfile:3"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var h RedisRateLimit

@@ -2,6 +2,7 @@ package redisdlm
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"regexp"
@@ -27,6 +28,8 @@ func FuzzRateLimitCaddyfile(f *testing.F) {
 		"redis_ratelimit {\n sentinel m 127.0.0.1:26379 127.0.0.1:26380\n rate 5 1s\n fail_closed\n status 503\n timeout 100ms\n}",
 		"redis_ratelimit {\n cluster 127.0.0.1:7000\n key {http.auth.user.id}\n rate 100000 1h\n}",
 		"redis_ratelimit {\n redis redis//h:1\n rate 1 1s\n}",
+		"redis_ratelimit {\n rate {plan_rpm} 1m\n rate 10 {http.vars.w}\n cost {http.vars.cost}\n count 401 5xx\n wait 2s\n}",
+		"redis_ratelimit {\n rate 5 1s\n cost 6\n count 99\n wait -1s\n}",
 	} {
 		f.Add(s)
 	}
@@ -123,6 +126,75 @@ func FuzzRateLimitHeaders(f *testing.F) {
 		ra, err := strconv.ParseInt(w.Header().Get(HeaderRetryAfter), 10, 64)
 		if err != nil || ra < 1 || time.Duration(ra)*time.Second < time.Duration(wait)-time.Since(now) {
 			t.Fatalf("Retry-After %q for a wait of %s", w.Header().Get(HeaderRetryAfter), time.Duration(wait))
+		}
+	})
+}
+
+// FuzzRateLimitPlanJSON: a rate or cost in JSON never panics, and what
+// decodes survives a round trip (literals stay numbers, placeholders
+// strings).
+func FuzzRateLimitPlanJSON(f *testing.F) {
+	for _, s := range []string{
+		`{"requests":100,"window":60000000000}`,
+		`{"requests":"{plan_rpm}","window":"1m"}`,
+		`{"requests":"5","window":"{http.vars.w}"}`,
+		`{"requests":1.5,"window":"x"}`,
+		`{"requests":"{a","window":null}`,
+	} {
+		f.Add(s, "3")
+	}
+	f.Add(`{"requests":1,"window":1}`, `"{http.vars.cost}"`)
+	f.Add(`{}`, `1e3`)
+	f.Fuzz(func(t *testing.T, rate, cost string) {
+		var r Rate
+		if err := json.Unmarshal([]byte(rate), &r); err == nil {
+			b, err := json.Marshal(r)
+			if err != nil {
+				t.Fatalf("marshal %+v: %v", r, err)
+			}
+			var back Rate
+			if err := json.Unmarshal(b, &back); err != nil || back != r {
+				t.Fatalf("round trip of %s: %s gives %+v (%v), want %+v", rate, b, back, err, r)
+			}
+		}
+		var c IntOrPlaceholder
+		if err := json.Unmarshal([]byte(cost), &c); err == nil {
+			b, err := json.Marshal(c)
+			if err != nil {
+				t.Fatalf("marshal cost %q: %v", c, err)
+			}
+			var back IntOrPlaceholder
+			if err := json.Unmarshal(b, &back); err != nil || back != c {
+				t.Fatalf("round trip of cost %s: %s gives %q (%v)", cost, b, back, err)
+			}
+		}
+	})
+}
+
+// FuzzRateLimitCount: count's statuses never panic; what parses matches
+// exactly the codes listed (or their classes).
+func FuzzRateLimitCount(f *testing.F) {
+	for _, s := range []string{"401", "401 403", "5xx", "4XX 200", "99", "600", "1xx 599", "abc", "-1", "4x"} {
+		f.Add(s, 404)
+	}
+	f.Fuzz(func(t *testing.T, list string, status int) {
+		args := strings.Fields(list)
+		set, err := parseStatusSet(args)
+		if err != nil {
+			return
+		}
+		want := false
+		for _, a := range args {
+			a = strings.ToLower(a)
+			if n, err := strconv.Atoi(a); err == nil && n == status {
+				want = true
+			}
+			if len(a) == 3 && a[1:] == "xx" && status >= 100 && status <= 599 && int(a[0]-'0') == status/100 {
+				want = true
+			}
+		}
+		if len(args) > 0 && set.has(status) != want {
+			t.Fatalf("count %q: has(%d) = %v, want %v", list, status, set.has(status), want)
 		}
 	})
 }

@@ -33,6 +33,9 @@ type quotaView struct {
 	// rounded up (as the RateLimit field's t) and in milliseconds.
 	Reset   int64 `json:"reset"`
 	ResetMs int64 `json:"reset_ms"`
+	// A rate whose n or window is a placeholder (a plan) is rendered per
+	// request: its template is shown, and its state is not read.
+	Template string `json:"template,omitempty"`
 }
 
 // keyTemplateText is the key template, shorthands expanded, for the admin
@@ -40,10 +43,13 @@ type quotaView struct {
 func (h *RedisRateLimit) keyTemplateText() string { return h.keyTmpl.raw }
 
 // limitRedisKeys returns the Redis keys of the limit id, one per rate.
+// A rate rendered per request (a plan) has no fixed key: "" stands for it.
 func (h *RedisRateLimit) limitRedisKeys(id string) []string {
-	keys := make([]string, len(h.rates))
-	for i, s := range h.rates {
-		keys[i] = h.keyHead + id + s.tail
+	keys := make([]string, len(h.static.rates))
+	for i, s := range h.static.rates {
+		if s.nTmpl == "" && s.wTmpl == "" {
+			keys[i] = h.keyHead + id + s.tail
+		}
 	}
 	return keys
 }
@@ -63,17 +69,29 @@ func adminLimitID(r *http.Request, key string) string {
 func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quotaView, found bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	res, err := adminRateLimitPeekScript.Run(ctx, h.client.client, h.limitRedisKeys(id)).Slice()
+	keys := h.limitRedisKeys(id)
+	peek := make([]string, len(keys))
+	for i, k := range keys {
+		if k == "" {
+			k = h.keyHead + id + "}:plan" // rendered per request: nothing to read
+		}
+		peek[i] = k
+	}
+	res, err := adminRateLimitPeekScript.Run(ctx, h.client.client, peek).Slice()
 	if err != nil {
 		return nil, false, err
 	}
-	if len(res) != 2+len(h.rates) {
+	if len(res) != 2+len(h.static.rates) {
 		return nil, false, fmt.Errorf("unexpected peek answer of %d values", len(res))
 	}
 	sec, _ := res[0].(int64)
 	usec, _ := res[1].(int64)
 	now := float64(sec*1000000 + usec)
-	for i, s := range h.rates {
+	for i, s := range h.static.rates {
+		if keys[i] == "" {
+			views = append(views, quotaView{Policy: "r" + strconv.Itoa(i), Template: s.rateTemplate()})
+			continue
+		}
 		raw, _ := res[2+i].(string)
 		if raw != "" {
 			found = true
@@ -193,11 +211,21 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key s
 		return adminError(http.StatusBadRequest, "empty rate limit key")
 	}
 	id := adminLimitID(r, key)
-	keys := h.limitRedisKeys(id)
+	var keys []string
+	for _, k := range h.limitRedisKeys(id) {
+		if k != "" {
+			keys = append(keys, k)
+		}
+	}
+	if len(keys) == 0 {
+		return adminError(http.StatusNotFound, "every rate of this handler is rendered per request; no fixed quota to reset for %q", key)
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
 	n, err := h.client.client.Del(ctx, keys...).Result()
-	h.deny.forget(id)
+	if h.deny != nil {
+		h.deny.forget(id)
+	}
 	if err != nil {
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
 	}

@@ -300,7 +300,9 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 	}
 }
 
-func rlSuffixOf(h *RedisRateLimit, i int) string { return strings.TrimPrefix(h.rates[i].suffix, ":") }
+func rlSuffixOf(h *RedisRateLimit, i int) string {
+	return strings.TrimPrefix(h.static.rates[i].suffix, ":")
+}
 
 // TestRateLimitRetryAfterExact: a retry at exactly Retry-After (after the
 // answer) is admitted.
@@ -477,10 +479,10 @@ func TestRateLimitDenyCacheBounded(t *testing.T) {
 		}
 	}
 	c.put("x", denyEntry{until: now.Add(time.Second)}, now)
-	if _, ok := c.get("x", now.Add(999*time.Millisecond)); !ok {
+	if _, ok := c.get("x", now.Add(999*time.Millisecond), 1); !ok {
 		t.Fatal("entry missing before its moment")
 	}
-	if _, ok := c.get("x", now.Add(time.Second)); ok {
+	if _, ok := c.get("x", now.Add(time.Second), 1); ok {
 		t.Fatal("entry answered at its moment")
 	}
 	later := now.Add(time.Minute)
@@ -489,7 +491,7 @@ func TestRateLimitDenyCacheBounded(t *testing.T) {
 		t.Fatalf("cache holds %d entries", c.len())
 	}
 	c.put("z", denyEntry{until: now}, now) // already over: not stored
-	if _, ok := c.get("z", now.Add(-time.Second)); ok {
+	if _, ok := c.get("z", now.Add(-time.Second), 1); ok {
 		t.Fatal("expired entry stored")
 	}
 }
@@ -613,20 +615,25 @@ func TestRateLimitConfigErrors(t *testing.T) {
 		want string
 	}{
 		{"no rate", RedisRateLimit{}, "rate"},
-		{"zero requests", RedisRateLimit{Rates: []Rate{{0, sec}}}, "rate 0"},
-		{"zero window", RedisRateLimit{Rates: []Rate{{1, 0}}}, "window"},
-		{"sub-ms window", RedisRateLimit{Rates: []Rate{{1, caddy.Duration(time.Microsecond)}}}, "window"},
-		{"sliding too large", RedisRateLimit{Rates: []Rate{{MaxSlidingWindowRequests + 1, sec}}}, "gcra"},
-		{"gcra too fast", RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{2000, caddy.Duration(time.Millisecond)}}}, "microsecond"},
-		{"bad algorithm", RedisRateLimit{Algorithm: "leaky", Rates: []Rate{{1, sec}}}, "algorithm"},
-		{"burst without gcra", RedisRateLimit{Burst: 3, Rates: []Rate{{1, sec}}}, "burst"},
-		{"negative burst", RedisRateLimit{Algorithm: "gcra", Burst: -1, Rates: []Rate{{1, sec}}}, "burst"},
-		{"status", RedisRateLimit{Status: 302, Rates: []Rate{{1, sec}}}, "status"},
-		{"prefix", RedisRateLimit{Prefix: "a{b}", Rates: []Rate{{1, sec}}}, "prefix"},
-		{"unknown namespace", RedisRateLimit{Key: "{foo}", Rates: []Rate{{1, sec}}}, "{foo}"},
-		{"two servers", RedisRateLimit{Rates: []Rate{{1, sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}}}, "exactly one"},
-		{"bad address", RedisRateLimit{Rates: []Rate{{1, sec}}, RedisConfig: RedisConfig{Addresses: []string{"localhost"}}}, "address"},
-		{"mixed", RedisRateLimit{Rates: []Rate{{1, sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1"}, Cluster: []string{"127.0.0.1:2"}}}, "mutually exclusive"},
+		{"zero requests", RedisRateLimit{Rates: []Rate{{Requests: 0, Window: sec}}}, "rate 0"},
+		{"zero window", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: 0}}}, "window"},
+		{"sub-ms window", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Microsecond)}}}, "window"},
+		{"sliding too large", RedisRateLimit{Rates: []Rate{{Requests: MaxSlidingWindowRequests + 1, Window: sec}}}, "gcra"},
+		{"gcra too fast", RedisRateLimit{Algorithm: "gcra", Rates: []Rate{{Requests: 2000, Window: caddy.Duration(time.Millisecond)}}}, "microsecond"},
+		{"bad algorithm", RedisRateLimit{Algorithm: "leaky", Rates: []Rate{{Requests: 1, Window: sec}}}, "algorithm"},
+		{"burst without gcra", RedisRateLimit{Burst: 3, Rates: []Rate{{Requests: 1, Window: sec}}}, "burst"},
+		{"negative burst", RedisRateLimit{Algorithm: "gcra", Burst: -1, Rates: []Rate{{Requests: 1, Window: sec}}}, "burst"},
+		{"status", RedisRateLimit{Status: 302, Rates: []Rate{{Requests: 1, Window: sec}}}, "status"},
+		{"prefix", RedisRateLimit{Prefix: "a{b}", Rates: []Rate{{Requests: 1, Window: sec}}}, "prefix"},
+		{"unknown namespace", RedisRateLimit{Key: "{foo}", Rates: []Rate{{Requests: 1, Window: sec}}}, "{foo}"},
+		{"two servers", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}}}, "exactly one"},
+		{"bad address", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"localhost"}}}, "address"},
+		{"cost zero", RedisRateLimit{Cost: "0", Rates: []Rate{{Requests: 1, Window: sec}}}, "cost"},
+		{"cost word", RedisRateLimit{Cost: "two", Rates: []Rate{{Requests: 1, Window: sec}}}, "cost"},
+		{"count status", RedisRateLimit{Count: []string{"401", "99"}, Rates: []Rate{{Requests: 1, Window: sec}}}, "count"},
+		{"count class", RedisRateLimit{Count: []string{"0xx"}, Rates: []Rate{{Requests: 1, Window: sec}}}, "count"},
+		{"wait negative", RedisRateLimit{Wait: caddy.Duration(-time.Second), Rates: []Rate{{Requests: 1, Window: sec}}}, "wait"},
+		{"mixed", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1"}, Cluster: []string{"127.0.0.1:2"}}}, "mutually exclusive"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := tc.h
