@@ -17,7 +17,7 @@ import (
 // (README "Redis ACL" gives the same line): key patterns, the wake-up
 // channel and the commands the scripts and the clients send. With
 // sync_replicas add +wait; with a db other than 0 add +select.
-const minimalACL = "~caddy:lock:* ~caddy:rl:* resetchannels &redisdlm:wake -@all +evalsha +eval +time +zremrangebyscore +zscore +zcard +zrange +zadd +pexpire +pexpireat +zrem +get +set +incrby +publish +getrange +setrange +subscribe +ping"
+const minimalACL = "~caddy:lock:* ~caddy:rl:* resetchannels &redisdlm:wake -@all +evalsha +eval +time +zremrangebyscore +zscore +zcard +zrange +zadd +pexpire +pexpireat +zrem +get +set +publish +getrange +setrange +subscribe +ping +info"
 
 // TestACLMinimal: both handlers work for a Redis user limited to exactly
 // minimalACL — locks (over two clients, so wake-ups cross Pub/Sub), permits,

@@ -51,7 +51,7 @@ type serverState struct {
 	checked      time.Time
 	err          error // not nil: the server is unusable (too old)
 	evicting     bool
-	configDenied bool // CONFIG GET was refused; warned once
+	configDenied bool // INFO was refused; warned once
 }
 
 func newServerCheck(logger func() *zap.Logger) *serverCheck {
@@ -140,17 +140,18 @@ func (sc *serverCheck) checkVersion(ctx context.Context, cn *redis.Conn, addr st
 	return false, nil
 }
 
-// checkPolicy reads maxmemory-policy: an evicting policy can drop a held
+// checkPolicy reads maxmemory-policy (from INFO memory, which needs no
+// access to the server's configuration): an evicting policy can drop a held
 // lock and its fencing counter and let two holders in. It returns an error
 // only when the call itself failed.
 func (sc *serverCheck) checkPolicy(ctx context.Context, cn *redis.Conn, addr string, st *serverState) error {
-	cfg, err := cn.ConfigGet(ctx, "maxmemory-policy").Result()
+	info, err := cn.Info(ctx, "memory").Result()
 	var re redis.Error
 	if err != nil && errors.As(err, &re) {
-		// Refused by ACL, or CONFIG renamed or disabled (managed Redis).
+		// Refused by ACL, or INFO renamed or disabled (managed Redis).
 		if !st.configDenied {
 			st.configDenied = true
-			sc.log().Warn("cannot read maxmemory-policy (CONFIG GET refused); locks need maxmemory-policy noeviction",
+			sc.log().Warn("cannot read maxmemory-policy (INFO refused); locks need maxmemory-policy noeviction",
 				zap.String("server", addr), zap.Error(err))
 		}
 		return nil
@@ -158,7 +159,12 @@ func (sc *serverCheck) checkPolicy(ctx context.Context, cn *redis.Conn, addr str
 	if err != nil {
 		return err
 	}
-	policy := cfg["maxmemory-policy"]
+	var policy string
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "maxmemory_policy:"); ok {
+			policy = v
+		}
+	}
 	evicting := strings.HasPrefix(policy, "allkeys-") || strings.HasPrefix(policy, "volatile-")
 	if evicting {
 		sc.log().Error("redis server evicts keys: it can drop a held lock and its fencing counter and let two holders in; set maxmemory-policy noeviction",

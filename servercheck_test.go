@@ -121,12 +121,12 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 	}
 }
 
-// TestServerCheckConfigRefused: a user whose ACL refuses CONFIG gets one
+// TestServerCheckConfigRefused: a user whose ACL refuses INFO gets one
 // warning for the server, however many connections, and working locks.
 func TestServerCheckConfigRefused(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	if err := r.Client().Do(context.Background(), "acl", "setuser", "app", "on", ">pw", "~*", "&*", "+@all", "-config").Err(); err != nil {
+	if err := r.Client().Do(context.Background(), "acl", "setuser", "app", "on", ">pw", "~*", "&*", "+@all", "-info").Err(); err != nil {
 		t.Fatal(err)
 	}
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s"}`, r.Addr))
