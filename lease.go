@@ -152,11 +152,11 @@ func (ls *lease) handOff() bool {
 	ls.mu.Unlock()
 	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
 		until: until, q: q, released: ls.released, removed: ls.removed, chainLeft: left - 1, chained: true, raise: ls.raise}
-	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.waitqLife(len(ls.keys)) > 0 {
+	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
 		// Redis for another block while it works. Renewal needs the
-		// instances' wait list (to step aside for another instance), which
-		// exists where waitqLife is on: one key on one server.
+		// instances' turns (to step aside for another instance): one key on
+		// one server.
 		n := len(q.waiters) - 1
 		if n > maxChain {
 			n = maxChain

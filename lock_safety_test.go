@@ -298,3 +298,71 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 		t.Fatalf("wake-up messages show the lock key: %q", msgs)
 	}
 }
+
+// publishes counts the PUBLISH calls a server ran (also inside scripts).
+func publishes(rs []*testRedis) int64 {
+	var n int64
+	for _, r := range rs {
+		n += r.CommandCalls("publish")
+	}
+	return n
+}
+
+// TestReleasePublishesOnlyForOtherInstances: a release announces itself on
+// Pub/Sub only when another instance waits for the key — on one server, a
+// Redlock quorum and several keys alike — and a waiter of another instance
+// is still woken by it (its backoff is far longer than the test).
+func TestReleasePublishesOnlyForOtherInstances(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		servers int
+		keys    string
+	}{
+		{"one server", 1, `["{http.request.uri.path}"]`},
+		{"redlock", 3, `["{http.request.uri.path}"]`},
+		{"several keys", 1, `["{http.request.uri.path}","b:{http.request.uri.path}"]`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			rs, addrs := startRedlock(t, tc.servers)
+			release := make(chan struct{})
+			entered := make(chan struct{}, 1)
+			up := func(w http.ResponseWriter, req *http.Request) error {
+				if req.URL.Query().Get("hold") == "1" {
+					entered <- struct{}{}
+					<-release
+				}
+				return nil
+			}
+			a := provisionLock(t, fmt.Sprintf(`{"redis":%s,"keys":%s,"wait":"20s","timeout":"2s"}`, addrs, tc.keys))
+			b := provisionLock(t, fmt.Sprintf(`{"redis":%s,"keys":%s,"wait":"20s","timeout":"2100ms","backoff_min":"15s","backoff_max":"15s"}`, addrs, tc.keys))
+			sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
+			before := publishes(rs)
+			for i := 0; i < 20; i++ {
+				if resp, _ := get(t, fmt.Sprintf("%s/quiet%d", sa.URL, i)); resp == nil || resp.StatusCode != 200 {
+					t.Fatalf("uncontended request %d: %v", i, resp)
+				}
+			}
+			if n := publishes(rs) - before; n != 0 {
+				t.Fatalf("20 uncontended releases published %d wake-ups, want 0", n)
+			}
+			holder := goFetch(context.Background(), sa.URL+"/hot?hold=1")
+			<-entered
+			waiter := goFetch(context.Background(), sb.URL+"/hot")
+			time.Sleep(500 * time.Millisecond) // b's attempt failed and it waits
+			start := time.Now()
+			close(release)
+			if res := await(t, waiter, 20*time.Second, "waiter"); res.status != 200 {
+				t.Fatalf("waiter: %d %v", res.status, res.err)
+			}
+			if el := time.Since(start); el > 5*time.Second {
+				t.Errorf("the other instance's waiter got the lock %s after the release; its backoff is 15s, so the wake-up was lost", el)
+			}
+			await(t, holder, 20*time.Second, "holder")
+			if publishes(rs)-before == 0 {
+				t.Error("no wake-up published although another instance waited")
+			}
+		})
+	}
+}

@@ -305,6 +305,8 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: replay: must not be negative")
 	case h.ReplayMax < 0:
 		return fmt.Errorf("redis_lock: replay_max: must be positive, got %d", h.ReplayMax)
+	case h.Permits > 1 && len(h.Addresses) > 1:
+		return fmt.Errorf("redis_lock: permits: %d permits cannot be used with a Redlock quorum of %d servers: each server counts its own holders, so holders granted by different majorities (A+B, B+C, A+C) can be more than the permits; use one Redis (a server, Cluster or Sentinel) for a semaphore", h.Permits, len(h.Addresses))
 	case h.Replay > 0 && h.Permits > 1:
 		return fmt.Errorf("redis_lock: replay: cannot be used with permits %d: several holders at once would each run the route, and only one answer can be replayed", h.Permits)
 	case h.Replay > 0 && len(h.Keys) > 1:

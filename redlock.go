@@ -222,7 +222,7 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 		}
 	}
 	if ls == nil {
-		if q.empty() && l.waitqLife(len(keys)) > 0 {
+		if q.empty() {
 			// Nobody here waits any more: give up this instance's turn in Redis.
 			go l.leaveWaitq(keys)
 		}
@@ -389,16 +389,27 @@ func (l *locker) subscribe(ctx context.Context) bool {
 	return fresh
 }
 
-// waitqLife is how long an instance's place in a key's Redis wait list lasts
-// without a new attempt. Instances take turns only on a single-key lock on
-// one server: with Redlock, or several keys, the wait lists of different
-// servers or keys could each favour another instance and nobody would win,
-// so there it is 0 (off).
-func (l *locker) waitqLife(keys int) time.Duration {
-	if len(l.servers) > 1 || keys > 1 {
-		return 0
-	}
+// waitqLife is how long an instance's place in a key's Redis wait list
+// lasts without a new attempt (a waiter asks at least every backoff_max).
+// The list tells a release whether another instance waits (only then is a
+// wake-up published) and, where instances take turns, who goes next.
+func (l *locker) waitqLife() time.Duration {
 	return 2*l.opts.BackoffMax + time.Second
+}
+
+// turns reports whether instances take turns on a key set: only a single
+// key on one server. With Redlock, or several keys, the wait lists of
+// different servers or keys could each favour another instance and nobody
+// would win.
+func (l *locker) turns(keys int) bool {
+	return len(l.servers) == 1 && keys == 1
+}
+
+func (l *locker) turnsFlag(keys int) string {
+	if l.turns(keys) {
+		return "1"
+	}
+	return "0"
 }
 
 // leaveWaitq removes this instance from the keys' Redis wait lists.
@@ -435,7 +446,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	token := uuid.NewString()
 	start := time.Now()
 	ttlMs := l.opts.TTL.Milliseconds()
-	life := l.waitqLife(len(keys)).Milliseconds()
+	life := l.waitqLife().Milliseconds()
 	n := len(l.servers)
 	var fence int64
 	// A server that grants after the outcome was decided must not keep a
@@ -473,11 +484,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			c := s.client
 			keys := []string{k, fenceKey(k), waitqKey(k), replayKey(k)}
 			if l.opts.SyncReplicas > 0 {
-				return l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain)
+				return l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain, l.turnsFlag(len(order)))
 			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			v, ans, err := acquireReply(acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag()))
+			v, ans, err := acquireReply(acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), l.turnsFlag(len(keys))))
 			if ans != "" {
 				answer.Store(&ans)
 			}
@@ -580,7 +591,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 // timeout, so too few acknowledgements are an answer, not an i/o timeout.
 // A grant that too few replicas acknowledged is an error: the caller's
 // undo releases it, owner-checked, at once.
-func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int) ([]int64, error) {
+func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int, turns string) ([]int64, error) {
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	node := c
@@ -593,7 +604,7 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 	}
 	waitMs := max((l.opts.Timeout / 2).Milliseconds(), 1) // 0 would block for ever
 	pipe := node.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, "0")
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, "0", turns)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, waitMs)
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)

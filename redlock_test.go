@@ -8,7 +8,10 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+
 	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // startRedlock starts n independent redis-servers and returns them with the
@@ -260,5 +263,23 @@ func TestRedlockExtensionRecreatesOnRestartedServer(t *testing.T) {
 	close(finish)
 	if resp := <-done; resp == nil || resp.StatusCode != 200 || canceled.Load() {
 		t.Fatalf("holder: %v canceled=%v; want 200, lease kept", resp, canceled.Load())
+	}
+}
+
+// TestRedlockPermitsRejected: a semaphore over a Redlock quorum is refused:
+// each server counts its own holders, so holders granted by different
+// majorities (A+B, B+C, A+C) could be more than the permits (the soak saw
+// three holders of a permits-2 key with no fault running).
+func TestRedlockPermitsRejected(t *testing.T) {
+	t.Parallel()
+	h := new(RedisLock)
+	err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\tredis 127.0.0.1:1 127.0.0.1:2 127.0.0.1:3\n\tpermits 2\n}"))
+	if err == nil || !strings.Contains(err.Error(), "redis_lock: permits") || !strings.Contains(err.Error(), ":2") {
+		t.Fatalf("Caddyfile: %v, want an error naming redis_lock, permits and the line", err)
+	}
+	j := &RedisLock{Permits: 2}
+	j.Addresses = []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}
+	if err := j.Validate(); err == nil || !strings.Contains(err.Error(), "permits") {
+		t.Fatalf("JSON: %v, want a permits error", err)
 	}
 }

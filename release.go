@@ -18,7 +18,8 @@ import (
 // releaseJob is one owner-checked release of one key on one server.
 type releaseJob struct {
 	key, token string
-	msg        string // wake-up announced when it removes the lease; "" for none
+	msg        string // wake-up announced when it removes the lease and another instance waits; "" for none
+	self       string // the releasing instance (domain) id
 	raise      int64  // fencing counter to write back (Redlock); 0 for none
 	ttlMs      int64
 	// answer is the holder's answer to store for replay ("" for none),
@@ -34,8 +35,8 @@ type releaseJob struct {
 
 // run sends the release; it reports whether the token was removed.
 func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
-	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key)},
-		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs).Int64()
+	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key)},
+		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self).Int64()
 	return n == 1, err
 }
 
@@ -50,7 +51,7 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
 	one := func(k string) {
 		job := releaseJob{key: k, token: token, raise: raise, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown,
-			answer: answer, replayMs: l.opts.Replay.Milliseconds()}
+			answer: answer, replayMs: l.opts.Replay.Milliseconds(), self: l.dom.id}
 		if wake {
 			job.msg = l.dom.id + " " + wakeID(k)
 		}

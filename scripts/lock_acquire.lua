@@ -5,9 +5,9 @@
 -- KEYS[3] waitq: sorted set of waiting Caddy instances, score = entry expiry (ms)
 -- KEYS[4] replay (with ARGV[7] = "1"): the stored answer of an earlier holder
 -- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits, ARGV[4] instance id,
--- ARGV[5] waitq entry lifetime ms; 0 turns the turn-taking of instances off (Redlock and
--- several keys: separate wait lists could each favour another instance, and
--- then nobody would get a majority or all keys)
+-- ARGV[5] waitq entry lifetime ms: a busy attempt puts its instance in the
+-- wait list, so a release knows whether to announce itself (nobody else
+-- waiting: no message)
 -- ARGV[6] how many fencing tokens to reserve (>= 1): a lease that this
 -- instance will hand on to its own queued waiters without a Redis call uses
 -- the block fence-k+1 .. fence, one token per holder
@@ -16,6 +16,9 @@
 -- still hands out tokens above every earlier one (given a server clock that
 -- does not step back).
 -- ARGV[7] "1" when the lock replays stored answers (replay)
+-- ARGV[8] "1" when instances take turns (one key on one server; with Redlock
+-- or several keys separate wait lists could each favour another instance,
+-- and then nobody would get a majority or all keys)
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the
 -- earliest lease ends} when not; {2, 0, answer} when an earlier holder's
 -- answer is stored (then nothing is taken: the request is answered with it).
@@ -31,12 +34,10 @@ local ttl = tonumber(ARGV[2])
 local permits = tonumber(ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local life = tonumber(ARGV[5])
-if life > 0 then
-	redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
 local free = redis.call('ZCARD', KEYS[1]) < permits
-if free and not held and life > 0 then
+if free and not held and ARGV[8] == '1' then
 	-- Instances take turns: when another instance has waited longer, it goes first.
 	local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
 	if head and head ~= ARGV[4] then
@@ -49,9 +50,7 @@ if free or held then
 	redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
 	local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 	redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]))
-	if life > 0 then
-		redis.call('ZREM', KEYS[3], ARGV[4])
-	end
+	redis.call('ZREM', KEYS[3], ARGV[4])
 	local k = tonumber(ARGV[6])
 	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
@@ -63,9 +62,7 @@ end
 -- Busy: queue this instance and say when the earliest lease ends. An entry
 -- lives as long as its instance keeps asking; the instance that asked least
 -- recently stands first, so instances take turns.
-if life > 0 then
-	redis.call('ZADD', KEYS[3], now + life, ARGV[4])
-	redis.call('PEXPIRE', KEYS[3], life)
-end
+redis.call('ZADD', KEYS[3], now + life, ARGV[4])
+redis.call('PEXPIRE', KEYS[3], life)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 return {0, tonumber(first[2]) - now}

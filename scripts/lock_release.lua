@@ -10,6 +10,9 @@
 -- long it is kept (ms); KEYS[3] where. It is stored only while the token
 -- still holds the lock, in the same script that releases it, so a waiter
 -- can never take the lock and miss it.
+-- KEYS[4] the key's wait list, ARGV[8] the releasing instance's id: the
+-- wake-up is published only when another instance waits (an uncontended
+-- release sends no message; waiters of this instance are woken locally).
 -- Returns 1 when this token held the lock, 0 otherwise.
 local raise = tonumber(ARGV[4])
 if raise > 0 then
@@ -31,6 +34,14 @@ if ARGV[6] ~= '' then
 end
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 if removed == 1 and ARGV[3] ~= '' then
-	redis.call('PUBLISH', ARGV[2], ARGV[3])
+	local t = redis.call('TIME')
+	redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+	local others = redis.call('ZCARD', KEYS[4])
+	if others > 0 and redis.call('ZSCORE', KEYS[4], ARGV[8]) then
+		others = others - 1
+	end
+	if others > 0 then
+		redis.call('PUBLISH', ARGV[2], ARGV[3])
+	end
 end
 return removed
