@@ -22,11 +22,13 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func init() {
@@ -55,6 +57,7 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 // adminEntry is one provisioned handler, as the admin API sees it.
 type adminEntry struct {
 	cfg     <-chan struct{} // Done of the context of the config that loaded it
+	server  string          // the name of the HTTP server (srv0, ...) it runs in
 	lock    *RedisLock      // one of lock and limit is set
 	limit   *RedisRateLimit
 	servers []string // display forms, without user info
@@ -89,6 +92,9 @@ func adminRegister(ctx caddy.Context, h any) error {
 	// (the HTTP server), so its Done channel is the root's: it identifies
 	// the config load.
 	e := &adminEntry{cfg: ctx.Done()}
+	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok {
+		e.server = srv.Name()
+	}
 	var rc *RedisConfig
 	switch h := h.(type) {
 	case *RedisLock:
@@ -140,8 +146,10 @@ func adminUnregister(h any) {
 	adminRegistry.entries = out
 }
 
-// runningHandlers lists the handlers of the running config, in provision
-// order (their positions in the admin API).
+// runningHandlers lists the handlers of the running config (their
+// positions in the admin API): by HTTP server name, then in provision order
+// (the order of the server's routes), so positions stay the same across
+// reloads of one config although Caddy provisions its servers in no set order.
 func runningHandlers() []*adminEntry {
 	root := caddy.ActiveContext()
 	if root.Context == nil {
@@ -156,6 +164,7 @@ func runningHandlers() []*adminEntry {
 			out = append(out, e)
 		}
 	}
+	slices.SortStableFunc(out, func(a, b *adminEntry) int { return strings.Compare(a.server, b.server) })
 	return out
 }
 
@@ -297,7 +306,8 @@ type handlerView struct {
 	Position  int        `json:"position"`
 	Name      string     `json:"name,omitempty"`
 	Kind      string     `json:"kind"`
-	Path      string     `json:"path"` // where its locks or quotas are
+	Server    string     `json:"http_server,omitempty"` // the HTTP server (srv0, ...) it runs in
+	Path      string     `json:"path"`                  // where its locks or quotas are
 	Servers   []string   `json:"servers"`
 	Prefix    string     `json:"prefix"`
 	Keys      []string   `json:"keys"`
@@ -318,7 +328,7 @@ func listView(list []*adminEntry) map[string]any {
 		if ref == "" {
 			ref = strconv.Itoa(i)
 		}
-		v := handlerView{Position: i, Name: e.name(), Kind: e.kind(), Servers: e.servers}
+		v := handlerView{Position: i, Name: e.name(), Kind: e.kind(), Server: e.server, Servers: e.servers}
 		if e.lock != nil {
 			v.Path, v.Prefix, v.Keys = "/redisdlm/locks/"+ref+"/", e.lock.Prefix, e.lock.Keys
 		} else {

@@ -49,7 +49,7 @@ func TestAdminListHandlers(t *testing.T) {
 	_, redlock := startRedlock(t, 3)
 	var addrs []string
 	_ = json.Unmarshal([]byte(redlock), &addrs)
-	port, admin := freePort(t), freePort(t)
+	port, port2, admin := freePort(t), freePort(t), freePort(t)
 	conf := func(extra string) string {
 		return fmt.Sprintf(`{
 	admin localhost:%d
@@ -75,7 +75,14 @@ func TestAdminListHandlers(t *testing.T) {
 	%s
 	respond ok
 }
-`, admin, port, addrs[0], strings.Join(addrs, " "), addrs[0], extra)
+:%d {
+	redis_lock {
+		name other_site
+		redis %s
+	}
+	respond ok
+}
+`, admin, port, addrs[0], strings.Join(addrs, " "), addrs[0], extra, port2, addrs[0])
 	}
 	runCaddy(t, conf(""))
 	base := fmt.Sprintf("http://localhost:%d/redisdlm/", admin)
@@ -89,30 +96,71 @@ func TestAdminListHandlers(t *testing.T) {
 		}
 	}
 	list, _ := m["handlers"].([]any)
-	if len(list) != 3 {
-		t.Fatalf("%d handlers listed, want 3: %s", len(list), body)
+	if len(list) != 4 {
+		t.Fatalf("%d handlers listed, want 4: %s", len(list), body)
+	}
+	// Sorted by HTTP server, then in route order; found here by name (the
+	// adapter names the servers), the unnamed one by its prefix.
+	byName := map[string]map[string]any{}
+	for i, h := range list {
+		h := h.(map[string]any)
+		if h["position"] != float64(i) {
+			t.Errorf("entry %d has position %v", i, h["position"])
+		}
+		if i > 0 && h["http_server"].(string) < list[i-1].(map[string]any)["http_server"].(string) {
+			t.Errorf("the list is not ordered by HTTP server: %s", body)
+		}
+		name, _ := h["name"].(string)
+		if name == "" && h["prefix"] == "jobs:" {
+			name = "(jobs)"
+		}
+		byName[name] = h
+	}
+	jobsPath := ""
+	if j := byName["(jobs)"]; j != nil {
+		jobsPath = fmt.Sprintf("/redisdlm/locks/%v/", j["position"])
 	}
 	want := []struct {
-		pos                float64
 		name, kind, prefix string
 		servers, keys      []string
 		path               string
 	}{
-		{0, "api", "redis_ratelimit", "caddy:rl:", []string{"redis://" + addrs[0] + "/2"}, []string{"{http.request.header.X-User}"}, "/redisdlm/limits/api/"},
-		{1, "orders", "redis_lock", "caddy:lock:", addrs, []string{"{http.request.header.X-User}"}, "/redisdlm/locks/orders/"},
-		{2, "", "redis_lock", "jobs:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, "/redisdlm/locks/2/"},
+		{"api", "redis_ratelimit", "caddy:rl:", []string{"redis://" + addrs[0] + "/2"}, []string{"{http.request.header.X-User}"}, "/redisdlm/limits/api/"},
+		{"orders", "redis_lock", "caddy:lock:", addrs, []string{"{http.request.header.X-User}"}, "/redisdlm/locks/orders/"},
+		{"(jobs)", "redis_lock", "jobs:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, jobsPath},
+		{"other_site", "redis_lock", "caddy:lock:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, "/redisdlm/locks/other_site/"},
 	}
-	for i, w := range want {
-		h, _ := list[i].(map[string]any)
-		name, _ := h["name"].(string)
-		if h["position"] != w.pos || name != w.name || h["kind"] != w.kind || h["prefix"] != w.prefix || h["path"] != w.path {
-			t.Errorf("handler %d: %v, want position %v name %q kind %s prefix %s path %s", i, h, w.pos, w.name, w.kind, w.prefix, w.path)
+	for _, w := range want {
+		h := byName[w.name]
+		if h == nil {
+			t.Errorf("handler %s not listed: %s", w.name, body)
+			continue
+		}
+		if h["kind"] != w.kind || h["prefix"] != w.prefix || h["path"] != w.path {
+			t.Errorf("handler %s: %v, want kind %s prefix %s path %s", w.name, h, w.kind, w.prefix, w.path)
 		}
 		if got := fmt.Sprint(h["servers"]); got != fmt.Sprint(w.servers) {
-			t.Errorf("handler %d: servers %s, want %v", i, got, w.servers)
+			t.Errorf("handler %s: servers %s, want %v", w.name, got, w.servers)
 		}
 		if got := fmt.Sprint(h["keys"]); got != fmt.Sprint(w.keys) {
-			t.Errorf("handler %d: keys %s, want %v", i, got, w.keys)
+			t.Errorf("handler %s: keys %s, want %v", w.name, got, w.keys)
+		}
+	}
+	if j := byName["(jobs)"]; j == nil || j["name"] != nil {
+		t.Errorf("the unnamed handler: %v", j)
+	}
+	// Positions stay across reloads of the same config (Caddy provisions
+	// its servers in no set order).
+	for i := 0; i < 4; i++ {
+		cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(conf("")), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := caddy.Load(cfg, true); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, again := adminCall(t, "GET", base); again != body {
+			t.Fatalf("after reload %d the list changed:\n%s\nbefore:\n%s", i, again, body)
 		}
 	}
 
@@ -129,12 +177,12 @@ func TestAdminListHandlers(t *testing.T) {
 	}
 	_, m, body = adminCall(t, "GET", base)
 	list, _ = m["handlers"].([]any)
-	if len(list) != 4 || !strings.Contains(body, `"more"`) {
-		t.Errorf("after a reload: %d handlers, want 4 with \"more\": %s", len(list), body)
+	if len(list) != 5 || !strings.Contains(body, `"more"`) {
+		t.Errorf("after a reload: %d handlers, want 5 with \"more\": %s", len(list), body)
 	}
 
 	// Unknown resources and handlers: 404 with a JSON error.
-	for _, p := range []string{"locks/nope/k", "limits/nope/k", "locks/api/k", "limits/orders/k", "locks/0/k", "locks/9/k", "nothing/here"} {
+	for _, p := range []string{"locks/nope/k", "limits/nope/k", "locks/api/k", "limits/orders/k", "locks/" + fmt.Sprint(byName["api"]["position"]) + "/k", "locks/9/k", "nothing/here"} {
 		status, m, body := adminCall(t, "GET", base+p)
 		if status != 404 || m == nil || m["error"] == nil {
 			t.Errorf("GET %s: %d %s, want 404 with a JSON error", p, status, body)
