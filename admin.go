@@ -190,20 +190,15 @@ func checkHandlerName(name string) error {
 	return nil
 }
 
-// displayServer names a logical Redis for the admin API: addresses only,
-// never user info (user name, password) or URL query.
+// displayServer names a logical Redis for the admin API as logs do, but
+// without any user info (user name, password) or URL query.
 func displayServer(s serverSettings) string {
-	addrs := make([]string, len(s.Addrs))
+	c := s
+	c.Addrs = make([]string, len(s.Addrs))
 	for i, a := range s.Addrs {
-		addrs[i] = withoutUserinfo(a)
+		c.Addrs[i] = withoutUserinfo(a)
 	}
-	switch s.Mode {
-	case "cluster":
-		return "cluster " + strings.Join(addrs, ",")
-	case "sentinel":
-		return "sentinel " + s.Master + "@" + strings.Join(addrs, ",")
-	}
-	return strings.Join(addrs, ",")
+	return c.display()
 }
 
 // withoutUserinfo drops the user info and query of a redis URL; a
