@@ -492,6 +492,9 @@ func TestHandlerNames(t *testing.T) {
 		if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
 			return err
 		}
+		// Validate provisions a whole config: not beside a running one.
+		wholeCaddyMu.Lock()
+		defer wholeCaddyMu.Unlock()
 		return caddy.Validate(&cfg)
 	}
 	site := func(body string) string { return ":0 {\n" + body + "\nrespond ok\n}\n" }
