@@ -256,8 +256,9 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 :%d {
 	redis_lock /jobs/* {
 		name jobs
-		ttl 900ms
+		ttl 1500ms
 		wait 15s
+		timeout 1s
 		redis %s
 	}
 	reverse_proxy %s
@@ -316,8 +317,8 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 					continue
 				}
 				left := holders[0].(map[string]any)["lease_left_ms"].(float64)
-				if left <= 0 || left > 900 {
-					t.Errorf("server %d: lease left %vms, want in (0, 900]", i, left)
+				if left <= 0 || left > 1500 {
+					t.Errorf("server %d: lease left %vms, want in (0, 1500]", i, left)
 				}
 				if f, _ := sv["fencing_counter"].(float64); f < 1 {
 					t.Errorf("server %d: fencing counter %v, want >= 1", i, sv["fencing_counter"])
@@ -371,6 +372,7 @@ func TestAdminQuota(t *testing.T) {
 		rate 3 10s
 		rate 10 1m
 		redis %s
+		timeout 5s
 	}
 	redis_ratelimit /gcra {
 		key {http.request.header.X-User}
@@ -378,6 +380,7 @@ func TestAdminQuota(t *testing.T) {
 		rate 10 1m
 		algorithm gcra
 		redis %s
+		timeout 5s
 	}
 	respond ok
 }
@@ -536,6 +539,7 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(20 * time.Second)}}
 				h.Algorithm = algo
 				h.Prefix = "peek:" + algo + ":"
+				h.Timeout = caddy.Duration(5 * time.Second) // a loaded machine
 			})
 			ctx := t.Context()
 			if _, found, err := h.peekQuota(ctx, "u"); err != nil || found {
@@ -612,6 +616,7 @@ func TestAdminOnCluster(t *testing.T) {
 	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
 		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
 		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
+		h.Timeout = caddy.Duration(2 * time.Second)
 	})
 	for _, id := range []string{"u1", "u2", "u3"} {
 		if _, err := rl.decide(ctx, id, &rl.static); err != nil {
@@ -637,7 +642,7 @@ func TestAdminOnCluster(t *testing.T) {
 func TestAdminLockReplayView(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"],"replay":"1m"}`, r.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"],"replay":"1m","timeout":"5s"}`, r.Addr))
 	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 		w.Header().Set("Set-Cookie", "session=s3cret")
 		w.WriteHeader(http.StatusCreated)
