@@ -312,8 +312,10 @@ type handlerView struct {
 
 type rateView struct {
 	Policy   string `json:"policy"`
-	Requests int64  `json:"requests"`
-	Window   string `json:"window"`
+	Requests int64  `json:"requests,omitempty"`
+	Window   string `json:"window,omitempty"`
+	// A rate rendered per request (a plan): its `rate` arguments.
+	Template string `json:"template,omitempty"`
 }
 
 func listView(list []*adminEntry) map[string]any {
@@ -329,7 +331,11 @@ func listView(list []*adminEntry) map[string]any {
 		} else {
 			v.Path, v.Prefix, v.Keys, v.Algorithm = "/redisdlm/limits/"+ref+"/", e.limit.Prefix, []string{e.limit.keyTemplateText()}, e.limit.algo
 			for j, s := range e.limit.static.rates {
-				v.Rates = append(v.Rates, rateView{Policy: "r" + strconv.Itoa(j), Requests: s.n, Window: s.window.String()})
+				rv := rateView{Policy: "r" + strconv.Itoa(j), Requests: s.n, Window: s.window.String()}
+				if s.nTmpl != "" || s.wTmpl != "" {
+					rv = rateView{Policy: rv.Policy, Template: s.rateTemplate()}
+				}
+				v.Rates = append(v.Rates, rv)
 			}
 		}
 		views = append(views, v)

@@ -382,9 +382,14 @@ func TestAdminQuota(t *testing.T) {
 		redis %s
 		timeout 5s
 	}
+	redis_ratelimit /plan {
+		name plan
+		rate {http.request.header.X-N} 1m
+		redis %s
+	}
 	respond ok
 }
-`, admin, port, r.Addr, r.Addr))
+`, admin, port, r.Addr, r.Addr, r.Addr))
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 	// The unnamed handler is addressed by its position (the adapter sorts
 	// the routes by path, so look it up).
@@ -397,6 +402,9 @@ func TestAdminQuota(t *testing.T) {
 	}
 	if gcraRef == "" {
 		t.Fatalf("no unnamed gcra handler listed: %s", body)
+	}
+	if !strings.Contains(body, `"template": "{http.request.header.X-N} 1m0s"`) {
+		t.Errorf("the plan's rate is not listed as its template: %s", body)
 	}
 	for _, c := range []struct{ path, ref string }{{"/sw", "sw"}, {"/gcra", gcraRef}} {
 		t.Run(c.path, func(t *testing.T) {
