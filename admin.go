@@ -22,11 +22,13 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func init() {
@@ -55,6 +57,7 @@ func (a *AdminAPI) Routes() []caddy.AdminRoute {
 // adminEntry is one provisioned handler, as the admin API sees it.
 type adminEntry struct {
 	cfg     <-chan struct{} // Done of the context of the config that loaded it
+	server  string          // the name of the HTTP server (srv0, ...) it runs in
 	lock    *RedisLock      // one of lock and limit is set
 	limit   *RedisRateLimit
 	servers []string // display forms, without user info
@@ -89,6 +92,9 @@ func adminRegister(ctx caddy.Context, h any) error {
 	// (the HTTP server), so its Done channel is the root's: it identifies
 	// the config load.
 	e := &adminEntry{cfg: ctx.Done()}
+	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok {
+		e.server = srv.Name()
+	}
 	var rc *RedisConfig
 	switch h := h.(type) {
 	case *RedisLock:
@@ -140,8 +146,10 @@ func adminUnregister(h any) {
 	adminRegistry.entries = out
 }
 
-// runningHandlers lists the handlers of the running config, in provision
-// order (their positions in the admin API).
+// runningHandlers lists the handlers of the running config (their
+// positions in the admin API): by HTTP server name, then in provision order
+// (the order of the server's routes), so positions stay the same across
+// reloads of one config although Caddy provisions its servers in no set order.
 func runningHandlers() []*adminEntry {
 	root := caddy.ActiveContext()
 	if root.Context == nil {
@@ -156,6 +164,7 @@ func runningHandlers() []*adminEntry {
 			out = append(out, e)
 		}
 	}
+	slices.SortStableFunc(out, func(a, b *adminEntry) int { return strings.Compare(a.server, b.server) })
 	return out
 }
 
@@ -181,20 +190,15 @@ func checkHandlerName(name string) error {
 	return nil
 }
 
-// displayServer names a logical Redis for the admin API: addresses only,
-// never user info (user name, password) or URL query.
+// displayServer names a logical Redis for the admin API as logs do, but
+// without any user info (user name, password) or URL query.
 func displayServer(s serverSettings) string {
-	addrs := make([]string, len(s.Addrs))
+	c := s
+	c.Addrs = make([]string, len(s.Addrs))
 	for i, a := range s.Addrs {
-		addrs[i] = withoutUserinfo(a)
+		c.Addrs[i] = withoutUserinfo(a)
 	}
-	switch s.Mode {
-	case "cluster":
-		return "cluster " + strings.Join(addrs, ",")
-	case "sentinel":
-		return "sentinel " + s.Master + "@" + strings.Join(addrs, ",")
-	}
-	return strings.Join(addrs, ",")
+	return c.display()
 }
 
 // withoutUserinfo drops the user info and query of a redis URL; a
@@ -297,7 +301,8 @@ type handlerView struct {
 	Position  int        `json:"position"`
 	Name      string     `json:"name,omitempty"`
 	Kind      string     `json:"kind"`
-	Path      string     `json:"path"` // where its locks or quotas are
+	Server    string     `json:"http_server,omitempty"` // the HTTP server (srv0, ...) it runs in
+	Path      string     `json:"path"`                  // where its locks or quotas are
 	Servers   []string   `json:"servers"`
 	Prefix    string     `json:"prefix"`
 	Keys      []string   `json:"keys"`
@@ -307,8 +312,10 @@ type handlerView struct {
 
 type rateView struct {
 	Policy   string `json:"policy"`
-	Requests int64  `json:"requests"`
-	Window   string `json:"window"`
+	Requests int64  `json:"requests,omitempty"`
+	Window   string `json:"window,omitempty"`
+	// A rate rendered per request (a plan): its `rate` arguments.
+	Template string `json:"template,omitempty"`
 }
 
 func listView(list []*adminEntry) map[string]any {
@@ -318,13 +325,17 @@ func listView(list []*adminEntry) map[string]any {
 		if ref == "" {
 			ref = strconv.Itoa(i)
 		}
-		v := handlerView{Position: i, Name: e.name(), Kind: e.kind(), Servers: e.servers}
+		v := handlerView{Position: i, Name: e.name(), Kind: e.kind(), Server: e.server, Servers: e.servers}
 		if e.lock != nil {
 			v.Path, v.Prefix, v.Keys = "/redisdlm/locks/"+ref+"/", e.lock.Prefix, e.lock.Keys
 		} else {
 			v.Path, v.Prefix, v.Keys, v.Algorithm = "/redisdlm/limits/"+ref+"/", e.limit.Prefix, []string{e.limit.keyTemplateText()}, e.limit.algo
 			for j, s := range e.limit.static.rates {
-				v.Rates = append(v.Rates, rateView{Policy: "r" + strconv.Itoa(j), Requests: s.n, Window: s.window.String()})
+				rv := rateView{Policy: "r" + strconv.Itoa(j), Requests: s.n, Window: s.window.String()}
+				if s.nTmpl != "" || s.wTmpl != "" {
+					rv = rateView{Policy: rv.Policy, Template: s.rateTemplate()}
+				}
+				v.Rates = append(v.Rates, rv)
 			}
 		}
 		views = append(views, v)

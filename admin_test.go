@@ -49,7 +49,7 @@ func TestAdminListHandlers(t *testing.T) {
 	_, redlock := startRedlock(t, 3)
 	var addrs []string
 	_ = json.Unmarshal([]byte(redlock), &addrs)
-	port, admin := freePort(t), freePort(t)
+	port, port2, admin := freePort(t), freePort(t), freePort(t)
 	conf := func(extra string) string {
 		return fmt.Sprintf(`{
 	admin localhost:%d
@@ -75,7 +75,14 @@ func TestAdminListHandlers(t *testing.T) {
 	%s
 	respond ok
 }
-`, admin, port, addrs[0], strings.Join(addrs, " "), addrs[0], extra)
+:%d {
+	redis_lock {
+		name other_site
+		redis %s
+	}
+	respond ok
+}
+`, admin, port, addrs[0], strings.Join(addrs, " "), addrs[0], extra, port2, addrs[0])
 	}
 	runCaddy(t, conf(""))
 	base := fmt.Sprintf("http://localhost:%d/redisdlm/", admin)
@@ -89,30 +96,71 @@ func TestAdminListHandlers(t *testing.T) {
 		}
 	}
 	list, _ := m["handlers"].([]any)
-	if len(list) != 3 {
-		t.Fatalf("%d handlers listed, want 3: %s", len(list), body)
+	if len(list) != 4 {
+		t.Fatalf("%d handlers listed, want 4: %s", len(list), body)
+	}
+	// Sorted by HTTP server, then in route order; found here by name (the
+	// adapter names the servers), the unnamed one by its prefix.
+	byName := map[string]map[string]any{}
+	for i, h := range list {
+		h := h.(map[string]any)
+		if h["position"] != float64(i) {
+			t.Errorf("entry %d has position %v", i, h["position"])
+		}
+		if i > 0 && h["http_server"].(string) < list[i-1].(map[string]any)["http_server"].(string) {
+			t.Errorf("the list is not ordered by HTTP server: %s", body)
+		}
+		name, _ := h["name"].(string)
+		if name == "" && h["prefix"] == "jobs:" {
+			name = "(jobs)"
+		}
+		byName[name] = h
+	}
+	jobsPath := ""
+	if j := byName["(jobs)"]; j != nil {
+		jobsPath = fmt.Sprintf("/redisdlm/locks/%v/", j["position"])
 	}
 	want := []struct {
-		pos                float64
 		name, kind, prefix string
 		servers, keys      []string
 		path               string
 	}{
-		{0, "api", "redis_ratelimit", "caddy:rl:", []string{"redis://" + addrs[0] + "/2"}, []string{"{http.request.header.X-User}"}, "/redisdlm/limits/api/"},
-		{1, "orders", "redis_lock", "caddy:lock:", addrs, []string{"{http.request.header.X-User}"}, "/redisdlm/locks/orders/"},
-		{2, "", "redis_lock", "jobs:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, "/redisdlm/locks/2/"},
+		{"api", "redis_ratelimit", "caddy:rl:", []string{"redis://" + addrs[0] + "/2"}, []string{"{http.request.header.X-User}"}, "/redisdlm/limits/api/"},
+		{"orders", "redis_lock", "caddy:lock:", addrs, []string{"{http.request.header.X-User}"}, "/redisdlm/locks/orders/"},
+		{"(jobs)", "redis_lock", "jobs:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, jobsPath},
+		{"other_site", "redis_lock", "caddy:lock:", []string{addrs[0]}, []string{"{http.request.uri.path}"}, "/redisdlm/locks/other_site/"},
 	}
-	for i, w := range want {
-		h, _ := list[i].(map[string]any)
-		name, _ := h["name"].(string)
-		if h["position"] != w.pos || name != w.name || h["kind"] != w.kind || h["prefix"] != w.prefix || h["path"] != w.path {
-			t.Errorf("handler %d: %v, want position %v name %q kind %s prefix %s path %s", i, h, w.pos, w.name, w.kind, w.prefix, w.path)
+	for _, w := range want {
+		h := byName[w.name]
+		if h == nil {
+			t.Errorf("handler %s not listed: %s", w.name, body)
+			continue
+		}
+		if h["kind"] != w.kind || h["prefix"] != w.prefix || h["path"] != w.path {
+			t.Errorf("handler %s: %v, want kind %s prefix %s path %s", w.name, h, w.kind, w.prefix, w.path)
 		}
 		if got := fmt.Sprint(h["servers"]); got != fmt.Sprint(w.servers) {
-			t.Errorf("handler %d: servers %s, want %v", i, got, w.servers)
+			t.Errorf("handler %s: servers %s, want %v", w.name, got, w.servers)
 		}
 		if got := fmt.Sprint(h["keys"]); got != fmt.Sprint(w.keys) {
-			t.Errorf("handler %d: keys %s, want %v", i, got, w.keys)
+			t.Errorf("handler %s: keys %s, want %v", w.name, got, w.keys)
+		}
+	}
+	if j := byName["(jobs)"]; j == nil || j["name"] != nil {
+		t.Errorf("the unnamed handler: %v", j)
+	}
+	// Positions stay across reloads of the same config (Caddy provisions
+	// its servers in no set order).
+	for i := 0; i < 4; i++ {
+		cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(conf("")), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := caddy.Load(cfg, true); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, again := adminCall(t, "GET", base); again != body {
+			t.Fatalf("after reload %d the list changed:\n%s\nbefore:\n%s", i, again, body)
 		}
 	}
 
@@ -129,12 +177,12 @@ func TestAdminListHandlers(t *testing.T) {
 	}
 	_, m, body = adminCall(t, "GET", base)
 	list, _ = m["handlers"].([]any)
-	if len(list) != 4 || !strings.Contains(body, `"more"`) {
-		t.Errorf("after a reload: %d handlers, want 4 with \"more\": %s", len(list), body)
+	if len(list) != 5 || !strings.Contains(body, `"more"`) {
+		t.Errorf("after a reload: %d handlers, want 5 with \"more\": %s", len(list), body)
 	}
 
 	// Unknown resources and handlers: 404 with a JSON error.
-	for _, p := range []string{"locks/nope/k", "limits/nope/k", "locks/api/k", "limits/orders/k", "locks/0/k", "locks/9/k", "nothing/here"} {
+	for _, p := range []string{"locks/nope/k", "limits/nope/k", "locks/api/k", "limits/orders/k", "locks/" + fmt.Sprint(byName["api"]["position"]) + "/k", "locks/9/k", "nothing/here"} {
 		status, m, body := adminCall(t, "GET", base+p)
 		if status != 404 || m == nil || m["error"] == nil {
 			t.Errorf("GET %s: %d %s, want 404 with a JSON error", p, status, body)
@@ -208,8 +256,9 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 :%d {
 	redis_lock /jobs/* {
 		name jobs
-		ttl 900ms
+		ttl 1500ms
 		wait 15s
+		timeout 1s
 		redis %s
 	}
 	reverse_proxy %s
@@ -268,8 +317,8 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 					continue
 				}
 				left := holders[0].(map[string]any)["lease_left_ms"].(float64)
-				if left <= 0 || left > 900 {
-					t.Errorf("server %d: lease left %vms, want in (0, 900]", i, left)
+				if left <= 0 || left > 1500 {
+					t.Errorf("server %d: lease left %vms, want in (0, 1500]", i, left)
 				}
 				if f, _ := sv["fencing_counter"].(float64); f < 1 {
 					t.Errorf("server %d: fencing counter %v, want >= 1", i, sv["fencing_counter"])
@@ -323,6 +372,7 @@ func TestAdminQuota(t *testing.T) {
 		rate 3 10s
 		rate 10 1m
 		redis %s
+		timeout 5s
 	}
 	redis_ratelimit /gcra {
 		key {http.request.header.X-User}
@@ -330,10 +380,16 @@ func TestAdminQuota(t *testing.T) {
 		rate 10 1m
 		algorithm gcra
 		redis %s
+		timeout 5s
+	}
+	redis_ratelimit /plan {
+		name plan
+		rate {http.request.header.X-N} 1m
+		redis %s
 	}
 	respond ok
 }
-`, admin, port, r.Addr, r.Addr))
+`, admin, port, r.Addr, r.Addr, r.Addr))
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 	// The unnamed handler is addressed by its position (the adapter sorts
 	// the routes by path, so look it up).
@@ -346,6 +402,9 @@ func TestAdminQuota(t *testing.T) {
 	}
 	if gcraRef == "" {
 		t.Fatalf("no unnamed gcra handler listed: %s", body)
+	}
+	if !strings.Contains(body, `"template": "{http.request.header.X-N} 1m0s"`) {
+		t.Errorf("the plan's rate is not listed as its template: %s", body)
 	}
 	for _, c := range []struct{ path, ref string }{{"/sw", "sw"}, {"/gcra", gcraRef}} {
 		t.Run(c.path, func(t *testing.T) {
@@ -444,6 +503,9 @@ func TestHandlerNames(t *testing.T) {
 		if err := json.Unmarshal(cfgJSON, &cfg); err != nil {
 			return err
 		}
+		// Validate provisions a whole config: not beside a running one.
+		wholeCaddyMu.Lock()
+		defer wholeCaddyMu.Unlock()
 		return caddy.Validate(&cfg)
 	}
 	site := func(body string) string { return ":0 {\n" + body + "\nrespond ok\n}\n" }
@@ -485,6 +547,7 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(20 * time.Second)}}
 				h.Algorithm = algo
 				h.Prefix = "peek:" + algo + ":"
+				h.Timeout = caddy.Duration(5 * time.Second) // a loaded machine
 			})
 			ctx := t.Context()
 			if _, found, err := h.peekQuota(ctx, "u"); err != nil || found {
@@ -561,6 +624,7 @@ func TestAdminOnCluster(t *testing.T) {
 	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
 		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
 		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
+		h.Timeout = caddy.Duration(2 * time.Second)
 	})
 	for _, id := range []string{"u1", "u2", "u3"} {
 		if _, err := rl.decide(ctx, id, &rl.static); err != nil {
@@ -586,7 +650,7 @@ func TestAdminOnCluster(t *testing.T) {
 func TestAdminLockReplayView(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"],"replay":"1m"}`, r.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"],"replay":"1m","timeout":"5s"}`, r.Addr))
 	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 		w.Header().Set("Set-Cookie", "session=s3cret")
 		w.WriteHeader(http.StatusCreated)
