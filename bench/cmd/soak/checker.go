@@ -5,7 +5,7 @@ package main
 // asserts what the plugin promises:
 //
 //   - lock routes: at most `permits` requests of one key inside at once
-//     (1, or 2 on /p/), over all four Caddy instances;
+//     (1, or 2 on /p/ and /rp/), over all four Caddy instances;
 //   - fencing tokens: every request carries one, above the token of every
 //     request of the same key that left the upstream before this one's
 //     client sent it (that one acquired earlier); with permits 1 also above
@@ -106,7 +106,7 @@ func startChecker(start time.Time) (*checker, error) {
 
 func (c *checker) now() time.Duration { return time.Since(c.start) }
 
-// route is the first path segment: s, r, p, stall, rl, bad, probe-*.
+// route is the first path segment: s, r, p, rp, stall, rl, bad, probe.
 func route(path string) string {
 	seg, _, _ := strings.Cut(strings.TrimPrefix(path, "/"), "/")
 	return seg
@@ -115,7 +115,7 @@ func route(path string) string {
 // backendOf names the Redis that decides a route.
 func backendOf(rt string) string {
 	switch rt {
-	case "r", "p", "probe":
+	case "r", "rp", "probe":
 		return "redlock"
 	case "rl":
 		return "ratelimit"
@@ -149,7 +149,7 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	permits := 1
-	if rt == "p" {
+	if rt == "p" || rt == "rp" {
 		permits = 2
 	}
 	tok, err := strconv.ParseInt(r.Header.Get("Lock-Fencing-Token"), 10, 64)

@@ -100,7 +100,7 @@ func (s *soak) do(inst int, path string, hold, cancelAfter time.Duration) {
 	t.statuses[code]++
 	t.lat = append(t.lat, to-from)
 	sample := fmt.Sprintf("%.3fs caddy%d GET %s → %d (Retry-After %q)", from.Seconds(), inst, path, code, ra)
-	lockRoute := rt == "s" || rt == "r" || rt == "p" || rt == "stall" || rt == "probe"
+	lockRoute := rt == "s" || rt == "r" || rt == "p" || rt == "rp" || rt == "stall" || rt == "probe"
 	switch {
 	case code == 200 && rt != "bad":
 	case code == 400 && rt == "bad":
@@ -131,8 +131,10 @@ func (s *soak) work(id int, stop time.Time) {
 			path, h = fmt.Sprintf("/s/hot%d", rng.Intn(2)), hold(1, 10)
 		case x < 50:
 			path, h = fmt.Sprintf("/r/hot%d", rng.Intn(2)), hold(1, 10)
-		case x < 62:
+		case x < 56:
 			path, h = "/p/hot0", hold(5, 20)
+		case x < 62 && *redlockPermits:
+			path, h = "/rp/hot0", hold(5, 20)
 		case x < 74:
 			path, h = fmt.Sprintf("/s/cold%d", rng.Intn(200)), hold(1, 5)
 		case x < 86:
@@ -182,6 +184,9 @@ func (s *soak) cancelers(d time.Duration) {
 			defer wg.Done()
 			rng := rand.New(rand.NewSource(time.Now().UnixNano() + int64(i)))
 			paths := []string{"/s/hot0", "/r/hot0", "/p/hot0"}
+			if *redlockPermits {
+				paths = append(paths, "/rp/hot0")
+			}
 			for time.Now().Before(stop) {
 				s.do(rng.Intn(len(s.caddies)), paths[rng.Intn(len(paths))], 40*time.Millisecond,
 					time.Duration(10+rng.Intn(290))*time.Millisecond)

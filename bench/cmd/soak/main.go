@@ -26,19 +26,20 @@ import (
 )
 
 var (
-	caddyBin   = flag.String("caddy", "../bin/caddy", "Caddy binary with the redisdlm plugin")
-	redisBin   = flag.String("redis-server", "redis-server", "redis-server binary")
-	duration   = flag.Duration("duration", 5*time.Minute, "length of the fault phase")
-	seedFlag   = flag.Int64("seed", 0, "seed of the fault schedule; 0 = a new one (printed)")
-	workers    = flag.Int("workers", 16, "clients on the lock routes")
-	rlWorkers  = flag.Int("rl-workers", 4, "clients on the rate-limited routes")
-	tolerance  = flag.Duration("tolerance", 5*time.Millisecond, "apparent rate on the upstream's clock: allowed transit noise (printed, not failed)")
-	connSlack  = flag.Int("conn-slack", 0, "allowed growth of connected_clients per Redis and Caddy (0 = the pool size, 64)")
-	goroSlack  = flag.Int("goroutine-slack", 40, "allowed growth of go_goroutines per Caddy")
-	keepDir    = flag.Bool("keep", false, "keep the work directory (logs, configs)")
-	deadline   = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
-	verboseFlt = flag.Bool("v", false, "print every fault as it starts")
-	onlyFaults = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
+	caddyBin       = flag.String("caddy", "../bin/caddy", "Caddy binary with the redisdlm plugin")
+	redisBin       = flag.String("redis-server", "redis-server", "redis-server binary")
+	duration       = flag.Duration("duration", 5*time.Minute, "length of the fault phase")
+	seedFlag       = flag.Int64("seed", 0, "seed of the fault schedule; 0 = a new one (printed)")
+	workers        = flag.Int("workers", 16, "clients on the lock routes")
+	rlWorkers      = flag.Int("rl-workers", 4, "clients on the rate-limited routes")
+	tolerance      = flag.Duration("tolerance", 5*time.Millisecond, "apparent rate on the upstream's clock: allowed transit noise (printed, not failed)")
+	connSlack      = flag.Int("conn-slack", 0, "allowed growth of connected_clients per Redis and Caddy (0 = the pool size, 64)")
+	goroSlack      = flag.Int("goroutine-slack", 40, "allowed growth of go_goroutines per Caddy")
+	keepDir        = flag.Bool("keep", false, "keep the work directory (logs, configs)")
+	deadline       = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
+	redlockPermits = flag.Bool("redlock-permits", true, "also run the permits 2 route over the 3-server Redlock (/rp/)")
+	verboseFlt     = flag.Bool("v", false, "print every fault as it starts")
+	onlyFaults     = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
 )
 
 const (
@@ -113,6 +114,10 @@ func (s *soak) caddyfile(c *caddyProc, variant int) string {
 		return fmt.Sprintf("\thandle /%s/* {\n\t\tredis_lock {\n%s\t\t\ttimeout %s\n\t\t}\n\t\treverse_proxy %s\n\t}\n",
 			path, opts, timeout, s.check.url)
 	}
+	rp := ""
+	if *redlockPermits {
+		rp = lock("rp", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, redlock))
+	}
 	return fmt.Sprintf(`{
 	admin 127.0.0.1:%d
 	auto_https off
@@ -128,7 +133,8 @@ http://127.0.0.1:%d {
 `, c.adminPort, filepath.Join(workDir, "data-"+c.name()), c.port, c.idx) +
 		lock("s", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", ttl, p(0))) +
 		lock("r", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", ttl, redlock)) +
-		lock("p", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, redlock)) +
+		lock("p", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, p(0))) +
+		rp +
 		lock("stall", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 1s\n\t\t\tauto_extend on\n\t\t\tredis %s\n", stallTTL, p(0))) +
 		lock("probe", fmt.Sprintf("\t\t\tttl %s\n\t\t\tredis %s\n", ttl, redlock)) +
 		lock("bad", fmt.Sprintf("\t\t\tkey {http.request.header.X-Missing}\n\t\t\tredis %s\n", p(0))) +
