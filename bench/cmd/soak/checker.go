@@ -224,13 +224,13 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 const exCanceled = "client went away mid-request: lock passed on before the upstream noticed"
 
 // overlapExcuse names exCanceled when every holder inside was such a
-// request and left within 50 ms of the newcomer's entry.
+// request and left within 10 ms of the newcomer's entry.
 func overlapExcuse(e event) string {
 	if len(e.inside) == 0 {
 		return ""
 	}
 	for _, h := range e.inside {
-		if !h.canceler || !h.canceled || h.exit == 0 || h.exit > e.at+50*time.Millisecond {
+		if !h.canceler || !h.canceled || h.exit == 0 || h.exit > e.at+10*time.Millisecond {
 			return ""
 		}
 	}
