@@ -38,6 +38,7 @@ var (
 	keepDir        = flag.Bool("keep", false, "keep the work directory (logs, configs)")
 	deadline       = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
 	redlockPermits = flag.Bool("redlock-permits", true, "also run the permits 2 route over the 3-server Redlock (/rp/)")
+	rlFailOpen     = flag.Bool("rl-fail-open", false, "drop fail_closed from the rate-limited route (a self-test: Redis faults must then show as limit violations)")
 	verboseFlt     = flag.Bool("v", false, "print every fault as it starts")
 	onlyFaults     = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
 )
@@ -114,6 +115,10 @@ func (s *soak) caddyfile(c *caddyProc, variant int) string {
 		return fmt.Sprintf("\thandle /%s/* {\n\t\tredis_lock {\n%s\t\t\ttimeout %s\n\t\t}\n\t\treverse_proxy %s\n\t}\n",
 			path, opts, timeout, s.check.url)
 	}
+	failPolicy := "fail_closed"
+	if *rlFailOpen {
+		failPolicy = "# fail open (-rl-fail-open)"
+	}
 	rp := ""
 	if *redlockPermits {
 		rp = lock("rp", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, redlock))
@@ -142,7 +147,7 @@ http://127.0.0.1:%d {
 		redis_ratelimit {
 			key {http.request.uri.path}
 			rate %d %s
-			fail_closed
+			%s
 			timeout %s
 			redis %s
 		}
@@ -151,7 +156,7 @@ http://127.0.0.1:%d {
 	}
 	respond 404
 }
-`, rateN, rateWindow, timeout, p(0), s.check.url)
+`, rateN, rateWindow, failPolicy, timeout, p(0), s.check.url)
 }
 
 func run() error {
