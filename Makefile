@@ -6,7 +6,7 @@ MODULE  := github.com/caddy-dlm/redisdlm
 PSEUDO  := v0.0.0-00010101000000-000000000000
 SOURCES := $(wildcard *.go) $(wildcard scripts/*.lua) go.mod go.sum
 
-.PHONY: all caddy upstream run stop test test-bench bench redis-server fuzz
+.PHONY: all caddy upstream run stop test test-bench bench redis-server fuzz soak
 
 all: caddy
 
@@ -40,11 +40,12 @@ redis-server:
 	@command -v redis-server >/dev/null
 
 # The plugin's tests (real redis-servers, about a minute), then the
-# benchmark modules' vet and tests.
+# benchmark modules' vet and tests, then a 30 s soak (README "How we test").
 test: redis-server
 	go vet ./...
 	go test -race -count=1 ./...
 	@$(MAKE) --no-print-directory test-bench
+	@$(MAKE) --no-print-directory soak SOAK=30s
 
 # The benchmark modules have a go.mod of their own (their dependencies stay
 # out of users' builds), so `go test ./...` at the root skips them.
@@ -60,6 +61,17 @@ test-bench:
 FUZZTIME ?= 30s
 fuzz:
 	@FUZZTIME=$(FUZZTIME) tools/fuzz.sh
+
+# The soak (README "How we test"): 4 Caddy processes, a single Redis and a
+# 3-server Redlock behind TCP fault proxies, random faults drawn from a seed,
+# an independent checker; exits 1 when a promise was broken. SOAK is the
+# length of the fault phase (about 15 s more in all); SEED=<n> replays a
+# run's fault schedule; SOAK_FLAGS passes more flags (see -help).
+SOAK ?= 5m
+SEED ?= 0
+SOAK_FLAGS ?=
+soak: caddy redis-server
+	cd bench && go run ./cmd/soak -caddy ../bin/caddy -duration $(SOAK) -seed $(SEED) $(SOAK_FLAGS)
 
 # The hot-key ceiling for `make bench`: stock Caddy plus bench/benchmutex (a
 # process-wide sync.Mutex handler, benchmarking only), rebuilt only when it changes.

@@ -36,6 +36,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/bench/internal/proc"
+
 	"github.com/bsm/redislock"
 	"github.com/go-redsync/redsync/v4"
 	"github.com/go-redsync/redsync/v4/redis/goredis/v9"
@@ -148,23 +150,9 @@ func killAll() {
 	}
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
+func freePort() (int, error) { return proc.FreePort() }
 
-func tail(logName string, n int) string {
-	b, _ := os.ReadFile(filepath.Join(workDir, logName))
-	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
+func tail(logName string, n int) string { return proc.Tail(filepath.Join(workDir, logName), n) }
 
 type redisProc struct {
 	port int

@@ -1,0 +1,247 @@
+package main
+
+// The fault schedule: drawn from the seed before the run starts (so a seed
+// replays it), one fault at a time with random gaps, then executed against
+// the real processes and proxies.
+
+import (
+	"fmt"
+	"math/rand"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+const (
+	fPause     = "SIGSTOP/SIGCONT a Redis"
+	fRestart   = "kill -9 a Redis, restart empty"
+	fLatency   = "latency Caddy→Redis"
+	fBlackhole = "blackhole Caddy↔Redis"
+	fReset     = "reset connections"
+	fKillCaddy = "kill -9 a Caddy, restart"
+	fReload    = "reload a Caddy (POST /load)"
+	fCancel    = "clients cancel while waiting"
+	fStall     = "upstream stalls past the ttl"
+)
+
+var faultKinds = []string{fPause, fRestart, fLatency, fBlackhole, fReset, fKillCaddy, fReload, fCancel, fStall}
+
+// Documented exceptions (README "How we test"): what happens inside their
+// windows is counted apart, by name.
+const (
+	exSingleEmpty  = "single Redis restarted empty (no persistence) drops held leases and rate windows"
+	exRedlockEmpty = "Redlock member restarted empty within the ttl"
+)
+
+type fault struct {
+	at     time.Duration // offset from the start of the fault phase
+	began  time.Duration // soak clock when it was carried out
+	kind   string
+	redis  int           // 0 single, 1-3 Redlock members
+	caddy  int           // -1 = every Caddy (proxy faults)
+	dur    time.Duration // how long it lasts
+	amount time.Duration // latency added
+}
+
+func (f fault) String() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%6.1fs", f.at.Seconds())
+	if f.began > 0 {
+		fmt.Fprintf(&b, " (soak clock %.3fs)", f.began.Seconds())
+	}
+	fmt.Fprintf(&b, " %s", f.kind)
+	switch f.kind {
+	case fPause, fRestart, fLatency, fBlackhole, fReset:
+		fmt.Fprintf(&b, " %s", redisNames[f.redis])
+		if f.kind != fPause && f.kind != fRestart {
+			if f.caddy < 0 {
+				b.WriteString(" from every Caddy")
+			} else {
+				fmt.Fprintf(&b, " from caddy%d", f.caddy)
+			}
+		}
+	case fKillCaddy, fReload:
+		fmt.Fprintf(&b, " caddy%d", f.caddy)
+	}
+	if f.amount > 0 {
+		fmt.Fprintf(&b, " +%v", f.amount)
+	}
+	if f.dur > 0 {
+		fmt.Fprintf(&b, " for %v", f.dur)
+	}
+	return b.String()
+}
+
+var redisNames = []string{"single", "redlock1", "redlock2", "redlock3"}
+
+func randDur(rng *rand.Rand, lo, hi time.Duration) time.Duration {
+	return (lo + time.Duration(rng.Int63n(int64(hi-lo)+1))).Round(time.Millisecond)
+}
+
+// schedule draws faults until the phase of length total is full.
+// kinds limits the draw to some kinds (for a focused reproduction).
+func schedule(seed int64, total time.Duration, kinds []string) []fault {
+	rng := rand.New(rand.NewSource(seed))
+	var out []fault
+	t := randDur(rng, 500*time.Millisecond, 2*time.Second)
+	for {
+		f := fault{at: t, kind: kinds[rng.Intn(len(kinds))], redis: rng.Intn(4), caddy: rng.Intn(4)}
+		switch f.kind {
+		case fPause:
+			f.dur = randDur(rng, 200*time.Millisecond, 2*time.Second)
+		case fRestart:
+			f.dur = randDur(rng, 100*time.Millisecond, time.Second) // down time
+		case fLatency:
+			f.dur = randDur(rng, 500*time.Millisecond, 3*time.Second)
+			f.amount = randDur(rng, 5*time.Millisecond, 200*time.Millisecond)
+		case fBlackhole:
+			f.dur = randDur(rng, 200*time.Millisecond, 2*time.Second)
+		case fReset:
+		case fKillCaddy:
+			f.dur = randDur(rng, 0, 500*time.Millisecond) // down time before the restart
+		case fReload:
+		case fCancel:
+			f.dur = randDur(rng, 500*time.Millisecond, 2*time.Second)
+		case fStall:
+			f.dur = randDur(rng, 1500*time.Millisecond, 3*time.Second) // the upstream's hold, ttl is 1s
+		}
+		if f.kind == fLatency || f.kind == fBlackhole || f.kind == fReset {
+			if rng.Intn(2) == 0 {
+				f.caddy = -1
+			}
+		}
+		// Faults take a little longer than dur to carry out; keep a margin.
+		end := t + f.dur + 500*time.Millisecond
+		if end > total {
+			return out
+		}
+		out = append(out, f)
+		t = end + randDur(rng, 300*time.Millisecond, 3*time.Second)
+	}
+}
+
+// window is a stretch of the soak clock with a name.
+type window struct {
+	name     string
+	backends []string // which decisions it excuses: "single", "redlock", "ratelimit"
+	caddy    int      // transport errors excused for this instance (-1: none)
+	from, to time.Duration
+}
+
+type windows struct {
+	mu sync.Mutex
+	ws []window
+}
+
+func (w *windows) add(x window) {
+	w.mu.Lock()
+	w.ws = append(w.ws, x)
+	w.mu.Unlock()
+}
+
+// excuse names the exception whose window covers at for backend, or "".
+func (w *windows) excuse(at time.Duration, backend string) string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, x := range w.ws {
+		if at >= x.from && at <= x.to {
+			for _, b := range x.backends {
+				if b == backend {
+					return x.name
+				}
+			}
+		}
+	}
+	return ""
+}
+
+// caddyDown reports whether instance i was down or reloading at some time
+// in [from, to] (transport errors from it are expected then).
+func (w *windows) caddyDown(from, to time.Duration, i int) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, x := range w.ws {
+		if x.caddy == i && from <= x.to && to >= x.from {
+			return true
+		}
+	}
+	return false
+}
+
+// inject carries out f; it returns when the fault is over.
+func (s *soak) inject(f fault) error {
+	now := s.check.now
+	proxies := func() []*proxy {
+		var ps []*proxy
+		for i := range s.caddies {
+			if f.caddy < 0 || f.caddy == i {
+				ps = append(ps, s.proxies[i][f.redis])
+			}
+		}
+		return ps
+	}
+	switch f.kind {
+	case fPause:
+		s.redis[f.redis].signal(syscall.SIGSTOP)
+		time.Sleep(f.dur)
+		s.redis[f.redis].signal(syscall.SIGCONT)
+	case fRestart:
+		from := now()
+		s.redis[f.redis].kill9()
+		time.Sleep(f.dur)
+		if err := s.redis[f.redis].start(); err != nil {
+			return err
+		}
+		up := now()
+		if f.redis == 0 {
+			s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
+			s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})
+		} else {
+			s.win.add(window{name: exRedlockEmpty, backends: []string{"redlock"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
+		}
+	case fLatency:
+		for _, p := range proxies() {
+			p.latency.Store(int64(f.amount))
+		}
+		time.Sleep(f.dur)
+		for _, p := range proxies() {
+			p.latency.Store(0)
+		}
+	case fBlackhole:
+		for _, p := range proxies() {
+			p.black.Store(true)
+		}
+		time.Sleep(f.dur)
+		for _, p := range proxies() {
+			p.black.Store(false)
+		}
+	case fReset:
+		for _, p := range proxies() {
+			p.reset()
+		}
+	case fKillCaddy:
+		c := s.caddies[f.caddy]
+		from := now()
+		c.kill9()
+		time.Sleep(f.dur)
+		err := c.start(s)
+		s.win.add(window{name: "caddy down", caddy: f.caddy, from: from, to: now() + 500*time.Millisecond})
+		if err != nil {
+			return err
+		}
+	case fReload:
+		c := s.caddies[f.caddy]
+		from := now()
+		err := c.reload(s, 1-c.variant)
+		s.win.add(window{name: "caddy reload", caddy: f.caddy, from: from, to: now() + time.Second})
+		if err != nil {
+			return err
+		}
+	case fCancel:
+		s.cancelers(f.dur)
+	case fStall:
+		s.stall(f.dur)
+	}
+	return nil
+}

@@ -1,0 +1,316 @@
+// Command soak runs redisdlm under random faults against an independent
+// checker (README "How we test"), and exits 1 when a promise was broken.
+//
+// It starts 4 Caddy processes (bin/caddy, see `make caddy`), a single
+// Redis and a 3-server Redlock (redis-server processes without
+// persistence), a TCP fault proxy between each Caddy and each Redis, and
+// the checking upstream, all on loopback ports. Clients keep hot and cold
+// lock keys, a `permits 2` route and rate-limited keys busy while faults,
+// drawn from -seed, strike one at a time. Afterwards it checks that nothing
+// is still held and that connections and goroutines are back where they
+// were, and prints a Markdown summary.
+//
+//	go run ./cmd/soak -caddy ../bin/caddy -duration 30s [-seed N]
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+)
+
+var (
+	caddyBin       = flag.String("caddy", "../bin/caddy", "Caddy binary with the redisdlm plugin")
+	redisBin       = flag.String("redis-server", "redis-server", "redis-server binary")
+	duration       = flag.Duration("duration", 5*time.Minute, "length of the fault phase")
+	seedFlag       = flag.Int64("seed", 0, "seed of the fault schedule; 0 = a new one (printed)")
+	workers        = flag.Int("workers", 16, "clients on the lock routes")
+	rlWorkers      = flag.Int("rl-workers", 4, "clients on the rate-limited routes")
+	tolerance      = flag.Duration("tolerance", 5*time.Millisecond, "apparent rate on the upstream's clock: allowed transit noise (printed, not failed)")
+	connSlack      = flag.Int("conn-slack", 0, "allowed growth of connected_clients per Redis and Caddy (0 = the pool size, 64)")
+	goroSlack      = flag.Int("goroutine-slack", 40, "allowed growth of go_goroutines per Caddy")
+	keepDir        = flag.Bool("keep", false, "keep the work directory (logs, configs)")
+	deadline       = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
+	redlockPermits = flag.Bool("redlock-permits", true, "also run the permits 2 route over the 3-server Redlock (/rp/)")
+	rlFailOpen     = flag.Bool("rl-fail-open", false, "drop fail_closed from the rate-limited route (a self-test: Redis faults must then show as limit violations)")
+	verboseFlt     = flag.Bool("v", false, "print every fault as it starts")
+	onlyFaults     = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
+)
+
+const (
+	rateN      = 20
+	rateWindow = time.Second
+)
+
+type soak struct {
+	seed    int64
+	start   time.Time
+	redis   []*redisProc // single, redlock1-3
+	proxies [][]*proxy   // [caddy][redis]
+	caddies []*caddyProc
+	check   *checker
+	tally   *tally
+	win     windows
+	maxTTL  time.Duration
+}
+
+func main() {
+	go spawner()
+	flag.Parse()
+	sig := make(chan os.Signal, 1)
+	signal.Notify(sig, os.Interrupt, syscall.SIGTERM, syscall.SIGHUP)
+	go func() {
+		s := <-sig
+		fmt.Fprintf(os.Stderr, "soak: %v: stopping children\n", s)
+		cleanup()
+		os.Exit(130)
+	}()
+	limit := *deadline
+	if limit == 0 {
+		limit = *duration + 2*time.Minute
+	}
+	time.AfterFunc(limit, func() {
+		fmt.Fprintf(os.Stderr, "soak: not done after %v: stopping\n", limit)
+		cleanup()
+		os.Exit(1)
+	})
+	code := 0
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "soak:", err)
+		code = 1
+	}
+	cleanup()
+	os.Exit(code)
+}
+
+func cleanup() {
+	killAll()
+	if workDir == "" {
+		return
+	}
+	if *keepDir {
+		fmt.Fprintln(os.Stderr, "soak: work directory kept:", workDir)
+		return
+	}
+	os.RemoveAll(workDir)
+}
+
+// caddyfile is instance c's config. The two variants are equivalent for
+// the checker (another ttl and timeout), so a reload changes the config
+// without changing what is promised.
+func (s *soak) caddyfile(c *caddyProc, variant int) string {
+	ttl, stallTTL, timeout := "2s", "1s", "300ms"
+	if variant == 1 {
+		ttl, stallTTL, timeout = "2500ms", "1200ms", "400ms"
+	}
+	p := func(r int) string { return s.proxies[c.idx][r].addr() }
+	redlock := p(1) + " " + p(2) + " " + p(3)
+	lock := func(path, opts string) string {
+		return fmt.Sprintf("\thandle /%s/* {\n\t\tredis_lock {\n%s\t\t\ttimeout %s\n\t\t}\n\t\treverse_proxy %s\n\t}\n",
+			path, opts, timeout, s.check.url)
+	}
+	failPolicy := "fail_closed"
+	if *rlFailOpen {
+		failPolicy = "# fail open (-rl-fail-open)"
+	}
+	rp := ""
+	if *redlockPermits {
+		rp = lock("rp", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, redlock))
+	}
+	return fmt.Sprintf(`{
+	admin 127.0.0.1:%d
+	auto_https off
+	persist_config off
+	storage file_system %s
+	log {
+		level ERROR
+	}
+}
+
+http://127.0.0.1:%d {
+	request_header X-Instance %d
+`, c.adminPort, filepath.Join(workDir, "data-"+c.name()), c.port, c.idx) +
+		lock("s", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", ttl, p(0))) +
+		lock("r", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", ttl, redlock)) +
+		lock("p", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, p(0))) +
+		rp +
+		lock("stall", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 1s\n\t\t\tauto_extend on\n\t\t\tredis %s\n", stallTTL, p(0))) +
+		lock("probe", fmt.Sprintf("\t\t\tttl %s\n\t\t\tredis %s\n", ttl, redlock)) +
+		lock("bad", fmt.Sprintf("\t\t\tkey {http.request.header.X-Missing}\n\t\t\tredis %s\n", p(0))) +
+		fmt.Sprintf(`	handle /rl/* {
+		redis_ratelimit {
+			key {http.request.uri.path}
+			rate %d %s
+			%s
+			timeout %s
+			redis %s
+		}
+		request_header X-Admitted {time.now.unix_ms}
+		reverse_proxy %s
+	}
+	respond 404
+}
+`, rateN, rateWindow, failPolicy, timeout, p(0), s.check.url)
+}
+
+func run() error {
+	var err error
+	if workDir, err = os.MkdirTemp("", "redisdlm-soak-"); err != nil {
+		return err
+	}
+	if abs, err := filepath.Abs(*caddyBin); err == nil {
+		*caddyBin = abs
+	}
+	if _, err := os.Stat(*caddyBin); err != nil {
+		return fmt.Errorf("caddy binary: %w (run `make caddy`)", err)
+	}
+	s := &soak{seed: *seedFlag, start: time.Now(), tally: newTally(), maxTTL: 2500 * time.Millisecond}
+	if s.seed == 0 {
+		s.seed = time.Now().UnixNano() % 1_000_000_000
+	}
+	kinds := faultKinds
+	if *onlyFaults != "" {
+		kinds = nil
+		for _, k := range faultKinds {
+			for _, w := range strings.Split(*onlyFaults, ",") {
+				if w != "" && strings.Contains(k, w) {
+					kinds = append(kinds, k)
+					break
+				}
+			}
+		}
+		if len(kinds) == 0 {
+			return fmt.Errorf("-faults %q matches no fault kind", *onlyFaults)
+		}
+	}
+	plan := schedule(s.seed, *duration, kinds)
+	fmt.Fprintf(os.Stderr, "soak: seed %d (replay: make soak SOAK=%v SEED=%d), %d faults, work dir %s\n",
+		s.seed, *duration, s.seed, len(plan), workDir)
+	step := func(f string, a ...any) {
+		fmt.Fprintf(os.Stderr, "[%6.1fs] "+f+"\n", append([]any{time.Since(s.start).Seconds()}, a...)...)
+	}
+
+	if s.check, err = startChecker(s.start); err != nil {
+		return err
+	}
+	defer s.check.stop()
+	for _, n := range redisNames {
+		r, err := newRedis(n)
+		if err != nil {
+			return err
+		}
+		s.redis = append(s.redis, r)
+	}
+	for i := 0; i < 4; i++ {
+		var row []*proxy
+		for j, r := range s.redis {
+			p, err := newProxy(fmt.Sprintf("caddy%d→%s", i, redisNames[j]), r.addr())
+			if err != nil {
+				return err
+			}
+			defer p.close()
+			row = append(row, p)
+		}
+		s.proxies = append(s.proxies, row)
+		c := &caddyProc{idx: i}
+		if c.port, err = freePort(); err != nil {
+			return err
+		}
+		if c.adminPort, err = freePort(); err != nil {
+			return err
+		}
+		s.caddies = append(s.caddies, c)
+	}
+	step("starting 4 redis-server, 16 proxies, 4 Caddy")
+	for _, c := range s.caddies {
+		if err := c.start(s); err != nil {
+			return err
+		}
+	}
+
+	step("warm-up: 3s of load")
+	s.runLoad(time.Now().Add(3 * time.Second))
+	base, err := s.measure()
+	if err != nil {
+		return fmt.Errorf("baseline: %w", err)
+	}
+	step("baseline: redis connections %v, caddy goroutines %v", base.conns, base.goros)
+
+	step("fault phase: %v, %d faults", *duration, len(plan))
+	faultStart := time.Now()
+	done := make(chan error, 1)
+	counts := map[string]int{}
+	go func() {
+		for i := range plan {
+			f := &plan[i]
+			time.Sleep(time.Until(faultStart.Add(f.at)))
+			f.began = s.check.now()
+			if *verboseFlt {
+				step("fault %s", f)
+			}
+			if err := s.inject(*f); err != nil {
+				done <- fmt.Errorf("fault %s: %w", f, err)
+				return
+			}
+			counts[f.kind]++
+		}
+		done <- nil
+	}()
+	s.runLoad(faultStart.Add(*duration))
+	if err := <-done; err != nil {
+		return err
+	}
+
+	quiet := 2 * s.maxTTL
+	step("faults over; quiet for %v", quiet)
+	time.Sleep(quiet)
+	probes := s.probe()
+	end, err := s.measure()
+	if err != nil {
+		return fmt.Errorf("after the faults: %w", err)
+	}
+	held, noTTL, err := s.leftovers()
+	if err != nil {
+		return err
+	}
+	step("done")
+
+	return s.report(plan, counts, base, end, probes, held, noTTL)
+}
+
+// probe asks every route of every instance once more until it answers 200
+// (Redis recovered by itself); it returns the routes that never did.
+func (s *soak) probe() []string {
+	var failed []string
+	for _, c := range s.caddies {
+		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", fmt.Sprintf("/rl/probe%d", c.idx)} {
+			ok := false
+			for deadline := time.Now().Add(10 * time.Second); !ok && time.Now().Before(deadline); {
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				code, err := getStatus(ctx, c.url()+path)
+				cancel()
+				ok = err == nil && code == 200
+				if !ok {
+					time.Sleep(200 * time.Millisecond)
+				}
+			}
+			if !ok {
+				failed = append(failed, c.name()+" "+path)
+			}
+		}
+	}
+	return failed
+}
+
+func joinOr(xs []string, none string) string {
+	if len(xs) == 0 {
+		return none
+	}
+	return strings.Join(xs, "; ")
+}
