@@ -200,6 +200,76 @@ func (l *locker) renew(ls *lease, n int) *renewal {
 	return r
 }
 
+// extend renews ls for another ttl on every server; it counts only with a
+// majority, and only while the lease is valid: an extension that starts,
+// or is answered, after the lease's validity ended is a lost lease in
+// every mode (the lease may have lapsed and been taken by a rival
+// meanwhile; it is never revived).
+//
+// The decision comes as soon as a majority answered; the calls to the
+// other servers go on within the timeout, so a Redlock member that
+// restarted empty gets the lease back in this round, not the next.
+func (l *locker) extend(ctx context.Context, ls *lease) error {
+	start := time.Now()
+	prev := ls.validUntil()
+	if !start.Before(prev) {
+		return fmt.Errorf("%w: its validity ended %s before it could be extended (this process or redis was paused or slow)", ErrLeaseLost, start.Sub(prev).Round(time.Millisecond))
+	}
+	recreate := "0"
+	if len(l.servers) > 1 {
+		recreate = "1"
+	}
+	for _, k := range ls.keys {
+		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
+			defer cancel()
+			return extendScript.Run(cctx, s.client, []string{k, fenceKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+		}, func(res []result, _ int) bool {
+			ok, bad := 0, 0
+			for _, r := range res {
+				if r.done && r.err == nil && r.v.(int64) == 1 {
+					ok++
+				} else if r.done {
+					bad++
+				}
+			}
+			return ok >= l.quorum || bad > len(res)-l.quorum
+		}, nil)
+		ok, errs := 0, 0
+		var lastErr error
+		for _, r := range results {
+			switch {
+			case !r.done:
+			case r.err != nil:
+				errs++
+				lastErr = r.err
+			case r.v.(int64) == 1:
+				ok++
+			}
+		}
+		if ok < l.quorum {
+			if errs > 0 && ok+errs >= l.quorum {
+				// Not refused by a majority: Redis is unreachable; the lease
+				// may still hold until it runs out.
+				return fmt.Errorf("%w: extending: %v", ErrUnavailable, lastErr)
+			}
+			return ErrLeaseLost
+		}
+	}
+	if now := time.Now(); now.After(prev) {
+		return fmt.Errorf("%w: the extension was answered %s after the lease's validity ended", ErrLeaseLost, now.Sub(prev).Round(time.Millisecond))
+	}
+	validity := l.opts.TTL - time.Since(start)
+	if len(l.servers) > 1 {
+		validity -= l.drift()
+	}
+	if validity <= 0 {
+		return fmt.Errorf("%w: extension took longer than the lease", ErrLeaseLost)
+	}
+	ls.setUntil(start.Add(validity))
+	return nil
+}
+
 // keeper keeps one lease alive while its request runs. It is driven by a
 // timer, not a goroutine of its own, so a request that ends before the
 // first extension costs no goroutine start or join on the hand-off path.

@@ -9,23 +9,25 @@
 // Where things are:
 //
 //	module.go            connection settings, the pooled client (one per identical settings)
+//	servercheck.go       checks on the first connection: Redis version, maxmemory-policy
 //	lockhandler.go       http.handlers.redis_lock: config, Provision, ServeHTTP
-//	redlock.go           the lock engine: acquire/wait/backoff, quorum fan-out, extend, release
-//	lease.go             a held lease: hand-off to local waiters, renewal, the keeper
+//	replay.go            execute once: fingerprint, recording and replaying a response
+//	redlock.go           the lock engine: acquire/wait/backoff, one attempt on every key and server
+//	quorum.go            the engine's servers and the fan-out decided by a majority
+//	lease.go             a held lease: hand-off to local waiters, renewal, extension, the keeper
+//	release.go           the release fan-out; releases of lost answers retried in the background
 //	queue.go             per-key local FIFO queues and the domains that share them
 //	wake.go              the Pub/Sub wake-up listener and its dispatch
-//	ratelimit.go         http.handlers.redis_ratelimit and its decisions
-//	ratelimit_batcher.go the rate limiter's Redis calls: pipelines, NOSCRIPT, breaker
-//	admin.go             admin.api.redisdlm: the handler registry, routes, the list
-//	lock_inspect.go      the admin API's lock inspection and force release
-//	ratelimit_inspect.go the admin API's quota read and reset
+//	ratelimit*.go        http.handlers.redis_ratelimit: config, plans, decisions, deny cache,
+//	                     and its Redis calls (pipelines, NOSCRIPT, breaker)
 //	keys.go              every key rule: templates, rendering, hashing, Redis key names
+//	admin.go, *_inspect.go  admin.api.redisdlm: inspect and fix locks and quotas
 //	caddyfile.go         both directives' Caddyfile syntax
 //	metrics.go           Prometheus collectors; warnings.go: log throttling
 //	scripts/*.lua        the Lua scripts, embedded
 //
-// The lock engine (redlock.go, lease.go, queue.go, wake.go) imports
-// nothing of net/http or Caddy.
+// The lock engine (redlock.go, quorum.go, lease.go, release.go, queue.go,
+// wake.go) imports nothing of net/http or Caddy.
 //
 // This file holds what both handlers share: the Redis connection settings and
 // the pool of clients (one per identical settings, shared across handlers and

@@ -1,0 +1,200 @@
+package redisdlm
+
+// The servers of a lock and the fan-out to them: a server's client, its
+// wake-up listener and its users (so a client outlives the locks that use
+// it); one call to every server in parallel, decided as soon as a majority
+// answered either way.
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// server is one Redis server, or one Cluster or Sentinel group, as the
+// engine sees it: a stable id (identical connection settings give the same
+// id), the client, the server's Pub/Sub wake-up listener, and the releases
+// it still owes (retried in the background).
+//
+// A server counts its users (requests holding or waiting for a lock on it,
+// background releases): when its owner closes it, the client stays open
+// until the last user is done, so a config reload never cuts off the
+// release of a lock that an old request still holds.
+type server struct {
+	id      string
+	client  redis.UniversalClient
+	timeout time.Duration // bound of one call
+	wake    *wakeListener
+	rel     releaser
+	logger  func() *zap.Logger
+
+	mu      sync.Mutex
+	users   int
+	closing bool
+	onIdle  func()
+}
+
+// newServer wraps a client; nothing is dialed until the first call.
+// logger returns the logger of the moment (the server outlives configs).
+func newServer(id string, c redis.UniversalClient, timeout time.Duration, logger func() *zap.Logger) *server {
+	s := &server{id: id, client: c, timeout: timeout, wake: newWakeListener(c, logger), logger: logger}
+	s.rel.s = s
+	s.rel.warn = newWarnings(10 * time.Second)
+	return s
+}
+
+// use and unuse count a user of the server.
+func (s *server) use() {
+	s.mu.Lock()
+	s.users++
+	s.mu.Unlock()
+}
+
+func (s *server) unuse() {
+	s.mu.Lock()
+	s.users--
+	idle := s.closing && s.users == 0
+	f := s.onIdle
+	s.mu.Unlock()
+	if idle && f != nil {
+		go f()
+	}
+}
+
+// closeWhenIdle stops the wake-up listener and runs closeClient once no
+// user is left (at once when none is).
+func (s *server) closeWhenIdle(closeClient func()) {
+	s.mu.Lock()
+	if s.closing {
+		s.mu.Unlock()
+		return
+	}
+	s.closing = true
+	once := new(sync.Once)
+	s.onIdle = func() { once.Do(func() { s.wake.stop(); closeClient() }) }
+	idle := s.users == 0
+	f := s.onIdle
+	s.mu.Unlock()
+	if idle {
+		f()
+	}
+}
+
+// tally counts granted (script returned 1), busy (0) and failed calls.
+func tally(res []result) (granted, busy, errs int) {
+	for _, r := range res {
+		switch {
+		case !r.done:
+		case r.err != nil:
+			errs++
+		case r.v.([]int64)[0] == 1:
+			granted++
+		default:
+			busy++
+		}
+	}
+	return
+}
+
+// majorityAnswered ends a fan-out once a majority answered without error.
+func (l *locker) majorityAnswered(res []result, _ int) bool {
+	ok := 0
+	for _, r := range res {
+		if r.done && r.err == nil {
+			ok++
+		}
+	}
+	return ok >= l.quorum
+}
+
+// result is one server's answer in a fan-out.
+type result struct {
+	v    any
+	err  error
+	done bool
+}
+
+// callAll runs f on every server in parallel and returns the results in
+// server order; decide is called after each result and may end the wait
+// early (a majority decided) by returning true. Results that arrive after
+// that go to late (if not nil) instead, so the caller can undo them. When
+// ctx ends first, callAll returns what it has (the rest go to late).
+//
+// A panic in f becomes that server's error (logged with its stack), never
+// a crash of the process.
+func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, i int, s *server) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
+	res := make([]result, len(l.servers))
+	safe := func(i int) (v any, err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				l.logPanic("calling redis", r)
+				v, err = nil, fmt.Errorf("redisdlm: panic calling redis: %v", r)
+			}
+		}()
+		return f(ctx, i, l.servers[i])
+	}
+	if len(l.servers) == 1 {
+		v, err := safe(0)
+		res[0] = result{v: v, err: err, done: true}
+		return res
+	}
+	var mu sync.Mutex
+	closed := false
+	arrived := make(chan struct{}, len(l.servers))
+	for i := range l.servers {
+		go func(i int) {
+			v, err := safe(i)
+			r := result{v: v, err: err, done: true}
+			mu.Lock()
+			if closed {
+				mu.Unlock()
+				if late != nil {
+					defer l.recoverPanic("handling a late redis answer")
+					late(i, r)
+				}
+				return
+			}
+			res[i] = r
+			mu.Unlock()
+			arrived <- struct{}{}
+		}(i)
+	}
+	finish := func() []result {
+		closed = true
+		out := append([]result(nil), res...)
+		mu.Unlock()
+		return out
+	}
+	for n := 1; n <= len(l.servers); n++ {
+		select {
+		case <-arrived:
+		case <-ctx.Done():
+			mu.Lock()
+			return finish()
+		}
+		mu.Lock()
+		if (decide != nil && decide(res, n)) || n == len(l.servers) {
+			return finish()
+		}
+		mu.Unlock()
+	}
+	return res
+}
+
+// recoverPanic, deferred in a background goroutine, logs a panic with its
+// stack and lets the process go on.
+func (l *locker) recoverPanic(what string) {
+	if r := recover(); r != nil {
+		l.logPanic(what, r)
+	}
+}
+
+func (l *locker) logPanic(what string, r any) {
+	if l.logger != nil {
+		l.logger.Error("panic in the lock engine; recovered", zap.String("while", what), zap.Any("panic", r), zap.Stack("stack"))
+	}
+}
