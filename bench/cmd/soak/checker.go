@@ -35,6 +35,7 @@ import (
 type event struct {
 	at      time.Duration // soak clock
 	inside  []*holder     // overlap: who was inside when it entered
+	me      *holder       // overlap, token: the request that entered
 	what    string        // "overlap", "token"
 	backend string        // which Redis decided: "single", "redlock", "ratelimit"
 	key     string
@@ -159,10 +160,11 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.keys[key] = ks
 	}
 	at := c.now()
+	var me *holder
 	ev := func(what, detail string) {
-		c.events = append(c.events, event{at: at, what: what, backend: backendOf(rt), key: key, detail: detail})
+		c.events = append(c.events, event{at: at, what: what, backend: backendOf(rt), key: key, detail: detail, me: me})
 	}
-	me := &holder{inst: r.Header.Get("X-Instance"), tok: tok, entry: at, hold: r.Header.Get("X-Hold"), canceler: r.Header.Get("X-Cancel") != ""}
+	me = &holder{inst: r.Header.Get("X-Instance"), tok: tok, entry: at, hold: r.Header.Get("X-Hold"), canceler: r.Header.Get("X-Cancel") != ""}
 	if ks.n >= permits {
 		var in []*holder
 		for h := range ks.holders {
@@ -223,9 +225,28 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // learned of it (the connection closing) only a moment later.
 const exCanceled = "client went away mid-request: lock passed on before the upstream noticed"
 
+// exStale: the request that entered was one whose client had gone away:
+// Caddy's proxy gave up on it and the lock passed on, and its bytes reached
+// the upstream only after the next holder's. Its token is the lower one, so
+// an upstream that checks fencing tokens refuses it: the stale writer the
+// token exists for.
+const exStale = "client went away mid-request: its request reached the upstream after the next holder's (a stale writer with the lower token)"
+
+// staleExcuse names exStale when the request that entered was a canceling
+// client's, canceled within 10 ms of its entry.
+func staleExcuse(e event) string {
+	if m := e.me; m != nil && m.canceler && m.canceled && m.exit > 0 && m.exit <= m.entry+10*time.Millisecond {
+		return exStale
+	}
+	return ""
+}
+
 // overlapExcuse names exCanceled when every holder inside was such a
-// request and left within 10 ms of the newcomer's entry.
+// request and left within 10 ms of the newcomer's entry, or exStale.
 func overlapExcuse(e event) string {
+	if x := staleExcuse(e); x != "" {
+		return x
+	}
 	if len(e.inside) == 0 {
 		return ""
 	}

@@ -127,8 +127,13 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	var samples []string
 	for _, e := range s.check.events {
 		k := kind{what: e.what}
-		if e.what == "overlap" {
+		switch e.what {
+		case "overlap":
 			k.excuse = overlapExcuse(e) // the most specific name first
+		case "token":
+			// The lock issued the tokens in order; a late zombie request
+			// carries the older one, and fencing is what refuses it.
+			k.excuse = staleExcuse(e)
 		}
 		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included (SPEC §3.7)
 			k.excuse = s.win.excuse(e.at, e.backend)
