@@ -17,22 +17,48 @@ import (
 // (README "Redis ACL" gives the same line): key patterns, the wake-up
 // channel and the commands the scripts and the clients send. With
 // sync_replicas add +wait; with a db other than 0 add +select.
-const minimalACL = "~caddy:lock:* ~caddy:rl:* resetchannels &redisdlm:wake -@all +evalsha +eval +time +zremrangebyscore +zscore +zcard +zrange +zadd +pexpire +pexpireat +zrem +get +set +publish +getrange +setrange +subscribe +ping +info"
+const minimalACL = "~caddy:lock:* ~caddy:rl:* resetchannels &redisdlm:wake -@all +evalsha +eval +time +zremrangebyscore +zscore +zcard +zrange +zadd +pexpire +pexpireat +zrem +get +set +exists +del +pttl +publish +getrange +setrange +subscribe +ping +info"
+
+const aclUser, aclPassword = "caddy", "acl-pw-1"
+
+// startACLRedis starts a redis-server whose user aclUser has exactly
+// minimalACL; the default user is off, as on a hardened server, and the
+// test inspects Redis as "admin" (aclAdmin).
+func startACLRedis(t *testing.T) *testRedis {
+	t.Helper()
+	args := append([]string{"--user", "default", "off", "--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all",
+		"--user", aclUser, "on", ">" + aclPassword}, strings.Fields(minimalACL)...)
+	return startRedis(t, args...)
+}
+
+func aclAdmin(t *testing.T, r *testRedis) *redis.Client {
+	c := redis.NewClient(&redis.Options{Addr: r.Addr, Username: "admin", Password: "admin-pw"})
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// checkACLLog fails the test when Redis denied anything: a command, a key
+// or a channel.
+func checkACLLog(t *testing.T, r *testRedis) {
+	t.Helper()
+	denied, err := aclAdmin(t, r).Do(context.Background(), "ACL", "LOG").Slice()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(denied) != 0 {
+		t.Errorf("%s denied the ACL user %d time(s): %v", r, len(denied), denied)
+	}
+}
 
 // TestACLMinimal: both handlers work for a Redis user limited to exactly
 // minimalACL — locks (over two clients, so wake-ups cross Pub/Sub), permits,
 // waits that run out, both rate-limit algorithms — Redis denies nothing
-// (ACL LOG stays empty), every granted command is used, and the README
-// quotes the same ACL.
+// (ACL LOG stays empty), every granted command but those of the paths of
+// TestACLMinimalRedlockAndCount is used, and the README quotes the same ACL.
 func TestACLMinimal(t *testing.T) {
 	t.Parallel()
-	const user, pw = "caddy", "acl-pw-1"
-	// The default user is off, as on a hardened server; the test inspects
-	// Redis as "admin".
-	args := append([]string{"--user", "default", "off", "--user", "admin", "on", ">admin-pw", "~*", "&*", "+@all",
-		"--user", user, "on", ">" + pw}, strings.Fields(minimalACL)...)
-	r := startRedis(t, args...)
-	conn := fmt.Sprintf(`"redis":[%q],"username":%q,"password":%q`, r.Addr, user, pw)
+	r := startACLRedis(t)
+	conn := fmt.Sprintf(`"redis":[%q],"username":%q,"password":%q`, r.Addr, aclUser, aclPassword)
 
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{%s,"timeout":"2s","wait":"30s"}`, conn))
@@ -88,17 +114,9 @@ func TestACLMinimal(t *testing.T) {
 		}
 	}
 
-	// Redis refused nothing: no denied command, key or channel.
+	checkACLLog(t, r)
 	ctx := context.Background()
-	c := redis.NewClient(&redis.Options{Addr: r.Addr, Username: "admin", Password: "admin-pw"})
-	defer c.Close()
-	denied, err := c.Do(ctx, "ACL", "LOG").Slice()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(denied) != 0 {
-		t.Errorf("Redis denied the ACL user %d time(s): %v", len(denied), denied)
-	}
+	c := aclAdmin(t, r)
 	// Every granted command was used (commandstats counts the commands
 	// inside scripts too; the test itself sent only ping, acl and info).
 	info, err := c.Info(ctx, "commandstats").Result()
@@ -107,7 +125,7 @@ func TestACLMinimal(t *testing.T) {
 	}
 	var unused []string
 	for _, f := range strings.Fields(minimalACL) {
-		if cmd, ok := strings.CutPrefix(f, "+"); ok && cmd != "ping" && !strings.Contains(info, "cmdstat_"+cmd+":") {
+		if cmd, ok := strings.CutPrefix(f, "+"); ok && !strings.Contains("ping exists del pttl", cmd) && !strings.Contains(info, "cmdstat_"+cmd+":") {
 			unused = append(unused, cmd)
 		}
 	}
@@ -122,4 +140,71 @@ func TestACLMinimal(t *testing.T) {
 	if !strings.Contains(string(readme), minimalACL) {
 		t.Errorf("README.md does not give the tested ACL:\n%s", minimalACL)
 	}
+}
+
+// TestACLMinimalRedlockAndCount: the paths the single-server test does not
+// take also work under minimalACL: a Redlock of 3 servers over two keys
+// (fencing write-back on release) whose lease is extended while one member
+// restarts empty (the extension re-creates it there), and `count` settling
+// answers that do not count, for both algorithms.
+func TestACLMinimalRedlockAndCount(t *testing.T) {
+	t.Parallel()
+	rs := []*testRedis{startACLRedis(t), startACLRedis(t), startACLRedis(t)}
+	auth := fmt.Sprintf(`"username":%q,"password":%q`, aclUser, aclPassword)
+	lock := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],%s,"ttl":"300ms","keys":["{http.request.header.A}","{http.request.header.B}"]}`,
+		rs[0].Addr, rs[1].Addr, rs[2].Addr, auth))
+	slow := handlerServer(t, lock, func(w http.ResponseWriter, r *http.Request) error {
+		time.Sleep(900 * time.Millisecond) // three extensions of a 300ms lease
+		return nil
+	})
+	done := goFetchHdr(slow.URL+"/", "A", "x", "B", "y")
+	time.Sleep(150 * time.Millisecond)
+	rs[2].Restart()
+	res := await(t, done, 20*time.Second, "Redlock request")
+	if res.status != 200 {
+		t.Errorf("Redlock over two keys as ACL user: %d %v", res.status, res.err)
+	}
+	for _, algo := range []string{"sliding_window", "gcra"} {
+		rl := provisionRateLimitJSON(t, fmt.Sprintf(`{"redis":[%q],%s,"fail_closed":true,"algorithm":%q,"key":"count-%s","count":["401"],"rates":[{"requests":2,"window":"1m"}]}`,
+			rs[0].Addr, auth, algo, algo))
+		srv := handlerServer(t, rl, okHandler)
+		for i := 0; i < 4; i++ { // 200s do not count: never rejected
+			if resp, body := get(t, srv.URL+"/"); resp == nil || resp.StatusCode != 200 {
+				t.Fatalf("%s with count as ACL user, request %d: %v %s", algo, i, resp, body)
+			}
+		}
+	}
+	for _, r := range rs {
+		checkACLLog(t, r)
+	}
+	var stats string
+	for _, r := range rs {
+		info, _ := aclAdmin(t, r).Info(context.Background(), "commandstats").Result()
+		stats += info
+	}
+	for _, cmd := range []string{"exists", "del", "pttl"} {
+		if !strings.Contains(stats, "cmdstat_"+cmd+":") {
+			t.Logf("granted for this path but not used in this run: %s", cmd)
+		}
+	}
+}
+
+// goFetchHdr is goFetch with request headers (name, value pairs).
+func goFetchHdr(url string, hdr ...string) <-chan fetchResult {
+	ch := make(chan fetchResult, 1)
+	go func() {
+		req, _ := http.NewRequest("GET", url, nil)
+		for i := 0; i+1 < len(hdr); i += 2 {
+			req.Header.Set(hdr[i], hdr[i+1])
+		}
+		start := time.Now()
+		resp, err := wakeHTTP.Do(req)
+		if err != nil {
+			ch <- fetchResult{err: err, took: time.Since(start)}
+			return
+		}
+		resp.Body.Close()
+		ch <- fetchResult{status: resp.StatusCode, hdr: resp.Header, took: time.Since(start)}
+	}()
+	return ch
 }

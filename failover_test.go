@@ -239,7 +239,8 @@ func since(at, from time.Time) string {
 // fail_closed rate limiter answers by Redis again within seconds of the
 // promotion; both work on the new primary. The figures are logged.
 func TestSentinelFailoverDuringTraffic(t *testing.T) {
-	t.Parallel()
+	// Not parallel: many redis-server processes and steady traffic would
+	// starve the timing-bound tests that run in parallel.
 	primary := startRedis(t)
 	replica := startReplica(t, primary)
 	sentinels := startSentinels(t, primary, 3, 2, 1, time.Second)
@@ -353,7 +354,8 @@ func clusterHotKey(t *testing.T, rs []*testRedis) (ls, rls *httptest.Server, up 
 // holders in, the fail_closed rate limiter decides by Redis again within
 // seconds, and both end up on the new master.
 func TestClusterFailoverDuringTraffic(t *testing.T) {
-	t.Parallel()
+	// Not parallel: many redis-server processes and steady traffic would
+	// starve the timing-bound tests that run in parallel.
 	rs := startClusterNodes(t, 3, 1)
 	ctx := context.Background()
 	ls, rls, up, _, master := clusterHotKey(t, rs)
@@ -398,7 +400,8 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 // limiter answers by Redis again within seconds of the move, and both end
 // up on the new master.
 func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
-	t.Parallel()
+	// Not parallel: many redis-server processes and steady traffic would
+	// starve the timing-bound tests that run in parallel.
 	rs := startClusterNodes(t, 3, 0)
 	ctx := context.Background()
 	ls, rls, up, slot, src := clusterHotKey(t, rs)
