@@ -725,7 +725,14 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 			get(t, fmt.Sprintf("%s/k%d", srv.URL, k))
 		}(k)
 	}
-	entered.Wait()
+	allIn := make(chan struct{})
+	go func() { entered.Wait(); close(allIn) }()
+	select {
+	case <-allIn:
+	case <-time.After(20 * time.Second):
+		close(release)
+		t.Fatal("not every holder entered within 20s")
+	}
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		n := 0
