@@ -731,6 +731,7 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 	case <-allIn:
 	case <-time.After(20 * time.Second):
 		close(release)
+		wg.Wait()
 		t.Fatal("not every holder entered within 20s")
 	}
 	deadline := time.Now().Add(5 * time.Second)
