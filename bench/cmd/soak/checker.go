@@ -36,6 +36,7 @@ type event struct {
 	at      time.Duration // soak clock
 	inside  []*holder     // overlap: who was inside when it entered
 	me      *holder       // overlap, token: the request that entered
+	until   time.Duration // rate: the end of the proven window (a fault in [at, until] excuses it)
 	what    string        // "overlap", "token"
 	backend string        // which Redis decided: "single", "redlock", "ratelimit"
 	key     string
@@ -311,7 +312,8 @@ func (c *checker) rateEvents(n int, w time.Duration) (checked int, tightest time
 			if span < tightest {
 				tightest = span
 			}
-			c.events = append(c.events, event{at: time.Duration(a.lo)*time.Microsecond - time.Duration(c.start.UnixMicro())*time.Microsecond,
+			from := time.Duration(a.lo)*time.Microsecond - time.Duration(c.start.UnixMicro())*time.Microsecond
+			c.events = append(c.events, event{at: from, until: from + span,
 				what: "rate", backend: "ratelimit", key: key,
 				detail: fmt.Sprintf("%d admissions surely within %v (limit %d per %v)", n+1, span, n, w)})
 		}

@@ -140,12 +140,16 @@ func (w *windows) add(x window) {
 	w.mu.Unlock()
 }
 
-// excuse names the exception whose window covers at for backend, or "".
-func (w *windows) excuse(at time.Duration, backend string) string {
+// excuse names the exception whose window meets [at, until] for backend
+// (a rate window that spans a restart empty, say), or "".
+func (w *windows) excuse(at, until time.Duration, backend string) string {
+	if until < at {
+		until = at
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, x := range w.ws {
-		if at >= x.from && at <= x.to {
+		if at <= x.to && until >= x.from {
 			for _, b := range x.backends {
 				if b == backend {
 					return x.name

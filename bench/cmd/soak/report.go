@@ -136,7 +136,7 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 			k.excuse = staleExcuse(e)
 		}
 		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included (SPEC §3.7)
-			k.excuse = s.win.excuse(e.at, e.backend)
+			k.excuse = s.win.excuse(e.at, e.until, e.backend)
 		}
 		evs[k]++
 		if k.excuse == "" {
@@ -263,7 +263,7 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	if *keepDir {
 		var b strings.Builder
 		for _, e := range s.check.events {
-			fmt.Fprintf(&b, "%.6f %s [%s|%s] %s: %s\n", e.at.Seconds(), e.what, s.win.excuse(e.at, e.backend), overlapExcuse(e), e.key, e.describe())
+			fmt.Fprintf(&b, "%.6f %s [%s|%s] %s: %s\n", e.at.Seconds(), e.what, s.win.excuse(e.at, e.until, e.backend), overlapExcuse(e), e.key, e.describe())
 		}
 		os.WriteFile(filepath.Join(workDir, "events.txt"), []byte(b.String()), 0o644)
 		os.WriteFile(filepath.Join(workDir, "admissions.txt"), []byte(strings.Join(s.check.rlLog, "\n")), 0o644)
