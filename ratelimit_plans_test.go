@@ -283,9 +283,10 @@ func TestRateLimitCountTwoInstances(t *testing.T) {
 					h.Rates = []Rate{{Requests: n, Window: caddy.Duration(10 * time.Minute)}}
 					h.Count = []string{"401"}
 					h.Timeout = caddy.Duration(timeout)
+					h.FailClosed = true // a call given up on a loaded machine must not reach the upstream
 				})
 			}
-			hs := []*RedisRateLimit{mk(500 * time.Millisecond), mk(600 * time.Millisecond)}
+			hs := []*RedisRateLimit{mk(3 * time.Second), mk(3100 * time.Millisecond)}
 			var reached atomic.Int64
 			login := func(status int) caddyhttp.HandlerFunc {
 				return func(w http.ResponseWriter, r *http.Request) error {
@@ -536,6 +537,7 @@ func TestRateLimitCountRoundTrips(t *testing.T) {
 		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
 		h.Count = []string{"4xx"}
 		h.Wait = caddy.Duration(time.Second)
+		h.Timeout = caddy.Duration(5 * time.Second) // no call given up on a loaded machine
 	})
 	calls := func() int64 { return r.CommandCalls("evalsha") + r.CommandCalls("eval") }
 	status := func(code int) caddyhttp.HandlerFunc {
