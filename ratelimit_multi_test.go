@@ -27,83 +27,79 @@ func sendBatch(b *rlBatcher, calls []*rlCall) {
 // fails gets its own error and the others their answers.
 func TestRateLimitMultiDecisions(t *testing.T) {
 	t.Parallel()
-	for _, algo := range []string{algoSliding, algoGCRA} {
-		t.Run(algo, func(t *testing.T) {
-			t.Parallel()
-			r := startRedis(t)
-			h := newRateLimit(t, r, func(h *RedisRateLimit) {
-				h.Algorithm = algo
-				h.Rates = []Rate{{Requests: 7, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
-			})
-			b := newBatcher(h.client.client, 0)
-			defer b.close()
-			if err := r.Client().RPush(context.Background(), h.keyHead+"bad"+h.static.rates[0].tail, "x").Err(); err != nil {
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
+		h := newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Algorithm = algo
+			h.Rates = []Rate{{Requests: 7, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
+		})
+		b := newBatcher(h.client.client, 0)
+		defer b.close()
+		if err := r.Client().RPush(context.Background(), h.keyHead+"bad"+h.static.rates[0].tail, "x").Err(); err != nil {
+			t.Fatal(err)
+		}
+		var calls []*rlCall
+		ids := []string{}
+		for i := 0; i < 30; i++ {
+			ids = append(ids, "hot")
+			if i%3 == 0 {
+				ids = append(ids, fmt.Sprintf("cold%d", i))
+			}
+		}
+		ids = append(ids, "bad")
+		for _, id := range ids {
+			calls = append(calls, &rlCall{script: h.script, argv: h.static.argv, keys: h.redisKeys(nil, id, &h.static)})
+		}
+		sendBatch(b, calls) // loads the multi script (NOSCRIPT, then EVAL)
+		for _, c := range calls {
+			<-c.done
+		}
+		r.Client().Del(context.Background(), r.Client().Keys(context.Background(), h.keyHead+"hot*").Val()...)
+		r.Client().Del(context.Background(), r.Client().Keys(context.Background(), h.keyHead+"cold*").Val()...)
+		for _, c := range calls {
+			c.res, c.err = nil, nil
+			c.state.Store(callPending)
+		}
+		before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
+		sendBatch(b, calls)
+		if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; got != 1 {
+			t.Fatalf("%d decisions in one pipeline made %d script calls, want 1", len(calls), got)
+		}
+		hot := 0
+		for i, c := range calls {
+			<-c.done
+			if ids[i] == "bad" {
+				if c.err == nil || !strings.Contains(c.err.Error(), "WRONGTYPE") && !strings.Contains(strings.ToLower(c.err.Error()), "script") {
+					t.Fatalf("decision on a key of the wrong type: %v %v, want its own error", c.res, c.err)
+				}
+				continue
+			}
+			if c.err != nil {
+				t.Fatalf("decision %d (%s): %v", i, ids[i], c.err)
+			}
+			d, err := parseDecision(c.res, 2)
+			if err != nil {
 				t.Fatal(err)
 			}
-			var calls []*rlCall
-			ids := []string{}
-			for i := 0; i < 30; i++ {
-				ids = append(ids, "hot")
-				if i%3 == 0 {
-					ids = append(ids, fmt.Sprintf("cold%d", i))
-				}
-			}
-			ids = append(ids, "bad")
-			for _, id := range ids {
-				calls = append(calls, &rlCall{script: h.script, argv: h.static.argv, keys: h.redisKeys(nil, id, &h.static)})
-			}
-			sendBatch(b, calls) // loads the multi script (NOSCRIPT, then EVAL)
-			for _, c := range calls {
-				<-c.done
-			}
-			r.Client().Del(context.Background(), r.Client().Keys(context.Background(), h.keyHead+"hot*").Val()...)
-			r.Client().Del(context.Background(), r.Client().Keys(context.Background(), h.keyHead+"cold*").Val()...)
-			for _, c := range calls {
-				c.res, c.err = nil, nil
-				c.state.Store(callPending)
-			}
-			before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
-			sendBatch(b, calls)
-			if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; got != 1 {
-				t.Fatalf("%d decisions in one pipeline made %d script calls, want 1", len(calls), got)
-			}
-			hot := 0
-			for i, c := range calls {
-				<-c.done
-				if ids[i] == "bad" {
-					if c.err == nil || !strings.Contains(c.err.Error(), "WRONGTYPE") && !strings.Contains(strings.ToLower(c.err.Error()), "script") {
-						t.Fatalf("decision on a key of the wrong type: %v %v, want its own error", c.res, c.err)
+			switch ids[i] {
+			case "hot":
+				if d.allowed {
+					hot++
+					if d.remaining != int64(7-hot) {
+						t.Fatalf("hot admission %d: remaining %d, want %d", hot, d.remaining, 7-hot)
 					}
-					continue
+				} else if d.wait < 5*time.Second {
+					t.Fatalf("hot rejection waits %s, want until a slot frees (gcra: 1/7 min, sliding: a minute)", d.wait)
 				}
-				if c.err != nil {
-					t.Fatalf("decision %d (%s): %v", i, ids[i], c.err)
-				}
-				d, err := parseDecision(c.res, 2)
-				if err != nil {
-					t.Fatal(err)
-				}
-				switch ids[i] {
-				case "hot":
-					if d.allowed {
-						hot++
-						if d.remaining != int64(7-hot) {
-							t.Fatalf("hot admission %d: remaining %d, want %d", hot, d.remaining, 7-hot)
-						}
-					} else if d.wait < 5*time.Second {
-						t.Fatalf("hot rejection waits %s, want until a slot frees (gcra: 1/7 min, sliding: a minute)", d.wait)
-					}
-				default:
-					if !d.allowed || d.remaining != 6 {
-						t.Fatalf("%s: allowed=%v remaining %d, want admitted with 6 left", ids[i], d.allowed, d.remaining)
-					}
+			default:
+				if !d.allowed || d.remaining != 6 {
+					t.Fatalf("%s: allowed=%v remaining %d, want admitted with 6 left", ids[i], d.allowed, d.remaining)
 				}
 			}
-			if hot != 7 {
-				t.Fatalf("hot key: %d of 30 admitted in one multi call, want exactly 7", hot)
-			}
-		})
-	}
+		}
+		if hot != 7 {
+			t.Fatalf("hot key: %d of 30 admitted in one multi call, want exactly 7", hot)
+		}
+	})
 }
 
 // TestRateLimitMultiPerSlot: on a Cluster, a pipeline's decisions are
