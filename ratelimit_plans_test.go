@@ -415,7 +415,7 @@ func TestRateLimitWaitPacing(t *testing.T) {
 			if algo == algoGCRA {
 				return r.Client().Get(context.Background(), keys[0]).Val()
 			}
-			m, err := rlRingTimes(context.Background(), r, keys[0], 1)
+			m, err := rlRingTimes(context.Background(), r.Client(), keys[0], 1)
 			if err != nil {
 				t.Fatal(err)
 			}
