@@ -43,6 +43,7 @@ var (
 // keeps the breaker of that client.
 type rlBatcher struct {
 	client  redis.UniversalClient
+	cluster bool // group multi calls per hash slot
 	queue   chan *rlCall
 	stop    chan struct{}
 	once    sync.Once
@@ -70,10 +71,12 @@ const (
 )
 
 func newBatcher(c redis.UniversalClient, workers int) *rlBatcher {
+	_, cluster := c.(*redis.ClusterClient)
 	b := &rlBatcher{
-		client: c,
-		queue:  make(chan *rlCall, batchQueue),
-		stop:   make(chan struct{}),
+		client:  c,
+		cluster: cluster,
+		queue:   make(chan *rlCall, batchQueue),
+		stop:    make(chan struct{}),
 	}
 	for i := 0; i < workers; i++ {
 		go b.work()
@@ -244,10 +247,11 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 
-	cmds := make([]*redis.Cmd, len(batch))
+	us := units(batch, b.cluster)
+	cmds := make([]*redis.Cmd, len(us))
 	pipe := b.client.Pipeline()
-	for i, c := range batch {
-		cmds[i] = redis.NewCmd(ctx, c.args...)
+	for i, u := range us {
+		cmds[i] = redis.NewCmd(ctx, u.args()...)
 		_ = pipe.Process(ctx, cmds[i])
 	}
 	_, execErr := pipe.Exec(ctx)
@@ -263,26 +267,52 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	if len(retry) > 0 {
 		pipe = b.client.Pipeline()
 		for _, i := range retry {
-			cmds[i] = batch[i].script.Eval(ctx, pipe, batch[i].keys, batch[i].argv...)
+			u := us[i]
+			if u.script != nil {
+				cmds[i] = u.script.Eval(ctx, pipe, u.keys, u.argv...)
+			} else {
+				cmds[i] = u.calls[0].script.Eval(ctx, pipe, u.calls[0].keys, u.calls[0].argv...)
+			}
 		}
 		_, execErr = pipe.Exec(ctx)
 	}
 	answered = true
-	for i, c := range batch {
-		c.res, c.err = cmds[i].Result()
-		if c.err == nil && c.res == nil {
+	for i, u := range us {
+		res, err := cmds[i].Result()
+		if err == nil && res == nil {
 			// The pipeline failed before this call got an answer (e.g. the
 			// connection's AUTH was refused): that failure is its answer.
-			c.err = execErr
-			if c.err == nil {
-				c.err = errors.New("redisdlm: redis gave no answer")
+			err = execErr
+			if err == nil {
+				err = errors.New("redisdlm: redis gave no answer")
 			}
 		}
-		if c.err != nil && ctx.Err() != nil && isRedisDown(c.err) {
+		if err != nil && ctx.Err() != nil && isRedisDown(err) {
 			// The deadline of the first call in the pipeline passed.
-			c.err = fmt.Errorf("%w (%v)", errRedisTimeout, c.err)
+			err = fmt.Errorf("%w (%v)", errRedisTimeout, err)
 		}
-		close(c.done)
+		if u.script == nil {
+			u.calls[0].res, u.calls[0].err = res, err
+			close(u.calls[0].done)
+			continue
+		}
+		// A multi call answers each decision on its own.
+		vals, _ := res.([]any)
+		for j, c := range u.calls {
+			switch {
+			case err != nil:
+				c.err = err
+			case j >= len(vals):
+				c.err = fmt.Errorf("redis_ratelimit: unexpected multi-decision answer %v", res)
+			default:
+				if e, ok := vals[j].(error); ok {
+					c.err = e
+				} else {
+					c.res = vals[j]
+				}
+			}
+			close(c.done)
+		}
 	}
 }
 

@@ -37,11 +37,12 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if p.deny != "" {
 		cacheID = id + "\x00" + p.deny
 	}
-	if h.deny == nil {
-		// count: an answer that does not count returns its admission, on
-		// any instance, so no deny is known to last.
-	} else if e, ok := h.deny.get(cacheID, h.now(), p.cost); ok {
-		return decision{tight: e.tight, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
+	// No deny cache with count: an answer that does not count returns its
+	// admission, on any instance, so no rejection is known to last.
+	if h.deny != nil {
+		if e, ok := h.deny.get(cacheID, h.now(), p.cost); ok {
+			return decision{tight: e.tight, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
+		}
 	}
 	var keys [4]string
 	c := &rlCall{script: h.script, argv: p.argv, keys: h.redisKeys(keys[:0], id, p)}

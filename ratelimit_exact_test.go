@@ -83,18 +83,25 @@ func TestRateLimitSlidingExactTwoInstances(t *testing.T) {
 
 	// Recorded admission times (µs). Times are unique and increase, also
 	// when the log expired in a pause longer than w and started again.
+	// The snapshots use one connection of their own; the longest gap
+	// between two of them says whether they can have missed entries.
 	recorded := map[int64]bool{}
+	rc := r.Client()
+	var maxGap time.Duration
 	done := make(chan struct{})
 	snapDone := make(chan struct{})
 	go func() {
 		defer close(snapDone)
 		tick := time.NewTicker(w / 10)
 		defer tick.Stop()
+		last := time.Now()
 		for {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-			m, err := rlRingTimes(ctx, r, key, n)
+			m, err := rlRingTimes(ctx, rc, key, n)
 			cancel()
 			if err == nil {
+				maxGap = max(maxGap, time.Since(last))
+				last = time.Now()
 				for _, ts := range m {
 					recorded[ts] = true
 				}
@@ -109,7 +116,7 @@ func TestRateLimitSlidingExactTwoInstances(t *testing.T) {
 	got, unknown := rlHammer(t, []*RedisRateLimit{a, b}, 4, "203.0.113.1", 2500*time.Millisecond)
 	close(done)
 	<-snapDone
-	if m, err := rlRingTimes(context.Background(), r, key, n); err == nil {
+	if m, err := rlRingTimes(context.Background(), rc, key, n); err == nil {
 		for _, ts := range m {
 			recorded[ts] = true
 		}
@@ -119,8 +126,17 @@ func TestRateLimitSlidingExactTwoInstances(t *testing.T) {
 	if len(got[0]) == 0 || len(got[1]) == 0 {
 		t.Fatalf("admitted per instance %d and %d: both should get some", len(got[0]), len(got[1]))
 	}
-	if len(recorded) < total || len(recorded) > total+unknown {
-		t.Fatalf("handlers admitted %d requests (%d undecided), Redis recorded %d (missed snapshots mean entries were overwritten within w)", total, unknown, len(recorded))
+	// The log counts every slot ever written: each admission exactly once.
+	if pos := rlRingCount(t, r, key); pos < total || pos > total+unknown {
+		t.Fatalf("handlers admitted %d requests (%d undecided), the Redis log counts %d", total, unknown, pos)
+	}
+	switch {
+	case len(recorded) > total+unknown:
+		t.Fatalf("handlers admitted %d requests (%d undecided), Redis recorded %d times", total, unknown, len(recorded))
+	case len(recorded) < total && maxGap < w*8/10:
+		t.Fatalf("handlers admitted %d requests, snapshots (at most %s apart) saw %d: entries were overwritten within w", total, maxGap, len(recorded))
+	case len(recorded) < total:
+		t.Logf("snapshots up to %s apart (machine loaded) saw %d of %d admissions; the exactness check covers those", maxGap, len(recorded), total)
 	}
 	times := make([]int64, 0, total)
 	for ts := range recorded {

@@ -18,6 +18,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -407,8 +408,8 @@ func rlRingCount(t testing.TB, r *testRedis, key string) int {
 
 // rlRingTimes reads the admission times (µs) a sliding_window log holds,
 // by admission number.
-func rlRingTimes(ctx context.Context, r *testRedis, key string, n int) (map[int]int64, error) {
-	b, err := r.Client().Get(ctx, key).Bytes()
+func rlRingTimes(ctx context.Context, c *redis.Client, key string, n int) (map[int]int64, error) {
+	b, err := c.Get(ctx, key).Bytes()
 	if err != nil {
 		return nil, err
 	}

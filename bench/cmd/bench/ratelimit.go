@@ -548,8 +548,12 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 		goal := fmt.Sprintf("= %.0f %s", c.goal, check(per > c.goal-1e-9 && per < c.goal+1e-9))
 		if c.zeroGoal {
 			goal = fmt.Sprintf("= 0 %s", check(c.cmds == 0))
+		} else if strings.HasSuffix(c.what, "(pipelined)") {
+			// The decisions that meet in one pipeline share one script
+			// call (its multi form), so concurrent requests cost less.
+			goal = fmt.Sprintf("≤ 1 %s", check(per < 1.005 && c.cmds > 0))
 		} else if c.goal > 0 {
-			// ≥ 1 always (every admitted request is a call); a few extra
+			// = 1 sequentially (every request is a call); a few extra
 			// connection-setup commands may show up.
 			goal = fmt.Sprintf("= 1 %s", check(per < 1.005 && per > 0.995))
 		}
@@ -559,8 +563,8 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 		p("| throughput run (commandstats) | — | — | — | — | error: %s |", oneLine(r.statsErr))
 	} else {
 		per := float64(r.statsCmds) / float64(max(1, r.statsReqs))
-		p("| throughput run above, all rate-limited requests (Redis `commandstats`: EVALSHA + EVAL calls) | %d | %d | **%.3f** per request | = 1 %s | no MONITOR: full speed, pipelined |",
-			r.statsReqs, r.statsCmds, per, check(per < 1.005 && per > 0.995))
+		p("| throughput run above, all rate-limited requests (Redis `commandstats`: EVALSHA + EVAL calls) | %d | %d | **%.3f** per request | ≤ 1 %s | no MONITOR: full speed, pipelined (decisions of one pipeline share a script call) |",
+			r.statsReqs, r.statsCmds, per, check(per < 1.005 && r.statsCmds > 0))
 	}
 	p("")
 	p("Decision latency, sequential requests on new keys, sampled round-robin (HTTP round trip client → Caddy → `respond`):")
@@ -595,7 +599,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 	p("")
 	p("Rate-limit notes:")
 	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
-	p("- Commands: sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
+	p("- Commands: a pipeline's decisions go as one call of a script's multi form (built in Go from the script file, so MONITOR shows it as an unnamed EVALSHA): concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
 	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (the SPEC sets no number): p99 far below the timeout, i.e. no waiting for Redis.")
 	p("")
 }
