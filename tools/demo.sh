@@ -191,6 +191,13 @@ Try, in another terminal:
   # (b) orders lock both inventory items, all or nothing: the second shares "pear", so it waits
   curl -s 'localhost:$HTTP_PORT/orders?sku1=apple&sku2=pear' & curl -s 'localhost:$HTTP_PORT/orders?sku1=pear&sku2=plum'; wait
 
+  # (b2) execute once: the same checkout twice (same user, same Idempotency-Key):
+  #      the upstream runs it once; the second answer carries Idempotent-Replayed: true
+  curl -si -X POST localhost:$HTTP_PORT/checkout -H 'X-User-ID: alice' -H 'Idempotency-Key: k1' -d 'cart=42'
+  curl -si -X POST localhost:$HTTP_PORT/checkout -H 'X-User-ID: alice' -H 'Idempotency-Key: k1' -d 'cart=42'
+  #      the same key with another body: 422, and the upstream is not called
+  curl -si -X POST localhost:$HTTP_PORT/checkout -H 'X-User-ID: alice' -H 'Idempotency-Key: k1' -d 'cart=43'
+
   # (c) the same job twice at once: the second is answered 423 at once, with Retry-After
   curl -s 'localhost:$HTTP_PORT/jobs/reindex?sleep=5s' & sleep 0.5; curl -si localhost:$HTTP_PORT/jobs/reindex; wait
 
