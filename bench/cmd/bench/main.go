@@ -56,6 +56,7 @@ var (
 	libPause  = flag.Duration("pause", time.Millisecond, "library-level workers: pause after release")
 	monitorRn = flag.Duration("monitor", 2*time.Second, "contended run under MONITOR")
 	onlyRL    = flag.Bool("only-ratelimit", false, "run the redis_ratelimit part only")
+	onlyRP    = flag.Bool("only-replay", false, "run the execute-once (replay) part only")
 	scriptDir = flag.String("scripts", "../scripts", "the plugin's Lua scripts, to name EVALSHA calls")
 )
 
@@ -886,6 +887,10 @@ func run() error {
 		fmt.Fprintf(os.Stderr, "[%5.1fs] "+f+"\n", append([]any{time.Since(begin).Seconds()}, a...)...)
 	}
 
+	if *onlyRP { // the execute-once figure alone
+		printReplay(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runReplay(step, 50))
+		return nil
+	}
 	if *onlyRL { // development: the rate-limit part alone
 		rl := runRateLimit(step)
 		printRateLimit(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, rl)
