@@ -199,6 +199,7 @@ Try, in another terminal:
   curl -si -X POST localhost:$HTTP_PORT/checkout -H 'X-User-ID: alice' -H 'Idempotency-Key: k1' -d 'cart=43'
 
   # (c) the same job twice at once: the second is answered 423 at once, with Retry-After
+  #     (run it twice: once a 5s run was seen, Retry-After says about 5, not the 30s lease)
   curl -s 'localhost:$HTTP_PORT/jobs/reindex?sleep=5s' & sleep 0.5; curl -si localhost:$HTTP_PORT/jobs/reindex; wait
 
   # (d) rate limit per user on :$RL_PORT: alice may make 5 requests per 10s, the 6th gets 429
