@@ -33,10 +33,20 @@ type releaseJob struct {
 	unknown bool
 }
 
-// run sends the release; it reports whether the token was removed.
+// run sends the release; it reports whether the token was removed. A
+// release that stores an answer for replay (up to replay_max) is refused
+// over maxmemory, and then releases without storing it.
 func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
-	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key)},
+	script := releaseScript
+	if j.answer != "" {
+		script = releaseStoreScript
+	}
+	n, err := script.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key)},
 		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self).Int64()
+	if j.answer != "" && isOOM(err) {
+		j.answer = ""
+		return j.run(ctx, s)
+	}
 	return n == 1, err
 }
 

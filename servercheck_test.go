@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -237,6 +239,37 @@ func fillRedis(t *testing.T, c *redis.Client) (maxmemory int64) {
 	return maxmemory
 }
 
+// holdOverLimit serves h in front of a handler that holds the request to
+// /held (answering body) until release is called, and sends that request;
+// it returns once the lock is held. held gets the holder's status.
+func holdOverLimit(t *testing.T, h *RedisLock, body string) (srv *httptest.Server, release func(), held chan int) {
+	t.Helper()
+	in, proceed := make(chan struct{}), make(chan struct{})
+	srv = handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Path == "/held" {
+			close(in)
+			<-proceed
+		}
+		w.WriteHeader(http.StatusOK)
+		_, _ = io.WriteString(w, body)
+		return nil
+	})
+	var once sync.Once
+	release = func() { once.Do(func() { close(proceed) }) }
+	t.Cleanup(release) // before the server's Cleanup, which waits for the holder
+	held = make(chan int, 1)
+	go func() {
+		resp, _ := get(t, srv.URL+"/held")
+		if resp == nil {
+			held <- 0
+			return
+		}
+		held <- resp.StatusCode
+	}()
+	<-in
+	return srv, release, held
+}
+
 // TestLockScriptsRespectMaxmemory: on a noeviction server over its
 // maxmemory, new locks are refused (503 by the fail policy, with the OOM
 // error logged) and used memory does not grow; a lease already held keeps
@@ -249,28 +282,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
 	h.locker.logger = h.logger
-	in, proceed := make(chan struct{}), make(chan struct{})
-	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
-		if req.URL.Path == "/held" {
-			close(in)
-			<-proceed
-		}
-		w.WriteHeader(http.StatusOK)
-		return nil
-	})
-	var once sync.Once
-	release := func() { once.Do(func() { close(proceed) }) }
-	t.Cleanup(release) // before the server's Cleanup, which waits for the holder
-	held := make(chan int, 1)
-	go func() {
-		resp, _ := get(t, srv.URL+"/held")
-		if resp == nil {
-			held <- 0
-			return
-		}
-		held <- resp.StatusCode
-	}()
-	<-in
+	srv, release, held := holdOverLimit(t, h, "")
 	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
 	maxmemory := fillRedis(t, rc)
@@ -314,5 +326,36 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 			t.Fatal("the held lock was not released over maxmemory")
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestReplayNotStoredOverMaxmemory: a release that would store a replay
+// answer on a server over maxmemory releases the lock without storing it
+// (the answer can be replay_max large; a plain release runs over the limit).
+func TestReplayNotStoredOverMaxmemory(t *testing.T) {
+	t.Parallel()
+	if releaseStoreScript.Hash() == releaseScript.Hash() {
+		t.Fatal("the storing release script still carries allow-oom")
+	}
+	r := startRedis(t, "--maxmemory-policy", "noeviction")
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","replay":"1m"}`, r.Addr))
+	_, release, held := holdOverLimit(t, h, strings.Repeat("y", 200<<10))
+	rc := r.Client()
+	maxmemory := fillRedis(t, rc)
+	before := usedMemory(t, rc)
+	release()
+	if code := <-held; code != 200 {
+		t.Fatalf("holder: status %d, want 200", code)
+	}
+	key := storedKey(h.Prefix, "/held")
+	deadline := time.Now().Add(5 * time.Second)
+	for rc.Exists(context.Background(), key).Val() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the lock was not released over maxmemory")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := rc.Exists(context.Background(), replayKey(key)).Val(); n != 0 {
+		t.Errorf("a 200 KiB replay answer was stored over maxmemory (used_memory %d → %d, maxmemory %d)", before, usedMemory(t, rc), maxmemory)
 	}
 }
