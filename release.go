@@ -7,11 +7,14 @@ package redisdlm
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -31,6 +34,16 @@ type releaseJob struct {
 	// queued on the server, on another connection): a "not held" answer
 	// is confirmed once more a little later.
 	unknown bool
+}
+
+// releaseStoreScript is the release script without allow-oom, for a
+// release that stores an answer for replay: that one can grow memory.
+var releaseStoreScript = redis.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
+
+// isOOM reports whether Redis refused a call for being over maxmemory.
+func isOOM(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "OOM ")
 }
 
 // run sends the release; it reports whether the token was removed. A

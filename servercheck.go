@@ -22,16 +22,6 @@ import (
 // so that Redis refuses them up front when it is over maxmemory.
 var minRedisVersion = [2]int{7, 0}
 
-// releaseStoreScript is the release script without allow-oom, for a
-// release that stores an answer for replay: that one can grow memory.
-var releaseStoreScript = redis.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
-
-// isOOM reports whether Redis refused a call for being over maxmemory.
-func isOOM(err error) bool {
-	var re redis.Error
-	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "OOM ")
-}
-
 // recheckEvery is how long a server's verdict stands: a new connection to
 // it after that checks again (a server upgraded or reconfigured in place).
 const recheckEvery = time.Minute
