@@ -92,14 +92,18 @@ func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
 		return st.err
 	}
 	// One round trip: HELLO for the version, INFO memory for the policy
-	// (INFO needs no access to the server's configuration).
+	// (INFO needs no access to the server's configuration; not asked again
+	// once refused: each refusal is an ACL LOG entry).
 	pipe := cn.Pipeline()
 	helloCmd := pipe.Do(ctx, "hello")
-	infoCmd := pipe.Info(ctx, "memory")
-	_, _ = pipe.Exec(ctx)
-	for _, err := range []error{helloCmd.Err(), infoCmd.Err()} {
+	var infoCmd *redis.StringCmd
+	if !st.configDenied {
+		infoCmd = pipe.Info(ctx, "memory")
+	}
+	cmds, _ := pipe.Exec(ctx)
+	for _, cmd := range cmds {
 		var re redis.Error
-		if err != nil && !errors.As(err, &re) {
+		if err := cmd.Err(); err != nil && !errors.As(err, &re) {
 			return err // the call failed: this connection is not usable either
 		}
 	}
@@ -111,7 +115,7 @@ func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
 		return nil
 	}
 	sc.checkVersion(version, err, addr, st, minVersion)
-	if st.err == nil {
+	if st.err == nil && infoCmd != nil {
 		info, err := infoCmd.Result()
 		sc.checkPolicy(info, err, addr, st)
 	}

@@ -56,7 +56,10 @@ func hammerURL(t *testing.T, url string, n int) map[int]int {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			resp, _ := get(t, fmt.Sprintf("%s/k%d", url, i))
+			resp, body := get(t, fmt.Sprintf("%s/k%d", url, i))
+			if resp != nil && resp.StatusCode != 200 {
+				t.Logf("request %d: %d %s", i, resp.StatusCode, body)
+			}
 			if resp != nil {
 				mu.Lock()
 				seen[resp.StatusCode]++
@@ -91,7 +94,7 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 		t.Run(policy, func(t *testing.T) {
 			t.Parallel()
 			r := startRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", policy)
-			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s"}`, r.Addr))
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","timeout":"2s"}`, r.Addr))
 			logs := observeChecks(t, h)
 			pc := pooledFor(t, h.poolKeys[0])
 			srv := handlerServer(t, h, okHandler)
@@ -131,7 +134,7 @@ func TestServerCheckConfigRefused(t *testing.T) {
 	if err := r.Client().Do(context.Background(), "acl", "setuser", "app", "on", ">pw", "~*", "&*", "+@all", "-info").Err(); err != nil {
 		t.Fatal(err)
 	}
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s"}`, r.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s","timeout":"2s"}`, r.Addr))
 	logs := observeChecks(t, h)
 	srv := handlerServer(t, h, okHandler)
 	if seen := hammerURL(t, srv.URL, 20); seen[200] != 20 {

@@ -54,7 +54,7 @@ func TestSyncReplicas(t *testing.T) {
 	replica := startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
 	pc := primary.Client()
 	waitReplicaOnline(t, pc, 1)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"sync_replicas":1,"wait":"0s","ttl":"30s","timeout":"500ms"}`, primary.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"sync_replicas":1,"wait":"0s","ttl":"30s","timeout":"2s"}`, primary.Addr))
 	srv := handlerServer(t, h, okHandler)
 
 	if resp, body := get(t, srv.URL+"/a"); resp == nil || resp.StatusCode != 200 {
@@ -81,7 +81,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
 	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
-	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"1s"}`, seeds))
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"2s"}`, seeds))
 	srv := handlerServer(t, h, okHandler)
 
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{rs[0].Addr}})
