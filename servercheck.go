@@ -43,6 +43,9 @@ type serverCheck struct {
 	logger     func() *zap.Logger
 	minVersion [2]int
 	servers    map[string]*serverState // by address
+	// failover names the master of a Sentinel group, whose connections do
+	// not carry its address (go-redis names them "FailoverClient").
+	failover string
 }
 
 // serverState is what is known of one server.
@@ -54,8 +57,10 @@ type serverState struct {
 	configDenied bool // INFO was refused; warned once
 }
 
-func newServerCheck(logger func() *zap.Logger) *serverCheck {
-	return &serverCheck{logger: logger, minVersion: minRedisVersion, servers: map[string]*serverState{}}
+// newServerCheck makes the checks of one client; failover names its
+// Sentinel group's master (the client's redacted display name).
+func newServerCheck(logger func() *zap.Logger, failover string) *serverCheck {
+	return &serverCheck{logger: logger, minVersion: minRedisVersion, servers: map[string]*serverState{}, failover: failover}
 }
 
 // setLogger replaces the logger (tests observe the checks' log lines).
@@ -77,6 +82,9 @@ func (sc *serverCheck) log() *zap.Logger {
 // one server wait for one check.
 func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
 	addr := connAddr(cn)
+	if addr == "FailoverClient" {
+		addr = sc.failover
+	}
 	sc.mu.Lock()
 	st := sc.servers[addr]
 	if st == nil {

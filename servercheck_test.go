@@ -362,3 +362,54 @@ func TestReplayNotStoredOverMaxmemory(t *testing.T) {
 		t.Errorf("a 200 KiB replay answer was stored over maxmemory (used_memory %d → %d, maxmemory %d)", before, usedMemory(t, rc), maxmemory)
 	}
 }
+
+// TestServerCheckClusterAndSentinel: on a Cluster every master is checked
+// once and named by its own address; through a Sentinel the master is
+// checked, named by its group (go-redis does not tell its address), and the
+// Sentinel itself is not (it holds no keys: no warning about it).
+func TestServerCheckClusterAndSentinel(t *testing.T) {
+	t.Parallel()
+	t.Run("cluster", func(t *testing.T) {
+		t.Parallel()
+		rs := startCluster(t)
+		for _, r := range rs {
+			if err := r.Client().ConfigSet(context.Background(), "maxmemory-policy", "volatile-lru").Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		h := provisionLock(t, fmt.Sprintf(`{"cluster":["%s"],"wait":"0s","timeout":"2s"}`, rs[0].Addr))
+		logs := observeChecks(t, h)
+		srv := handlerServer(t, h, okHandler)
+		if seen := hammerURL(t, srv.URL, 40); seen[200] != 40 {
+			t.Fatalf("statuses %v, want 40 × 200", seen)
+		}
+		named := map[string]int{}
+		for _, e := range logs.FilterMessageSnippet("evicts keys").All() {
+			named[fmt.Sprint(e.ContextMap()["server"])]++
+		}
+		for _, r := range rs {
+			if named[r.Addr] != 1 {
+				t.Errorf("master %s named in %d eviction errors, want 1 (all: %v)", r.Addr, named[r.Addr], named)
+			}
+		}
+	})
+	t.Run("sentinel", func(t *testing.T) {
+		t.Parallel()
+		master := startRedis(t, "--maxmemory-policy", "allkeys-lfu")
+		sentinel := startSentinel(t, master)
+		h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"0s","timeout":"2s"}`, sentinel))
+		logs := observeChecks(t, h)
+		srv := handlerServer(t, h, okHandler)
+		if seen := hammerURL(t, srv.URL, 10); seen[200] != 10 {
+			t.Fatalf("statuses %v, want 10 × 200", seen)
+		}
+		errs := logs.FilterMessageSnippet("evicts keys").All()
+		want := "sentinel mymaster@" + sentinel
+		if len(errs) != 1 || errs[0].ContextMap()["server"] != want || errs[0].ContextMap()["maxmemory_policy"] != "allkeys-lfu" {
+			t.Errorf("want one eviction error naming %q: %v", want, logs.All())
+		}
+		if n := logs.FilterMessageSnippet("cannot read").Len(); n != 0 {
+			t.Errorf("%d warnings about unreadable settings (the Sentinel was checked as a server?): %v", n, logs.All())
+		}
+	})
+}
