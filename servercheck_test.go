@@ -269,7 +269,13 @@ func holdOverLimit(t *testing.T, h *RedisLock, body string) (srv *httptest.Serve
 		}
 		held <- resp.StatusCode
 	}()
-	<-in
+	select {
+	case <-in:
+	case code := <-held:
+		t.Fatalf("the holder was answered %d without holding the lock", code)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the holder did not get the lock within 30s")
+	}
 	return srv, release, held
 }
 
