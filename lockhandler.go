@@ -118,9 +118,15 @@ type RedisLock struct {
 	// unreachable, instead of answering 503. Default: false.
 	FailOpen bool `json:"fail_open,omitempty"`
 
-	// With a replicated Redis, wait (WAIT) until this many replicas have the
-	// lock before it counts, so a failover is less likely to lose it.
-	// 0 does not wait. Default: 0.
+	// With a replicated Redis, count a grant only once this many replicas
+	// acknowledged it: the acquire script and WAIT run in one pipeline on the
+	// key's own master (on a Cluster, the master of the key's slot), and WAIT
+	// gives up after half of `timeout`. A grant with too few acknowledgements
+	// is released at once and answered like an unreachable Redis (503, or
+	// unlocked with fail_open), the error saying how many replicas
+	// acknowledged. A failover to a replica that acknowledged keeps the lease;
+	// extensions are still replicated asynchronously. Needs n replicas or
+	// every lock fails. 0 does not wait. Default: 0.
 	SyncReplicas int `json:"sync_replicas,omitempty"`
 
 	// Namespace of the Redis keys. Default: "caddy:lock:".

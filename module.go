@@ -543,7 +543,7 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 	key := s.poolKey()
 	val, _, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
-		check := newServerCheck(logger)
+		check := newServerCheck(logger, s.display()) // names a Sentinel group's master
 		c, err := s.newClient(check)
 		if err != nil {
 			return nil, err

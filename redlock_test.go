@@ -108,17 +108,7 @@ func TestRedlockMajorityDown(t *testing.T) {
 	}
 	rs[0].Resume()
 	rs[2].Resume()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		resp, _ := get(t, closed.URL+"/m")
-		if resp != nil && resp.StatusCode == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no recovery after the servers came back: %v", resp)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	until200(t, closed.URL+"/m", 10*time.Second, "no recovery after the servers came back")
 }
 
 // TestRedlockRestartEmptyKeepsTokensIncreasing: 1000 acquisitions of one

@@ -7,11 +7,14 @@ package redisdlm
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -33,10 +36,30 @@ type releaseJob struct {
 	unknown bool
 }
 
-// run sends the release; it reports whether the token was removed.
+// releaseStoreScript is the release script without allow-oom, for a
+// release that stores an answer for replay: that one can grow memory.
+var releaseStoreScript = redis.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
+
+// isOOM reports whether Redis refused a call for being over maxmemory.
+func isOOM(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "OOM ")
+}
+
+// run sends the release; it reports whether the token was removed. A
+// release that stores an answer for replay (up to replay_max) is refused
+// over maxmemory, and then releases without storing it.
 func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
-	n, err := releaseScript.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key)},
+	script := releaseScript
+	if j.answer != "" {
+		script = releaseStoreScript
+	}
+	n, err := script.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key)},
 		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self).Int64()
+	if j.answer != "" && isOOM(err) {
+		j.answer = ""
+		return j.run(ctx, s)
+	}
 	return n == 1, err
 }
 

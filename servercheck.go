@@ -43,6 +43,9 @@ type serverCheck struct {
 	logger     func() *zap.Logger
 	minVersion [2]int
 	servers    map[string]*serverState // by address
+	// failover names the master of a Sentinel group, whose connections do
+	// not carry its address (go-redis names them "FailoverClient").
+	failover string
 }
 
 // serverState is what is known of one server.
@@ -54,8 +57,10 @@ type serverState struct {
 	configDenied bool // INFO was refused; warned once
 }
 
-func newServerCheck(logger func() *zap.Logger) *serverCheck {
-	return &serverCheck{logger: logger, minVersion: minRedisVersion, servers: map[string]*serverState{}}
+// newServerCheck makes the checks of one client; failover names its
+// Sentinel group's master (the client's redacted display name).
+func newServerCheck(logger func() *zap.Logger, failover string) *serverCheck {
+	return &serverCheck{logger: logger, minVersion: minRedisVersion, servers: map[string]*serverState{}, failover: failover}
 }
 
 // setLogger replaces the logger (tests observe the checks' log lines).
@@ -77,6 +82,9 @@ func (sc *serverCheck) log() *zap.Logger {
 // one server wait for one check.
 func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
 	addr := connAddr(cn)
+	if addr == "FailoverClient" {
+		addr = sc.failover
+	}
 	sc.mu.Lock()
 	st := sc.servers[addr]
 	if st == nil {
@@ -91,73 +99,76 @@ func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
 	if !st.checked.IsZero() && time.Since(st.checked) < recheckEvery {
 		return st.err
 	}
-	sentinel, err := sc.checkVersion(ctx, cn, addr, st, minVersion)
-	if err != nil {
-		return err // a failed call: this connection is not usable either
+	// One round trip: HELLO for the version, INFO memory for the policy
+	// (INFO needs no access to the server's configuration; not asked again
+	// once refused: each refusal is an ACL LOG entry).
+	pipe := cn.Pipeline()
+	helloCmd := pipe.Do(ctx, "hello")
+	var infoCmd *redis.StringCmd
+	if !st.configDenied {
+		infoCmd = pipe.Info(ctx, "memory")
 	}
-	if st.err == nil && !sentinel {
-		if err := sc.checkPolicy(ctx, cn, addr, st); err != nil {
-			return err
+	cmds, _ := pipe.Exec(ctx)
+	for _, cmd := range cmds {
+		var re redis.Error
+		if err := cmd.Err(); err != nil && !errors.As(err, &re) {
+			return err // the call failed: this connection is not usable either
 		}
+	}
+	version, mode, err := parseHello(helloCmd.Result())
+	if mode == "sentinel" {
+		// go-redis runs the hook on its connections to the Sentinels
+		// too; they hold no keys.
+		st.checked, st.err = time.Now(), nil
+		return nil
+	}
+	sc.checkVersion(version, err, addr, st, minVersion)
+	if st.err == nil && infoCmd != nil {
+		info, err := infoCmd.Result()
+		sc.checkPolicy(info, err, addr, st)
 	}
 	st.checked = time.Now()
 	return st.err
 }
 
-// checkVersion reads the server's version from HELLO (allowed by the
-// minimal ACL; Redis before 6.0 does not know the command) and sets st.err
-// when it is too old. It returns an error only when the call itself failed,
-// and reports whether the server is a Sentinel (go-redis runs the hook on
-// its connections to the Sentinels too; they hold no keys).
-func (sc *serverCheck) checkVersion(ctx context.Context, cn *redis.Conn, addr string, st *serverState, minVersion [2]int) (sentinel bool, err error) {
-	version, mode, err := hello(ctx, cn)
-	if mode == "sentinel" {
-		st.err = nil
-		return true, nil
-	}
+// checkVersion judges the server's version from its HELLO answer (HELLO
+// is in the minimal ACL; Redis before 6.0 does not know the command) and
+// sets st.err when it is too old.
+func (sc *serverCheck) checkVersion(version string, err error, addr string, st *serverState, minVersion [2]int) {
 	var re redis.Error
 	switch {
 	case err != nil && errors.As(err, &re) && strings.HasPrefix(strings.ToUpper(re.Error()), "ERR UNKNOWN COMMAND"):
 		version = "< 6.0"
-	case err != nil && (errors.As(err, &re) || errors.Is(err, errHelloUnparsed)):
+	case err != nil:
 		// Refused (e.g. NOPERM) or an odd answer: the version is unknown; go on.
 		sc.log().Warn("cannot read the redis version; make sure the server runs Redis "+versionString(minVersion)+" or newer",
 			zap.String("server", addr), zap.Error(err))
 		st.err = nil
-		return false, nil
-	case err != nil:
-		return false, err
+		return
 	}
 	if versionAtLeast(version, minVersion) {
 		st.err = nil
-		return false, nil
+		return
 	}
 	st.err = &tooOldError{fmt.Sprintf("redisdlm: redis at %s is version %s; redisdlm needs Redis %s or newer (its lock scripts use script flags)",
 		addr, version, versionString(minVersion))}
 	sc.log().Error("redis server too old; calls to it fail until it is upgraded",
 		zap.String("server", addr), zap.String("redis_version", version),
 		zap.String("required", versionString(minVersion)+" or newer"))
-	return false, nil
 }
 
-// checkPolicy reads maxmemory-policy (from INFO memory, which needs no
-// access to the server's configuration): an evicting policy can drop a held
-// lock and its fencing counter and let two holders in. It returns an error
-// only when the call itself failed.
-func (sc *serverCheck) checkPolicy(ctx context.Context, cn *redis.Conn, addr string, st *serverState) error {
-	info, err := cn.Info(ctx, "memory").Result()
-	var re redis.Error
-	if err != nil && errors.As(err, &re) {
+// checkPolicy judges maxmemory-policy from the INFO memory answer: an
+// evicting policy can drop a held lock and its fencing counter and let two
+// holders in.
+func (sc *serverCheck) checkPolicy(info string, err error, addr string, st *serverState) {
+	if err != nil {
 		// Refused by ACL, or INFO renamed or disabled (managed Redis).
 		if !st.configDenied {
 			st.configDenied = true
 			sc.log().Warn("cannot read maxmemory-policy (INFO refused); locks need maxmemory-policy noeviction",
 				zap.String("server", addr), zap.Error(err))
 		}
-		return nil
-	}
-	if err != nil {
-		return err
+		return
 	}
 	var policy string
 	for _, line := range strings.Split(info, "\n") {
@@ -174,7 +185,6 @@ func (sc *serverCheck) checkPolicy(ctx context.Context, cn *redis.Conn, addr str
 		st.evicting = evicting
 		markEvicting(sc, addr, evicting)
 	}
-	return nil
 }
 
 // close withdraws this client's servers from the evicting-servers gauge.
@@ -216,11 +226,10 @@ func markEvicting(sc *serverCheck, addr string, on bool) {
 	evictingServers.Set(float64(len(evicting.by)))
 }
 
-// hello asks the server for its version and mode ("standalone",
-// "cluster" or "sentinel") with HELLO; without arguments HELLO leaves the
+// parseHello reads the version and mode ("standalone", "cluster" or
+// "sentinel") from a HELLO answer; without arguments HELLO leaves the
 // protocol as it is.
-func hello(ctx context.Context, cn *redis.Conn) (version, mode string, err error) {
-	v, err := cn.Do(ctx, "hello").Result()
+func parseHello(v any, err error) (version, mode string, _ error) {
 	if err != nil {
 		return "", "", err
 	}

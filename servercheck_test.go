@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
+	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -54,7 +56,10 @@ func hammerURL(t *testing.T, url string, n int) map[int]int {
 		wg.Add(1)
 		go func(i int) {
 			defer wg.Done()
-			resp, _ := get(t, fmt.Sprintf("%s/k%d", url, i))
+			resp, body := get(t, fmt.Sprintf("%s/k%d", url, i))
+			if resp != nil && resp.StatusCode != 200 {
+				t.Logf("request %d: %d %s", i, resp.StatusCode, body)
+			}
 			if resp != nil {
 				mu.Lock()
 				seen[resp.StatusCode]++
@@ -89,7 +94,7 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 		t.Run(policy, func(t *testing.T) {
 			t.Parallel()
 			r := startRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", policy)
-			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s"}`, r.Addr))
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","timeout":"2s"}`, r.Addr))
 			logs := observeChecks(t, h)
 			pc := pooledFor(t, h.poolKeys[0])
 			srv := handlerServer(t, h, okHandler)
@@ -129,7 +134,7 @@ func TestServerCheckConfigRefused(t *testing.T) {
 	if err := r.Client().Do(context.Background(), "acl", "setuser", "app", "on", ">pw", "~*", "&*", "+@all", "-info").Err(); err != nil {
 		t.Fatal(err)
 	}
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s"}`, r.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["redis://app:pw@%s"],"wait":"0s","timeout":"2s"}`, r.Addr))
 	logs := observeChecks(t, h)
 	srv := handlerServer(t, h, okHandler)
 	if seen := hammerURL(t, srv.URL, 20); seen[200] != 20 {
@@ -237,6 +242,43 @@ func fillRedis(t *testing.T, c *redis.Client) (maxmemory int64) {
 	return maxmemory
 }
 
+// holdOverLimit serves h in front of a handler that holds the request to
+// /held (answering body) until release is called, and sends that request;
+// it returns once the lock is held. held gets the holder's status.
+func holdOverLimit(t *testing.T, h *RedisLock, body string) (srv *httptest.Server, release func(), held chan int) {
+	t.Helper()
+	in, proceed := make(chan struct{}), make(chan struct{})
+	srv = handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		if req.URL.Path == "/held" {
+			close(in)
+			<-proceed
+		}
+		w.WriteHeader(http.StatusOK)
+		_, _ = io.WriteString(w, body)
+		return nil
+	})
+	var once sync.Once
+	release = func() { once.Do(func() { close(proceed) }) }
+	t.Cleanup(release) // before the server's Cleanup, which waits for the holder
+	held = make(chan int, 1)
+	go func() {
+		resp, _ := get(t, srv.URL+"/held")
+		if resp == nil {
+			held <- 0
+			return
+		}
+		held <- resp.StatusCode
+	}()
+	select {
+	case <-in:
+	case code := <-held:
+		t.Fatalf("the holder was answered %d without holding the lock", code)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the holder did not get the lock within 30s")
+	}
+	return srv, release, held
+}
+
 // TestLockScriptsRespectMaxmemory: on a noeviction server over its
 // maxmemory, new locks are refused (503 by the fail policy, with the OOM
 // error logged) and used memory does not grow; a lease already held keeps
@@ -249,28 +291,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
 	h.locker.logger = h.logger
-	in, proceed := make(chan struct{}), make(chan struct{})
-	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
-		if req.URL.Path == "/held" {
-			close(in)
-			<-proceed
-		}
-		w.WriteHeader(http.StatusOK)
-		return nil
-	})
-	var once sync.Once
-	release := func() { once.Do(func() { close(proceed) }) }
-	t.Cleanup(release) // before the server's Cleanup, which waits for the holder
-	held := make(chan int, 1)
-	go func() {
-		resp, _ := get(t, srv.URL+"/held")
-		if resp == nil {
-			held <- 0
-			return
-		}
-		held <- resp.StatusCode
-	}()
-	<-in
+	srv, release, held := holdOverLimit(t, h, "")
 	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
 	maxmemory := fillRedis(t, rc)
@@ -315,4 +336,86 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+// TestReplayNotStoredOverMaxmemory: a release that would store a replay
+// answer on a server over maxmemory releases the lock without storing it
+// (the answer can be replay_max large; a plain release runs over the limit).
+func TestReplayNotStoredOverMaxmemory(t *testing.T) {
+	t.Parallel()
+	if releaseStoreScript.Hash() == releaseScript.Hash() {
+		t.Fatal("the storing release script still carries allow-oom")
+	}
+	r := startRedis(t, "--maxmemory-policy", "noeviction")
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","replay":"1m"}`, r.Addr))
+	_, release, held := holdOverLimit(t, h, strings.Repeat("y", 200<<10))
+	rc := r.Client()
+	maxmemory := fillRedis(t, rc)
+	before := usedMemory(t, rc)
+	release()
+	if code := <-held; code != 200 {
+		t.Fatalf("holder: status %d, want 200", code)
+	}
+	key := storedKey(h.Prefix, "/held")
+	deadline := time.Now().Add(5 * time.Second)
+	for rc.Exists(context.Background(), key).Val() != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the lock was not released over maxmemory")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := rc.Exists(context.Background(), replayKey(key)).Val(); n != 0 {
+		t.Errorf("a 200 KiB replay answer was stored over maxmemory (used_memory %d → %d, maxmemory %d)", before, usedMemory(t, rc), maxmemory)
+	}
+}
+
+// TestServerCheckClusterAndSentinel: on a Cluster every master is checked
+// once and named by its own address; through a Sentinel the master is
+// checked, named by its group (go-redis does not tell its address), and the
+// Sentinel itself is not (it holds no keys: no warning about it).
+func TestServerCheckClusterAndSentinel(t *testing.T) {
+	t.Parallel()
+	t.Run("cluster", func(t *testing.T) {
+		t.Parallel()
+		rs := startCluster(t)
+		for _, r := range rs {
+			if err := r.Client().ConfigSet(context.Background(), "maxmemory-policy", "volatile-lru").Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		h := provisionLock(t, fmt.Sprintf(`{"cluster":["%s"],"wait":"0s","timeout":"2s"}`, rs[0].Addr))
+		logs := observeChecks(t, h)
+		srv := handlerServer(t, h, okHandler)
+		if seen := hammerURL(t, srv.URL, 40); seen[200] != 40 {
+			t.Fatalf("statuses %v, want 40 × 200", seen)
+		}
+		named := map[string]int{}
+		for _, e := range logs.FilterMessageSnippet("evicts keys").All() {
+			named[fmt.Sprint(e.ContextMap()["server"])]++
+		}
+		for _, r := range rs {
+			if named[r.Addr] != 1 {
+				t.Errorf("master %s named in %d eviction errors, want 1 (all: %v)", r.Addr, named[r.Addr], named)
+			}
+		}
+	})
+	t.Run("sentinel", func(t *testing.T) {
+		t.Parallel()
+		master := startRedis(t, "--maxmemory-policy", "allkeys-lfu")
+		sentinel := startSentinel(t, master)
+		h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"0s","timeout":"2s"}`, sentinel))
+		logs := observeChecks(t, h)
+		srv := handlerServer(t, h, okHandler)
+		if seen := hammerURL(t, srv.URL, 10); seen[200] != 10 {
+			t.Fatalf("statuses %v, want 10 × 200", seen)
+		}
+		errs := logs.FilterMessageSnippet("evicts keys").All()
+		want := "sentinel mymaster@" + sentinel
+		if len(errs) != 1 || errs[0].ContextMap()["server"] != want || errs[0].ContextMap()["maxmemory_policy"] != "allkeys-lfu" {
+			t.Errorf("want one eviction error naming %q: %v", want, logs.All())
+		}
+		if n := logs.FilterMessageSnippet("cannot read").Len(); n != 0 {
+			t.Errorf("%d warnings about unreadable settings (the Sentinel was checked as a server?): %v", n, logs.All())
+		}
+	})
 }

@@ -27,6 +27,23 @@ func waitReplicaOnline(t *testing.T, master *redis.Client, n int) {
 	}
 }
 
+// until200 asks url every 100ms until it answers 200, and fails the test
+// when that takes longer than within.
+func until200(t *testing.T, url string, within time.Duration, what string) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		resp, body := get(t, url)
+		if resp != nil && resp.StatusCode == 200 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v %q, want 200 within %s", what, resp, body, within)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
 // TestSyncReplicas: with a real primary and replica, sync_replicas 1
 // grants while the replica acknowledges; with the replica paused the lock
 // answers 503 saying how many replicas acknowledged (WAIT ends before the
@@ -37,7 +54,7 @@ func TestSyncReplicas(t *testing.T) {
 	replica := startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
 	pc := primary.Client()
 	waitReplicaOnline(t, pc, 1)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"sync_replicas":1,"wait":"0s","ttl":"30s","timeout":"500ms"}`, primary.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"sync_replicas":1,"wait":"0s","ttl":"30s","timeout":"2s"}`, primary.Addr))
 	srv := handlerServer(t, h, okHandler)
 
 	if resp, body := get(t, srv.URL+"/a"); resp == nil || resp.StatusCode != 200 {
@@ -53,17 +70,7 @@ func TestSyncReplicas(t *testing.T) {
 		t.Errorf("a lease whose WAIT failed is left behind (%d holders, ttl %s)", n, ttl)
 	}
 	replica.Resume()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		resp, body := get(t, srv.URL+"/c")
-		if resp != nil && resp.StatusCode == 200 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica resumed: %v %q, want 200", resp, body)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+	until200(t, srv.URL+"/c", 10*time.Second, "after the replica resumed")
 }
 
 // TestSyncReplicasCluster: on a Cluster, WAIT runs on the key's own master.
@@ -74,7 +81,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
 	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
-	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"1s"}`, seeds))
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"2s"}`, seeds))
 	srv := handlerServer(t, h, okHandler)
 
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{rs[0].Addr}})
