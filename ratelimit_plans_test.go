@@ -572,3 +572,38 @@ func rlHistogramCount(h interface{ Write(*dto.Metric) error }) uint64 {
 	}
 	return m.GetHistogram().GetSampleCount()
 }
+
+// TestRateLimitCountCrashAgesOut: a reservation whose request never
+// settles (here its handler panics, as a crashed instance would leave it)
+// holds its slot like any admission and ages out with its window: the key
+// expires by itself.
+func TestRateLimitCountCrashAgesOut(t *testing.T) {
+	t.Parallel()
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
+		h := newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Algorithm = algo
+			h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
+			h.Count = []string{"401"}
+		})
+		func() {
+			defer func() { _ = recover() }()
+			serveRLWith(context.Background(), h, "192.0.2.81", nil, func(w http.ResponseWriter, r *http.Request) error {
+				panic("instance crashed before the answer")
+			})
+		}()
+		keys, _ := r.Client().Keys(context.Background(), "caddy:rl:*").Result()
+		if len(keys) != 1 {
+			t.Fatalf("keys %v, want the reservation's", keys)
+		}
+		if ttl := r.Client().PTTL(context.Background(), keys[0]).Val(); ttl <= 0 || ttl > 1100*time.Millisecond {
+			t.Fatalf("reservation key PTTL %s, want at most the window", ttl)
+		}
+		if a := serveRL(h, "192.0.2.81", nil); a.passed {
+			t.Fatal("the unsettled reservation did not hold its slot")
+		}
+		time.Sleep(1100 * time.Millisecond)
+		if a := serveRL(h, "192.0.2.81", nil); !a.passed {
+			t.Fatalf("after the window the slot is still taken: %d", a.status)
+		}
+	})
+}
