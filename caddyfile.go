@@ -94,16 +94,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.TTL = caddy.Duration(v)
 		case "wait":
-			v, err := oneArg(d, dir)
+			dur, err := parseNonNegativeDuration(d, dir)
 			if err != nil {
 				return err
-			}
-			dur, err := parseDuration(d, dir, sub, v)
-			if err != nil {
-				return err
-			}
-			if dur < 0 {
-				return d.Errf("%s: wait: must not be negative, got %q", dir, v)
 			}
 			cd := caddy.Duration(dur)
 			h.Wait = &cd
@@ -370,16 +363,9 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Count = append(h.Count, args...)
 		case "wait":
-			v, err := oneArg(d, dir)
+			dur, err := parseNonNegativeDuration(d, dir)
 			if err != nil {
 				return err
-			}
-			dur, err := parseDuration(d, dir, sub, v)
-			if err != nil {
-				return err
-			}
-			if dur < 0 {
-				return d.Errf("%s: wait: must not be negative, got %q", dir, v)
 			}
 			h.Wait = caddy.Duration(dur)
 		case "algorithm":
@@ -596,6 +582,23 @@ func parsePositiveDuration(d *caddyfile.Dispenser, dir string) (time.Duration, e
 	}
 	if dur <= 0 {
 		return 0, d.Errf("%s: %s: must be positive, got %q", dir, sub, v)
+	}
+	return dur, nil
+}
+
+// parseNonNegativeDuration reads one argument that must be a duration >= 0.
+func parseNonNegativeDuration(d *caddyfile.Dispenser, dir string) (time.Duration, error) {
+	sub := d.Val()
+	v, err := oneArg(d, dir)
+	if err != nil {
+		return 0, err
+	}
+	dur, err := parseDuration(d, dir, sub, v)
+	if err != nil {
+		return 0, err
+	}
+	if dur < 0 {
+		return 0, d.Errf("%s: %s: must not be negative, got %q", dir, sub, v)
 	}
 	return dur, nil
 }
