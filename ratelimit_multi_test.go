@@ -27,9 +27,8 @@ func sendBatch(b *rlBatcher, calls []*rlCall) {
 // fails gets its own error and the others their answers.
 func TestRateLimitMultiDecisions(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
-		h := newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Algorithm = algo
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		h := newRL(func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: 7, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
 		})
 		b := newBatcher(h.client.client, 0)

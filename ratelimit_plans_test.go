@@ -207,9 +207,8 @@ func TestRateLimitBadRender(t *testing.T) {
 // at once without calling Redis.
 func TestRateLimitCostSequence(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
-		h := newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Algorithm = algo
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		h := newRL(func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
 			h.Cost = "{http.request.header.X-Cost}"
 		})
@@ -267,11 +266,10 @@ func TestRateLimitCostSequence(t *testing.T) {
 // reservation while it runs); answers that do not count return theirs.
 func TestRateLimitCountTwoInstances(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
 		const n = 3
 		mk := func(timeout time.Duration) *RedisRateLimit {
-			return newRateLimit(t, r, func(h *RedisRateLimit) {
-				h.Algorithm = algo
+			return newRL(func(h *RedisRateLimit) {
 				h.Key = "{http.request.header.X-User}"
 				h.Rates = []Rate{{Requests: n, Window: caddy.Duration(10 * time.Minute)}}
 				h.Count = []string{"401"}
@@ -348,9 +346,8 @@ func TestRateLimitCountTwoInstances(t *testing.T) {
 // quota; a request beyond what wait absorbs is rejected at once.
 func TestRateLimitWaitPacing(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
-		h := newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Algorithm = algo
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		h := newRL(func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: 5, Window: caddy.Duration(time.Second)}}
 			h.Wait = caddy.Duration(5 * time.Second)
 		})
@@ -398,8 +395,7 @@ func TestRateLimitWaitPacing(t *testing.T) {
 
 		// A client that goes away while held stops waiting at once and
 		// uses none of the quota.
-		hc := newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Algorithm = algo
+		hc := newRL(func(h *RedisRateLimit) {
 			h.Prefix = "cancel:"
 			h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(2 * time.Second)}}
 			h.Wait = caddy.Duration(5 * time.Second)
@@ -446,8 +442,7 @@ func TestRateLimitWaitPacing(t *testing.T) {
 		}
 
 		// Beyond wait: rejected at once.
-		h2 := newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Algorithm = algo
+		h2 := newRL(func(h *RedisRateLimit) {
 			h.Prefix = "short:"
 			h.Rates = []Rate{{Requests: 2, Window: caddy.Duration(10 * time.Second)}}
 			h.Wait = caddy.Duration(500 * time.Millisecond)
@@ -463,12 +458,18 @@ func TestRateLimitWaitPacing(t *testing.T) {
 }
 
 // eachAlgorithm runs f as a parallel subtest per algorithm, each with a
-// Redis of its own.
-func eachAlgorithm(t *testing.T, f func(t *testing.T, algo string, r *testRedis)) {
+// Redis of its own; newRL provisions a handler of that algorithm against it.
+func eachAlgorithm(t *testing.T, f func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit)) {
 	for _, algo := range []string{algoSliding, algoGCRA} {
 		t.Run(algo, func(t *testing.T) {
 			t.Parallel()
-			f(t, algo, startRedis(t))
+			r := startRedis(t)
+			f(t, algo, r, func(mod func(*RedisRateLimit)) *RedisRateLimit {
+				return newRateLimit(t, r, func(h *RedisRateLimit) {
+					h.Algorithm = algo
+					mod(h)
+				})
+			})
 		})
 	}
 }
@@ -579,9 +580,8 @@ func rlHistogramCount(h interface{ Write(*dto.Metric) error }) uint64 {
 // expires by itself.
 func TestRateLimitCountCrashAgesOut(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis) {
-		h := newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Algorithm = algo
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		h := newRL(func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
 			h.Count = []string{"401"}
 		})
