@@ -86,7 +86,8 @@ func TestRateLimitErrorCauses(t *testing.T) {
 			core, logs := observer.New(zapcore.WarnLevel)
 			h := newRateLimit(t, &testRedis{}, func(h *RedisRateLimit) {
 				conf(h)
-				h.FailClosed = true // and the default timeout, 500ms
+				h.FailClosed = true
+				h.Timeout = caddy.Duration(DefaultTimeout)
 			})
 			h.logger = zap.New(core)
 			for i := 0; i < breakerThreshold; i++ {

@@ -91,7 +91,7 @@ func TestRateLimitPlanExactTwoInstances(t *testing.T) {
 			h.Timeout = caddy.Duration(timeout) // separate clients, as two instances
 		})
 	}
-	hs := []*RedisRateLimit{mk(500 * time.Millisecond), mk(600 * time.Millisecond)}
+	hs := []*RedisRateLimit{mk(3 * time.Second), mk(3100 * time.Millisecond)}
 	for _, tc := range []struct {
 		user, rpm string
 		want      int

@@ -25,11 +25,14 @@ import (
 )
 
 // newRateLimit provisions a redis_ratelimit handler against r. mod edits the
-// config before Provision (the default is 5 requests per second).
+// config before Provision (the default is 5 requests per second, timeout 5s).
 func newRateLimit(t *testing.T, r *testRedis, mod func(h *RedisRateLimit)) *RedisRateLimit {
 	t.Helper()
 	h := &RedisRateLimit{Rates: []Rate{{Requests: 5, Window: caddy.Duration(time.Second)}}}
 	h.Addresses = []string{r.Addr}
+	// A generous bound, so a loaded machine does not turn decisions into
+	// fail-open admissions; fault tests set their own.
+	h.Timeout = caddy.Duration(5 * time.Second)
 	if mod != nil {
 		mod(h)
 	}
