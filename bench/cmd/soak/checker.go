@@ -50,6 +50,7 @@ type holder struct {
 	entry    time.Duration
 	hold     string
 	canceler bool          // its client meant to give up (X-Cancel)
+	giveUp   time.Duration // soak clock: when its client gave up (X-Sent + X-Cancel)
 	canceled bool          // its upstream context ended before the hold did
 	exit     time.Duration // 0 while inside
 }
@@ -166,6 +167,11 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.events = append(c.events, event{at: at, what: what, backend: backendOf(rt), key: key, detail: detail, me: me})
 	}
 	me = &holder{inst: r.Header.Get("X-Instance"), tok: tok, entry: at, hold: r.Header.Get("X-Hold"), canceler: r.Header.Get("X-Cancel") != ""}
+	if me.canceler {
+		after, _ := time.ParseDuration(r.Header.Get("X-Cancel"))
+		sentAt, _ := strconv.ParseInt(r.Header.Get("X-Sent"), 10, 64)
+		me.giveUp = time.Duration(sentAt-c.start.UnixMicro())*time.Microsecond + after
+	}
 	if ks.n >= permits {
 		var in []*holder
 		for h := range ks.holders {
@@ -234,9 +240,9 @@ const exCanceled = "client went away mid-request: lock passed on before the upst
 const exStale = "client went away mid-request: its request reached the upstream after the next holder's (a stale writer with the lower token)"
 
 // staleExcuse names exStale when the request that entered was a canceling
-// client's, canceled within 10 ms of its entry.
+// client's, entered after that client gave up, and left within 10 ms.
 func staleExcuse(e event) string {
-	if m := e.me; m != nil && m.canceler && m.canceled && m.exit > 0 && m.exit <= m.entry+10*time.Millisecond {
+	if m := e.me; m != nil && m.canceler && m.giveUp <= m.entry && m.exit > 0 && m.exit <= m.entry+10*time.Millisecond {
 		return exStale
 	}
 	return ""
@@ -251,8 +257,11 @@ func overlapExcuse(e event) string {
 	if len(e.inside) == 0 {
 		return ""
 	}
+	// The client of every holder inside had given up before the newcomer
+	// entered (the upstream need not have noticed yet: its own hold may
+	// end first), and each left within 10 ms.
 	for _, h := range e.inside {
-		if !h.canceler || !h.canceled || h.exit == 0 || h.exit > e.at+10*time.Millisecond {
+		if !h.canceler || h.giveUp > e.at || h.exit == 0 || h.exit > e.at+10*time.Millisecond {
 			return ""
 		}
 	}
