@@ -447,7 +447,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 }
 
 // parseRedisOption handles the connection subdirectives shared by both
-// directives (SPEC §2). It reports whether d.Val() was one of them.
+// directives. It reports whether d.Val() was one of them.
 //
 //	redis    <address|url>...
 //	cluster  <address|url>...

@@ -1,6 +1,6 @@
 package redisdlm
 
-// The per-server checks of SPEC §2, run on the first connection to each
+// The per-server checks, run on the first connection to each
 // Redis server (never in Provision): the server's version must be at least
 // minRedisVersion, and its maxmemory-policy must not evict keys.
 

@@ -19,7 +19,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Tests of the issue "Fast, fair hand-off on a hot key" (SPEC §3 item 3):
+// Tests of the fast, fair hand-off on a hot key:
 // waiters are woken by a release (local queue, Pub/Sub across instances),
 // polling is only the fallback for a missed wake-up, no wake-up is lost
 // between a failed attempt and the subscription, nobody starves on a hot

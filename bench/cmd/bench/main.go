@@ -1,4 +1,4 @@
-// Command bench measures redisdlm's redis_lock against its goals (SPEC §7)
+// Command bench measures redisdlm's redis_lock against its goals
 // and against go-redsync/redsync and bsm/redislock, and prints a Markdown
 // table.
 //

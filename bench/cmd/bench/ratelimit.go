@@ -1,6 +1,6 @@
 package main
 
-// The redis_ratelimit figures of SPEC §7: throughput ÷ the same Caddy with
+// The redis_ratelimit figures: throughput ÷ the same Caddy with
 // `respond` only, Redis commands per request (and 0 for a client in the
 // local deny cache), and the decision latency while Redis is paused
 // (SIGSTOP) and the circuit breaker is open.
@@ -600,7 +600,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 	p("Rate-limit notes:")
 	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
 	p("- Commands: a pipeline's decisions go as one call of a script's multi form (built in Go from the script file, so MONITOR shows it as an unnamed EVALSHA): concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
-	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (the SPEC sets no number): p99 far below the timeout, i.e. no waiting for Redis.")
+	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (no number is set for it): p99 far below the timeout, i.e. no waiting for Redis.")
 	p("")
 }
 

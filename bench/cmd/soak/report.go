@@ -135,7 +135,7 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 			// carries the older one, and fencing is what refuses it.
 			k.excuse = staleExcuse(e)
 		}
-		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included (SPEC §3.7)
+		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included
 			k.excuse = s.win.excuse(e.at, e.until, e.backend)
 		}
 		evs[k]++
