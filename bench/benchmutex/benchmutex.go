@@ -1,6 +1,6 @@
 // Package benchmutex is a Caddy HTTP handler for benchmarking only: the
 // ceiling of the hot-key figure (a perfect in-process lock
-// through Caddy". It is not part of the redisdlm plugin; `make bench` builds
+// through Caddy). It is not part of the redisdlm plugin; `make bench` builds
 // it into a second binary, bin/caddy-ceiling.
 //
 //	bench_mutex
