@@ -130,6 +130,19 @@ func (d *domain) wake(ids []string) {
 	}
 }
 
+// wakeAll wakes the head waiter of every local queue.
+func (d *domain) wakeAll() {
+	d.mu.Lock()
+	qs := make([]*keyQueue, 0, len(d.queues))
+	for _, q := range d.queues {
+		qs = append(qs, q)
+	}
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.wakeHead()
+	}
+}
+
 // keyQueue is the FIFO of this instance's waiters for one key set. Only
 // the head asks Redis; the others wait for their turn.
 type keyQueue struct {

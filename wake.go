@@ -23,7 +23,16 @@ const wakeChannel = "redisdlm:wake"
 // that key in every domain but the one that announced it (which woke its own
 // queue already). Two domains in one process share a Redis server when they
 // use different client settings or lease options for it.
+//
+// An empty payload wakes every local queue's head: the subscription (re)began
+// and announcements may have been missed meanwhile.
 func dispatchWake(payload string) {
+	if payload == "" {
+		for _, d := range otherDomains("") {
+			d.wakeAll()
+		}
+		return
+	}
 	from, id, ok := strings.Cut(payload, " ")
 	if !ok {
 		return
@@ -165,6 +174,10 @@ func (wl *wakeListener) run(ctx context.Context) (panicked bool) {
 		case *redis.Subscription:
 			if m.Kind == "subscribe" {
 				wl.setActive(true)
+				// A release announced while this listener was not yet (or
+				// no longer) subscribed was missed: every local head asks
+				// once more, instead of sleeping through its backoff.
+				wl.dispatch("")
 			}
 		case *redis.Message:
 			wl.dispatch(m.Payload)
