@@ -295,7 +295,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
 	maxmemory := fillRedis(t, rc)
-	const n = 1000
+	const n = 400
 	var before int64
 	for i := 0; i < n; i++ {
 		if i == 100 {
