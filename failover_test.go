@@ -239,8 +239,7 @@ func since(at, from time.Time) string {
 // fail_closed rate limiter answers by Redis again within seconds of the
 // promotion; both work on the new primary. The figures are logged.
 func TestSentinelFailoverDuringTraffic(t *testing.T) {
-	// Not parallel: many redis-server processes and steady traffic would
-	// starve the timing-bound tests that run in parallel.
+	failoverOneAtATime(t)
 	primary := startRedis(t)
 	replica := startReplica(t, primary)
 	sentinels := startSentinels(t, primary, 3, 2, 1, time.Second)
@@ -354,8 +353,7 @@ func clusterHotKey(t *testing.T, rs []*testRedis) (ls, rls *httptest.Server, up 
 // holders in, the fail_closed rate limiter decides by Redis again within
 // seconds, and both end up on the new master.
 func TestClusterFailoverDuringTraffic(t *testing.T) {
-	// Not parallel: many redis-server processes and steady traffic would
-	// starve the timing-bound tests that run in parallel.
+	failoverOneAtATime(t)
 	rs := startClusterNodes(t, 3, 1)
 	ctx := context.Background()
 	ls, rls, up, _, master := clusterHotKey(t, rs)
@@ -400,8 +398,7 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 // limiter answers by Redis again within seconds of the move, and both end
 // up on the new master.
 func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
-	// Not parallel: many redis-server processes and steady traffic would
-	// starve the timing-bound tests that run in parallel.
+	failoverOneAtATime(t)
 	rs := startClusterNodes(t, 3, 0)
 	ctx := context.Background()
 	ls, rls, up, slot, src := clusterHotKey(t, rs)
@@ -453,4 +450,15 @@ func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
 	tr.stop()
 	t.Logf("slot %d moved with %d keys in %s", slot, moved, switched.Sub(started).Round(time.Millisecond))
 	tr.check(t, "slot migration", started, switched, up, dst)
+}
+
+// failoverOneAtATime runs a failover test in parallel with the lighter
+// tests, but one at a time among themselves: each starts many redis-server
+// processes and steady traffic.
+var failoverMu sync.Mutex
+
+func failoverOneAtATime(t *testing.T) {
+	t.Parallel()
+	failoverMu.Lock()
+	t.Cleanup(failoverMu.Unlock)
 }
