@@ -151,14 +151,14 @@ func TestACLMinimalRedlockAndCount(t *testing.T) {
 	t.Parallel()
 	rs := []*testRedis{startACLRedis(t), startACLRedis(t), startACLRedis(t)}
 	auth := fmt.Sprintf(`"username":%q,"password":%q`, aclUser, aclPassword)
-	lock := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],%s,"ttl":"300ms","keys":["{http.request.header.A}","{http.request.header.B}"]}`,
+	lock := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],%s,"ttl":"900ms","timeout":"2s","keys":["{http.request.header.A}","{http.request.header.B}"]}`,
 		rs[0].Addr, rs[1].Addr, rs[2].Addr, auth))
 	slow := handlerServer(t, lock, func(w http.ResponseWriter, r *http.Request) error {
-		time.Sleep(900 * time.Millisecond) // three extensions of a 300ms lease
+		time.Sleep(1500 * time.Millisecond) // four extensions of a 900ms lease
 		return nil
 	})
 	done := goFetchHdr(slow.URL+"/", "A", "x", "B", "y")
-	time.Sleep(150 * time.Millisecond)
+	time.Sleep(200 * time.Millisecond)
 	rs[2].Restart()
 	res := await(t, done, 20*time.Second, "Redlock request")
 	if res.status != 200 {
