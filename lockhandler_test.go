@@ -162,14 +162,14 @@ func TestLockWaitZeroAndTimeout(t *testing.T) {
 	}
 }
 
-// TestLockAutoExtend: a 1s lease is kept alive through a 2.2s upstream
+// TestLockAutoExtend: a 1.5s lease is kept alive through a 3.5s upstream
 // (more than two leases long) while a second request waits; the second never
 // overlaps the first.
 func TestLockAutoExtend(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := newExclusivityUpstream(2200 * time.Millisecond)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1s","wait":"20s","timeout":"2s"}`, r.Addr))
+	up := newExclusivityUpstream(3500 * time.Millisecond)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1500ms","wait":"30s","timeout":"3s"}`, r.Addr))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
 	starts := make([]time.Time, 2)
@@ -191,8 +191,8 @@ func TestLockAutoExtend(t *testing.T) {
 	}
 	wg.Wait()
 	up.check(t)
-	if ends[1].Sub(ends[0]) < 1800*time.Millisecond {
-		t.Errorf("second request ended %s after the first; it should have waited for the 2.2s holder", ends[1].Sub(ends[0]))
+	if ends[1].Sub(ends[0]) < 3000*time.Millisecond {
+		t.Errorf("second request ended %s after the first; it should have waited for the 3.5s holder", ends[1].Sub(ends[0]))
 	}
 }
 
