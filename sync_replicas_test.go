@@ -113,7 +113,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	}
 	waitReplicaOnline(t, ma, 1)
 
-	for i := 0; i < 8; i++ {
+	for i := 0; i < 3; i++ {
 		if resp, body := get(t, srv.URL+"/a"); resp == nil || resp.StatusCode != 200 {
 			t.Errorf("key on the master with a replica, try %d: %v %q, want 200", i, resp, body)
 		}
