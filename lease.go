@@ -101,7 +101,11 @@ func (ls *lease) releaseWith(answer string) {
 	if ls.q != nil {
 		ls.q.released()
 	}
-	ls.l.dom.wakeKeys(ls.keys)
+	if ls.q != nil {
+		ls.l.dom.wake(ls.q.wakeIDs) // hashed once, when the queue was made
+	} else {
+		ls.l.dom.wakeKeys(ls.keys)
+	}
 }
 
 // dropRefs gives back the lease's references to its queue and servers.
