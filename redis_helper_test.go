@@ -3,12 +3,14 @@ package redisdlm
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -25,18 +27,40 @@ type testRedis struct {
 	args []string
 	dir  string
 	cmd  *exec.Cmd
+	// exited is closed when the process ended (its Wait returned).
+	exited chan struct{}
 }
 
-// freePort asks the kernel for a free loopback port.
+// freePort returns a free loopback port below the kernel's ephemeral range
+// (32768 up, where every outgoing connection takes its local port): a port
+// from that range, freed again, may be taken by a client connection before
+// redis-server binds it, or before a killed server restarts on it. Each
+// port is handed out once per test binary.
 func freePort(t testing.TB) int {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatalf("free port: %v", err)
+	portsMu.Lock()
+	defer portsMu.Unlock()
+	for range 1000 {
+		p := 20000 + rand.IntN(12000)
+		if portsGiven[p] {
+			continue
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		portsGiven[p] = true
+		return p
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
+	t.Fatal("no free loopback port in 20000-31999")
+	return 0
 }
+
+var (
+	portsMu    sync.Mutex
+	portsGiven = map[int]bool{}
+)
 
 // startRedis starts redis-server; extra args are passed as config
 // (e.g. "--requirepass", "secret"). It fails the test loudly when
@@ -97,8 +121,17 @@ func (r *testRedis) start() {
 	if err := r.cmd.Start(); err != nil {
 		r.t.Fatalf("starting redis-server: %v", err)
 	}
+	cmd, exited := r.cmd, make(chan struct{})
+	r.exited = exited
+	go func() { _ = cmd.Wait(); close(exited) }()
 	deadline := time.Now().Add(10 * time.Second)
 	for time.Now().Before(deadline) {
+		select {
+		case <-exited:
+			log, _ := os.ReadFile(filepath.Join(r.dir, "redis.log"))
+			r.t.Fatalf("redis-server on %s exited at start:\n%s", r.Addr, log)
+		default:
+		}
 		c, err := net.DialTimeout("tcp", r.Addr, 200*time.Millisecond)
 		if err == nil {
 			_, _ = c.Write([]byte("PING\r\n"))
@@ -122,7 +155,7 @@ func (r *testRedis) Kill() {
 	}
 	_ = r.cmd.Process.Signal(syscall.SIGCONT)
 	_ = r.cmd.Process.Kill()
-	_ = r.cmd.Wait()
+	<-r.exited
 	r.cmd = nil
 }
 
