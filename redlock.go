@@ -189,7 +189,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		defer t.Stop()
 		deadline = t.C
 	}
-	var retryAfter time.Duration
+	var retryAfter, took time.Duration
 	busyKey, split := 0, false
 
 	// Wait for this waiter's turn: first come, first served.
@@ -215,7 +215,9 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		// poll only as the safety net (a holder that lost its lease).
 		local := q.heldLocally(l.opts.Permits)
 		if n > 0 || !local {
+			began := time.Now()
 			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys), busyKey)
+			took = time.Since(began)
 			if a.err != nil {
 				if ctx.Err() != nil {
 					return nil, ctx.Err()
@@ -255,21 +257,32 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		}
 		t := time.NewTimer(d)
 		wake := w.wake
-		if split {
-			wake = nil
-		}
-		select {
-		case g := <-w.grant:
-			t.Stop()
-			return g, nil
-		case <-wake:
-		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return nil, ctx.Err()
-		case <-deadline:
-			t.Stop()
-			return nil, &busyError{err: ErrNotObtained, leaseLeft: retryAfter}
+		for waiting := true; waiting; {
+			select {
+			case g := <-w.grant:
+				t.Stop()
+				return g, nil
+			case <-wake:
+				if !split {
+					waiting = false
+					break
+				}
+				// The last attempt took part of what it needed: it met a
+				// release half done, or a rival that took part too. Retry
+				// after a random delay of about one attempt, so the release
+				// is complete and two rivals woken by the same message do
+				// not collide in step again.
+				wake = nil
+				t.Reset(rand.N(2*took + time.Millisecond))
+			case <-t.C:
+				waiting = false
+			case <-ctx.Done():
+				t.Stop()
+				return nil, ctx.Err()
+			case <-deadline:
+				t.Stop()
+				return nil, &busyError{err: ErrNotObtained, leaseLeft: retryAfter}
+			}
 		}
 		t.Stop()
 	}
@@ -359,8 +372,9 @@ type attempt struct {
 	retryAfter time.Duration // when not acquired: until the earliest lease ends
 	busyKey    int           // when not acquired: index of the busy key
 	// split: the attempt took part of what it needed (some servers or some
-	// keys) from a rival that did the same; both wait a random backoff
-	// rather than the next wake-up, so they do not collide again in step.
+	// keys): a release was half done, or a rival did the same. After the
+	// next wake-up the waiter retries only after a short random delay, so
+	// two rivals do not collide again in step.
 	split  bool
 	err    error  // Redis unreachable / no quorum
 	answer string // a stored answer to replay (replay on)

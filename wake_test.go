@@ -715,3 +715,37 @@ func TestMaxWaitersCountsPerInstance(t *testing.T) {
 		}
 	}
 }
+
+// TestRedlockSplitWaiterStillWoken: a waiter whose attempt took part of a
+// Redlock (here a member lost the holder's key, as after a restart empty;
+// in traffic, a release half done) gives that part back and still wakes on
+// the release: it does not sleep out its backoff (15s here) with the lock
+// free.
+func TestRedlockSplitWaiterStillWoken(t *testing.T) {
+	t.Parallel()
+	rs, addrs := startRedlock(t, 3)
+	a := provisionLock(t, fmt.Sprintf(`{"redis":%s,"wait":"20s","timeout":"2s"}`, addrs))
+	b := provisionLock(t, fmt.Sprintf(`{"redis":%s,"wait":"20s","timeout":"2100ms","backoff_min":"15s","backoff_max":"15s"}`, addrs))
+	sb := handlerServer(t, b, okHandler)
+	key := storedKey(a.Prefix, "/split")
+	ls, err := a.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rs[0].Client().Del(context.Background(), key).Err(); err != nil {
+		t.Fatal(err)
+	}
+	waiter := goFetch(context.Background(), sb.URL+"/split")
+	time.Sleep(time.Second) // b took rs[0], gave it back, and waits
+	if n := heldBy(rs[0], key); n != 0 {
+		t.Errorf("the split waiter kept its part of the lock on the member that lost the key (%d holders)", n)
+	}
+	start := time.Now()
+	ls.release()
+	if res := await(t, waiter, 20*time.Second, "split waiter"); res.status != 200 {
+		t.Fatalf("split waiter: %d %v", res.status, res.err)
+	}
+	if el := time.Since(start); el > 5*time.Second {
+		t.Errorf("the split waiter got the lock %s after the release; its backoff is 15s, so it ignored the wake-up", el)
+	}
+}
