@@ -239,7 +239,7 @@ func since(at, from time.Time) string {
 // fail_closed rate limiter answers by Redis again within seconds of the
 // promotion; both work on the new primary. The figures are logged.
 func TestSentinelFailoverDuringTraffic(t *testing.T) {
-	failoverOneAtATime(t)
+	failoverTwoAtATime(t)
 	primary := startRedis(t)
 	replica := startReplica(t, primary)
 	sentinels := startSentinels(t, primary, 3, 2, 1, time.Second)
@@ -252,7 +252,7 @@ func TestSentinelFailoverDuringTraffic(t *testing.T) {
 	rs := handlerServer(t, rl, okHandler)
 
 	tr := startFailoverTraffic(8, []string{ls.URL + "/k0", ls.URL + "/k1", ls.URL + "/k2", ls.URL + "/k3"}, rs.URL+"/")
-	time.Sleep(time.Second)
+	time.Sleep(500 * time.Millisecond) // steady traffic before the fault
 	killed := time.Now()
 	primary.Kill()
 	// Wait for the promotion, then for both handlers to answer 200 for 2s.
@@ -276,31 +276,65 @@ func TestSentinelFailoverDuringTraffic(t *testing.T) {
 // startClusterNodes starts a Redis Cluster of masters masters with
 // replicas replicas each, on free loopback ports, and waits until every
 // node sees it whole and ok (or a client may meet CLUSTERDOWN at first).
+// It joins the nodes itself (slots, epochs, MEET, REPLICATE), as
+// redis-cli --cluster create does, but polls instead of sleeping seconds.
 func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
 	t.Helper()
+	ctx := context.Background()
 	var rs []*testRedis
-	var addrs []string
 	for i := 0; i < masters*(1+replicas); i++ {
-		r := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-		rs = append(rs, r)
-		addrs = append(addrs, r.Addr)
+		rs = append(rs, startClusterNode(t))
 	}
-	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
-	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
-		t.Fatalf("redis-cli --cluster create: %v\n%s", err, out)
-	}
-	known := fmt.Sprintf("cluster_known_nodes:%d", len(rs))
-	for _, r := range rs {
-		c := r.Client()
-		if !waitFor(40*time.Second, func() bool {
-			info, _ := c.ClusterInfo(context.Background()).Result()
-			return strings.Contains(info, "cluster_state:ok") && strings.Contains(info, known)
-		}) {
-			t.Fatalf("cluster node %s did not become ok", r.Addr)
+	do := func(r *testRedis, args ...any) {
+		t.Helper()
+		if err := r.Client().Do(ctx, args...).Err(); err != nil {
+			t.Fatalf("%v on %s: %v", args, r, err)
 		}
 	}
+	ids := make([]string, len(rs))
+	for i, r := range rs {
+		id, err := r.Client().Do(ctx, "CLUSTER", "MYID").Text()
+		if err != nil {
+			t.Fatalf("CLUSTER MYID on %s: %v", r, err)
+		}
+		ids[i] = id
+		do(r, "CLUSTER", "SET-CONFIG-EPOCH", i+1)
+		if i < masters {
+			do(r, "CLUSTER", "ADDSLOTSRANGE", i*16384/masters, (i+1)*16384/masters-1)
+		}
+	}
+	for _, r := range rs[1:] {
+		do(rs[0], "CLUSTER", "MEET", "127.0.0.1", r.Port)
+	}
+	known := fmt.Sprintf("cluster_known_nodes:%d", len(rs))
+	waitInfo := func(r *testRedis, want ...string) {
+		t.Helper()
+		c := r.Client()
+		if !waitFor(40*time.Second, func() bool {
+			info, _ := c.ClusterInfo(ctx).Result()
+			for _, w := range want {
+				if !strings.Contains(info, w) {
+					return false
+				}
+			}
+			return true
+		}) {
+			t.Fatalf("cluster node %s: CLUSTER INFO never showed %v", r.Addr, want)
+		}
+	}
+	for i, r := range rs[masters:] {
+		waitInfo(r, known) // it knows its master's id
+		do(r, "CLUSTER", "REPLICATE", ids[i%masters])
+	}
+	for _, r := range rs {
+		waitInfo(r, "cluster_state:ok", known)
+	}
 	return rs
+}
+
+// startClusterNode starts one redis-server in cluster mode, on its own.
+func startClusterNode(t *testing.T) *testRedis {
+	return startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
 }
 
 // clusterHotKey provisions a lock and a fail_closed rate limiter on the
@@ -353,7 +387,7 @@ func clusterHotKey(t *testing.T, rs []*testRedis) (ls, rls *httptest.Server, up 
 // holders in, the fail_closed rate limiter decides by Redis again within
 // seconds, and both end up on the new master.
 func TestClusterFailoverDuringTraffic(t *testing.T) {
-	failoverOneAtATime(t)
+	failoverTwoAtATime(t)
 	rs := startClusterNodes(t, 3, 1)
 	ctx := context.Background()
 	ls, rls, up, _, master := clusterHotKey(t, rs)
@@ -369,7 +403,7 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 	}
 
 	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
-	time.Sleep(time.Second)
+	time.Sleep(500 * time.Millisecond) // steady traffic before the fault
 	started := time.Now()
 	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
 		t.Fatalf("CLUSTER FAILOVER: %v", err)
@@ -398,7 +432,7 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 // limiter answers by Redis again within seconds of the move, and both end
 // up on the new master.
 func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
-	failoverOneAtATime(t)
+	failoverTwoAtATime(t)
 	rs := startClusterNodes(t, 3, 0)
 	ctx := context.Background()
 	ls, rls, up, slot, src := clusterHotKey(t, rs)
@@ -420,7 +454,7 @@ func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
 		}
 	}
 	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
-	time.Sleep(time.Second)
+	time.Sleep(500 * time.Millisecond) // steady traffic before the fault
 	started := time.Now()
 	do(dst, "CLUSTER", "SETSLOT", slot, "IMPORTING", srcID)
 	do(src, "CLUSTER", "SETSLOT", slot, "MIGRATING", dstID)
@@ -452,13 +486,13 @@ func TestClusterSlotMigrationDuringTraffic(t *testing.T) {
 	tr.check(t, "slot migration", started, switched, up, dst)
 }
 
-// failoverOneAtATime runs a failover test in parallel with the lighter
-// tests, but one at a time among themselves: each starts many redis-server
+// failoverTwoAtATime runs a failover test in parallel with the lighter
+// tests, but at most two of them at once: each starts many redis-server
 // processes and steady traffic.
-var failoverMu sync.Mutex
+var failoverSlots = make(chan struct{}, 2)
 
-func failoverOneAtATime(t *testing.T) {
+func failoverTwoAtATime(t *testing.T) {
 	t.Parallel()
-	failoverMu.Lock()
-	t.Cleanup(failoverMu.Unlock)
+	failoverSlots <- struct{}{}
+	t.Cleanup(func() { <-failoverSlots })
 }

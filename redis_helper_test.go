@@ -31,7 +31,8 @@ type testRedis struct {
 	exited chan struct{}
 }
 
-// freePort returns a free loopback port below the kernel's ephemeral range
+// freePort returns a free loopback port p such that p and p+10000 (a
+// Cluster node's bus port) are both below the kernel's ephemeral range
 // (32768 up, where every outgoing connection takes its local port): a port
 // from that range, freed again, may be taken by a client connection before
 // redis-server binds it, or before a killed server restarts on it. Each
@@ -41,20 +42,25 @@ func freePort(t testing.TB) int {
 	portsMu.Lock()
 	defer portsMu.Unlock()
 	for range 1000 {
-		p := 20000 + rand.IntN(12000)
-		if portsGiven[p] {
+		p := 10000 + rand.IntN(12768)
+		if portsGiven[p] || portsGiven[p+10000] || !canBind(p) || !canBind(p+10000) {
 			continue
 		}
-		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
-		if err != nil {
-			continue
-		}
-		l.Close()
-		portsGiven[p] = true
+		portsGiven[p], portsGiven[p+10000] = true, true
 		return p
 	}
-	t.Fatal("no free loopback port in 20000-31999")
+	t.Fatal("no free loopback port in 10000-22767")
 	return 0
+}
+
+// canBind reports whether a loopback port is free at the moment.
+func canBind(p int) bool {
+	l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(p))
+	if err != nil {
+		return false
+	}
+	l.Close()
+	return true
 }
 
 var (
@@ -108,7 +114,9 @@ func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
 func (r *testRedis) start() {
 	r.t.Helper()
 	a := append([]string{"--port", strconv.Itoa(r.Port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", r.dir, "--daemonize", "no", "--loglevel", "warning"}, r.args...)
+		"--dir", r.dir, "--daemonize", "no", "--loglevel", "warning",
+		// A replica syncs at once (the default waits 5s for more replicas).
+		"--repl-diskless-sync-delay", "0"}, r.args...)
 	r.cmd = exec.Command("redis-server", a...)
 	// The server's own log goes to a file, shown only when the test fails.
 	logf, err := os.OpenFile(filepath.Join(r.dir, "redis.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)

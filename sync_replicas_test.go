@@ -3,7 +3,6 @@ package redisdlm
 import (
 	"context"
 	"fmt"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -81,7 +80,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
 	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
-	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"2s"}`, seeds))
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"1s"}`, seeds))
 	srv := handlerServer(t, h, okHandler)
 
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{rs[0].Addr}})
@@ -105,11 +104,17 @@ func TestSyncReplicasCluster(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	replica := startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-	out, err := exec.Command("redis-cli", "--cluster", "add-node", replica.Addr, ma.Options().Addr,
-		"--cluster-slave", "--cluster-master-id", id).CombinedOutput()
-	if err != nil {
-		t.Fatalf("redis-cli --cluster add-node: %v\n%s", err, out)
+	replica := startClusterNode(t)
+	// Join it as a replica of ma (what redis-cli --cluster add-node
+	// --cluster-slave does, polling instead of sleeping seconds).
+	rc := replica.Client()
+	if err := rc.Do(ctx, "CLUSTER", "MEET", "127.0.0.1", rs[0].Port).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if !waitFor(30*time.Second, func() bool {
+		return rc.Do(ctx, "CLUSTER", "REPLICATE", id).Err() == nil // once it knows ma
+	}) {
+		t.Fatal("the new node never learned the master's id")
 	}
 	waitReplicaOnline(t, ma, 1)
 
