@@ -80,7 +80,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
 	seeds := fmt.Sprintf(`["%s","%s","%s"]`, rs[0].Addr, rs[1].Addr, rs[2].Addr)
-	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"1s"}`, seeds))
+	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"sync_replicas":1,"wait":"0s","timeout":"2s"}`, seeds))
 	srv := handlerServer(t, h, okHandler)
 
 	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{rs[0].Addr}})
