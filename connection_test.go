@@ -1,12 +1,16 @@
 package redisdlm
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/redis/go-redis/v9"
 )
 
 // addressForms are Redis addresses with the reason a rejection must give
@@ -150,4 +154,54 @@ func TestTLSClientCertCaddyfile(t *testing.T) {
 	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "redis_ratelimit: tls_client_cert: needs both") {
 		t.Errorf("rate limit with a key but no cert: %v", err)
 	}
+}
+
+// connectedClients reads connected_clients from INFO through c (its own
+// connection included).
+func connectedClients(t *testing.T, c *redis.Client) int {
+	t.Helper()
+	info, err := c.Info(context.Background(), "clients").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, "connected_clients:"); ok {
+			n, _ := strconv.Atoi(v)
+			return n
+		}
+	}
+	t.Fatalf("no connected_clients in %q", info)
+	return 0
+}
+
+// TestPoolShrinksAfterSlowRedis: while Redis is paused, every request holds
+// a connection of its own; once Redis answers again, the pool keeps at most
+// maxIdleConns of them, not all it opened.
+func TestPoolShrinksAfterSlowRedis(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
+	srv := handlerServer(t, h, okHandler)
+	if resp, _ := get(t, srv.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("warm-up: %v", resp)
+	}
+	rc := r.Client()
+	base := connectedClients(t, rc)
+	const n = 48
+	r.Pause()
+	var done []<-chan fetchResult
+	for i := 0; i < n; i++ {
+		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/k%d", srv.URL, i)))
+	}
+	time.Sleep(500 * time.Millisecond) // every request waits on a connection of its own
+	r.Resume()
+	for i, ch := range done {
+		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
+			t.Fatalf("request %d: %d %v", i, res.status, res.err)
+		}
+	}
+	if !waitFor(5*time.Second, func() bool { return connectedClients(t, rc) <= base+maxIdleConns }) {
+		t.Fatalf("%d connections after %d requests met a paused Redis (%d before); want at most %d more (the idle ones kept)", connectedClients(t, rc), n, base, maxIdleConns)
+	}
+	t.Logf("connections: %d before, %d after %d requests met a paused Redis", base, connectedClients(t, rc), n)
 }

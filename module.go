@@ -409,6 +409,16 @@ func (s serverSettings) tlsConfig() (*tls.Config, error) {
 	return conf, nil
 }
 
+// Each client's pool per Redis server: up to poolSize connections in use
+// at once; a connection handed back while maxIdleConns are idle already is
+// closed, so a burst (or a slow Redis, which holds connections longer)
+// leaves no lasting crowd of idle connections behind. go-redis closes idle
+// connections only that way: it has no background reaper.
+const (
+	poolSize     = 64
+	maxIdleConns = 16
+)
+
 // newClient builds (but does not dial) the go-redis client for s; check
 // runs on every new connection.
 func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, error) {
@@ -426,7 +436,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		o.DialerRetries = 1
 		o.ContextTimeoutEnabled = true
 		o.DisableIdentity = true
-		o.PoolSize = 64
+		o.PoolSize, o.MaxIdleConns = poolSize, maxIdleConns
 		o.MinIdleConns = 0
 		o.Protocol = 2 // no RESP3 feature is used: skip the push-notification checks per reply
 		o.OnConnect = check.onConnect
@@ -436,7 +446,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		co := &redis.ClusterOptions{
 			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, Protocol: 2,
 			OnConnect: check.onConnect,
 		}
 		return redis.NewClusterClient(co), nil
@@ -445,7 +455,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
 			DB: s.DB, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: 64, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, Protocol: 2,
 			OnConnect: check.onConnect,
 		}
 		return redis.NewFailoverClient(fo), nil

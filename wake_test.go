@@ -737,8 +737,8 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 	}
 	waiter := goFetch(context.Background(), sb.URL+"/split")
 	time.Sleep(time.Second) // b took rs[0], gave it back, and waits
-	if n := heldBy(rs[0], key); n != 0 {
-		t.Errorf("the split waiter kept its part of the lock on the member that lost the key (%d holders)", n)
+	if !freeWithin(3*time.Second, key, rs[0]) { // its attempts in between may hold it a moment
+		t.Errorf("the split waiter kept its part of the lock on the member that lost the key (%d holders)", heldBy(rs[0], key))
 	}
 	start := time.Now()
 	ls.release()

@@ -33,7 +33,7 @@ var (
 	workers        = flag.Int("workers", 16, "clients on the lock routes")
 	rlWorkers      = flag.Int("rl-workers", 4, "clients on the rate-limited routes")
 	tolerance      = flag.Duration("tolerance", 5*time.Millisecond, "apparent rate on the upstream's clock: allowed transit noise (printed, not failed)")
-	connSlack      = flag.Int("conn-slack", 0, "allowed growth of connected_clients per Redis and Caddy (0 = the pool size, 64)")
+	connSlack      = flag.Int("conn-slack", 0, "allowed growth of connected_clients per Redis and Caddy (0 = the idle connections a pool keeps, 16)")
 	goroSlack      = flag.Int("goroutine-slack", 40, "allowed growth of go_goroutines per Caddy")
 	keepDir        = flag.Bool("keep", false, "keep the work directory (logs, configs)")
 	deadline       = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
