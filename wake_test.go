@@ -732,6 +732,11 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The majority's answers decided; wait for the third, so the key
+	// deleted below stays deleted.
+	if !waitFor(5*time.Second, func() bool { return heldBy(rs[0], key) == 1 }) {
+		t.Fatal("the holder's lease never reached the third member")
+	}
 	if err := rs[0].Client().Del(context.Background(), key).Err(); err != nil {
 		t.Fatal(err)
 	}
