@@ -151,14 +151,14 @@ func TestACLMinimalRedlockAndCount(t *testing.T) {
 	t.Parallel()
 	rs := []*testRedis{startACLRedis(t), startACLRedis(t), startACLRedis(t)}
 	auth := fmt.Sprintf(`"username":%q,"password":%q`, aclUser, aclPassword)
-	lock := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],%s,"ttl":"1500ms","timeout":"2s","keys":["{http.request.header.A}","{http.request.header.B}"]}`,
+	lock := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],%s,"ttl":"3s","timeout":"2s","keys":["{http.request.header.A}","{http.request.header.B}"]}`,
 		rs[0].Addr, rs[1].Addr, rs[2].Addr, auth))
 	slow := handlerServer(t, lock, func(w http.ResponseWriter, r *http.Request) error {
-		time.Sleep(3 * time.Second) // five extensions of a 1.5s lease (generous for a loaded machine)
+		time.Sleep(4 * time.Second) // four extensions of a 3s lease, each with 2s to spare on a loaded machine
 		return nil
 	})
 	done := goFetchHdr(slow.URL+"/", "A", "x", "B", "y")
-	time.Sleep(200 * time.Millisecond)
+	time.Sleep(500 * time.Millisecond)
 	rs[2].Restart()
 	res := await(t, done, 20*time.Second, "Redlock request")
 	if res.status != 200 {

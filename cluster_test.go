@@ -84,7 +84,7 @@ func TestSentinelLock(t *testing.T) {
 	master := startRedis(t)
 	sentinel := startSentinel(t, master)
 	up := newExclusivityUpstream(time.Millisecond)
-	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"30s"}`, sentinel))
+	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"30s","timeout":"3s"}`, sentinel))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
 	for i := 0; i < 40; i++ {

@@ -405,19 +405,28 @@ func TestClusterFailoverDuringTraffic(t *testing.T) {
 	tr := startFailoverTraffic(6, []string{ls.URL + "/hot"}, rls.URL+"/")
 	time.Sleep(500 * time.Millisecond) // steady traffic before the fault
 	started := time.Now()
-	if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
-		t.Fatalf("CLUSTER FAILOVER: %v", err)
-	}
-	var switched time.Time
-	if waitFor(30*time.Second, func() bool {
+	// A manual failover that does not complete in time (a loaded machine)
+	// is aborted by Redis; ask again then.
+	isMaster := func() bool {
 		info, _ := replica.Client().Info(ctx, "replication").Result()
 		return strings.Contains(info, "role:master")
-	}) {
-		switched = time.Now()
+	}
+	var switched time.Time
+	for try := 0; try < 5 && switched.IsZero(); try++ {
+		if try > 0 && isMaster() {
+			switched = time.Now()
+			break
+		}
+		if err := replica.Client().Do(ctx, "CLUSTER", "FAILOVER").Err(); err != nil {
+			t.Fatalf("CLUSTER FAILOVER: %v", err)
+		}
+		if waitFor(6*time.Second, isMaster) {
+			switched = time.Now()
+		}
 	}
 	if switched.IsZero() {
 		tr.stop()
-		t.Fatal("the replica did not become master within 30s")
+		t.Fatal("the replica did not become master after 5 manual failovers, 6s each")
 	}
 	waitFor(20*time.Second, func() bool { return tr.recovered(switched) })
 	tr.stop()

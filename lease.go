@@ -74,12 +74,19 @@ func (ls *lease) markLost() { ls.lost.Store(true) }
 // release gives the lease back on every server and wakes the next local
 // waiter — or hands it on to that waiter without a Redis call. It is safe
 // to call more than once.
-func (ls *lease) release() { ls.releaseWith("") }
+func (ls *lease) release() { ls.releaseWith("", false) }
 
 // releaseWith releases the lease; a non-empty answer is stored for replay
 // in the same script (and then the lease is never handed on locally: the
 // waiters are woken and find the answer).
-func (ls *lease) releaseWith(answer string) {
+//
+// With background, the Redis round trip runs after releaseWith returns,
+// so a response is not held up by it (SPEC §3.12): the hand-off to a local
+// waiter still happens at once, and a request of this instance that comes
+// for the keys meanwhile waits for the release before its first attempt
+// (keyQueue.releaseDone), so a client's next request never finds its own
+// previous one still holding the lock.
+func (ls *lease) releaseWith(answer string, background bool) {
 	ls.mu.Lock()
 	if ls.done {
 		ls.mu.Unlock()
@@ -87,8 +94,8 @@ func (ls *lease) releaseWith(answer string) {
 	}
 	ls.done = true
 	ls.mu.Unlock()
-	defer ls.dropRefs()
 	if answer == "" && ls.handOff() {
+		ls.dropRefs()
 		// The next holder waits in this P's run-next slot: let it run now
 		// rather than after this request's own wind-down.
 		runtime.Gosched()
@@ -97,15 +104,28 @@ func (ls *lease) releaseWith(answer string) {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
+	if !background {
+		ls.releaseInRedis(answer, false)
+		return
+	}
+	if ls.q != nil {
+		ls.q.releaseStarted()
+	}
+	go ls.releaseInRedis(answer, true)
+}
+
+// releaseInRedis runs the release on every server, then tells the local
+// queue and wakes its head.
+func (ls *lease) releaseInRedis(answer string, background bool) {
+	defer ls.dropRefs()
+	defer ls.l.recoverPanic("releasing a lease")
 	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false, answer)
-	if ls.q != nil {
-		ls.q.released()
-	}
-	if ls.q != nil {
-		ls.l.dom.wake(ls.q.wakeIDs) // hashed once, when the queue was made
-	} else {
+	if ls.q == nil {
 		ls.l.dom.wakeKeys(ls.keys)
+		return
 	}
+	ls.q.released(background)
+	ls.l.dom.wake(ls.q.wakeIDs) // hashed once, when the queue was made
 }
 
 // dropRefs gives back the lease's references to its queue and servers.

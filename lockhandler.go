@@ -462,7 +462,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		if rec != nil {
 			h.releaseReplay(lease, rec, fp, display, err, !completed || lost.Load(), r.Context().Err() != nil)
 		} else {
-			lease.release()
+			lease.releaseWith("", true) // the answer does not wait for Redis
 		}
 		held := time.Since(lease.start)
 		lockHeldSeconds.Observe(held.Seconds())
@@ -512,11 +512,11 @@ func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, fp, display string, 
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
 			c.Write(zap.String("key", display), zap.String("reason", why))
 		}
-		ls.release()
+		ls.releaseWith("", true)
 		return
 	}
 	replayStored.Inc()
-	ls.releaseWith(ans)
+	ls.releaseWith(ans, true)
 }
 
 // estimateFree estimates when a busy lock will be free for this request:

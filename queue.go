@@ -155,6 +155,10 @@ type keyQueue struct {
 	waiters []*waiter
 	held    int       // leases of this key set held in this instance
 	hint    time.Time // last known end of the holder's lease
+	// releasing of the held leases are being released in the background;
+	// releaseEnd is closed (and replaced) as each of those ends.
+	releasing  int
+	releaseEnd chan struct{}
 }
 
 // waiter is one request waiting in a keyQueue.
@@ -238,18 +242,49 @@ func (q *keyQueue) acquired() {
 	q.mu.Unlock()
 }
 
-func (q *keyQueue) released() {
+// releaseStarted records a lease of this key set whose release runs in
+// the background.
+func (q *keyQueue) releaseStarted() {
 	q.mu.Lock()
-	if q.held > 0 {
-		q.held--
+	q.releasing++
+	if q.releaseEnd == nil {
+		q.releaseEnd = make(chan struct{})
 	}
 	q.mu.Unlock()
 }
 
+// released records a lease given back in Redis (background: one that
+// releaseStarted announced).
+func (q *keyQueue) released(background bool) {
+	q.mu.Lock()
+	if q.held > 0 {
+		q.held--
+	}
+	if background && q.releasing > 0 {
+		q.releasing--
+		close(q.releaseEnd)
+		q.releaseEnd = nil
+		if q.releasing > 0 {
+			q.releaseEnd = make(chan struct{})
+		}
+	}
+	q.mu.Unlock()
+}
+
+// releaseDone returns a channel closed when the next background release of
+// this key set ends, or nil when none runs.
+func (q *keyQueue) releaseDone() <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.releaseEnd
+}
+
+// heldLocally reports whether this instance holds every permit, not
+// counting leases whose release already began (they are not handed on).
 func (q *keyQueue) heldLocally(permits int) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.held >= permits
+	return q.held-q.releasing >= permits
 }
 
 func (q *keyQueue) wakeHead() {

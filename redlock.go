@@ -208,6 +208,22 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		}
 	}
 
+	// A lease of these keys that this instance gave back a moment ago may
+	// still be on its way to Redis (it is released in the background, after
+	// the answer): wait for that first, so this request does not find the
+	// lock held by the request before it.
+	if done := q.releaseDone(); done != nil {
+		t := time.NewTimer(l.opts.Timeout)
+		select {
+		case <-done:
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		}
+		t.Stop()
+	}
+
 	subscribed := false
 	for n := 0; ; n++ {
 		// While this instance itself holds every permit, its holder hands

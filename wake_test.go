@@ -742,7 +742,8 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 	}
 	waiter := goFetch(context.Background(), sb.URL+"/split")
 	time.Sleep(time.Second) // b took rs[0], gave it back, and waits
-	if !freeWithin(3*time.Second, key, rs[0]) { // its attempts in between may hold it a moment
+	// Its attempts in between may hold rs[0] a moment.
+	if !freeWithin(3*time.Second, key, rs[0]) {
 		t.Errorf("the split waiter kept its part of the lock on the member that lost the key (%d holders)", heldBy(rs[0], key))
 	}
 	start := time.Now()
