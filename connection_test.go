@@ -176,9 +176,13 @@ func connectedClients(t *testing.T, c *redis.Client) int {
 
 // TestPoolShrinksAfterSlowRedis: while Redis is paused, every request holds
 // a connection of its own; once Redis answers again, the pool keeps at most
-// maxIdleConns of them, not all it opened.
+// maxIdleConns of them, not all it opened; and once those were idle for
+// connMaxIdle (shortened here), the next requests close them, so the
+// connections come back to where they started. Not parallel: it shortens
+// connMaxIdle for the clients made meanwhile.
 func TestPoolShrinksAfterSlowRedis(t *testing.T) {
-	t.Parallel()
+	defer func(d time.Duration) { connMaxIdle = d }(connMaxIdle)
+	connMaxIdle = 500 * time.Millisecond
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
 	srv := handlerServer(t, h, okHandler)
@@ -193,7 +197,7 @@ func TestPoolShrinksAfterSlowRedis(t *testing.T) {
 	for i := 0; i < n; i++ {
 		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/k%d", srv.URL, i)))
 	}
-	time.Sleep(500 * time.Millisecond) // every request waits on a connection of its own
+	time.Sleep(300 * time.Millisecond) // every request waits on a connection of its own
 	r.Resume()
 	for i, ch := range done {
 		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
@@ -203,5 +207,17 @@ func TestPoolShrinksAfterSlowRedis(t *testing.T) {
 	if !waitFor(5*time.Second, func() bool { return connectedClients(t, rc) <= base+maxIdleConns }) {
 		t.Fatalf("%d connections after %d requests met a paused Redis (%d before); want at most %d more (the idle ones kept)", connectedClients(t, rc), n, base, maxIdleConns)
 	}
-	t.Logf("connections: %d before, %d after %d requests met a paused Redis", base, connectedClients(t, rc), n)
+	after := connectedClients(t, rc)
+	time.Sleep(connMaxIdle + 200*time.Millisecond)
+	for i := 0; i < 10; i++ { // each call closes up to three expired connections
+		if resp, _ := get(t, fmt.Sprintf("%s/q%d", srv.URL, i)); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("after the quiet spell: %v", resp)
+		}
+	}
+	// A call that finds only expired connections closes three and dials
+	// one: the 16 cost about 6 fresh ones, which the traffic then keeps.
+	if c := connectedClients(t, rc); c > base+(maxIdleConns+2)/3 {
+		t.Errorf("%d connections after a quiet spell longer than connMaxIdle (%d before the burst); the expired idle ones were not closed", c, base)
+	}
+	t.Logf("connections: %d before, %d after %d requests met a paused Redis, %d after a quiet spell", base, after, n, connectedClients(t, rc))
 }

@@ -412,12 +412,18 @@ func (s serverSettings) tlsConfig() (*tls.Config, error) {
 // Each client's pool per Redis server: up to poolSize connections in use
 // at once; a connection handed back while maxIdleConns are idle already is
 // closed, so a burst (or a slow Redis, which holds connections longer)
-// leaves no lasting crowd of idle connections behind. go-redis closes idle
-// connections only that way: it has no background reaper.
+// leaves no lasting crowd of idle connections behind; and a connection
+// idle for connMaxIdle is closed when the pool next looks at it. go-redis
+// has no background reaper: a call closes up to three expired connections
+// before it dials, and the pool hands out its oldest idle connection first
+// (FIFO), so after a quiet spell the next calls close every expired one
+// and the pool comes back to what the traffic needs.
 const (
 	poolSize     = 64
 	maxIdleConns = 16
 )
+
+var connMaxIdle = time.Minute // a var only so that a test can shorten it
 
 // newClient builds (but does not dial) the go-redis client for s; check
 // runs on every new connection.
@@ -436,7 +442,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		o.DialerRetries = 1
 		o.ContextTimeoutEnabled = true
 		o.DisableIdentity = true
-		o.PoolSize, o.MaxIdleConns = poolSize, maxIdleConns
+		o.PoolSize, o.MaxIdleConns, o.ConnMaxIdleTime, o.PoolFIFO = poolSize, maxIdleConns, connMaxIdle, true
 		o.MinIdleConns = 0
 		o.Protocol = 2 // no RESP3 feature is used: skip the push-notification checks per reply
 		o.OnConnect = check.onConnect
@@ -446,7 +452,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		co := &redis.ClusterOptions{
 			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, ConnMaxIdleTime: connMaxIdle, PoolFIFO: true, Protocol: 2,
 			OnConnect: check.onConnect,
 		}
 		return redis.NewClusterClient(co), nil
@@ -455,7 +461,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
 			DB: s.DB, TLSConfig: tlsConf,
 			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, Protocol: 2,
+			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, ConnMaxIdleTime: connMaxIdle, PoolFIFO: true, Protocol: 2,
 			OnConnect: check.onConnect,
 		}
 		return redis.NewFailoverClient(fo), nil

@@ -44,6 +44,9 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// pingRow names the latency row of one plain Redis PING.
+const pingRow = "one Redis PING (go-redis, one connection)"
+
 var (
 	caddyBin  = flag.String("caddy", "../bin/caddy", "Caddy binary with the redisdlm plugin")
 	ceilBin   = flag.String("caddy-ceiling", "../bin/caddy-ceiling", "Caddy binary with bench/benchmutex (the hot-key ceiling row; see `make bin/caddy-ceiling`)")
@@ -57,6 +60,7 @@ var (
 	monitorRn = flag.Duration("monitor", 2*time.Second, "contended run under MONITOR")
 	onlyRL    = flag.Bool("only-ratelimit", false, "run the redis_ratelimit part only")
 	onlyRP    = flag.Bool("only-replay", false, "run the execute-once (replay) part only")
+	onlyRLP   = flag.Bool("only-redlock-proxy", false, "run the Redlock latency-proxy figure only")
 	scriptDir = flag.String("scripts", "../scripts", "the plugin's Lua scripts, to name EVALSHA calls")
 )
 
@@ -681,7 +685,12 @@ func sequential(name, base string, n int, budget time.Duration) seqResult {
 	return r
 }
 
-type latTarget struct{ name, base string }
+// latTarget is one configuration of the latency rows: an HTTP base URL,
+// or do (a direct call, e.g. one Redis PING).
+type latTarget struct {
+	name, base string
+	do         func(ctx context.Context) error
+}
 
 // interleaved sends n requests to each target, one target after another
 // (round-robin), on distinct paths, for at most budget in all.
@@ -697,7 +706,12 @@ func interleaved(ts []latTarget, n int, budget time.Duration) []seqResult {
 	for k := 0; k < n && time.Now().Before(end); k++ {
 		for i, t := range ts {
 			start := time.Now()
-			code, err := get(ctx, fmt.Sprintf("%s/fast/il-%s-%d", t.base, tag, k), nil)
+			code, err := 200, error(nil)
+			if t.do != nil {
+				err = t.do(ctx)
+			} else {
+				code, err = get(ctx, fmt.Sprintf("%s/fast/il-%s-%d", t.base, tag, k), nil)
+			}
 			d := time.Since(start)
 			res[i].sent++
 			switch {
@@ -891,6 +905,10 @@ func run() error {
 		printReplay(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runReplay(step, 50))
 		return nil
 	}
+	if *onlyRLP { // the Redlock latency-proxy figure alone
+		printRedlockProxy(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runRedlockProxy(step, *seqN))
+		return nil
+	}
 	if *onlyRL { // development: the rate-limit part alone
 		rl := runRateLimit(step)
 		printRateLimit(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, rl)
@@ -1037,6 +1055,11 @@ func run() error {
 	for _, t := range lat {
 		sequential("warm", t.base, 20, 5*time.Second)
 	}
+	// One Redis round trip, sampled in the same rounds: the unit of the
+	// uncontended lock's added latency (SPEC §7).
+	pinger := redis.NewClient(&redis.Options{Addr: e.r1.addr(), PoolSize: 1})
+	defer pinger.Close()
+	lat = append(lat, latTarget{name: pingRow, do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }})
 	var m3 *monitor
 	var m3err error
 	if e.caddyCErr == nil {
@@ -1108,10 +1131,14 @@ func run() error {
 	rl := runRateLimit(step)
 	// 7. Execute once: its own Caddy processes and redis-server.
 	rp := runReplay(step, 50)
+	// 8. Redlock behind latency proxies: its own Caddy and redis-servers.
+	rlp := runRedlockProxy(step, *seqN)
 	step("done; stopping")
 
 	printReport(e, hot, cmdRows, seq, rl, time.Since(begin))
-	printReplay(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, rp)
+	printf := func(f string, a ...any) { fmt.Printf(f+"\n", a...) }
+	printRedlockProxy(printf, rlp)
+	printReplay(printf, rp)
 	return nil
 }
 

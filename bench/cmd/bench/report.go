@@ -167,13 +167,15 @@ func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, rl *rl
 	p("")
 	p("| config | median | p99 | n | median ÷ 1 server | lock's own share ÷ 1 server's | goal |")
 	p("|---|---|---|---|---|---|---|")
-	var base, one time.Duration
+	var base, one, ping time.Duration
 	for _, s := range seq {
 		switch s.name {
 		case "Caddy, `respond` only (base)":
 			base = s.median
 		case "redis_lock, 1 server":
 			one = s.median
+		case pingRow:
+			ping = s.median
 		}
 	}
 	for _, s := range seq {
@@ -202,6 +204,11 @@ func printReport(e *env, hot []hotResult, cmds []cmdRow, seq []seqResult, rl *rl
 		p("| %s | %s | %s | %d%s | %s | %s | %s |", s.name, ms(s.median), ms(s.p99), s.n, errs, ratio, share, goal)
 	}
 	p("")
+	if ping > 0 && one > 0 && base > 0 {
+		added := float64(one-base) / float64(ping)
+		p("Uncontended lock's added latency, (1 server − `respond` only) medians ÷ one PING's median: **%.2f** (goal ≤ 1.6 %s; exactly one Redis round trip on the client's path scores 1.05–1.5 here).", added, check(added <= 1.6))
+		p("")
+	}
 
 	printRateLimit(p, rl)
 

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/bench/internal/faultproxy"
 )
 
 const (
@@ -176,8 +178,8 @@ func (w *windows) caddyDown(from, to time.Duration, i int) bool {
 // inject carries out f; it returns when the fault is over.
 func (s *soak) inject(f fault) error {
 	now := s.check.now
-	proxies := func() []*proxy {
-		var ps []*proxy
+	proxies := func() []*faultproxy.Proxy {
+		var ps []*faultproxy.Proxy
 		for i := range s.caddies {
 			if f.caddy < 0 || f.caddy == i {
 				ps = append(ps, s.proxies[i][f.redis])
@@ -206,23 +208,23 @@ func (s *soak) inject(f fault) error {
 		}
 	case fLatency:
 		for _, p := range proxies() {
-			p.latency.Store(int64(f.amount))
+			p.SetLatency(f.amount)
 		}
 		time.Sleep(f.dur)
 		for _, p := range proxies() {
-			p.latency.Store(0)
+			p.SetLatency(0)
 		}
 	case fBlackhole:
 		for _, p := range proxies() {
-			p.black.Store(true)
+			p.SetBlackhole(true)
 		}
 		time.Sleep(f.dur)
 		for _, p := range proxies() {
-			p.black.Store(false)
+			p.SetBlackhole(false)
 		}
 	case fReset:
 		for _, p := range proxies() {
-			p.reset()
+			p.Reset()
 		}
 	case fKillCaddy:
 		c := s.caddies[f.caddy]

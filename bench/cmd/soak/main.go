@@ -23,6 +23,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/bench/internal/faultproxy"
 )
 
 var (
@@ -33,7 +35,8 @@ var (
 	workers        = flag.Int("workers", 16, "clients on the lock routes")
 	rlWorkers      = flag.Int("rl-workers", 4, "clients on the rate-limited routes")
 	tolerance      = flag.Duration("tolerance", 5*time.Millisecond, "apparent rate on the upstream's clock: allowed transit noise (printed, not failed)")
-	connSlack      = flag.Int("conn-slack", 0, "allowed growth of connected_clients per Redis and Caddy (0 = the idle connections a pool keeps, 16)")
+	connSlack      = flag.Int("conn-slack", 6, "allowed growth of connected_clients per Redis and Caddy after the quiet spell (a pool purging 16 expired connections dials about 6 fresh ones)")
+	connIdle       = flag.Duration("conn-idle", time.Minute, "the plugin's idle-connection time (module.go connMaxIdle): the quiet spell after the faults lasts at least this long, so that the pools close what they kept")
 	goroSlack      = flag.Int("goroutine-slack", 40, "allowed growth of go_goroutines per Caddy")
 	keepDir        = flag.Bool("keep", false, "keep the work directory (logs, configs)")
 	deadline       = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
@@ -51,8 +54,8 @@ const (
 type soak struct {
 	seed    int64
 	start   time.Time
-	redis   []*redisProc // single, redlock1-3
-	proxies [][]*proxy   // [caddy][redis]
+	redis   []*redisProc          // single, redlock1-3
+	proxies [][]*faultproxy.Proxy // [caddy][redis]
 	caddies []*caddyProc
 	check   *checker
 	tally   *tally
@@ -109,7 +112,7 @@ func (s *soak) caddyfile(c *caddyProc, variant int) string {
 	if variant == 1 {
 		ttl, stallTTL, timeout = "2500ms", "1200ms", "400ms"
 	}
-	p := func(r int) string { return s.proxies[c.idx][r].addr() }
+	p := func(r int) string { return s.proxies[c.idx][r].Addr() }
 	redlock := p(1) + " " + p(2) + " " + p(3)
 	lock := func(path, opts string) string {
 		return fmt.Sprintf("\thandle /%s/* {\n\t\tredis_lock {\n%s\t\t\ttimeout %s\n\t\t}\n\t\treverse_proxy %s\n\t}\n",
@@ -208,13 +211,13 @@ func run() error {
 		s.redis = append(s.redis, r)
 	}
 	for i := 0; i < 4; i++ {
-		var row []*proxy
+		var row []*faultproxy.Proxy
 		for j, r := range s.redis {
-			p, err := newProxy(fmt.Sprintf("caddy%d→%s", i, redisNames[j]), r.addr())
+			p, err := faultproxy.New(fmt.Sprintf("caddy%d→%s", i, redisNames[j]), r.addr())
 			if err != nil {
 				return err
 			}
-			defer p.close()
+			defer p.Close()
 			row = append(row, p)
 		}
 		s.proxies = append(s.proxies, row)
@@ -267,7 +270,9 @@ func run() error {
 		return err
 	}
 
-	quiet := 2 * s.maxTTL
+	// Quiet long enough for the leases to end and for the pools' idle
+	// connections to expire; the probes then close the expired ones.
+	quiet := max(2*s.maxTTL, *connIdle+time.Second)
 	step("faults over; quiet for %v", quiet)
 	time.Sleep(quiet)
 	probes := s.probe()

@@ -182,9 +182,6 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 
 	// Leftovers and the baseline.
 	slack := *connSlack
-	if slack == 0 {
-		slack = 16 // a pool keeps at most 16 idle connections (module.go maxIdleConns)
-	}
 	var drift []string
 	for i := range s.redis {
 		if end.conns[i] > base.conns[i]+slack*len(s.caddies) {

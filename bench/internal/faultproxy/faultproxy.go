@@ -1,8 +1,6 @@
-package main
-
-// A TCP fault proxy: each Caddy reaches each Redis through one of these, so
-// that the soak can add latency, blackhole the link for a while, or reset
-// every connection.
+// Package faultproxy is a TCP fault proxy for the soak and the bench: a
+// Caddy reaches a Redis through one, so that latency can be added, the link
+// blackholed for a while, or every connection reset.
 //
 //   - latency delays every byte from Caddy to Redis by a set time (the
 //     Redis → Caddy direction is left alone, so that a rate-limit admission
@@ -14,6 +12,8 @@ package main
 //     it does not drop);
 //   - reset closes every connection with RST.
 
+package faultproxy
+
 import (
 	"net"
 	"sync"
@@ -21,7 +21,8 @@ import (
 	"time"
 )
 
-type proxy struct {
+// Proxy forwards one loopback port to a target address.
+type Proxy struct {
 	name    string
 	target  string
 	ln      net.Listener
@@ -32,25 +33,28 @@ type proxy struct {
 	conns   map[*net.TCPConn]struct{}
 }
 
-func newProxy(name, target string) (*proxy, error) {
+// New starts a proxy to target on a free loopback port.
+func New(name, target string) (*Proxy, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	p := &proxy{name: name, target: target, ln: ln, conns: map[*net.TCPConn]struct{}{}}
+	p := &Proxy{name: name, target: target, ln: ln, conns: map[*net.TCPConn]struct{}{}}
 	go p.serve()
 	return p, nil
 }
 
-func (p *proxy) addr() string { return p.ln.Addr().String() }
+// Addr is the proxy's own address.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
 
-func (p *proxy) close() {
+// Close stops the proxy and resets its connections.
+func (p *Proxy) Close() {
 	p.closed.Store(true)
 	p.ln.Close()
-	p.reset()
+	p.Reset()
 }
 
-func (p *proxy) serve() {
+func (p *Proxy) serve() {
 	for {
 		c, err := p.ln.Accept()
 		if err != nil {
@@ -62,13 +66,13 @@ func (p *proxy) serve() {
 
 // waitOpen blocks while the link is blackholed (bounded: the longest
 // blackhole the schedule makes is a few seconds).
-func (p *proxy) waitOpen() {
+func (p *Proxy) waitOpen() {
 	for p.black.Load() && !p.closed.Load() {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
 
-func (p *proxy) track(c *net.TCPConn, on bool) {
+func (p *Proxy) track(c *net.TCPConn, on bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if on {
@@ -78,7 +82,7 @@ func (p *proxy) track(c *net.TCPConn, on bool) {
 	}
 }
 
-func (p *proxy) handle(client *net.TCPConn) {
+func (p *Proxy) handle(client *net.TCPConn) {
 	p.track(client, true)
 	defer p.track(client, false)
 	defer client.Close()
@@ -105,7 +109,7 @@ type chunk struct {
 
 // pipe copies src to dst, holding bytes while blackholed and, towards
 // Redis (up), delaying each chunk by the latency in force when it arrived.
-func (p *proxy) pipe(src, dst *net.TCPConn, up bool) {
+func (p *Proxy) pipe(src, dst *net.TCPConn, up bool) {
 	defer src.Close()
 	defer dst.Close()
 	ch := make(chan chunk, 256)
@@ -138,8 +142,9 @@ func (p *proxy) pipe(src, dst *net.TCPConn, up bool) {
 	}
 }
 
-// reset closes every connection through the proxy with RST.
-func (p *proxy) reset() int {
+// Reset closes every connection through the proxy with RST and returns
+// how many there were.
+func (p *Proxy) Reset() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for c := range p.conns {
@@ -148,3 +153,11 @@ func (p *proxy) reset() int {
 	}
 	return len(p.conns)
 }
+
+// SetLatency delays every byte towards the target by d from now on (0:
+// none).
+func (p *Proxy) SetLatency(d time.Duration) { p.latency.Store(int64(d)) }
+
+// SetBlackhole holds every byte in both directions, and new connections,
+// while on.
+func (p *Proxy) SetBlackhole(on bool) { p.black.Store(on) }
