@@ -39,8 +39,8 @@ redis-server:
 		(apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null
 
-# The plugin's tests (real redis-servers, about a minute), then the
-# benchmark modules' vet and tests, then a 30 s soak (README "How we test")
+# The plugin's tests (real redis-servers, about 25 s), then the
+# benchmark modules' vet and tests, then a 30 s soak (and its quiet minute) (README "How we test")
 # with a fixed seed, so that CI replays a known fault schedule; `make soak`
 # draws a new seed each time.
 TEST_SOAK_SEED ?= 300568143
@@ -68,7 +68,7 @@ fuzz:
 # The soak (README "How we test"): 4 Caddy processes, a single Redis and a
 # 3-server Redlock behind TCP fault proxies, random faults drawn from a seed,
 # an independent checker; exits 1 when a promise was broken. SOAK is the
-# length of the fault phase (about 15 s more in all); SEED=<n> replays a
+# length of the fault phase (about 70 s more in all: a quiet minute ends it); SEED=<n> replays a
 # run's fault schedule; SOAK_FLAGS passes more flags (see -help).
 SOAK ?= 5m
 SEED ?= 0
