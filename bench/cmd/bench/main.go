@@ -1082,6 +1082,11 @@ func run() error {
 		e.r3c.cmd.Process.Signal(syscall.SIGCONT)
 	}
 	cmdRows = append(cmdRows, redlockCmds)
+	step("lock cost: Redis CPU per uncontended locked request, 1 and 3 servers (3 s each)")
+	costs := []lockCostRow{runLockCost("redis_lock, 1 server", fmt.Sprintf("http://127.0.0.1:%d", e.portsA.lock1), []*redisProc{e.r1}, *clients, 3*time.Second)}
+	if e.caddyCErr == nil {
+		costs = append(costs, runLockCost("redis_lock, 3 servers (Redlock)", urlC, []*redisProc{e.r3a, e.r3b, e.r3c}, *clients, 3*time.Second))
+	}
 
 	// 5. Peers at library level, same upstream, same worker loop.
 	rdb := redis.NewClient(&redis.Options{Addr: e.r1.addr(), PoolSize: 4 * *clients, MinIdleConns: *clients})
@@ -1137,6 +1142,7 @@ func run() error {
 
 	printReport(e, hot, cmdRows, seq, rl, time.Since(begin))
 	printf := func(f string, a ...any) { fmt.Printf(f+"\n", a...) }
+	printLockCost(printf, costs, *clients)
 	printRedlockProxy(printf, rlp)
 	printReplay(printf, rp)
 	return nil

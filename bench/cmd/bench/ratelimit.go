@@ -206,6 +206,8 @@ type rlResult struct {
 
 	cmds []cmdRow
 
+	peers []peerRow // the same decisions through redis_rate and an Envoy-style pipeline
+
 	up      []*latRow // Redis up
 	paused  []*latRow // Redis paused, breaker open
 	opening []time.Duration
@@ -445,6 +447,7 @@ func runRateLimit(step func(string, ...any)) *rlResult {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	res.peers = runRateLimitPeers(step, *rlClients, 1000, 3*time.Second)
 	return res
 }
 
@@ -602,6 +605,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 	p("- Commands: a pipeline's decisions go as one call of a script's multi form (built in Go from the script file, so MONITOR shows it as an unnamed EVALSHA): concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
 	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (no number is set for it): p99 far below the timeout, i.e. no waiting for Redis.")
 	p("")
+	printRateLimitPeers(p, r.peers, *rlClients, 1000)
 }
 
 func recoverText(r *rlResult) string {

@@ -1,0 +1,110 @@
+package main
+
+// The rate-limit peers of SPEC §7 at library level: the same closed loop
+// (64 goroutines over 1000 keys, no HTTP) against one redis-server, once
+// through go-redis/redis_rate (GCRA, one EVALSHA per decision) and once as
+// an Envoy-style fixed window (INCRBY + EXPIRE in one pipeline per
+// decision). What matters is Redis CPU per decision, read from the
+// redis-server process, the unit that caps a whole fleet.
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-redis/redis_rate/v10"
+	"github.com/redis/go-redis/v9"
+)
+
+type peerRow struct {
+	name      string
+	decisions int64
+	dur       time.Duration
+	redisCPU  float64 // seconds
+	err       error
+}
+
+// runRateLimitPeers measures each peer for measure after a short warm-up.
+func runRateLimitPeers(step func(string, ...any), clients, keys int, measure time.Duration) []peerRow {
+	r, err := startRedis("redisPeers")
+	if err != nil {
+		return []peerRow{{name: "peers", err: err}}
+	}
+	rc := redis.NewClient(&redis.Options{Addr: r.addr(), PoolSize: clients})
+	defer rc.Close()
+	limiter := redis_rate.NewLimiter(rc)
+	peers := []struct {
+		name   string
+		decide func(ctx context.Context, key string) error
+	}{
+		{"go-redis/redis_rate v10 GCRA (one EVALSHA)", func(ctx context.Context, key string) error {
+			_, err := limiter.Allow(ctx, key, redis_rate.PerSecond(1000000))
+			return err
+		}},
+		{"Envoy-style fixed window (INCRBY + EXPIRE, one pipeline)", func(ctx context.Context, key string) error {
+			_, err := rc.Pipelined(ctx, func(p redis.Pipeliner) error {
+				p.IncrBy(ctx, key, 1)
+				p.Expire(ctx, key, time.Second)
+				return nil
+			})
+			return err
+		}},
+	}
+	var rows []peerRow
+	for _, pr := range peers {
+		step("rate limit peers: %s, %d goroutines over %d keys, %s", pr.name, clients, keys, measure)
+		row := peerRow{name: pr.name}
+		loop := func(d time.Duration, count bool) {
+			stop := time.Now().Add(d)
+			var n atomic.Int64
+			var firstErr atomic.Pointer[error]
+			var wg sync.WaitGroup
+			for c := 0; c < clients; c++ {
+				wg.Add(1)
+				go func(c int) {
+					defer wg.Done()
+					for i := 0; time.Now().Before(stop); i++ {
+						key := fmt.Sprintf("peer:%d", (c*7919+i)%keys)
+						if err := pr.decide(context.Background(), key); err != nil {
+							firstErr.CompareAndSwap(nil, &err)
+							return
+						}
+						n.Add(1)
+					}
+				}(c)
+			}
+			wg.Wait()
+			if count {
+				row.decisions = n.Load()
+				if e := firstErr.Load(); e != nil {
+					row.err = *e
+				}
+			}
+		}
+		loop(300*time.Millisecond, false)
+		c0, t0 := cpuSeconds(r.cmd.Process.Pid), time.Now()
+		loop(measure, true)
+		row.redisCPU, row.dur = cpuSeconds(r.cmd.Process.Pid)-c0, time.Since(t0)
+		rows = append(rows, row)
+	}
+	return rows
+}
+
+func printRateLimitPeers(p func(string, ...any), rows []peerRow, clients, keys int) {
+	p("#### Rate-limit peers at library level (%d goroutines over %d keys, no HTTP, one redis-server)", clients, keys)
+	p("")
+	p("| peer | decisions/s | Redis CPU per decision |")
+	p("|---|---|---|")
+	for _, r := range rows {
+		if r.err != nil || r.decisions == 0 {
+			p("| %s | — | error: %v |", r.name, r.err)
+			continue
+		}
+		p("| %s | %.0f | %.1f µs |", r.name, float64(r.decisions)/r.dur.Seconds(), r.redisCPU/float64(r.decisions)*1e6)
+	}
+	p("")
+	p("- Redis CPU = the redis-server process's user+system time (/proc) over the measured part ÷ decisions. `redis_ratelimit`'s own figure is the Redis column of the throughput table above (through Caddy, %d clients).", *rlClients)
+	p("")
+}
