@@ -613,6 +613,10 @@ func (m *monitor) snapshot() (int, string) {
 }
 
 // stop waits a moment for late lines, closes, and returns the counts.
+// connSetup are the commands a new connection sends once (the handshake
+// and the plugin's server check): shown, but not counted per request.
+var connSetup = map[string]bool{"HELLO": true, "AUTH": true, "CLIENT": true, "INFO": true, "SELECT": true}
+
 func (m *monitor) stop() (int, string) {
 	time.Sleep(200 * time.Millisecond)
 	m.conn.Close()
@@ -626,7 +630,9 @@ func (m *monitor) stop() (int, string) {
 	}
 	var kvs []kv
 	for k, v := range m.count {
-		total += v
+		if !connSetup[strings.Fields(k)[0]] {
+			total += v
+		}
 		kvs = append(kvs, kv{k, v})
 	}
 	sort.Slice(kvs, func(i, j int) bool { return kvs[i].v > kvs[j].v || kvs[i].v == kvs[j].v && kvs[i].k < kvs[j].k })
