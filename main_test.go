@@ -18,7 +18,7 @@ func TestMain(m *testing.M) {
 		}
 	})
 	if !set {
-		_ = flag.Set("test.parallel", "12")
+		_ = flag.Set("test.parallel", "16")
 	}
 	os.Exit(m.Run())
 }
