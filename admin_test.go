@@ -674,7 +674,14 @@ func TestAdminLockReplayView(t *testing.T) {
 	if resp, body := get(t, srv.URL+"/", "K", "order-1"); resp == nil || resp.StatusCode != 201 || body != "hello" {
 		t.Fatalf("first request: %v %q", resp, body)
 	}
-	sv, body := inspect("order-1")
+	// The answer is stored by the release, which runs just after the
+	// response.
+	var sv map[string]any
+	var body string
+	waitFor(5*time.Second, func() bool {
+		sv, body = inspect("order-1")
+		return sv["replay"] != nil
+	})
 	rv, _ := sv["replay"].(map[string]any)
 	if rv == nil || rv["status"] != 201.0 || rv["size"] != 5.0 || rv["format"] != replayFormat {
 		t.Errorf("stored replay: %s; want status 201, size 5, format %s", body, replayFormat)

@@ -173,7 +173,7 @@ func startFailoverTraffic(lockClients int, lockURLs []string, rlURL string) *fai
 	}
 	for i := 0; i < lockClients; i++ {
 		tr.wg.Add(1)
-		go loop(lockURLs[i%len(lockURLs)], &tr.lock, 0)
+		go loop(lockURLs[i%len(lockURLs)], &tr.lock, 2*time.Millisecond)
 	}
 	tr.wg.Add(2)
 	go loop(rlURL, &tr.rl, 5*time.Millisecond)

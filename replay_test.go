@@ -378,7 +378,13 @@ func BenchmarkReplayMemory(b *testing.B) {
 		if st, _, _, err := post(srv.URL+"/o", "x", "K", key); err != nil || st != 201 {
 			b.Fatalf("store: %d %v", st, err)
 		}
-		n, err := r.Client().MemoryUsage(context.Background(), replayKey(storedKey(h.Prefix, key)), 0).Result()
+		// The release stores the answer just after the response.
+		var n int64
+		var err error
+		waitFor(5*time.Second, func() bool {
+			n, err = r.Client().MemoryUsage(context.Background(), replayKey(storedKey(h.Prefix, key)), 0).Result()
+			return err == nil
+		})
 		if err != nil {
 			b.Fatal(err)
 		}
