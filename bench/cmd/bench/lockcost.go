@@ -2,7 +2,7 @@ package main
 
 // Redis CPU per uncontended locked request, for the README's "Scaling out"
 // estimate: clients closed-loop on distinct keys through a `redis_lock` +
-// `respond` site, the CPU of every redis-server behind it read from /proc.
+// `respond` site, the CPU of every redis-server behind it from INFO cpu.
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 type lockCostRow struct {
@@ -53,10 +55,16 @@ func runLockCost(name, base string, servers []*redisProc, clients int, measure t
 		return ok.Load(), nil
 	}
 	loop(300 * time.Millisecond)
+	var infoClients []*redis.Client
+	for _, r := range servers {
+		c := redis.NewClient(&redis.Options{Addr: r.addr(), PoolSize: 1})
+		defer c.Close()
+		infoClients = append(infoClients, c)
+	}
 	cpu := func() float64 {
 		var s float64
-		for _, r := range servers {
-			s += cpuSeconds(r.cmd.Process.Pid)
+		for _, c := range infoClients {
+			s += redisCPU(c)
 		}
 		return s / float64(len(servers))
 	}

@@ -71,6 +71,24 @@ type tpTarget struct {
 	cpu     [3]float64 // CPU seconds during measured slices: caddy, redis, bench
 }
 
+// redisCPU is used_cpu_user + used_cpu_sys from Redis's INFO cpu (the
+// server's own CPU time so far, its network system calls included).
+func redisCPU(c *redis.Client) float64 {
+	info, err := c.Info(context.Background(), "cpu").Result()
+	if err != nil {
+		return 0
+	}
+	var sum float64
+	for _, line := range strings.Split(info, "\r\n") {
+		k, v, ok := strings.Cut(line, ":")
+		if ok && (k == "used_cpu_user" || k == "used_cpu_sys") {
+			f, _ := strconv.ParseFloat(v, 64)
+			sum += f
+		}
+	}
+	return sum
+}
+
 // cpuSeconds is the user+system CPU time of a process so far.
 func cpuSeconds(pid int) float64 {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
@@ -288,14 +306,18 @@ func runRateLimit(step func(string, ...any)) *rlResult {
 		for k := range tps {
 			i := (k + round) % len(tps)
 			t := tps[i]
-			pids := []int{cp.cmd.Process.Pid, rr.cmd.Process.Pid, os.Getpid()}
+			cpus := []func() float64{
+				func() float64 { return cpuSeconds(cp.cmd.Process.Pid) },
+				func() float64 { return redisCPU(rc) }, // INFO cpu, as SPEC §7 says
+				func() float64 { return cpuSeconds(os.Getpid()) },
+			}
 			var c0 [3]float64
-			for j, pid := range pids {
-				c0[j] = cpuSeconds(pid)
+			for j, f := range cpus {
+				c0[j] = f()
 			}
 			n, d := closedLoop(t, *rlClients, 300*time.Millisecond, *rlMeasure)
-			for j, pid := range pids {
-				t.cpu[j] += cpuSeconds(pid) - c0[j] // warm-up included: a small bias, same for all
+			for j, f := range cpus {
+				t.cpu[j] += f() - c0[j] // warm-up included: a small bias, same for all
 			}
 			t.reqs += n
 			t.dur += d
@@ -601,7 +623,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 	p("%s. After SIGCONT, first decision by Redis again after %s.", openNote, recoverText(r))
 	p("")
 	p("Rate-limit notes:")
-	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
+	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). CPU: Redis from its `INFO cpu` delta (used_cpu_user + used_cpu_sys), Caddy and the load generator from /proc; per request sent in the slice, warm-up included. \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
 	p("- Commands: a pipeline's decisions go as one call of a script's multi form (built in Go from the script file, so MONITOR shows it as an unnamed EVALSHA): concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
 	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (no number is set for it): p99 far below the timeout, i.e. no waiting for Redis.")
 	p("")

@@ -4,8 +4,8 @@ package main
 // (64 goroutines over 1000 keys, no HTTP) against one redis-server, once
 // through go-redis/redis_rate (GCRA, one EVALSHA per decision) and once as
 // an Envoy-style fixed window (INCRBY + EXPIRE in one pipeline per
-// decision). What matters is Redis CPU per decision, read from the
-// redis-server process, the unit that caps a whole fleet.
+// decision). What matters is Redis CPU per decision (the INFO cpu delta),
+// the unit that caps a whole fleet.
 
 import (
 	"context"
@@ -84,9 +84,9 @@ func runRateLimitPeers(step func(string, ...any), clients, keys int, measure tim
 			}
 		}
 		loop(300*time.Millisecond, false)
-		c0, t0 := cpuSeconds(r.cmd.Process.Pid), time.Now()
+		c0, t0 := redisCPU(rc), time.Now()
 		loop(measure, true)
-		row.redisCPU, row.dur = cpuSeconds(r.cmd.Process.Pid)-c0, time.Since(t0)
+		row.redisCPU, row.dur = redisCPU(rc)-c0, time.Since(t0)
 		rows = append(rows, row)
 	}
 	return rows
@@ -105,6 +105,6 @@ func printRateLimitPeers(p func(string, ...any), rows []peerRow, clients, keys i
 		p("| %s | %.0f | %.1f µs |", r.name, float64(r.decisions)/r.dur.Seconds(), r.redisCPU/float64(r.decisions)*1e6)
 	}
 	p("")
-	p("- Redis CPU = the redis-server process's user+system time (/proc) over the measured part ÷ decisions. `redis_ratelimit`'s own figure is the Redis column of the throughput table above (through Caddy, %d clients).", *rlClients)
+	p("- Redis CPU = the `INFO cpu` delta (used_cpu_user + used_cpu_sys) over the measured part ÷ decisions. `redis_ratelimit`'s own figure is the Redis column of the throughput table above (through Caddy, %d clients).", *rlClients)
 	p("")
 }
