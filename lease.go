@@ -81,7 +81,7 @@ func (ls *lease) release() { ls.releaseWith("", false) }
 // waiters are woken and find the answer).
 //
 // With background, the Redis round trip runs after releaseWith returns,
-// so a response is not held up by it (SPEC §3.12): the hand-off to a local
+// so a response is not held up by it: the hand-off to a local
 // waiter still happens at once, and a request of this instance that comes
 // for the keys meanwhile waits for the release before its first attempt
 // (keyQueue.releaseDone), so a client's next request never finds its own

@@ -7,7 +7,7 @@ import (
 	"time"
 )
 
-// TestAnswerDoesNotWaitForRelease (SPEC §3.12): the client has its whole
+// TestAnswerDoesNotWaitForRelease: the client has its whole
 // answer while the release is still on its way to Redis. Here Redis is
 // paused as the upstream returns, so the release cannot be answered for
 // 1.5s; the client's answer comes long before, and the lock is free soon

@@ -1062,7 +1062,7 @@ func run() error {
 		sequential("warm", t.base, 20, 5*time.Second)
 	}
 	// One Redis round trip, sampled in the same rounds: the unit of the
-	// uncontended lock's added latency (SPEC §7).
+	// uncontended lock's added latency.
 	pinger := redis.NewClient(&redis.Options{Addr: e.r1.addr(), PoolSize: 1})
 	defer pinger.Close()
 	lat = append(lat, latTarget{name: pingRow, do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }})

@@ -308,7 +308,7 @@ func runRateLimit(step func(string, ...any)) *rlResult {
 			t := tps[i]
 			cpus := []func() float64{
 				func() float64 { return cpuSeconds(cp.cmd.Process.Pid) },
-				func() float64 { return redisCPU(rc) }, // INFO cpu, as SPEC §7 says
+				func() float64 { return redisCPU(rc) }, // INFO cpu delta, as the cost goal is defined
 				func() float64 { return cpuSeconds(os.Getpid()) },
 			}
 			var c0 [3]float64

@@ -1,6 +1,6 @@
 package main
 
-// The rate-limit peers of SPEC §7 at library level: the same closed loop
+// The rate-limit peers at library level: the same closed loop
 // (64 goroutines over 1000 keys, no HTTP) against one redis-server, once
 // through go-redis/redis_rate (GCRA, one EVALSHA per decision) and once as
 // an Envoy-style fixed window (INCRBY + EXPIRE in one pipeline per

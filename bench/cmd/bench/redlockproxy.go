@@ -1,6 +1,6 @@
 package main
 
-// The Redlock figure of SPEC §7: every Redis behind a latency proxy that
+// The Redlock figure: every Redis behind a latency proxy that
 // adds 1 ms, as on a network, so that the ratio measures the design (all
 // servers asked at once, decided by the majority) rather than three
 // redis-servers sharing two loopback cores.
