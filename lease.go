@@ -104,19 +104,19 @@ func (ls *lease) releaseWith(answer string, background bool) {
 	if ls.released != nil {
 		ls.released.Store(true)
 	}
-	if !background {
-		ls.releaseInRedis(answer, false)
-		return
-	}
 	if ls.q != nil {
 		ls.q.releaseStarted()
 	}
-	go ls.releaseInRedis(answer, true)
+	if background {
+		go ls.releaseInRedis(answer)
+	} else {
+		ls.releaseInRedis(answer)
+	}
 }
 
 // releaseInRedis runs the release on every server, then tells the local
 // queue and wakes its head.
-func (ls *lease) releaseInRedis(answer string, background bool) {
+func (ls *lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.l.recoverPanic("releasing a lease")
 	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false, answer)
@@ -124,7 +124,7 @@ func (ls *lease) releaseInRedis(answer string, background bool) {
 		ls.l.dom.wakeKeys(ls.keys)
 		return
 	}
-	ls.q.released(background)
+	ls.q.released()
 	ls.l.dom.wake(ls.q.wakeIDs) // hashed once, when the queue was made
 }
 

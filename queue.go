@@ -155,8 +155,9 @@ type keyQueue struct {
 	waiters []*waiter
 	held    int       // leases of this key set held in this instance
 	hint    time.Time // last known end of the holder's lease
-	// releasing of the held leases are being released in the background;
-	// releaseEnd is closed (and replaced) as each of those ends.
+	// releasing of the held leases are being released in Redis (in the
+	// background, after the answer); releaseEnd is closed (and replaced) as
+	// each of those ends.
 	releasing  int
 	releaseEnd chan struct{}
 }
@@ -242,8 +243,8 @@ func (q *keyQueue) acquired() {
 	q.mu.Unlock()
 }
 
-// releaseStarted records a lease of this key set whose release runs in
-// the background.
+// releaseStarted records a lease of this key set whose release in Redis
+// began (it is not handed on any more).
 func (q *keyQueue) releaseStarted() {
 	q.mu.Lock()
 	q.releasing++
@@ -253,14 +254,13 @@ func (q *keyQueue) releaseStarted() {
 	q.mu.Unlock()
 }
 
-// released records a lease given back in Redis (background: one that
-// releaseStarted announced).
-func (q *keyQueue) released(background bool) {
+// released records that a lease releaseStarted announced is given back.
+func (q *keyQueue) released() {
 	q.mu.Lock()
 	if q.held > 0 {
 		q.held--
 	}
-	if background && q.releasing > 0 {
+	if q.releasing > 0 {
 		q.releasing--
 		close(q.releaseEnd)
 		q.releaseEnd = nil
