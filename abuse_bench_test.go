@@ -53,13 +53,7 @@ func redisFigures(tb testing.TB, r *testRedis) (keys, mem int64) {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	info, _ := c.Info(ctx, "memory").Result()
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			mem, _ = strconv.ParseInt(v, 10, 64)
-		}
-	}
-	return keys, mem
+	return keys, infoInt(tb, c, "memory", "used_memory")
 }
 
 // hammer sends n requests with distinct keys (prefix + i) from conc workers.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -159,19 +158,7 @@ func TestTLSClientCertCaddyfile(t *testing.T) {
 // connectedClients reads connected_clients from INFO through c (its own
 // connection included).
 func connectedClients(t *testing.T, c *redis.Client) int {
-	t.Helper()
-	info, err := c.Info(context.Background(), "clients").Result()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "connected_clients:"); ok {
-			n, _ := strconv.Atoi(v)
-			return n
-		}
-	}
-	t.Fatalf("no connected_clients in %q", info)
-	return 0
+	return int(infoInt(t, c, "clients", "connected_clients"))
 }
 
 // TestPoolShrinksAfterSlowRedis: while Redis is paused, every request holds

@@ -214,3 +214,20 @@ func (r *testRedis) String() string { return fmt.Sprintf("redis@%s", r.Addr) }
 func redisZ(until time.Time, member string) redis.Z {
 	return redis.Z{Score: float64(until.UnixMilli()), Member: member}
 }
+
+// infoInt reads one integer field of an INFO section through c.
+func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
+	tb.Helper()
+	info, err := c.Info(context.Background(), section).Result()
+	if err != nil {
+		tb.Fatalf("info %s: %v", section, err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	tb.Fatalf("no %s in INFO %s", field, section)
+	return 0
+}

@@ -203,19 +203,7 @@ func TestVersionAtLeast(t *testing.T) {
 
 // usedMemory reads used_memory from INFO memory.
 func usedMemory(t *testing.T, c *redis.Client) int64 {
-	t.Helper()
-	info, err := c.Info(context.Background(), "memory").Result()
-	if err != nil {
-		t.Fatalf("info memory: %v", err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			n, _ := strconv.ParseInt(v, 10, 64)
-			return n
-		}
-	}
-	t.Fatal("no used_memory in INFO memory")
-	return 0
+	return infoInt(t, c, "memory", "used_memory")
 }
 
 // fillRedis writes 2 MiB and sets maxmemory 256 KiB below the memory then
