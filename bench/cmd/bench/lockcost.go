@@ -26,35 +26,14 @@ type lockCostRow struct {
 func runLockCost(name, base string, servers []*redisProc, clients int, measure time.Duration) lockCostRow {
 	row := lockCostRow{name: name}
 	tag := strconv.FormatInt(time.Now().UnixNano()%1e6, 36)
-	loop := func(d time.Duration) (int64, error) {
-		stop := time.Now().Add(d)
-		var ok atomic.Int64
-		var firstErr atomic.Pointer[error]
-		var wg sync.WaitGroup
-		for c := 0; c < clients; c++ {
-			wg.Add(1)
-			go func(c int) {
-				defer wg.Done()
-				for i := 0; time.Now().Before(stop); i++ {
-					code, err := get(context.Background(), fmt.Sprintf("%s/fast/cost-%s-%d-%d", base, tag, c, i), nil)
-					if err == nil && code != 200 {
-						err = fmt.Errorf("status %d", code)
-					}
-					if err != nil {
-						firstErr.CompareAndSwap(nil, &err)
-						return
-					}
-					ok.Add(1)
-				}
-			}(c)
+	do := func(c, i int) error {
+		code, err := get(context.Background(), fmt.Sprintf("%s/fast/cost-%s-%d-%d", base, tag, c, i), nil)
+		if err == nil && code != 200 {
+			err = fmt.Errorf("status %d", code)
 		}
-		wg.Wait()
-		if e := firstErr.Load(); e != nil {
-			return ok.Load(), *e
-		}
-		return ok.Load(), nil
+		return err
 	}
-	loop(300 * time.Millisecond)
+	loopFor(clients, 300*time.Millisecond, do)
 	var infoClients []*redis.Client
 	for _, r := range servers {
 		c := redis.NewClient(&redis.Options{Addr: r.addr(), PoolSize: 1})
@@ -69,7 +48,7 @@ func runLockCost(name, base string, servers []*redisProc, clients int, measure t
 		return s / float64(len(servers))
 	}
 	c0, t0 := cpu(), time.Now()
-	row.reqs, row.err = loop(measure)
+	row.reqs, row.err = loopFor(clients, measure, do)
 	row.redisCPU, row.dur = cpu()-c0, time.Since(t0)
 	return row
 }
@@ -87,4 +66,32 @@ func printLockCost(p func(string, ...any), rows []lockCostRow, clients int) {
 		p("| %s | %.0f | %.1f µs |", r.name, float64(r.reqs)/r.dur.Seconds(), r.redisCPU/float64(r.reqs)*1e6)
 	}
 	p("")
+}
+
+// loopFor runs clients goroutines, each calling do(client, i) again as soon
+// as the last call returned, for d; it returns the calls that succeeded and
+// the first error (a goroutine stops at its first error).
+func loopFor(clients int, d time.Duration, do func(c, i int) error) (int64, error) {
+	stop := time.Now().Add(d)
+	var ok atomic.Int64
+	var firstErr atomic.Pointer[error]
+	var wg sync.WaitGroup
+	for c := 0; c < clients; c++ {
+		wg.Add(1)
+		go func(c int) {
+			defer wg.Done()
+			for i := 0; time.Now().Before(stop); i++ {
+				if err := do(c, i); err != nil {
+					firstErr.CompareAndSwap(nil, &err)
+					return
+				}
+				ok.Add(1)
+			}
+		}(c)
+	}
+	wg.Wait()
+	if e := firstErr.Load(); e != nil {
+		return ok.Load(), *e
+	}
+	return ok.Load(), nil
 }

@@ -10,8 +10,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/go-redis/redis_rate/v10"
@@ -56,36 +54,10 @@ func runRateLimitPeers(step func(string, ...any), clients, keys int, measure tim
 	for _, pr := range peers {
 		step("rate limit peers: %s, %d goroutines over %d keys, %s", pr.name, clients, keys, measure)
 		row := peerRow{name: pr.name}
-		loop := func(d time.Duration, count bool) {
-			stop := time.Now().Add(d)
-			var n atomic.Int64
-			var firstErr atomic.Pointer[error]
-			var wg sync.WaitGroup
-			for c := 0; c < clients; c++ {
-				wg.Add(1)
-				go func(c int) {
-					defer wg.Done()
-					for i := 0; time.Now().Before(stop); i++ {
-						key := fmt.Sprintf("peer:%d", (c*7919+i)%keys)
-						if err := pr.decide(context.Background(), key); err != nil {
-							firstErr.CompareAndSwap(nil, &err)
-							return
-						}
-						n.Add(1)
-					}
-				}(c)
-			}
-			wg.Wait()
-			if count {
-				row.decisions = n.Load()
-				if e := firstErr.Load(); e != nil {
-					row.err = *e
-				}
-			}
-		}
-		loop(300*time.Millisecond, false)
+		do := func(c, i int) error { return pr.decide(context.Background(), fmt.Sprintf("peer:%d", (c*7919+i)%keys)) }
+		loopFor(clients, 300*time.Millisecond, do)
 		c0, t0 := redisCPU(rc), time.Now()
-		loop(measure, true)
+		row.decisions, row.err = loopFor(clients, measure, do)
 		row.redisCPU, row.dur = redisCPU(rc)-c0, time.Since(t0)
 		rows = append(rows, row)
 	}
