@@ -666,7 +666,7 @@ func TestLockLocalHandOff(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	up := newExclusivityUpstream(3 * time.Millisecond)
-	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"60s"}`, r.Addr))
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"60s","timeout":"5s"}`, r.Addr))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
 	var wg sync.WaitGroup

@@ -536,7 +536,7 @@ func (p *pooledClient) Destruct() error {
 // into one pipeline, answered within the client's timeout (or when ctx
 // ends), and refused at once while the breaker is open. logger is the
 // calling handler's: the batcher outlives configs, its log lines do not.
-func (p *pooledClient) rateLimit(ctx context.Context, c *rlCall, logger *zap.Logger) (any, error) {
+func (p *pooledClient) rateLimit(ctx context.Context, c *rlCall, logger *zap.Logger) ([]int64, error) {
 	p.mu.Lock()
 	if p.rl == nil {
 		p.rl = newBatcher(p.client, batchWorkers)

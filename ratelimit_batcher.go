@@ -16,16 +16,18 @@ import (
 )
 
 // Batching of rate-limit decisions: the requests of one Redis client hand
-// their script call to a few workers, which send whatever is waiting as one
-// pipeline. An idle worker sends at once; while pipelines are in flight,
-// new calls accumulate and leave together. Every request is still exactly
-// one script call.
+// their script call to a worker, which sends whatever is waiting as one
+// pipeline (its decisions as one script call, see ratelimit_multi.go). An
+// idle worker sends at once; while a pipeline is in flight, new calls
+// accumulate and leave together.
 
 const (
-	// Pipelines in flight at once, per Redis client. Few, so that under load
-	// each carries many calls (one write and one read for all of them, on
-	// Caddy's side and on Redis's), yet an idle worker sends at once.
-	batchWorkers = 2
+	// Pipelines in flight at once, per Redis client. One: under load each
+	// then carries all that arrived during the last round trip (one write,
+	// one read and one script call for all of them, on Caddy's side and on
+	// Redis's; with 2, each carried half as many for the same latency), and
+	// an idle worker still sends at once.
+	batchWorkers = 1
 	batchMax     = 128 // script calls per pipeline
 	batchQueue   = 1024
 
@@ -54,14 +56,12 @@ type rlBatcher struct {
 type rlCall struct {
 	script   *redis.Script
 	keys     []string
-	argv     []any
-	args     []any        // the whole EVALSHA command: "evalsha", sha, numkeys, keys..., argv...
+	argv     []any        // a decision: its parameter set (shared by the calls of one plan)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
-	res      any
+	res      []int64      // a decision's answer (see the decision scripts)
 	err      error
 	done     chan struct{} // closed by the worker that took the call
-	argBuf   [8]any        // args of small calls, allocated with the call
 }
 
 const (
@@ -93,7 +93,7 @@ func (b *rlBatcher) close() {
 // do runs one call through the breaker and the pipeline: refused at once
 // while the breaker is open; otherwise its outcome (a Redis failure or an
 // answer) is what the breaker counts. logger gets the breaker's changes.
-func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration, logger *zap.Logger) (any, error) {
+func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration, logger *zap.Logger) ([]int64, error) {
 	if !b.breaker.allow(time.Now()) {
 		return nil, errBreakerOpen
 	}
@@ -134,8 +134,7 @@ func isAuthFailure(err error) bool {
 // No timer per call: the worker that takes a call answers it by its
 // deadline (a call taken too late is not sent; a pipeline's context ends at
 // the earliest deadline in it). Only a full queue waits with a timer.
-func (b *rlBatcher) call(ctx context.Context, c *rlCall, timeout time.Duration) (any, error) {
-	c.args = c.command()
+func (b *rlBatcher) call(ctx context.Context, c *rlCall, timeout time.Duration) ([]int64, error) {
 	c.deadline = time.Now().Add(timeout)
 	c.done = make(chan struct{})
 	select {
@@ -248,87 +247,83 @@ func (b *rlBatcher) send(batch []*rlCall) {
 	defer cancel()
 
 	us := units(batch, b.cluster)
-	cmds := make([]*redis.Cmd, len(us))
-	pipe := b.client.Pipeline()
-	for i, u := range us {
-		cmds[i] = redis.NewCmd(ctx, u.args()...)
-		_ = pipe.Process(ctx, cmds[i])
-	}
-	_, execErr := pipe.Exec(ctx)
-	// After a Redis restart or SCRIPT FLUSH the script is unknown: send those
-	// calls again with EVAL (which also caches the script). NOSCRIPT means the
-	// script did not run, so nothing is counted twice.
-	var retry []int
+	cmds, execErr := b.exec(ctx, us, false)
+	// After a Redis restart or SCRIPT FLUSH a script is unknown: send those
+	// units again with EVAL (which also caches the script). NOSCRIPT means
+	// the script did not run, so nothing is counted twice.
+	var retry []*rlUnit
 	for i, cmd := range cmds {
 		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-			retry = append(retry, i)
+			retry = append(retry, us[i])
 		}
 	}
 	if len(retry) > 0 {
-		pipe = b.client.Pipeline()
-		for _, i := range retry {
-			u := us[i]
-			if u.script != nil {
-				cmds[i] = u.script.Eval(ctx, pipe, u.keys, u.argv...)
-			} else {
-				cmds[i] = u.calls[0].script.Eval(ctx, pipe, u.calls[0].keys, u.calls[0].argv...)
+		again, err := b.exec(ctx, retry, true)
+		for i, j := 0, 0; i < len(us) && j < len(retry); i++ {
+			if us[i] == retry[j] {
+				cmds[i] = again[j]
+				j++
 			}
 		}
-		_, execErr = pipe.Exec(ctx)
+		execErr = err
 	}
 	answered = true
+	var alone []*rlCall // decisions of a batch whose key could not be read
 	for i, u := range us {
-		res, err := cmds[i].Result()
-		if err == nil && res == nil {
-			// The pipeline failed before this call got an answer (e.g. the
-			// connection's AUTH was refused): that failure is its answer.
-			err = execErr
-			if err == nil {
-				err = errors.New("redisdlm: redis gave no answer")
-			}
-		}
+		err := cmds[i].Err()
 		if err != nil && ctx.Err() != nil && isRedisDown(err) {
 			// The deadline of the first call in the pipeline passed.
 			err = fmt.Errorf("%w (%v)", errRedisTimeout, err)
 		}
-		if u.script == nil {
-			u.calls[0].res, u.calls[0].err = res, err
-			close(u.calls[0].done)
-			continue
+		if err == nil && execErr != nil && unanswered(cmds[i]) {
+			// The pipeline failed before this call got an answer (e.g. the
+			// connection's AUTH was refused): that failure is its answer.
+			err = execErr
 		}
-		// A multi call answers each decision on its own.
-		vals, _ := res.([]any)
-		for j, c := range u.calls {
-			switch {
-			case err != nil:
-				c.err = err
-			case j >= len(vals):
-				c.err = fmt.Errorf("redis_ratelimit: unexpected multi-decision answer %v", res)
-			default:
-				if e, ok := vals[j].(error); ok {
-					c.err = e
-				} else {
-					c.res = vals[j]
-				}
+		if err == nil && u.batch && !u.answer(cmds[i].(*redis.IntSliceCmd).Val()) {
+			err = fmt.Errorf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls))
+		}
+		for _, c := range u.calls {
+			if err == nil && len(u.calls) > 1 && c.res[0] == failedRead {
+				c.res = nil
+				alone = append(alone, c)
+				continue
 			}
+			c.err = err
 			close(c.done)
 		}
 	}
+	for _, c := range alone {
+		b.send([]*rlCall{c}) // a batch of one fails with Redis's own error
+	}
 }
 
-// command is the EVALSHA command of c: "evalsha", sha, numkeys, keys...,
-// argv... (small ones in c's own buffer).
-func (c *rlCall) command() []any {
-	n := 3 + len(c.keys) + len(c.argv)
-	args := c.argBuf[:0]
-	if n > len(c.argBuf) {
-		args = make([]any, 0, n)
+// unanswered reports whether cmd got no answer at all.
+func unanswered(cmd redis.Cmder) bool {
+	switch c := cmd.(type) {
+	case *redis.IntSliceCmd:
+		return c.Val() == nil
+	case *redis.Cmd:
+		return c.Val() == nil
 	}
-	args = append(args, "evalsha", c.script.Hash(), len(c.keys))
-	for _, k := range c.keys {
-		args = append(args, k)
+	return false
+}
+
+// exec sends the units as one pipeline (with EVAL when eval); a decision
+// batch is read as a flat array of integers.
+func (b *rlBatcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.Cmder, error) {
+	cmds := make([]redis.Cmder, len(us))
+	pipe := b.client.Pipeline()
+	for i, u := range us {
+		if u.batch {
+			cmds[i] = redis.NewIntSliceCmd(ctx, u.command(eval)...)
+		} else {
+			cmds[i] = redis.NewCmd(ctx, u.command(eval)...)
+		}
+		_ = pipe.Process(ctx, cmds[i])
 	}
-	return append(args, c.argv...)
+	_, err := pipe.Exec(ctx)
+	return cmds, err
 }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;

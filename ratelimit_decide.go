@@ -75,31 +75,21 @@ func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {
 	return buf
 }
 
-// parseDecision reads the script's answer: {admitted, hold or wait, time
-// recorded, then per rate remaining and reset}.
-func parseDecision(res any, nrates int) (decision, error) {
-	vals, ok := res.([]any)
-	if !ok || len(vals) != 3+2*nrates {
-		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", res)
+// parseDecision reads one decision's answer: {hold when admitted (>= 0), else
+// minus the wait; time recorded; then per rate remaining and reset}.
+func parseDecision(vals []int64, nrates int) (decision, error) {
+	if len(vals) != 2+2*nrates || vals[0] == failedRead {
+		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
 	}
-	var num [3 + 2*8]int64
-	nums := num[:0]
-	for _, v := range vals {
-		n, ok := v.(int64)
-		if !ok {
-			return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", res)
-		}
-		nums = append(nums, n)
-	}
-	d := decision{allowed: nums[0] == 1, tight: -1}
+	d := decision{allowed: vals[0] >= 0, tight: -1}
 	if d.allowed {
-		d.hold, d.at = time.Duration(nums[1])*time.Microsecond, nums[2]
+		d.hold, d.at = time.Duration(vals[0])*time.Microsecond, vals[1]
 	} else {
-		d.wait = time.Duration(nums[1]) * time.Microsecond
+		d.wait = time.Duration(-vals[0]) * time.Microsecond
 	}
 	// The tightest rate: the least remaining, then the longest until it grows.
 	for i := 0; i < nrates; i++ {
-		rem, reset := nums[3+2*i], time.Duration(nums[4+2*i])*time.Microsecond
+		rem, reset := vals[2+2*i], time.Duration(vals[3+2*i])*time.Microsecond
 		if d.tight < 0 || rem < d.remaining || rem == d.remaining && reset > d.reset {
 			d.tight, d.remaining, d.reset = i, rem, reset
 		}

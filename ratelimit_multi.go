@@ -1,132 +1,152 @@
 package redisdlm
 
 import (
+	"slices"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
 
-// Many decisions in one script call: the decisions that meet in one
-// pipeline and use the same decision script (and, on a Cluster, the same
-// hash slot) are sent as one call of that script's multi form, which runs
-// them one after the other, each exactly as its own call would (atomic over
-// its rates, on one Redis TIME per call), and answers each on its own. One
-// call instead of many saves Redis the per-call work (parsing, KEYS/ARGV
-// tables, the TIME call, the reply), which is most of a small decision.
+// Many decisions in one script call: the decision scripts
+// (scripts/ratelimit_sliding.lua, scripts/ratelimit_gcra.lua) take a batch.
+// The decisions that meet in one pipeline and use the same script (and, on a
+// Cluster, the same hash slot) go as one call, which runs them one after the
+// other, each exactly as its own call would (atomic over its rates, on Redis
+// TIME plus its place in the batch in µs), and answers each on its own. One
+// call instead of many saves Redis the per-call work (parsing, the KEYS and
+// ARGV tables, TIME, the reply) and sends a limit's parameters once per call
+// instead of once per decision. The answer is one flat array of integers,
+// read without a value per element on either side.
 
-// multiLoop runs the decisions of one multi call. ARGV[1] is their number;
-// then, per decision, its key count, its argument count and its arguments;
-// its keys follow each other in KEYS. Decision d runs at Redis TIME plus
-// d-1 µs, as if the calls had come one after the other (a call takes more
-// than a microsecond), so two decisions of one key never share a moment. A
-// decision that fails (e.g. a key of the wrong type) is answered with its
-// error; the others still run.
-const multiLoop = `
-local res = {}
-local k, a = 1, 2
-for d = 1, tonumber(ARGV[1]) do
-	local nk, na = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-	local ok, r = pcall(decide, {unpack(KEYS, k, k + nk - 1)}, {unpack(ARGV, a + 2, a + 1 + na)}, now0 + d - 1)
-	if ok then
-		res[d] = r
-	elseif type(r) == 'table' then
-		res[d] = r
-	else
-		res[d] = redis.error_reply(tostring(r))
-	end
-	k, a = k + nk, a + 2 + na
-end
-return res
-`
+// decisionScripts take a batch; other scripts (returning an admission) are
+// always sent alone.
+var decisionScripts = map[*redis.Script]bool{slidingScript: true, gcraScript: true}
 
-// multiOf turns a decision script into its multi form: its body becomes the
-// function decide(KEYS, ARGV, now), and Redis TIME is read once per call.
-func multiOf(src string) *redis.Script {
-	const clock = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000000 + tonumber(t[2])\n"
-	if !strings.Contains(src, clock) {
-		panic("redisdlm: a rate-limit script does not read TIME as the multi form expects")
-	}
-	body := strings.Replace(src, clock, "", 1)
-	return redis.NewScript("local t = redis.call('TIME')\nlocal now0 = tonumber(t[1]) * 1000000 + tonumber(t[2])\n" +
-		"local function decide(KEYS, ARGV, now)\n" + body + "\nend\n" + multiLoop)
+// scriptSource is each rate-limit script's text, for EVAL where Redis does
+// not know the script (after a restart or SCRIPT FLUSH): a client may run
+// scripts without being allowed SCRIPT LOAD.
+var scriptSource = map[*redis.Script]string{
+	slidingScript: slidingLua, gcraScript: gcraLua,
+	slidingReturnScript: slidingReturnLua, gcraReturnScript: gcraReturnLua,
 }
 
-var (
-	slidingMultiScript = multiOf(slidingLua)
-	gcraMultiScript    = multiOf(gcraLua)
+// failedRead is the code of a decision in a batch whose key could not be
+// read (e.g. a key of another type): nothing of it was written, and it is
+// sent again alone, so that it gets Redis's own error.
+const failedRead = -1 << 62
 
-	// multiForms maps each decision script to its multi form; other
-	// scripts (returning an admission) are always sent alone.
-	multiForms = map[*redis.Script]*redis.Script{
-		slidingScript: slidingMultiScript,
-		gcraScript:    gcraMultiScript,
-	}
-)
-
-// rlUnit is one command of a pipeline: a call alone, or a multi call
-// carrying several.
+// rlUnit is one command of a pipeline: a decision batch, or a call alone.
 type rlUnit struct {
-	calls  []*rlCall
-	script *redis.Script // of a multi call
-	keys   []string
-	argv   []any
+	calls []*rlCall
+	batch bool // a decision batch (its answer is split among its calls)
 }
 
-// args is the unit's EVALSHA command.
-func (u *rlUnit) args() []any {
-	if u.script == nil {
-		return u.calls[0].args
+// command is the unit's EVALSHA (or EVAL, with the script's text): for a
+// batch, "evalsha", sha, keys, then D, S, the S parameter sets (each: its
+// number of rates, then the arguments its calls share) and, when S > 1, the
+// set of each decision.
+func (u *rlUnit) command(eval bool) []any {
+	c0 := u.calls[0]
+	name, script := "evalsha", c0.script.Hash()
+	if eval {
+		name, script = "eval", scriptSource[c0.script]
 	}
-	args := make([]any, 0, 3+len(u.keys)+len(u.argv))
-	args = append(args, "evalsha", u.script.Hash(), len(u.keys))
-	for _, k := range u.keys {
-		args = append(args, k)
+	if !u.batch {
+		args := make([]any, 0, 3+len(c0.keys)+len(c0.argv))
+		args = append(args, name, script, len(c0.keys))
+		for _, k := range c0.keys {
+			args = append(args, k)
+		}
+		return append(args, c0.argv...)
 	}
-	return append(args, u.argv...)
+	nkeys := 0
+	for _, c := range u.calls {
+		nkeys += len(c.keys)
+	}
+	args := make([]any, 0, 5+nkeys+len(u.calls)+2*(1+len(c0.argv)))
+	args = append(args, name, script, nkeys)
+	for _, c := range u.calls {
+		for _, k := range c.keys {
+			args = append(args, k)
+		}
+	}
+	args = append(args, len(u.calls), 0) // S is filled in below
+	sIdx := len(args) - 1
+	var sets [][]any
+	var idx []int
+	for _, c := range u.calls {
+		i := 0
+		for i < len(sets) && !sameArgs(sets[i], c.argv) {
+			i++
+		}
+		if i == len(sets) {
+			sets = append(sets, c.argv)
+			args = append(args, len(c.keys))
+			args = append(args, c.argv...)
+		}
+		idx = append(idx, i+1)
+	}
+	args[sIdx] = len(sets)
+	if len(sets) > 1 {
+		for _, i := range idx {
+			args = append(args, i)
+		}
+	}
+	return args
 }
 
-// units groups a pipeline's calls: calls of one decision script (on a
-// Cluster: of one hash slot as well) become one multi call; a call alone
-// in its group stays a plain call.
+// sameArgs reports whether two calls share their arguments: mostly the same
+// plan's slice, else equal values (plans rendered per request).
+func sameArgs(a, b []any) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	return len(a) == 0 || &a[0] == &b[0] || slices.Equal(a, b)
+}
+
+// answer splits a batch's answer among its calls: 2 + 2 per rate integers
+// each. It reports whether the answer had the expected length.
+func (u *rlUnit) answer(vals []int64) bool {
+	n := 0
+	for _, c := range u.calls {
+		n += 2 + 2*len(c.keys)
+	}
+	if len(vals) != n {
+		return false
+	}
+	for _, c := range u.calls {
+		w := 2 + 2*len(c.keys)
+		c.res, vals = vals[:w:w], vals[w:]
+	}
+	return true
+}
+
+// units groups a pipeline's calls: the decisions of one script (on a
+// Cluster: of one hash slot as well) become one batch; any other call goes
+// alone.
 func units(batch []*rlCall, cluster bool) []*rlUnit {
 	type group struct {
 		script *redis.Script
 		slot   int
 	}
 	idx := make(map[group]int, 4)
-	out := make([]*rlUnit, 0, len(batch))
+	out := make([]*rlUnit, 0, 4)
 	for _, c := range batch {
-		multi := multiForms[c.script]
-		if multi == nil {
+		if !decisionScripts[c.script] {
 			out = append(out, &rlUnit{calls: []*rlCall{c}})
 			continue
 		}
-		g := group{script: multi}
+		g := group{script: c.script}
 		if cluster {
 			g.slot = keySlot(c.keys[0])
 		}
 		i, ok := idx[g]
 		if !ok {
 			idx[g] = len(out)
-			out = append(out, &rlUnit{calls: []*rlCall{c}, script: multi})
-			continue
+			out = append(out, &rlUnit{calls: make([]*rlCall, 0, len(batch)), batch: true})
+			i = len(out) - 1
 		}
 		out[i].calls = append(out[i].calls, c)
-	}
-	for _, u := range out {
-		if u.script == nil {
-			continue
-		}
-		if len(u.calls) == 1 {
-			u.script = nil
-			continue
-		}
-		u.argv = append(make([]any, 0, 1+len(u.calls)*10), len(u.calls))
-		for _, c := range u.calls {
-			u.keys = append(u.keys, c.keys...)
-			u.argv = append(u.argv, len(c.keys), len(c.argv))
-			u.argv = append(u.argv, c.argv...)
-		}
 	}
 	return out
 }

@@ -1,80 +1,129 @@
--- redis_ratelimit, algorithm gcra: the generic cell rate algorithm, checked
--- for every rate of one limit before anything is written.
+-- redis_ratelimit, algorithm gcra: the generic cell rate algorithm. One call
+-- decides a batch of requests, one after the other, each checked for every
+-- rate of its limit before anything of it is written.
 --
--- KEYS[i]  the theoretical arrival time (TAT, µs, Redis TIME) of rate i.
--- ARGV[1]  c, the cost of the request (1 <= c <= every rate's burst).
--- ARGV[2]  the longest hold in µs (wait): a request that every rate admits
---          within it is recorded as arriving at that future moment A and
---          held until then.
--- ARGV[3i] n, ARGV[3i+1] window w in µs, ARGV[3i+2] burst, of rate i.
+-- ARGV[1]  D, the number of decisions; ARGV[2] S, the number of parameter
+--          sets; then each set: r (its rates), c (the cost of a request,
+--          1 <= c <= every rate's burst), the longest hold in µs (wait: a
+--          request that every rate admits within it is recorded as arriving
+--          at that future moment A and held until then), then per rate
+--          n, window w in µs, burst; then, when S > 1, the set of each
+--          decision (1..S).
+-- KEYS     the keys of every decision in turn, one per rate of its set: the
+--          theoretical arrival time (TAT, µs, Redis TIME) of that rate.
 --
 -- One unit costs T = w/n; a request of cost c is admitted at A when
 -- TAT + c*T - burst*T is not after A. So at most burst + t*n/w units pass in
--- any interval t. The request is recorded (in every TAT) only when every
--- rate admits it within the hold.
+-- any interval t. Decision d runs at Redis TIME + d-1 µs, as if the calls had
+-- come one after the other.
 --
--- Returns {admitted 1|0, µs to hold the request when admitted, else µs until
---          it would be admitted, A (0 when rejected),
---          then for each rate: remaining quota, µs until it grows (0 = full)}.
+-- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
+-- else minus the µs until it would be admitted; A (0 when rejected); then for
+-- each rate: remaining quota, µs until it grows (0 = full). A decision whose
+-- key could not be read (a key of another type) answers -2^62 and writes
+-- nothing; alone in its call (D = 1), it fails with Redis's error instead.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[1])
-local maxwait = tonumber(ARGV[2])
+local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ceil, floor, fmt = math.ceil, math.floor, string.format
 
-local st = {}
-local A = now
-for i = 1, #KEYS do
-	local n = tonumber(ARGV[3 * i])
-	local w = tonumber(ARGV[3 * i + 1])
-	local burst = tonumber(ARGV[3 * i + 2])
-	local s = {k = KEYS[i], T = w / n, burst = burst, tat = now}
-	s.tau = burst * s.T
-	local v = redis.call('GET', s.k)
-	if v then
-		s.tat = math.max(tonumber(v), now)
+-- The parameter sets, with each rate's unit T and tolerance burst*T.
+local R, COST, HOLD, UNIT, TAU, BURST = {}, {}, {}, {}, {}, {}
+local a = 3
+for s = 1, S do
+	local r = tonumber(ARGV[a])
+	R[s], COST[s], HOLD[s] = r, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+	a = a + 3
+	local u, tau, b = {}, {}, {}
+	for i = 1, r do
+		local n, w, burst = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+		u[i], b[i], tau[i] = w / n, burst, burst * w / n
+		a = a + 3
 	end
-	s.at = s.tat + cost * s.T - s.tau
-	if s.at > A then
-		A = s.at
-	end
-	st[i] = s
-end
-local hold = math.ceil(A - now)
-local admit = 0
-if hold <= maxwait then
-	admit = 1
+	UNIT[s], TAU[s], BURST[s] = u, tau, b
 end
 
-local out = {admit, hold, 0}
-if admit == 1 then
-	out[3] = math.ceil(A)
-else
-	out[2] = math.max(1, hold - maxwait)
+local read = redis.pcall
+if D == 1 then
+	read = redis.call
 end
-for i = 1, #KEYS do
-	local s = st[i]
-	if admit == 0 and s.at - now > maxwait then
-		out[2 * i + 2] = 0
-		out[2 * i + 3] = math.ceil(s.at - now)
+local out, o, k, set = {}, 0, 0, 1
+local tats, ats = {}, {}
+for d = 1, D do
+	if S > 1 then
+		set = tonumber(ARGV[a])
+		a = a + 1
+	end
+	local r, cost, maxwait = R[set], COST[set], HOLD[set]
+	local u, tau, burst = UNIT[set], TAU[set], BURST[set]
+	-- The earliest moment A every rate admits the request.
+	local A, bad = now, false
+	for i = 1, r do
+		local v = read('GET', KEYS[k + i])
+		local tat = now
+		if v then
+			if type(v) == 'table' then
+				bad = true
+				break
+			end
+			tat = tonumber(v)
+			if tat < now then
+				tat = now
+			end
+		end
+		local at = tat + cost * u[i] - tau[i]
+		tats[i], ats[i] = tat, at
+		if at > A then
+			A = at
+		end
+	end
+	if bad then
+		out[o + 1], out[o + 2] = -4611686018427387904, 0
+		for i = 1, r do
+			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
+		end
 	else
-		local tat = s.tat
-		if admit == 1 then
-			tat = math.max(tat, A) + cost * s.T
-			-- The state matters until the TAT is in the past.
-			redis.call('SET', s.k, string.format('%.17g', tat), 'PXAT', math.ceil(tat / 1000))
-		end
-		local debt = tat - now
-		-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
-		local rem = math.floor((s.tau - debt + 0.5) / s.T)
-		if rem < 0 then
-			rem = 0
-		end
-		out[2 * i + 2] = rem
-		if rem >= s.burst then
-			out[2 * i + 3] = 0
+		local hold = ceil(A - now)
+		local admit = hold <= maxwait
+		if admit then
+			out[o + 1], out[o + 2] = hold, ceil(A)
 		else
-			out[2 * i + 3] = math.max(1, math.ceil(debt - s.tau + (rem + 1) * s.T))
+			out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
+		end
+		for i = 1, r do
+			local tat, ui = tats[i], u[i]
+			if not admit and ats[i] - now > maxwait then
+				out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, ceil(ats[i] - now)
+			else
+				if admit then
+					if A > tat then
+						tat = A
+					end
+					tat = tat + cost * ui
+					-- The state matters until the TAT is in the past. Whole
+					-- numbers are formatted as integers (a double's %.17g
+					-- costs Redis several times more).
+					local v = tat
+					if tat == floor(tat) then
+						v = fmt('%d', tat)
+					end
+					redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', ceil(tat / 1000)))
+				end
+				local debt = tat - now
+				-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
+				local rem = floor((tau[i] - debt + 0.5) / ui)
+				if rem < 0 then
+					rem = 0
+				end
+				out[o + 1 + 2 * i] = rem
+				if rem >= burst[i] then
+					out[o + 2 + 2 * i] = 0
+				else
+					out[o + 2 + 2 * i] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
+				end
+			end
 		end
 	end
+	o, k, now = o + 2 + 2 * r, k + r, now + 1
 end
 return out

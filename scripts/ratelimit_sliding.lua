@@ -1,7 +1,15 @@
--- redis_ratelimit, algorithm sliding_window: an exact sliding log, checked for
--- every rate of one limit before anything is written.
+-- redis_ratelimit, algorithm sliding_window: an exact sliding log. One call
+-- decides a batch of requests, one after the other, each checked for every
+-- rate of its limit before anything of it is written.
 --
--- KEYS[i]  the log of rate i, a string of 8-byte big-endian doubles:
+-- ARGV[1]  D, the number of decisions; ARGV[2] S, the number of parameter
+--          sets; then each set: r (its rates), c (the cost of a request,
+--          1 <= c <= every rate's n), the longest hold in µs (wait: a
+--          request that every rate admits within it is recorded at that
+--          future moment and held until then), then per rate n, window w
+--          in µs; then, when S > 1, the set of each decision (1..S).
+-- KEYS     the keys of every decision in turn, one per rate of its set: the
+--          log of that rate, a string of 8-byte big-endian doubles:
 --          a 24-byte header {pos, lo, last}, then a ring of n slots.
 --          pos  counts the slots ever written to the log; slot number j is
 --               in ring slot j % n, so the ring holds the last n, the oldest
@@ -11,15 +19,12 @@
 --          lo   the first slot that was within the window at the last
 --               write (a hint for counting the remaining quota).
 --          last the time of the latest admission.
--- ARGV[1]  c, the cost of the request (1 <= c <= every rate's n).
--- ARGV[2]  the longest hold in µs (wait): a request that every rate admits
---          within it is recorded at that future moment and held until then.
--- ARGV[2i+1] n, ARGV[2i+2] window w in µs, of rate i.
 --
 -- Rate i admits c at time T when its (n-c+1)-th latest slot is older than
 -- T - w. Then no closed interval of length w ever holds more than n slots.
 -- The request is recorded (in every log, at one time T) only when every
--- rate admits it within the hold.
+-- rate admits it within the hold. Decision d runs at Redis TIME + d-1 µs, as
+-- if the calls had come one after the other.
 --
 -- The log is read with GETRANGE: its first PRE bytes (the header and the
 -- first slots) in one call, other slots 8 bytes at a time, or a few at once
@@ -27,39 +32,37 @@
 -- more, already at a few hundred slots). A log shorter than PRE bytes is
 -- then known whole and written back with one SET (value and expiry); a
 -- longer one with SETRANGEs and a PEXPIREAT. O(1) calls per request in the
--- steady state; 3 in all (TIME, GETRANGE, SET) for a short log.
+-- steady state; 2 (GETRANGE, SET) for a short log, and one TIME per call.
 --
--- Returns {admitted 1|0, µs to hold the request when admitted, else µs until
---          it would be admitted, T (0 when rejected),
---          then for each rate: remaining quota, µs until it grows (0 = full)}.
+-- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
+-- else minus the µs until it would be admitted; T (0 when rejected); then
+-- for each rate: remaining quota, µs until it grows (0 = full). A decision
+-- whose key could not be read (a key of another type) answers -2^62 and
+-- writes nothing; alone in its call (D = 1), it fails with Redis's error
+-- instead.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local HDR = 24
 local PRE = 256 -- bytes read first: the header and slots 0..28
 local STEP = 4 -- slots stepped through from the hint before a binary search
-local cost = tonumber(ARGV[1])
-local maxwait = tonumber(ARGV[2])
+-- Numbers go to Redis as strings formatted here as integers: Redis formats
+-- a Lua number as a double (%.17g), which costs several times more.
+local PRE1 = string.format('%d', PRE - 1)
+local fmt = string.format
+local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
+local unpack, pack, max, min = struct.unpack, struct.pack, math.max, math.min
 
--- slot reads slot j of log s: from the bytes read already, else from Redis.
-local function slot(s, j)
+-- slot reads slot j of the log at key k: from v (its first bytes), from c
+-- (bytes read from offset co), else from Redis.
+local function slot(k, v, c, co, j)
 	local off = HDR + 8 * j
-	if off + 8 <= #s.v then
-		return (struct.unpack('>d', s.v, off + 1))
+	if off + 8 <= #v then
+		return (unpack('>d', v, off + 1))
 	end
-	if s.c and off >= s.co and off + 8 <= s.co + #s.c then
-		return (struct.unpack('>d', s.c, off - s.co + 1))
+	if c and off >= co and off + 8 <= co + #c then
+		return (unpack('>d', c, off - co + 1))
 	end
-	return (struct.unpack('>d', redis.call('GETRANGE', s.k, off, off + 7)))
-end
-
--- fetch reads slots j..j+m-1 of log s (not wrapping) in one call, unless
--- slot j was read already.
-local function fetch(s, j, m)
-	local off = HDR + 8 * j
-	if m > 1 and off + 8 > #s.v then
-		s.co = off
-		s.c = redis.call('GETRANGE', s.k, off, off + 8 * m - 1)
-	end
+	return (unpack('>d', redis.call('GETRANGE', k, fmt('%d', off), fmt('%d', off + 7))))
 end
 
 -- splice puts x at byte off of b (padding b with zero bytes up to off).
@@ -70,119 +73,168 @@ local function splice(b, off, x)
 	return string.sub(b, 1, off) .. x .. string.sub(b, off + #x + 1)
 end
 
--- The earliest moment T every rate admits the request: not before now,
--- after every log's latest admission (times stay unique), and after each
--- rate's (n-c+1)-th latest slot has left its window.
-local st = {}
-local T = now
-for i = 1, #KEYS do
-	local n = tonumber(ARGV[2 * i + 1])
-	local w = tonumber(ARGV[2 * i + 2])
-	local s = {k = KEYS[i], n = n, w = w, pos = 0, lo = 0, at = now}
-	s.v = redis.call('GETRANGE', s.k, 0, PRE - 1)
-	-- Shorter than PRE: s.v is the whole log (or no log).
-	s.whole = #s.v < PRE
-	if #s.v >= HDR then
-		s.pos, s.lo, s.last = struct.unpack('>ddd', s.v)
-		if s.last + 1 > T then
-			T = s.last + 1
-		end
+-- The parameter sets.
+local R, COST, HOLD, N, W = {}, {}, {}, {}, {}
+local a = 3
+for s = 1, S do
+	local r = tonumber(ARGV[a])
+	R[s], COST[s], HOLD[s] = r, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+	a = a + 3
+	local n, w = {}, {}
+	for i = 1, r do
+		n[i], w[i] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+		a = a + 2
 	end
-	local j = s.pos - (n - cost + 1)
-	if j >= 0 then
-		s.at = math.max(now, slot(s, j % n) + w + 1)
-		if s.at > T then
-			T = s.at
-		end
-	end
-	st[i] = s
-end
-local hold = T - now
--- A hold of 1µs is the same-microsecond nudge, not a wait.
-local admit = 0
-if hold <= math.max(maxwait, 1) then
-	admit = 1
+	N[s], W[s] = n, w
 end
 
-local out = {admit, hold, 0}
-if admit == 1 then
-	out[3] = T
-else
-	out[2] = math.max(1, hold - maxwait)
+local read = redis.pcall
+if D == 1 then
+	read = redis.call
 end
-for i = 1, #KEYS do
-	local s = st[i]
-	if admit == 0 and s.at - now > maxwait then
-		out[2 * i + 2] = 0
-		out[2 * i + 3] = s.at - now
+local out, o, k, set = {}, 0, 0, 1
+-- Per rate of the current decision: its first bytes, header, and the
+-- moment it admits the request.
+local V, POS, LO, LAST, AT = {}, {}, {}, {}, {}
+for d = 1, D do
+	if S > 1 then
+		set = tonumber(ARGV[a])
+		a = a + 1
+	end
+	local r, cost, maxwait, ns, ws = R[set], COST[set], HOLD[set], N[set], W[set]
+	-- The earliest moment T every rate admits the request: not before now,
+	-- after every log's latest admission (times stay unique), and after each
+	-- rate's (n-c+1)-th latest slot has left its window.
+	local T, bad = now, false
+	for i = 1, r do
+		local key, n = KEYS[k + i], ns[i]
+		local v = read('GETRANGE', key, '0', PRE1)
+		if type(v) == 'table' then
+			bad = true
+			break
+		end
+		local pos, lo, last = 0, 0, nil
+		if #v >= HDR then
+			pos, lo, last = unpack('>ddd', v)
+			if last + 1 > T then
+				T = last + 1
+			end
+		end
+		local at = now
+		local j = pos - (n - cost + 1)
+		if j >= 0 then
+			at = max(now, slot(key, v, nil, 0, j % n) + ws[i] + 1)
+			if at > T then
+				T = at
+			end
+		end
+		V[i], POS[i], LO[i], LAST[i], AT[i] = v, pos, lo, last, at
+	end
+	if bad then
+		out[o + 1], out[o + 2] = -4611686018427387904, 0
+		for i = 1, r do
+			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
+		end
 	else
-		-- Find the first slot at or after now - w: step on from the hint a
-		-- few times, else binary search the rest of the ring.
-		local thr = now - s.w
-		local lo, hi = math.max(s.lo, s.pos - s.n), s.pos
-		local first = nil
-		if s.last == nil or s.last < thr then
-			lo = hi
+		local hold = T - now
+		-- A hold of 1µs is the same-microsecond nudge, not a wait.
+		local admit = hold <= max(maxwait, 1)
+		if admit then
+			out[o + 1], out[o + 2] = hold, T
 		else
-			fetch(s, lo % s.n, math.min(STEP, hi - lo, s.n - lo % s.n))
-			local steps = 0
-			while lo < hi do
-				local v = slot(s, lo % s.n)
-				if v >= thr then
-					first = v
-					break
-				end
-				lo = lo + 1
-				steps = steps + 1
-				if steps == STEP then
+			out[o + 1], out[o + 2] = -max(1, hold - maxwait), 0
+		end
+		for i = 1, r do
+			local key, n, w, v, pos = KEYS[k + i], ns[i], ws[i], V[i], POS[i]
+			if not admit and AT[i] - now > maxwait then
+				out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, AT[i] - now
+			else
+				-- Find the first slot at or after now - w: step on from the
+				-- hint a few times, else binary search the rest of the ring.
+				local thr = now - w
+				local lo, hi = max(LO[i], pos - n), pos
+				local first = nil
+				local c, co = nil, 0
+				if LAST[i] == nil or LAST[i] < thr then
+					lo = hi
+				else
+					-- Slots lo.. (not wrapping) in one call, unless read already.
+					local m = min(STEP, hi - lo, n - lo % n)
+					if m > 1 and HDR + 8 * (lo % n) + 8 > #v then
+						co = HDR + 8 * (lo % n)
+						c = redis.call('GETRANGE', key, fmt('%d', co), fmt('%d', co + 8 * m - 1))
+					end
+					local steps = 0
 					while lo < hi do
-						local mid = math.floor((lo + hi) / 2)
-						if slot(s, mid % s.n) >= thr then
-							hi = mid
-						else
-							lo = mid + 1
+						local x = slot(key, v, c, co, lo % n)
+						if x >= thr then
+							first = x
+							break
+						end
+						lo = lo + 1
+						steps = steps + 1
+						if steps == STEP then
+							while lo < hi do
+								local mid = math.floor((lo + hi) / 2)
+								if slot(key, v, c, co, mid % n) >= thr then
+									hi = mid
+								else
+									lo = mid + 1
+								end
+							end
+							break
 						end
 					end
-					break
+				end
+				local inwin = pos - lo
+				if inwin > 0 and not first then
+					first = slot(key, v, c, co, lo % n)
+				end
+				if admit then
+					-- cost slots from ring slot j on, wrapping to slot 0.
+					local j = pos % n
+					local m1 = min(cost, n - j)
+					local rec = pack('>d', T)
+					if m1 > 1 then
+						rec = string.rep(rec, m1)
+					end
+					local hdr = pack('>ddd', pos + cost, lo, T)
+					-- The log matters while its newest admission is in a window.
+					local exp = fmt('%d', math.ceil((T + w + 1) / 1000))
+					if #v < PRE then
+						-- v is the whole log: the same bytes the SETRANGEs
+						-- below would leave, in one SET.
+						local value
+						if HDR + 8 * j == #v and cost == m1 then
+							value = hdr .. string.sub(v, HDR + 1) .. rec
+						else
+							local body = splice(string.sub(v, HDR + 1), 8 * j, rec)
+							if cost > m1 then
+								body = splice(body, 0, string.rep(pack('>d', T), cost - m1))
+							end
+							value = hdr .. body
+						end
+						redis.call('SET', key, value, 'PXAT', exp)
+					else
+						redis.call('SETRANGE', key, fmt('%d', HDR + 8 * j), rec)
+						if cost > m1 then
+							redis.call('SETRANGE', key, '24', string.rep(pack('>d', T), cost - m1))
+						end
+						redis.call('SETRANGE', key, '0', hdr)
+						redis.call('PEXPIREAT', key, exp)
+					end
+					inwin = inwin + cost
+					first = first or T
+				end
+				out[o + 1 + 2 * i] = max(0, n - inwin)
+				if first then
+					out[o + 2 + 2 * i] = first + w + 1 - now
+				else
+					out[o + 2 + 2 * i] = 0
 				end
 			end
-		end
-		local inwin = s.pos - lo
-		if inwin > 0 and not first then
-			first = slot(s, lo % s.n)
-		end
-		if admit == 1 then
-			-- cost slots from ring slot j on, wrapping to slot 0.
-			local j = s.pos % s.n
-			local m1 = math.min(cost, s.n - j)
-			local rec = struct.pack('>d', T)
-			local hdr = struct.pack('>ddd', s.pos + cost, lo, T)
-			-- The log matters while its newest admission is in a window.
-			local exp = math.ceil((T + s.w + 1) / 1000)
-			if s.whole then
-				-- The same bytes the SETRANGEs below would leave.
-				local body = splice(string.sub(s.v, HDR + 1), 8 * j, string.rep(rec, m1))
-				if cost > m1 then
-					body = splice(body, 0, string.rep(rec, cost - m1))
-				end
-				redis.call('SET', s.k, hdr .. body, 'PXAT', exp)
-			else
-				redis.call('SETRANGE', s.k, HDR + 8 * j, string.rep(rec, m1))
-				if cost > m1 then
-					redis.call('SETRANGE', s.k, HDR, string.rep(rec, cost - m1))
-				end
-				redis.call('SETRANGE', s.k, 0, hdr)
-				redis.call('PEXPIREAT', s.k, exp)
-			end
-			inwin = inwin + cost
-			first = first or T
-		end
-		out[2 * i + 2] = math.max(0, s.n - inwin)
-		if first then
-			out[2 * i + 3] = first + s.w + 1 - now
-		else
-			out[2 * i + 3] = 0
 		end
 	end
+	o, k, now = o + 2 + 2 * r, k + r, now + 1
 end
 return out
