@@ -575,7 +575,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 			goal = fmt.Sprintf("= 0 %s", check(c.cmds == 0))
 		} else if strings.HasSuffix(c.what, "(pipelined)") {
 			// The decisions that meet in one pipeline share one script
-			// call (its multi form), so concurrent requests cost less.
+			// call (a batch), so concurrent requests cost less.
 			goal = fmt.Sprintf("≤ 1 %s", check(per < 1.005 && c.cmds > 0))
 		} else if c.goal > 0 {
 			// = 1 sequentially (every request is a call); a few extra
@@ -624,7 +624,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 	p("")
 	p("Rate-limit notes:")
 	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). CPU: Redis from its `INFO cpu` delta (used_cpu_user + used_cpu_sys), Caddy and the load generator from /proc; per request sent in the slice, warm-up included. \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
-	p("- Commands: a pipeline's decisions go as one call of a script's multi form (built in Go from the script file, so MONITOR shows it as an unnamed EVALSHA): concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
+	p("- Commands: a pipeline's decisions go as one call of the decision script, which takes a batch: concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
 	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (no number is set for it): p99 far below the timeout, i.e. no waiting for Redis.")
 	p("")
 	printRateLimitPeers(p, r.peers, *rlClients, 1000)
