@@ -45,7 +45,7 @@ var (
 // keeps the breaker of that client.
 type rlBatcher struct {
 	client  redis.UniversalClient
-	cluster bool // group multi calls per hash slot
+	cluster bool // group batches per hash slot
 	queue   chan *rlCall
 	stop    chan struct{}
 	once    sync.Once
