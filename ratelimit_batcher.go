@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"sync"
@@ -193,19 +194,32 @@ func (b *rlBatcher) work() {
 		case c := <-b.queue:
 			batch = b.take(batch, c)
 		}
-	fill:
-		for len(batch) < batchMax {
-			select {
-			case c := <-b.queue:
-				batch = b.take(batch, c)
-			default:
-				break fill
-			}
+		batch = b.fill(batch)
+		if len(batch) < batchMax {
+			// Let the requests that are running right now reach their
+			// decision first (auto-pipelining): under load they join this
+			// pipeline instead of the next; with nothing else to run this
+			// returns at once.
+			runtime.Gosched()
+			batch = b.fill(batch)
 		}
 		if len(batch) > 0 {
 			b.send(batch)
 		}
 	}
+}
+
+// fill adds to batch whatever waits in the queue, up to batchMax.
+func (b *rlBatcher) fill(batch []*rlCall) []*rlCall {
+	for len(batch) < batchMax {
+		select {
+		case c := <-b.queue:
+			batch = b.take(batch, c)
+		default:
+			return batch
+		}
+	}
+	return batch
 }
 
 // take adds c to batch unless its caller gave up, or its deadline passed
