@@ -63,6 +63,7 @@ type rlCall struct {
 	res      []int64      // a decision's answer (see the decision scripts)
 	err      error
 	done     chan struct{} // closed by the worker that took the call
+	finished bool          // done is closed (the worker's own record)
 }
 
 const (
@@ -229,8 +230,7 @@ func (b *rlBatcher) take(batch []*rlCall, c *rlCall) []*rlCall {
 		return batch
 	}
 	if !time.Now().Before(c.deadline) {
-		c.err = errRedisTimeout
-		close(c.done)
+		c.finish(errRedisTimeout)
 		return batch
 	}
 	return append(batch, c)
@@ -238,29 +238,31 @@ func (b *rlBatcher) take(batch []*rlCall, c *rlCall) []*rlCall {
 
 // send runs one pipeline; every call in batch is answered, also on panic.
 func (b *rlBatcher) send(batch []*rlCall) {
-	answered := false
 	defer func() {
 		if r := recover(); r != nil {
 			caddy.Log().Named("redisdlm").Error("panic in the redis_ratelimit batcher; recovered", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
-			if !answered {
-				for _, c := range batch {
-					c.err = fmt.Errorf("redisdlm: panic in batcher: %v", r)
-					close(c.done)
-				}
+			for _, c := range batch {
+				c.finish(fmt.Errorf("redisdlm: panic in batcher: %v", r))
 			}
 		}
 	}()
-	// The pipeline ends when the first of its calls must be answered.
-	deadline := batch[0].deadline
-	for _, c := range batch[1:] {
-		if c.deadline.Before(deadline) {
-			deadline = c.deadline
+	b.sendUnits(units(batch, b.cluster))
+}
+
+// sendUnits sends the units as one pipeline, within the earliest deadline of
+// their calls, and answers every call.
+func (b *rlBatcher) sendUnits(us []*rlUnit) {
+	deadline := us[0].calls[0].deadline
+	for _, u := range us {
+		for _, c := range u.calls {
+			if c.deadline.Before(deadline) {
+				deadline = c.deadline
+			}
 		}
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 
-	us := units(batch, b.cluster)
 	cmds, execErr := b.exec(ctx, us, false)
 	// After a Redis restart or SCRIPT FLUSH a script is unknown: send those
 	// units again with EVAL (which also caches the script). NOSCRIPT means
@@ -281,8 +283,7 @@ func (b *rlBatcher) send(batch []*rlCall) {
 		}
 		execErr = err
 	}
-	answered = true
-	var alone []*rlCall // decisions of a batch whose key could not be read
+	var alone []*rlUnit // decisions of a batch that failed before writing
 	for i, u := range us {
 		err := cmds[i].Err()
 		if err != nil && ctx.Err() != nil && isRedisDown(err) {
@@ -295,21 +296,52 @@ func (b *rlBatcher) send(batch []*rlCall) {
 			err = execErr
 		}
 		if err == nil && u.batch && !u.answer(cmds[i].(*redis.IntSliceCmd).Val()) {
-			err = fmt.Errorf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls))
+			err = answerError(fmt.Sprintf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls)))
 		}
 		for _, c := range u.calls {
-			if err == nil && len(u.calls) > 1 && c.res[0] == failedRead {
+			switch {
+			case err != nil || !u.batch:
+				c.finish(err)
+			case len(u.calls) > 1 && c.res[0] == failedRead:
+				// Nothing of it was written: alone, it fails with Redis's
+				// own error (or, if its key changed meanwhile, is decided).
 				c.res = nil
-				alone = append(alone, c)
-				continue
+				alone = append(alone, &rlUnit{calls: []*rlCall{c}, batch: true})
+			case c.res[0] == failedRun:
+				c.res = nil
+				c.finish(errFailedRun)
+			default:
+				c.finish(nil)
 			}
-			c.err = err
-			close(c.done)
 		}
 	}
-	for _, c := range alone {
-		b.send([]*rlCall{c}) // a batch of one fails with Redis's own error
+	if len(alone) > 0 {
+		b.sendUnits(alone)
 	}
+}
+
+// errFailedRun answers a decision of a batch that failed after it had
+// recorded some of its rates (its key's value is not what the script
+// wrote): it is not sent again, so nothing is counted twice.
+var errFailedRun = answerError("redis_ratelimit: the decision failed after recording part of it (a key holds a value this script did not write)")
+
+// answerError is an answer from Redis that makes no sense as a decision: a
+// fault, but not one of reaching Redis (the breaker does not count it).
+type answerError string
+
+func (e answerError) Error() string { return string(e) }
+
+// RedisError marks it as an answer from Redis (see isRedisDown).
+func (e answerError) RedisError() {}
+
+// finish answers c (once).
+func (c *rlCall) finish(err error) {
+	if c.finished {
+		return
+	}
+	c.finished = true
+	c.err = err
+	close(c.done)
 }
 
 // unanswered reports whether cmd got no answer at all.

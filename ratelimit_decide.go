@@ -78,7 +78,7 @@ func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {
 // parseDecision reads one decision's answer: {hold when admitted (>= 0), else
 // minus the wait; time recorded; then per rate remaining and reset}.
 func parseDecision(vals []int64, nrates int) (decision, error) {
-	if len(vals) != 2+2*nrates || vals[0] == failedRead {
+	if len(vals) != 2+2*nrates || vals[0] == failedRead || vals[0] == failedRun {
 		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
 	}
 	d := decision{allowed: vals[0] >= 0, tight: -1}

@@ -30,10 +30,14 @@ var scriptSource = map[*redis.Script]string{
 	slidingReturnScript: slidingReturnLua, gcraReturnScript: gcraReturnLua,
 }
 
-// failedRead is the code of a decision in a batch whose key could not be
-// read (e.g. a key of another type): nothing of it was written, and it is
-// sent again alone, so that it gets Redis's own error.
-const failedRead = -1 << 62
+// The codes of a decision in a batch that failed (e.g. on a key of another
+// type): failedRead when nothing of it was written (it is sent again alone,
+// so that it gets Redis's own error), failedRun when it failed after writing
+// part of it (it gets errFailedRun).
+const (
+	failedRead = -1 << 62
+	failedRun  = -1 << 61
+)
 
 // rlUnit is one command of a pipeline: a decision batch, or a call alone.
 type rlUnit struct {

@@ -2,6 +2,7 @@ package redisdlm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -16,6 +17,7 @@ func sendBatch(b *rlBatcher, calls []*rlCall) {
 	for _, c := range calls {
 		c.deadline = time.Now().Add(5 * time.Second)
 		c.done = make(chan struct{})
+		c.finished = false
 		c.state.Store(callTaken)
 	}
 	b.send(calls)
@@ -188,4 +190,75 @@ func decideOnce(ctx context.Context, p interface {
 		_ = p.Process(ctx, cmd)
 	}
 	return cmd
+}
+
+// TestRateLimitMultiFailures: in a batch, a decision that fails is answered
+// on its own and the others still run. One that failed before writing (a
+// value that is not the script's state) is sent again alone and gets
+// Redis's own error; one that failed while writing (Redis out of memory) is
+// not sent again, so nothing is counted twice.
+func TestRateLimitMultiFailures(t *testing.T) {
+	t.Parallel()
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		ctx := context.Background()
+		h := newRL(func(h *RedisRateLimit) {
+			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+		})
+		b := newBatcher(h.client.client, 0)
+		defer b.close()
+		call := func(id string) *rlCall {
+			return &rlCall{script: h.script, argv: h.static.argv, keys: h.redisKeys(nil, id, &h.static)}
+		}
+		warm := []*rlCall{call("warm")}
+		sendBatch(b, warm) // loads the script (NOSCRIPT, then EVAL)
+		<-warm[0].done
+		if algo == algoGCRA {
+			// A string that is not a TAT: the script fails on it.
+			if err := r.Client().Set(ctx, h.keyHead+"junk"+h.static.rates[0].tail, "not-a-number", time.Hour).Err(); err != nil {
+				t.Fatal(err)
+			}
+			calls := []*rlCall{call("a"), call("junk"), call("b")}
+			before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
+			sendBatch(b, calls)
+			for i, c := range calls {
+				<-c.done
+				if i == 1 {
+					if c.err == nil || !strings.Contains(c.err.Error(), "compare") {
+						t.Fatalf("decision on a value that is not a TAT: %v %v, want Redis's own script error", c.res, c.err)
+					}
+					continue
+				}
+				if d, err := parseDecision(c.res, 1); c.err != nil || err != nil || !d.allowed || d.remaining != 9 {
+					t.Fatalf("decision %d beside a failing one: %+v %v %v, want admitted with 9 left", i, d, c.err, err)
+				}
+			}
+			if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; got != 2 {
+				t.Fatalf("%d script calls, want 2 (the batch, then the failed decision alone)", got)
+			}
+		}
+
+		// Out of memory: every write fails; reads still work.
+		if err := r.Client().ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+			t.Fatal(err)
+		}
+		defer r.Client().ConfigSet(ctx, "maxmemory", "0")
+		calls := []*rlCall{call("m1"), call("m2"), call("m3")}
+		before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
+		sendBatch(b, calls)
+		for i, c := range calls {
+			<-c.done
+			if !errors.Is(c.err, errFailedRun) {
+				t.Fatalf("decision %d while Redis refuses writes: %v %v, want errFailedRun", i, c.res, c.err)
+			}
+		}
+		if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; got != 1 {
+			t.Fatalf("%d script calls, want 1 (a decision that may have written is not sent again)", got)
+		}
+		one := []*rlCall{call("m4")}
+		sendBatch(b, one)
+		<-one[0].done
+		if one[0].err == nil || !strings.Contains(one[0].err.Error(), "OOM") {
+			t.Fatalf("a decision alone while Redis refuses writes: %v, want Redis's OOM error", one[0].err)
+		}
+	})
 }

@@ -19,9 +19,11 @@
 --
 -- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
 -- else minus the µs until it would be admitted; A (0 when rejected); then for
--- each rate: remaining quota, µs until it grows (0 = full). A decision whose
--- key could not be read (a key of another type) answers -2^62 and writes
--- nothing; alone in its call (D = 1), it fails with Redis's error instead.
+-- each rate: remaining quota, µs until it grows (0 = full). In a batch, a
+-- decision that fails (a key of another type, a value that is not a TAT)
+-- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
+-- rate's TAT, and the others still run; alone in its call (D = 1), it fails
+-- with Redis's error instead.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -37,35 +39,27 @@ for s = 1, S do
 	local u, tau, b = {}, {}, {}
 	for i = 1, r do
 		local n, w, burst = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-		u[i], b[i], tau[i] = w / n, burst, burst * w / n
+		u[i], b[i] = w / n, burst
+		tau[i] = burst * u[i]
 		a = a + 3
 	end
 	UNIT[s], TAU[s], BURST[s] = u, tau, b
 end
 
-local read = redis.pcall
-if D == 1 then
-	read = redis.call
-end
-local out, o, k, set = {}, 0, 0, 1
+-- The decision in hand: its parameter set, first key - 1, first answer
+-- slot - 1, and whether it wrote anything yet.
+local out, o, k, set, wrote = {}, 0, 0, 1, false
 local tats, ats = {}, {}
-for d = 1, D do
-	if S > 1 then
-		set = tonumber(ARGV[a])
-		a = a + 1
-	end
+
+local function decide()
 	local r, cost, maxwait = R[set], COST[set], HOLD[set]
 	local u, tau, burst = UNIT[set], TAU[set], BURST[set]
 	-- The earliest moment A every rate admits the request.
-	local A, bad = now, false
+	local A = now
 	for i = 1, r do
-		local v = read('GET', KEYS[k + i])
+		local v = redis.call('GET', KEYS[k + i])
 		local tat = now
 		if v then
-			if type(v) == 'table' then
-				bad = true
-				break
-			end
 			tat = tonumber(v)
 			if tat < now then
 				tat = now
@@ -77,53 +71,63 @@ for d = 1, D do
 			A = at
 		end
 	end
-	if bad then
-		out[o + 1], out[o + 2] = -4611686018427387904, 0
-		for i = 1, r do
-			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
-		end
+	local hold = ceil(A - now)
+	local admit = hold <= maxwait
+	if admit then
+		out[o + 1], out[o + 2] = hold, ceil(A)
 	else
-		local hold = ceil(A - now)
-		local admit = hold <= maxwait
-		if admit then
-			out[o + 1], out[o + 2] = hold, ceil(A)
+		out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
+	end
+	for i = 1, r do
+		local tat, ui = tats[i], u[i]
+		if not admit and ats[i] - now > maxwait then
+			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, ceil(ats[i] - now)
 		else
-			out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
-		end
-		for i = 1, r do
-			local tat, ui = tats[i], u[i]
-			if not admit and ats[i] - now > maxwait then
-				out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, ceil(ats[i] - now)
+			if admit then
+				if A > tat then
+					tat = A
+				end
+				tat = tat + cost * ui
+				-- The state matters until the TAT is in the past. Whole
+				-- numbers are formatted as integers (a double's %.17g
+				-- costs Redis several times more).
+				local v = tat
+				if tat == floor(tat) then
+					v = fmt('%d', tat)
+				end
+				wrote = true
+				redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', ceil(tat / 1000)))
+			end
+			local debt = tat - now
+			-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
+			local rem = floor((tau[i] - debt + 0.5) / ui)
+			if rem < 0 then
+				rem = 0
+			end
+			out[o + 1 + 2 * i] = rem
+			if rem >= burst[i] then
+				out[o + 2 + 2 * i] = 0
 			else
-				if admit then
-					if A > tat then
-						tat = A
-					end
-					tat = tat + cost * ui
-					-- The state matters until the TAT is in the past. Whole
-					-- numbers are formatted as integers (a double's %.17g
-					-- costs Redis several times more).
-					local v = tat
-					if tat == floor(tat) then
-						v = fmt('%d', tat)
-					end
-					redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', ceil(tat / 1000)))
-				end
-				local debt = tat - now
-				-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
-				local rem = floor((tau[i] - debt + 0.5) / ui)
-				if rem < 0 then
-					rem = 0
-				end
-				out[o + 1 + 2 * i] = rem
-				if rem >= burst[i] then
-					out[o + 2 + 2 * i] = 0
-				else
-					out[o + 2 + 2 * i] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
-				end
+				out[o + 2 + 2 * i] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
 			end
 		end
 	end
-	o, k, now = o + 2 + 2 * r, k + r, now + 1
+end
+
+for d = 1, D do
+	if S > 1 then
+		set = tonumber(ARGV[a])
+		a = a + 1
+	end
+	wrote = false
+	if D == 1 then
+		decide()
+	elseif not pcall(decide) then
+		out[o + 1], out[o + 2] = wrote and -2305843009213693952 or -4611686018427387904, 0
+		for i = 1, R[set] do
+			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
+		end
+	end
+	o, k, now = o + 2 + 2 * R[set], k + R[set], now + 1
 end
 return out

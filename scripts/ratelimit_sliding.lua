@@ -36,10 +36,11 @@
 --
 -- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
 -- else minus the µs until it would be admitted; T (0 when rejected); then
--- for each rate: remaining quota, µs until it grows (0 = full). A decision
--- whose key could not be read (a key of another type) answers -2^62 and
--- writes nothing; alone in its call (D = 1), it fails with Redis's error
--- instead.
+-- for each rate: remaining quota, µs until it grows (0 = full). In a batch,
+-- a decision that fails (a key of another type, a value that is not a log)
+-- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
+-- rate's log, and the others still run; alone in its call (D = 1), it fails
+-- with Redis's error instead.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local HDR = 24
@@ -88,31 +89,22 @@ for s = 1, S do
 	N[s], W[s] = n, w
 end
 
-local read = redis.pcall
-if D == 1 then
-	read = redis.call
-end
-local out, o, k, set = {}, 0, 0, 1
--- Per rate of the current decision: its first bytes, header, and the
+-- The decision in hand: its parameter set, first key - 1, first answer
+-- slot - 1, and whether it wrote anything yet.
+local out, o, k, set, wrote = {}, 0, 0, 1, false
+-- Per rate of the decision in hand: its first bytes, header, and the
 -- moment it admits the request.
 local V, POS, LO, LAST, AT = {}, {}, {}, {}, {}
-for d = 1, D do
-	if S > 1 then
-		set = tonumber(ARGV[a])
-		a = a + 1
-	end
+
+local function decide()
 	local r, cost, maxwait, ns, ws = R[set], COST[set], HOLD[set], N[set], W[set]
 	-- The earliest moment T every rate admits the request: not before now,
 	-- after every log's latest admission (times stay unique), and after each
 	-- rate's (n-c+1)-th latest slot has left its window.
-	local T, bad = now, false
+	local T = now
 	for i = 1, r do
 		local key, n = KEYS[k + i], ns[i]
-		local v = read('GETRANGE', key, '0', PRE1)
-		if type(v) == 'table' then
-			bad = true
-			break
-		end
+		local v = redis.call('GETRANGE', key, '0', PRE1)
 		local pos, lo, last = 0, 0, nil
 		if #v >= HDR then
 			pos, lo, last = unpack('>ddd', v)
@@ -130,111 +122,122 @@ for d = 1, D do
 		end
 		V[i], POS[i], LO[i], LAST[i], AT[i] = v, pos, lo, last, at
 	end
-	if bad then
-		out[o + 1], out[o + 2] = -4611686018427387904, 0
-		for i = 1, r do
-			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
-		end
+	local hold = T - now
+	-- A hold of 1µs is the same-microsecond nudge, not a wait.
+	local admit = hold <= max(maxwait, 1)
+	if admit then
+		out[o + 1], out[o + 2] = hold, T
 	else
-		local hold = T - now
-		-- A hold of 1µs is the same-microsecond nudge, not a wait.
-		local admit = hold <= max(maxwait, 1)
-		if admit then
-			out[o + 1], out[o + 2] = hold, T
+		out[o + 1], out[o + 2] = -max(1, hold - maxwait), 0
+	end
+	for i = 1, r do
+		local key, n, w, v, pos = KEYS[k + i], ns[i], ws[i], V[i], POS[i]
+		if not admit and AT[i] - now > maxwait then
+			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, AT[i] - now
 		else
-			out[o + 1], out[o + 2] = -max(1, hold - maxwait), 0
-		end
-		for i = 1, r do
-			local key, n, w, v, pos = KEYS[k + i], ns[i], ws[i], V[i], POS[i]
-			if not admit and AT[i] - now > maxwait then
-				out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, AT[i] - now
+			-- Find the first slot at or after now - w: step on from the
+			-- hint a few times, else binary search the rest of the ring.
+			local thr = now - w
+			local lo, hi = max(LO[i], pos - n), pos
+			local first = nil
+			local c, co = nil, 0
+			if LAST[i] == nil or LAST[i] < thr then
+				lo = hi
 			else
-				-- Find the first slot at or after now - w: step on from the
-				-- hint a few times, else binary search the rest of the ring.
-				local thr = now - w
-				local lo, hi = max(LO[i], pos - n), pos
-				local first = nil
-				local c, co = nil, 0
-				if LAST[i] == nil or LAST[i] < thr then
-					lo = hi
-				else
-					-- Slots lo.. (not wrapping) in one call, unless read already.
-					local m = min(STEP, hi - lo, n - lo % n)
-					if m > 1 and HDR + 8 * (lo % n) + 8 > #v then
-						co = HDR + 8 * (lo % n)
-						c = redis.call('GETRANGE', key, fmt('%d', co), fmt('%d', co + 8 * m - 1))
+				-- Slots lo.. (not wrapping) in one call, unless read already.
+				local m = min(STEP, hi - lo, n - lo % n)
+				if m > 1 and HDR + 8 * (lo % n) + 8 > #v then
+					co = HDR + 8 * (lo % n)
+					c = redis.call('GETRANGE', key, fmt('%d', co), fmt('%d', co + 8 * m - 1))
+				end
+				local steps = 0
+				while lo < hi do
+					local x = slot(key, v, c, co, lo % n)
+					if x >= thr then
+						first = x
+						break
 					end
-					local steps = 0
-					while lo < hi do
-						local x = slot(key, v, c, co, lo % n)
-						if x >= thr then
-							first = x
-							break
-						end
-						lo = lo + 1
-						steps = steps + 1
-						if steps == STEP then
-							while lo < hi do
-								local mid = math.floor((lo + hi) / 2)
-								if slot(key, v, c, co, mid % n) >= thr then
-									hi = mid
-								else
-									lo = mid + 1
-								end
+					lo = lo + 1
+					steps = steps + 1
+					if steps == STEP then
+						while lo < hi do
+							local mid = math.floor((lo + hi) / 2)
+							if slot(key, v, c, co, mid % n) >= thr then
+								hi = mid
+							else
+								lo = mid + 1
 							end
-							break
 						end
+						break
 					end
 				end
-				local inwin = pos - lo
-				if inwin > 0 and not first then
-					first = slot(key, v, c, co, lo % n)
+			end
+			local inwin = pos - lo
+			if inwin > 0 and not first then
+				first = slot(key, v, c, co, lo % n)
+			end
+			if admit then
+				-- cost slots from ring slot j on, wrapping to slot 0.
+				local j = pos % n
+				local m1 = min(cost, n - j)
+				local rec = pack('>d', T)
+				if m1 > 1 then
+					rec = string.rep(rec, m1)
 				end
-				if admit then
-					-- cost slots from ring slot j on, wrapping to slot 0.
-					local j = pos % n
-					local m1 = min(cost, n - j)
-					local rec = pack('>d', T)
-					if m1 > 1 then
-						rec = string.rep(rec, m1)
-					end
-					local hdr = pack('>ddd', pos + cost, lo, T)
-					-- The log matters while its newest admission is in a window.
-					local exp = fmt('%d', math.ceil((T + w + 1) / 1000))
-					if #v < PRE then
-						-- v is the whole log: the same bytes the SETRANGEs
-						-- below would leave, in one SET.
-						local value
-						if HDR + 8 * j == #v and cost == m1 then
-							value = hdr .. string.sub(v, HDR + 1) .. rec
-						else
-							local body = splice(string.sub(v, HDR + 1), 8 * j, rec)
-							if cost > m1 then
-								body = splice(body, 0, string.rep(pack('>d', T), cost - m1))
-							end
-							value = hdr .. body
-						end
-						redis.call('SET', key, value, 'PXAT', exp)
+				local hdr = pack('>ddd', pos + cost, lo, T)
+				-- The log matters while its newest admission is in a window.
+				local exp = fmt('%d', math.ceil((T + w + 1) / 1000))
+				if #v < PRE then
+					-- v is the whole log: the same bytes the SETRANGEs
+					-- below would leave, in one SET.
+					local value
+					if HDR + 8 * j == #v and cost == m1 then
+						value = hdr .. string.sub(v, HDR + 1) .. rec
 					else
-						redis.call('SETRANGE', key, fmt('%d', HDR + 8 * j), rec)
+						local body = splice(string.sub(v, HDR + 1), 8 * j, rec)
 						if cost > m1 then
-							redis.call('SETRANGE', key, '24', string.rep(pack('>d', T), cost - m1))
+							body = splice(body, 0, string.rep(pack('>d', T), cost - m1))
 						end
-						redis.call('SETRANGE', key, '0', hdr)
-						redis.call('PEXPIREAT', key, exp)
+						value = hdr .. body
 					end
-					inwin = inwin + cost
-					first = first or T
-				end
-				out[o + 1 + 2 * i] = max(0, n - inwin)
-				if first then
-					out[o + 2 + 2 * i] = first + w + 1 - now
+					wrote = true
+					redis.call('SET', key, value, 'PXAT', exp)
 				else
-					out[o + 2 + 2 * i] = 0
+					wrote = true
+					redis.call('SETRANGE', key, fmt('%d', HDR + 8 * j), rec)
+					if cost > m1 then
+						redis.call('SETRANGE', key, '24', string.rep(pack('>d', T), cost - m1))
+					end
+					redis.call('SETRANGE', key, '0', hdr)
+					redis.call('PEXPIREAT', key, exp)
 				end
+				inwin = inwin + cost
+				first = first or T
+			end
+			out[o + 1 + 2 * i] = max(0, n - inwin)
+			if first then
+				out[o + 2 + 2 * i] = first + w + 1 - now
+			else
+				out[o + 2 + 2 * i] = 0
 			end
 		end
 	end
-	o, k, now = o + 2 + 2 * r, k + r, now + 1
+end
+
+for d = 1, D do
+	if S > 1 then
+		set = tonumber(ARGV[a])
+		a = a + 1
+	end
+	wrote = false
+	if D == 1 then
+		decide()
+	elseif not pcall(decide) then
+		out[o + 1], out[o + 2] = wrote and -2305843009213693952 or -4611686018427387904, 0
+		for i = 1, R[set] do
+			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
+		end
+	end
+	o, k, now = o + 2 + 2 * R[set], k + R[set], now + 1
 end
 return out
