@@ -295,7 +295,7 @@ func (b *rlBatcher) sendUnits(us []*rlUnit) {
 			// connection's AUTH was refused): that failure is its answer.
 			err = execErr
 		}
-		if err == nil && u.batch && !u.answer(cmds[i].(*redis.IntSliceCmd).Val()) {
+		if err == nil && u.batch && !u.answer(cmds[i].(noRetryInts).Val()) {
 			err = answerError(fmt.Sprintf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls)))
 		}
 		for _, c := range u.calls {
@@ -347,30 +347,47 @@ func (c *rlCall) finish(err error) {
 // unanswered reports whether cmd got no answer at all.
 func unanswered(cmd redis.Cmder) bool {
 	switch c := cmd.(type) {
-	case *redis.IntSliceCmd:
+	case noRetryInts:
 		return c.Val() == nil
-	case *redis.Cmd:
+	case noRetry:
 		return c.Val() == nil
 	}
 	return false
 }
 
 // exec sends the units as one pipeline (with EVAL when eval); a decision
-// batch is read as a flat array of integers.
+// batch is read as a flat array of integers. No command is ever sent again
+// after a transport error (a Cluster client otherwise resends a pipeline
+// whose answers were lost, which would count its decisions twice, or return
+// an admission twice); a MOVED or ASK answer, which means the command did
+// not run, is still followed.
 func (b *rlBatcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.Cmder, error) {
 	cmds := make([]redis.Cmder, len(us))
 	pipe := b.client.Pipeline()
 	for i, u := range us {
-		if u.batch {
-			cmds[i] = redis.NewIntSliceCmd(ctx, u.command(eval)...)
-		} else {
-			cmds[i] = redis.NewCmd(ctx, u.command(eval)...)
-		}
+		cmds[i] = u.cmd(ctx, eval)
 		_ = pipe.Process(ctx, cmds[i])
 	}
 	_, err := pipe.Exec(ctx)
 	return cmds, err
 }
+
+// cmd is the unit's command, never resent by go-redis.
+func (u *rlUnit) cmd(ctx context.Context, eval bool) redis.Cmder {
+	if u.batch {
+		return noRetryInts{redis.NewIntSliceCmd(ctx, u.command(eval)...)}
+	}
+	return noRetry{redis.NewCmd(ctx, u.command(eval)...)}
+}
+
+// noRetry and noRetryInts are script calls go-redis must not resend.
+type (
+	noRetry     struct{ *redis.Cmd }
+	noRetryInts struct{ *redis.IntSliceCmd }
+)
+
+func (noRetry) NoRetry() bool     { return true }
+func (noRetryInts) NoRetry() bool { return true }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;
 // then it lets one call through about once per breakerProbe, and closes

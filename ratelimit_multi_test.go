@@ -262,3 +262,25 @@ func TestRateLimitMultiFailures(t *testing.T) {
 		}
 	})
 }
+
+// TestRateLimitCallsNeverResent: every command the batcher sends tells
+// go-redis not to resend it after a transport error (a Cluster client
+// otherwise resends a pipeline whose answers were lost, counting its
+// decisions, or returning an admission, twice; see exec).
+func TestRateLimitCallsNeverResent(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	decision := &rlCall{script: gcraScript, keys: []string{"p:{a}:g"}, argv: []any{1, 0, 5, 1000000, 5}}
+	giveBack := &rlCall{script: gcraReturnScript, keys: []string{"p:{a}:g"}, argv: []any{1, 5, 1000000}}
+	us := units([]*rlCall{decision, giveBack}, false)
+	if len(us) != 2 {
+		t.Fatalf("%d units, want 2", len(us))
+	}
+	for _, u := range us {
+		for _, eval := range []bool{false, true} {
+			if c := u.cmd(ctx, eval); !c.NoRetry() {
+				t.Fatalf("%s (batch %v, eval %v) may be resent by go-redis", c.Name(), u.batch, eval)
+			}
+		}
+	}
+}
