@@ -25,8 +25,8 @@ var (
 	//go:embed scripts/admin_lock_release.lua
 	adminLockReleaseLua string
 
-	adminLockInspectScript = redis.NewScript(adminLockInspectLua)
-	adminLockReleaseScript = redis.NewScript(adminLockReleaseLua)
+	adminLockInspectScript = newScript(adminLockInspectLua)
+	adminLockReleaseScript = newScript(adminLockReleaseLua)
 )
 
 // adminWakeFrom is the sender of the wake-up a force release publishes: no

@@ -12,7 +12,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -65,10 +64,10 @@ var (
 	//go:embed scripts/ratelimit_gcra_return.lua
 	gcraReturnLua string
 
-	slidingScript       = redis.NewScript(slidingLua)
-	gcraScript          = redis.NewScript(gcraLua)
-	slidingReturnScript = redis.NewScript(slidingReturnLua)
-	gcraReturnScript    = redis.NewScript(gcraReturnLua)
+	slidingScript       = newScript(slidingLua)
+	gcraScript          = newScript(gcraLua)
+	slidingReturnScript = newScript(slidingReturnLua)
+	gcraReturnScript    = newScript(gcraReturnLua)
 )
 
 // ErrRateLimited is the error a rejected request returns to Caddy (with the
@@ -194,8 +193,8 @@ type RedisRateLimit struct {
 	dynamic    bool   // some rate's n or window is a placeholder
 	costTmpl   string
 	counts     *statusSet // nil: every answer counts
-	script     *redis.Script
-	giveBack   *redis.Script // returns an admission
+	script     *luaScript
+	giveBack   *luaScript // returns an admission
 	algo       string
 	status     int
 	sendHdrs   bool

@@ -55,7 +55,7 @@ type rlBatcher struct {
 
 // rlCall is one request's script call.
 type rlCall struct {
-	script   *redis.Script
+	script   *luaScript
 	keys     []string
 	argv     []any        // a decision: its parameter set (shared by the calls of one plan)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
@@ -379,15 +379,6 @@ func (u *rlUnit) cmd(ctx context.Context, eval bool) redis.Cmder {
 	}
 	return noRetry{redis.NewCmd(ctx, u.command(eval)...)}
 }
-
-// noRetry and noRetryInts are script calls go-redis must not resend.
-type (
-	noRetry     struct{ *redis.Cmd }
-	noRetryInts struct{ *redis.IntSliceCmd }
-)
-
-func (noRetry) NoRetry() bool     { return true }
-func (noRetryInts) NoRetry() bool { return true }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;
 // then it lets one call through about once per breakerProbe, and closes

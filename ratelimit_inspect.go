@@ -12,14 +12,13 @@ import (
 	"net/http"
 	"strconv"
 
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
 var (
 	//go:embed scripts/admin_ratelimit_peek.lua
 	adminRateLimitPeekLua    string
-	adminRateLimitPeekScript = redis.NewScript(adminRateLimitPeekLua)
+	adminRateLimitPeekScript = newScript(adminRateLimitPeekLua)
 )
 
 // quotaView is one rate of a key's quota.

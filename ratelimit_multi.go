@@ -3,8 +3,6 @@ package redisdlm
 import (
 	"slices"
 	"strings"
-
-	"github.com/redis/go-redis/v9"
 )
 
 // Many decisions in one script call: the decision scripts
@@ -20,15 +18,7 @@ import (
 
 // decisionScripts take a batch; other scripts (returning an admission) are
 // always sent alone.
-var decisionScripts = map[*redis.Script]bool{slidingScript: true, gcraScript: true}
-
-// scriptSource is each rate-limit script's text, for EVAL where Redis does
-// not know the script (after a restart or SCRIPT FLUSH): a client may run
-// scripts without being allowed SCRIPT LOAD.
-var scriptSource = map[*redis.Script]string{
-	slidingScript: slidingLua, gcraScript: gcraLua,
-	slidingReturnScript: slidingReturnLua, gcraReturnScript: gcraReturnLua,
-}
+var decisionScripts = map[*luaScript]bool{slidingScript: true, gcraScript: true}
 
 // The codes of a decision in a batch that failed (e.g. on a key of another
 // type): failedRead when nothing of it was written (it is sent again alone,
@@ -53,7 +43,7 @@ func (u *rlUnit) command(eval bool) []any {
 	c0 := u.calls[0]
 	name, script := "evalsha", c0.script.Hash()
 	if eval {
-		name, script = "eval", scriptSource[c0.script]
+		name, script = "eval", c0.script.src
 	}
 	if !u.batch {
 		args := make([]any, 0, 3+len(c0.keys)+len(c0.argv))
@@ -130,7 +120,7 @@ func (u *rlUnit) answer(vals []int64) bool {
 // alone.
 func units(batch []*rlCall, cluster bool) []*rlUnit {
 	type group struct {
-		script *redis.Script
+		script *luaScript
 		slot   int
 	}
 	idx := make(map[group]int, 4)

@@ -181,7 +181,7 @@ func TestRateLimitMultiPerSlot(t *testing.T) {
 // loaded already).
 func decideOnce(ctx context.Context, p interface {
 	Process(context.Context, redis.Cmder) error
-}, script *redis.Script, keys []string, argv ...any) *redis.IntSliceCmd {
+}, script *luaScript, keys []string, argv ...any) *redis.IntSliceCmd {
 	u := &rlUnit{calls: []*rlCall{{script: script, keys: keys, argv: argv}}, batch: true}
 	cmd := redis.NewIntSliceCmd(ctx, u.command(false)...)
 	_ = p.Process(ctx, cmd)
@@ -263,13 +263,22 @@ func TestRateLimitMultiFailures(t *testing.T) {
 	})
 }
 
-// TestRateLimitCallsNeverResent: every command the batcher sends tells
-// go-redis not to resend it after a transport error (a Cluster client
-// otherwise resends a pipeline whose answers were lost, counting its
-// decisions, or returning an admission, twice; see exec).
-func TestRateLimitCallsNeverResent(t *testing.T) {
+// TestScriptCallsNeverResent: every script call, of the lock engine and of
+// the rate limiter's batcher, tells go-redis not to resend it after a
+// transport error (a Cluster client otherwise resends a command whose answer
+// was lost: a lock script or a pipeline of decisions would run twice; see
+// script.go). The redirect and NOSCRIPT paths are exercised by the Cluster
+// and restart tests.
+func TestScriptCallsNeverResent(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
+	var sent []redis.Cmder
+	capture := processorFunc(func(_ context.Context, c redis.Cmder) error {
+		sent = append(sent, c)
+		return nil
+	})
+	acquireScript.Run(ctx, capture, []string{"k"}, "token")
+	acquireScript.Eval(ctx, capture, []string{"k"}, "token")
 	decision := &rlCall{script: gcraScript, keys: []string{"p:{a}:g"}, argv: []any{1, 0, 5, 1000000, 5}}
 	giveBack := &rlCall{script: gcraReturnScript, keys: []string{"p:{a}:g"}, argv: []any{1, 5, 1000000}}
 	us := units([]*rlCall{decision, giveBack}, false)
@@ -278,9 +287,19 @@ func TestRateLimitCallsNeverResent(t *testing.T) {
 	}
 	for _, u := range us {
 		for _, eval := range []bool{false, true} {
-			if c := u.cmd(ctx, eval); !c.NoRetry() {
-				t.Fatalf("%s (batch %v, eval %v) may be resent by go-redis", c.Name(), u.batch, eval)
-			}
+			sent = append(sent, u.cmd(ctx, eval))
+		}
+	}
+	if len(sent) != 6 {
+		t.Fatalf("%d commands, want 6", len(sent))
+	}
+	for _, c := range sent {
+		if !c.NoRetry() {
+			t.Fatalf("%v may be resent by go-redis", c.Args()[:3])
 		}
 	}
 }
+
+type processorFunc func(context.Context, redis.Cmder) error
+
+func (f processorFunc) Process(ctx context.Context, c redis.Cmder) error { return f(ctx, c) }

@@ -36,11 +36,11 @@ var (
 	//go:embed scripts/lock_renew.lua
 	renewLua string
 
-	acquireScript    = redis.NewScript(acquireLua)
-	extendScript     = redis.NewScript(extendLua)
-	releaseScript    = redis.NewScript(releaseLua)
-	fenceRaiseScript = redis.NewScript(fenceRaiseLua)
-	renewScript      = redis.NewScript(renewLua)
+	acquireScript    = newScript(acquireLua)
+	extendScript     = newScript(extendLua)
+	releaseScript    = newScript(releaseLua)
+	fenceRaiseScript = newScript(fenceRaiseLua)
+	renewScript      = newScript(renewLua)
 )
 
 // Sentinel errors of the lock engine; compare with errors.Is.

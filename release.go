@@ -38,7 +38,7 @@ type releaseJob struct {
 
 // releaseStoreScript is the release script without allow-oom, for a
 // release that stores an answer for replay: that one can grow memory.
-var releaseStoreScript = redis.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
+var releaseStoreScript = newScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
 
 // isOOM reports whether Redis refused a call for being over maxmemory.
 func isOOM(err error) bool {
