@@ -10,7 +10,7 @@ import (
 
 // engineFiles are the lock engine: they must know nothing of HTTP or Caddy,
 // so the engine can be read, tested and changed on its own.
-var engineFiles = []string{"redlock.go", "quorum.go", "lease.go", "release.go", "queue.go", "wake.go"}
+var engineFiles = []string{"redlock.go", "attempt.go", "quorum.go", "lease.go", "release.go", "queue.go", "wake.go", "script.go"}
 
 // TestEngineImportsNoHTTPOrCaddy fails when an engine file imports net/http
 // or any Caddy package.
