@@ -505,6 +505,53 @@ func scriptCalls(c *redis.Client) (int64, error) {
 	return n, nil
 }
 
+// perRequest is a target's CPU per request in µs (caddy, redis, bench); the
+// warm-up requests are in the CPU time too.
+func perRequest(t *tpTarget) (cpu [3]float64, ok bool) {
+	sent := float64(t.reqs) * (1 + 0.3/rlMeasure.Seconds())
+	if sent <= 0 {
+		return cpu, false
+	}
+	for i := range cpu {
+		cpu[i] = t.cpu[i] / sent * 1e6
+	}
+	return cpu, true
+}
+
+// printRateLimitCost prints the cost goals per decision from the throughput
+// run: Redis CPU per decision, Caddy CPU added over `respond` alone, and the
+// throughput ratio.
+func printRateLimitCost(p func(string, ...any), r *rlResult) {
+	if len(r.tp) < 3 {
+		return
+	}
+	base, okBase := perRequest(r.tp[0])
+	baseRate := float64(r.tp[0].reqs) / max(r.tp[0].dur.Seconds(), 1e-9)
+	p("Cost per decision, from the throughput run above (%d clients):", *rlClients)
+	p("")
+	p("| figure | %s | %s | goal |", "sliding_window", "gcra")
+	p("|---|---|---|---|")
+	var redisRow, caddyRow, ratioRow []string
+	okRedis, okCaddy, okRatio := true, true, true
+	for _, t := range r.tp[1:3] {
+		c, ok := perRequest(t)
+		if !ok || !okBase || baseRate <= 0 {
+			redisRow, caddyRow, ratioRow = append(redisRow, "—"), append(caddyRow, "—"), append(ratioRow, "—")
+			okRedis, okCaddy, okRatio = false, false, false
+			continue
+		}
+		ratio := float64(t.reqs) / max(t.dur.Seconds(), 1e-9) / baseRate
+		redisRow = append(redisRow, fmt.Sprintf("%.1f µs", c[1]))
+		caddyRow = append(caddyRow, fmt.Sprintf("%.1f µs", c[0]-base[0]))
+		ratioRow = append(ratioRow, fmt.Sprintf("%.3f", ratio))
+		okRedis, okCaddy, okRatio = okRedis && c[1] <= 4, okCaddy && c[0]-base[0] <= 8, okRatio && ratio >= 0.7
+	}
+	p("| Redis CPU per decision (`INFO cpu` delta ÷ requests) | %s | %s | ≤ 4 µs %s |", redisRow[0], redisRow[1], check(okRedis))
+	p("| Caddy CPU added per request over `respond` alone | %s | %s | ≤ 8 µs %s |", caddyRow[0], caddyRow[1], check(okCaddy))
+	p("| throughput ÷ `respond` only | %s | %s | ≥ 0.7 %s |", ratioRow[0], ratioRow[1], check(okRatio))
+	p("")
+}
+
 // ---- report ---------------------------------------------------------------------
 
 func printRateLimit(p func(string, ...any), r *rlResult) {
@@ -552,14 +599,14 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 		if t.limited {
 			integrity = fmt.Sprintf(" · %d", t.noHdr.Load())
 		}
-		sent := float64(t.reqs) * (1 + 0.3/rlMeasure.Seconds()) // warm-up requests are in the CPU time too
 		cpu := "—"
-		if sent > 0 {
-			cpu = fmt.Sprintf("%.0f · %.0f · %.0f", t.cpu[0]/sent*1e6, t.cpu[1]/sent*1e6, t.cpu[2]/sent*1e6)
+		if c, ok := perRequest(t); ok {
+			cpu = fmt.Sprintf("%.0f · %.0f · %.0f", c[0], c[1], c[2])
 		}
 		p("| %s | %.0f | %s | %s | %s | %s | %s%s |", t.name, rate, ratio, rounds, goal, cpu, t.errs.String(), integrity)
 	}
 	p("")
+	printRateLimitCost(p, r)
 	p("Redis commands per rate-limited request (MONITOR, top-level commands only; a script call is one):")
 	p("")
 	p("| run | requests | commands | per request | goal | by command |")
