@@ -320,10 +320,10 @@ func (b *rlBatcher) sendUnits(us []*rlUnit) {
 	}
 }
 
-// errFailedRun answers a decision of a batch that failed after it had
-// recorded some of its rates (its key's value is not what the script
-// wrote): it is not sent again, so nothing is counted twice.
-var errFailedRun = answerError("redis_ratelimit: the decision failed after recording part of it (a key holds a value this script did not write)")
+// errFailedRun answers a decision of a batch that failed once it had begun
+// recording (Redis refused a write, e.g. out of memory): it is not sent
+// again, so nothing is counted twice.
+var errFailedRun = answerError("redis_ratelimit: the decision failed while recording it (Redis refused a write, e.g. out of memory); not sent again")
 
 // answerError is an answer from Redis that makes no sense as a decision: a
 // fault, but not one of reaching Redis (the breaker does not count it).

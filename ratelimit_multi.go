@@ -41,29 +41,14 @@ type rlUnit struct {
 // set of each decision.
 func (u *rlUnit) command(eval bool) []any {
 	c0 := u.calls[0]
-	name, script := "evalsha", c0.script.Hash()
-	if eval {
-		name, script = "eval", c0.script.src
-	}
 	if !u.batch {
-		args := make([]any, 0, 3+len(c0.keys)+len(c0.argv))
-		args = append(args, name, script, len(c0.keys))
-		for _, k := range c0.keys {
-			args = append(args, k)
-		}
-		return append(args, c0.argv...)
+		return append(c0.script.head(eval, c0.keys, len(c0.argv)), c0.argv...)
 	}
-	nkeys := 0
+	keys := make([]string, 0, len(u.calls)*len(c0.keys))
 	for _, c := range u.calls {
-		nkeys += len(c.keys)
+		keys = append(keys, c.keys...)
 	}
-	args := make([]any, 0, 5+nkeys+len(u.calls)+2*(1+len(c0.argv)))
-	args = append(args, name, script, nkeys)
-	for _, c := range u.calls {
-		for _, k := range c.keys {
-			args = append(args, k)
-		}
-	}
+	args := c0.script.head(eval, keys, 2+len(u.calls)+2*(1+len(c0.argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets [][]any

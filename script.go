@@ -27,30 +27,40 @@ type processor interface {
 // know the script (after a restart or SCRIPT FLUSH; NOSCRIPT means it did
 // not run).
 func (s *luaScript) Run(ctx context.Context, p processor, keys []string, args ...any) *redis.Cmd {
-	cmd := s.call(ctx, p, "evalsha", s.Hash(), keys, args)
+	cmd := s.call(ctx, p, false, keys, args)
 	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
-		cmd = s.call(ctx, p, "eval", s.src, keys, args)
+		cmd = s.call(ctx, p, true, keys, args)
 	}
 	return cmd
 }
 
 // Eval sends (or, on a pipeline, queues) EVAL with the script's text.
 func (s *luaScript) Eval(ctx context.Context, p processor, keys []string, args ...any) *redis.Cmd {
-	return s.call(ctx, p, "eval", s.src, keys, args)
+	return s.call(ctx, p, true, keys, args)
 }
 
-func (s *luaScript) call(ctx context.Context, p processor, name, script string, keys []string, args []any) *redis.Cmd {
-	a := make([]any, 0, 3+len(keys)+len(args))
-	a = append(a, name, script, len(keys))
-	for _, k := range keys {
-		a = append(a, k)
-	}
-	cmd := redis.NewCmd(ctx, append(a, args...)...)
+func (s *luaScript) call(ctx context.Context, p processor, eval bool, keys []string, args []any) *redis.Cmd {
+	cmd := redis.NewCmd(ctx, append(s.head(eval, keys, len(args)), args...)...)
 	if len(keys) > 0 {
 		cmd.SetFirstKeyPos(3)
 	}
 	_ = p.Process(ctx, noRetry{cmd})
 	return cmd
+}
+
+// head starts a call of the script: "evalsha", its SHA1 (or "eval", its
+// text), the number of keys and the keys, with room for more arguments.
+func (s *luaScript) head(eval bool, keys []string, more int) []any {
+	name, script := "evalsha", s.Hash()
+	if eval {
+		name, script = "eval", s.src
+	}
+	a := make([]any, 0, 3+len(keys)+more)
+	a = append(a, name, script, len(keys))
+	for _, k := range keys {
+		a = append(a, k)
+	}
+	return a
 }
 
 // noRetry and noRetryInts are commands go-redis must not resend.
