@@ -115,11 +115,18 @@ func (ls *lease) releaseWith(answer string, background bool) {
 }
 
 // releaseInRedis runs the release on every server, then tells the local
-// queue and wakes its head.
+// queue and wakes its head (also after a panic, or the queue's next
+// waiters would each wait a timeout for a release that never ends).
 func (ls *lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
+	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
 	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false, answer)
+}
+
+// releaseEnded tells the local queue that the release in Redis is over and
+// wakes its head.
+func (ls *lease) releaseEnded() {
 	if ls.q == nil {
 		ls.l.dom.wakeKeys(ls.keys)
 		return

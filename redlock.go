@@ -214,6 +214,12 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		t := time.NewTimer(l.opts.Timeout)
 		select {
 		case <-done:
+			// That release also woke this waiter; the attempt below
+			// follows it, so the wake-up is spent.
+			select {
+			case <-w.wake:
+			default:
+			}
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
