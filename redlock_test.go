@@ -14,6 +14,18 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
+// onOneAndThreeServers runs f as parallel subtests on one Redis server and
+// on a Redlock of three (rs and their addresses as a JSON list).
+func onOneAndThreeServers(t *testing.T, f func(t *testing.T, rs []*testRedis, addrs string)) {
+	for _, n := range []int{1, 3} {
+		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
+			t.Parallel()
+			rs, addrs := startRedlock(t, n)
+			f(t, rs, addrs)
+		})
+	}
+}
+
 // startRedlock starts n independent redis-servers and returns them with the
 // JSON list of their addresses.
 func startRedlock(t *testing.T, n int) ([]*testRedis, string) {

@@ -14,39 +14,35 @@ import (
 // after Redis answers again — on one server and on a Redlock.
 func TestAnswerDoesNotWaitForRelease(t *testing.T) {
 	t.Parallel()
-	for _, n := range []int{1, 3} {
-		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
-			t.Parallel()
-			rs, addrs := startRedlock(t, n)
-			h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"5s","wait":"0s"}`, addrs))
-			srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
-				if r.URL.Query().Get("pause") == "1" {
-					for _, r := range rs {
-						r.Pause()
-					}
+	onOneAndThreeServers(t, func(t *testing.T, rs []*testRedis, addrs string) {
+		h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"5s","wait":"0s"}`, addrs))
+		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
+			if r.URL.Query().Get("pause") == "1" {
+				for _, r := range rs {
+					r.Pause()
 				}
-				_, err := w.Write([]byte("done"))
-				return err
-			})
-			start := time.Now()
-			resp, body := get(t, srv.URL+"/rel?pause=1")
-			took := time.Since(start)
-			time.Sleep(1500 * time.Millisecond)
-			for _, r := range rs {
-				r.Resume()
 			}
-			if resp == nil || resp.StatusCode != 200 || body != "done" {
-				t.Fatalf("answer: %v %q", resp, body)
-			}
-			if took > time.Second {
-				t.Errorf("the answer took %s: it waited for the release (Redis paused for 1.5s)", took)
-			}
-			key := storedKey(h.Prefix, "/rel")
-			if !freeWithin(3*time.Second, key, rs...) {
-				t.Fatal("the lock is still held 3s after Redis answered again: the release was lost")
-			}
+			_, err := w.Write([]byte("done"))
+			return err
 		})
-	}
+		start := time.Now()
+		resp, body := get(t, srv.URL+"/rel?pause=1")
+		took := time.Since(start)
+		time.Sleep(1500 * time.Millisecond)
+		for _, r := range rs {
+			r.Resume()
+		}
+		if resp == nil || resp.StatusCode != 200 || body != "done" {
+			t.Fatalf("answer: %v %q", resp, body)
+		}
+		if took > time.Second {
+			t.Errorf("the answer took %s: it waited for the release (Redis paused for 1.5s)", took)
+		}
+		key := storedKey(h.Prefix, "/rel")
+		if !freeWithin(3*time.Second, key, rs...) {
+			t.Fatal("the lock is still held 3s after Redis answered again: the release was lost")
+		}
+	})
 }
 
 // TestSequentialRequestsNeverMeetTheirOwnRelease: a client's next request
@@ -55,17 +51,13 @@ func TestAnswerDoesNotWaitForRelease(t *testing.T) {
 // after the answer: with wait 0, 100 requests in a row all get 200.
 func TestSequentialRequestsNeverMeetTheirOwnRelease(t *testing.T) {
 	t.Parallel()
-	for _, n := range []int{1, 3} {
-		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
-			t.Parallel()
-			_, addrs := startRedlock(t, n)
-			h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"2s","wait":"0s"}`, addrs))
-			srv := handlerServer(t, h, okHandler)
-			for i := 0; i < 100; i++ {
-				if resp, body := get(t, srv.URL+"/seq"); resp == nil || resp.StatusCode != 200 {
-					t.Fatalf("request %d in a row: %v %q, want 200", i, resp, body)
-				}
+	onOneAndThreeServers(t, func(t *testing.T, _ []*testRedis, addrs string) {
+		h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"2s","wait":"0s"}`, addrs))
+		srv := handlerServer(t, h, okHandler)
+		for i := 0; i < 100; i++ {
+			if resp, body := get(t, srv.URL+"/seq"); resp == nil || resp.StatusCode != 200 {
+				t.Fatalf("request %d in a row: %v %q, want 200", i, resp, body)
 			}
-		})
-	}
+		}
+	})
 }
