@@ -29,7 +29,7 @@ func measureRateLimitMemory(t testing.TB) {
 		}
 		return n
 	}
-	if err := slidingScript.Load(ctx, c).Err(); err != nil {
+	if err := c.ScriptLoad(ctx, slidingScript.src).Err(); err != nil {
 		t.Fatal(err)
 	}
 	for _, n := range []int{1, 10, 100, 1000, 10000, 100000} {

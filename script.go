@@ -11,12 +11,16 @@ import (
 // was lost may have run, and none of them may run twice (a Cluster client
 // otherwise resends such a command, whatever MaxRetries says). A MOVED or
 // ASK answer, which means the command did not run, is still followed.
+// It has no other way to be called (go-redis's own Script methods would
+// send commands that may be resent).
 type luaScript struct {
-	*redis.Script
-	src string
+	hash, src string
 }
 
-func newScript(src string) *luaScript { return &luaScript{Script: redis.NewScript(src), src: src} }
+func newScript(src string) *luaScript { return &luaScript{hash: redis.NewScript(src).Hash(), src: src} }
+
+// Hash is the script's SHA1, the name EVALSHA calls it by.
+func (s *luaScript) Hash() string { return s.hash }
 
 // processor is a client or a pipeline.
 type processor interface {
@@ -51,7 +55,7 @@ func (s *luaScript) call(ctx context.Context, p processor, eval bool, keys []str
 // head starts a call of the script: "evalsha", its SHA1 (or "eval", its
 // text), the number of keys and the keys, with room for more arguments.
 func (s *luaScript) head(eval bool, keys []string, more int) []any {
-	name, script := "evalsha", s.Hash()
+	name, script := "evalsha", s.hash
 	if eval {
 		name, script = "eval", s.src
 	}
