@@ -434,68 +434,57 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 	if err != nil {
 		return nil, err
 	}
-	common := func(o *redis.Options) {
-		o.DialTimeout, o.ReadTimeout, o.WriteTimeout, o.PoolTimeout = s.Timeout, s.Timeout, s.Timeout, s.Timeout
+	// The same settings in every mode.
+	u := &redis.UniversalOptions{
+		Addrs: s.Addrs, MasterName: s.Master, Username: s.Username, Password: s.Password,
+		DB: s.DB, TLSConfig: tlsConf,
+		DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
 		// Lock and limit scripts are not idempotent: never resend one.
-		o.MaxRetries = -1
+		MaxRetries: -1,
 		// One dial per attempt: go-redis's default retries a failed dial 5
 		// times, 100ms apart, which turns a refused connection into a
 		// timeout of the call.
-		o.DialerRetries = 1
-		o.ContextTimeoutEnabled = true
-		o.DisableIdentity = true
-		o.PoolSize, o.MaxIdleConns, o.ConnMaxIdleTime, o.PoolFIFO = poolSize, maxIdleConns, connMaxIdle, true
-		o.MinIdleConns = 0
-		o.Protocol = 2 // no RESP3 feature is used: skip the push-notification checks per reply
-		o.OnConnect = check.onConnect
+		DialerRetries:         1,
+		ContextTimeoutEnabled: true,
+		DisableIdentity:       true,
+		PoolSize:              poolSize, MaxIdleConns: maxIdleConns, ConnMaxIdleTime: connMaxIdle, PoolFIFO: true,
+		Protocol:  2, // no RESP3 feature is used: skip the push-notification checks per reply
+		OnConnect: check.onConnect,
 	}
 	switch s.Mode {
 	case "cluster":
-		co := &redis.ClusterOptions{
-			Addrs: s.Addrs, Username: s.Username, Password: s.Password, TLSConfig: tlsConf,
-			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, ConnMaxIdleTime: connMaxIdle, PoolFIFO: true, Protocol: 2,
-			OnConnect: check.onConnect,
-		}
-		return redis.NewClusterClient(co), nil
+		return redis.NewClusterClient(u.Cluster()), nil
 	case "sentinel":
-		fo := &redis.FailoverOptions{
-			MasterName: s.Master, SentinelAddrs: s.Addrs, Username: s.Username, Password: s.Password,
-			DB: s.DB, TLSConfig: tlsConf,
-			DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-			MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, DisableIdentity: true, PoolSize: poolSize, MaxIdleConns: maxIdleConns, ConnMaxIdleTime: connMaxIdle, PoolFIFO: true, Protocol: 2,
-			OnConnect: check.onConnect,
-		}
-		return redis.NewFailoverClient(fo), nil
+		return redis.NewFailoverClient(u.Failover()), nil
 	}
-	addr := s.Addrs[0]
-	var o *redis.Options
-	if strings.Contains(addr, "://") {
-		o, err = redis.ParseURL(addr)
+	if addr := s.Addrs[0]; strings.Contains(addr, "://") {
+		// The URL's address, credentials, database, TLS and client name;
+		// the directive's where the URL has none. The other settings are
+		// the plugin's, whatever the URL's query says.
+		o, err := redis.ParseURL(addr)
 		if err != nil {
 			return nil, fmt.Errorf("invalid redis URL %q", redactURL(addr))
 		}
-		if o.Username == "" {
-			o.Username = s.Username
+		u.Addrs, u.ClientName = []string{o.Addr}, o.ClientName
+		if o.Username != "" {
+			u.Username = o.Username
 		}
-		if o.Password == "" {
-			o.Password = s.Password
+		if o.Password != "" {
+			u.Password = o.Password
 		}
-		if o.DB == 0 {
-			o.DB = s.DB
+		if o.DB != 0 {
+			u.DB = o.DB
 		}
-		if o.TLSConfig == nil {
-			o.TLSConfig = tlsConf
-		} else if tlsConf != nil {
-			// rediss:// with `tls <ca>` or a client certificate: keep the
-			// URL's server name, add the files.
-			o.TLSConfig.RootCAs, o.TLSConfig.Certificates = tlsConf.RootCAs, tlsConf.Certificates
+		if o.TLSConfig != nil {
+			if tlsConf != nil {
+				// rediss:// with `tls <ca>` or a client certificate: keep
+				// the URL's server name, add the files.
+				o.TLSConfig.RootCAs, o.TLSConfig.Certificates = tlsConf.RootCAs, tlsConf.Certificates
+			}
+			u.TLSConfig = o.TLSConfig
 		}
-	} else {
-		o = &redis.Options{Addr: addr, Username: s.Username, Password: s.Password, DB: s.DB, TLSConfig: tlsConf}
 	}
-	common(o)
-	return redis.NewClient(o), nil
+	return redis.NewClient(u.Simple()), nil
 }
 
 // clientPool shares one client per identical settings across handlers and

@@ -13,6 +13,8 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
 // wholeCaddyMu serialises tests that run the (process-global) Caddy.
@@ -215,4 +217,65 @@ func poolRefs(t *testing.T, addr string) int {
 		return 0
 	}
 	return refs
+}
+
+// TestClientOptions: every mode gets the plugin's connection settings (no
+// resends, one dial per attempt, the pool, the timeout), and a URL's
+// address, credentials, database and client name win over the directive's,
+// while its other query settings do not replace the plugin's.
+func TestClientOptions(t *testing.T) {
+	check := newServerCheck(func() *zap.Logger { return zap.NewNop() }, "")
+	build := func(s serverSettings) redis.UniversalClient {
+		t.Helper()
+		c, err := s.newClient(check)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	const timeout = 250 * time.Millisecond
+	plugin := func(t *testing.T, what string, pool, maxRetries int, dial, read time.Duration, fifo bool, proto int) {
+		t.Helper()
+		if pool != poolSize || maxRetries > 0 || dial != timeout || read != timeout || !fifo || proto != 2 {
+			t.Errorf("%s: pool %d, retries %d, dial %v, read %v, fifo %v, protocol %d; want the plugin's settings", what, pool, maxRetries, dial, read, fifo, proto)
+		}
+	}
+	simple := func(s serverSettings) *redis.Options { return build(s).(*redis.Client).Options() }
+
+	o := simple(serverSettings{Mode: "single", Addrs: []string{"redis://u:pw@127.0.0.1:6390/3?client_name=x&pool_size=999&dial_timeout=9s&max_retries=7"},
+		Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
+	plugin(t, "URL", o.PoolSize, o.MaxRetries, o.DialTimeout, o.ReadTimeout, o.PoolFIFO, o.Protocol)
+	if o.Addr != "127.0.0.1:6390" || o.Username != "u" || o.Password != "pw" || o.DB != 3 || o.ClientName != "x" {
+		t.Errorf("URL: addr %q user %q password %q db %d name %q; want the URL's", o.Addr, o.Username, o.Password, o.DB, o.ClientName)
+	}
+	if o.PoolSize != poolSize || o.DialerRetries != 1 || o.MaxIdleConns != maxIdleConns {
+		t.Errorf("URL: pool %d, dial retries %d, idle %d; want %d, 1, %d", o.PoolSize, o.DialerRetries, o.MaxIdleConns, poolSize, maxIdleConns)
+	}
+
+	o = simple(serverSettings{Mode: "single", Addrs: []string{"redis://127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
+	if o.Username != "dir" || o.Password != "dirpw" || o.DB != 5 || o.TLSConfig != nil {
+		t.Errorf("URL without credentials: user %q password %q db %d tls %v; want the directive's, no TLS", o.Username, o.Password, o.DB, o.TLSConfig != nil)
+	}
+	o = simple(serverSettings{Mode: "single", Addrs: []string{"rediss://127.0.0.1:6390"}, Timeout: timeout})
+	if o.TLSConfig == nil || o.TLSConfig.ServerName != "127.0.0.1" {
+		t.Errorf("rediss:// URL: TLS %+v; want TLS with the URL's server name", o.TLSConfig)
+	}
+	o = simple(serverSettings{Mode: "single", Addrs: []string{"127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
+	plugin(t, "address", o.PoolSize, o.MaxRetries, o.DialTimeout, o.ReadTimeout, o.PoolFIFO, o.Protocol)
+	if o.Addr != "127.0.0.1:6390" || o.Username != "dir" || o.Password != "dirpw" || o.DB != 5 {
+		t.Errorf("address: %q %q %q %d; want the directive's", o.Addr, o.Username, o.Password, o.DB)
+	}
+
+	co := build(serverSettings{Mode: "cluster", Addrs: []string{"127.0.0.1:7001", "127.0.0.1:7002"}, Password: "pw", Timeout: timeout}).(*redis.ClusterClient).Options()
+	plugin(t, "cluster", co.PoolSize, co.MaxRetries, co.DialTimeout, co.ReadTimeout, co.PoolFIFO, co.Protocol)
+	if len(co.Addrs) != 2 || co.Password != "pw" || co.PoolSize != poolSize || co.DialerRetries != 1 {
+		t.Errorf("cluster: addrs %v password %q pool %d dial retries %d", co.Addrs, co.Password, co.PoolSize, co.DialerRetries)
+	}
+
+	fo := simple(serverSettings{Mode: "sentinel", Addrs: []string{"127.0.0.1:26390"}, Master: "m", Password: "pw", DB: 2, Timeout: timeout})
+	plugin(t, "sentinel", fo.PoolSize, fo.MaxRetries, fo.DialTimeout, fo.ReadTimeout, fo.PoolFIFO, fo.Protocol)
+	if fo.Password != "pw" || fo.DB != 2 || fo.PoolSize != poolSize {
+		t.Errorf("sentinel: password %q db %d pool %d", fo.Password, fo.DB, fo.PoolSize)
+	}
 }
