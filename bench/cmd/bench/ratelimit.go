@@ -110,14 +110,30 @@ func cpuSeconds(pid int) float64 {
 
 // closedLoop runs clients goroutines, each sending its next request as soon
 // as it has read the answer, for warm + measure; it returns the number of
-// 200 answers completed inside the measured part.
-func closedLoop(t *tpTarget, clients int, warm, measure time.Duration) (int64, time.Duration) {
+// 200 answers completed inside the measured part, and for each probe (a CPU
+// counter) its growth over exactly that part.
+func closedLoop(t *tpTarget, clients int, warm, measure time.Duration, probes ...func() float64) (int64, time.Duration, []float64) {
 	start := time.Now()
 	from, stop := start.Add(warm), start.Add(warm+measure)
 	ctx, cancel := context.WithDeadline(context.Background(), stop.Add(3*time.Second))
 	defer cancel()
 	var ok atomic.Int64
 	var wg sync.WaitGroup
+	grew := make([]float64, len(probes))
+	if len(probes) > 0 && measure > 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			time.Sleep(time.Until(from))
+			for i, f := range probes {
+				grew[i] = -f()
+			}
+			time.Sleep(time.Until(stop))
+			for i, f := range probes {
+				grew[i] += f()
+			}
+		}()
+	}
 	tag := strconv.FormatInt(start.UnixNano()%1e6, 36)
 	for c := 0; c < clients; c++ {
 		wg.Add(1)
@@ -156,7 +172,7 @@ func closedLoop(t *tpTarget, clients int, warm, measure time.Duration) (int64, t
 		}(c)
 	}
 	wg.Wait()
-	return ok.Load(), measure
+	return ok.Load(), measure, grew
 }
 
 // ---- latency --------------------------------------------------------------------
@@ -311,13 +327,9 @@ func runRateLimit(step func(string, ...any)) *rlResult {
 				func() float64 { return redisCPU(rc) }, // INFO cpu delta, as the cost goal is defined
 				func() float64 { return cpuSeconds(os.Getpid()) },
 			}
-			var c0 [3]float64
-			for j, f := range cpus {
-				c0[j] = f()
-			}
-			n, d := closedLoop(t, *rlClients, 300*time.Millisecond, *rlMeasure)
-			for j, f := range cpus {
-				t.cpu[j] += f() - c0[j] // warm-up included: a small bias, same for all
+			n, d, grew := closedLoop(t, *rlClients, 300*time.Millisecond, *rlMeasure, cpus...)
+			for j := range cpus {
+				t.cpu[j] += grew[j]
 			}
 			t.reqs += n
 			t.dur += d
@@ -505,15 +517,14 @@ func scriptCalls(c *redis.Client) (int64, error) {
 	return n, nil
 }
 
-// perRequest is a target's CPU per request in µs (caddy, redis, bench); the
-// warm-up requests are in the CPU time too.
+// perRequest is a target's CPU per request in µs (caddy, redis, bench):
+// CPU time over the measured parts ÷ the answers completed in them.
 func perRequest(t *tpTarget) (cpu [3]float64, ok bool) {
-	sent := float64(t.reqs) * (1 + 0.3/rlMeasure.Seconds())
-	if sent <= 0 {
+	if t.reqs <= 0 {
 		return cpu, false
 	}
 	for i := range cpu {
-		cpu[i] = t.cpu[i] / sent * 1e6
+		cpu[i] = t.cpu[i] / float64(t.reqs) * 1e6
 	}
 	return cpu, true
 }
@@ -670,7 +681,7 @@ func printRateLimit(p func(string, ...any), r *rlResult) {
 	p("%s. After SIGCONT, first decision by Redis again after %s.", openNote, recoverText(r))
 	p("")
 	p("Rate-limit notes:")
-	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). CPU: Redis from its `INFO cpu` delta (used_cpu_user + used_cpu_sys), Caddy and the load generator from /proc; per request sent in the slice, warm-up included. \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
+	p("- Throughput: every site is `redis_ratelimit { key {http.request.header.X-Key} … }` + `respond \"ok\"` in one Caddy process (the base site is the same process with `respond` only); the limits are the largest each algorithm accepts per second (sliding_window n ≤ 100000, gcra ≥ 1 µs per request), so nothing is rejected. The load generator runs in the bench process on the same 2 cores: it takes CPU from Caddy and Redis alike, which narrows the gap (a faster client would show a lower ratio). CPU: Redis from its `INFO cpu` delta (used_cpu_user + used_cpu_sys), Caddy and the load generator from /proc (10 ms ticks); each read at the start and the end of every measured part, ÷ the answers completed inside those parts (warm-ups excluded). \"Not decided by Redis\" counts 200s without a `RateLimit` field (a silent fail-open would show there).")
 	p("- Commands: a pipeline's decisions go as one call of the decision script, which takes a batch: concurrent rows are below 1 command per request, sequential rows exactly 1. Sequential rows count every request sent while MONITOR ran; the concurrent row divides by the requests sent in that second. Deny-cache rows: request 1 is admitted, request 2 rejected by Redis (a script call each), requests 3…N must be answered from memory (0 commands) with 429.")
 	p("- Paused: a dedicated redis-server is SIGSTOPped after traffic opened connections; requests wait for it (each at most `timeout`, default 500 ms) until 3 consecutive failures open the breaker; then the rows are sampled. The breaker lets one request through to probe Redis about once a second; that request waits the full timeout (counted in \"over 100 ms\"). The goal column is this bench's own criterion (no number is set for it): p99 far below the timeout, i.e. no waiting for Redis.")
 	p("")

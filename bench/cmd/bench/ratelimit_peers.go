@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm"
@@ -27,6 +28,7 @@ type peerRow struct {
 	decisions int64
 	dur       time.Duration
 	redisCPU  float64 // seconds
+	goCPU     float64 // seconds of this (the client's) process
 	scripts   int64   // script calls (EVALSHA, EVAL) in the measured part
 	err       error
 }
@@ -86,6 +88,11 @@ func runRateLimitPeers(step func(string, ...any), clients, keys int, measure tim
 			return floorScript.Run(ctx, rc, keys).Err()
 		}},
 	}
+	fb, stopFloor := newFloorBatcher(rc)
+	defer stopFloor()
+	peers = append(peers, peer{name: "floor, client side: each decision handed to one worker (channel), native GET + SET PX, one pipeline per batch", decide: func(ctx context.Context, key string) error {
+		return fb.decide(key)
+	}})
 	for _, algo := range []string{"gcra", "sliding_window"} {
 		n := 1000000 // the largest each algorithm takes per second: nothing is rejected
 		if algo == "sliding_window" {
@@ -100,6 +107,11 @@ func runRateLimitPeers(step func(string, ...any), clients, keys int, measure tim
 			return serveOnce(h, key)
 		}})
 	}
+	// What the two rows above spend outside the handler: the request, its
+	// replacer and recorder, built as Caddy would hand them over.
+	peers = append(peers, peer{name: "the same loop without a limiter (the request as Caddy hands it over; no Redis)", decide: func(ctx context.Context, key string) error {
+		return serveOnce(nil, key)
+	}})
 	var rows []peerRow
 	for _, pr := range peers {
 		step("rate limit peers: %s, %d goroutines over %d keys, %s", pr.name, clients, keys, measure)
@@ -107,10 +119,10 @@ func runRateLimitPeers(step func(string, ...any), clients, keys int, measure tim
 		do := func(c, i int) error { return pr.decide(context.Background(), fmt.Sprintf("peer:%d", (c*7919+i)%keys)) }
 		loopFor(clients, 300*time.Millisecond, do)
 		s0, _ := scriptCalls(rc)
-		c0, t0 := redisCPU(rc), time.Now()
+		c0, g0, t0 := redisCPU(rc), cpuSeconds(os.Getpid()), time.Now()
 		row.decisions, row.err = loopFor(clients, measure, do)
 		row.decisions *= int64(max(pr.per, 1))
-		row.redisCPU, row.dur = redisCPU(rc)-c0, time.Since(t0)
+		row.redisCPU, row.goCPU, row.dur = redisCPU(rc)-c0, cpuSeconds(os.Getpid())-g0, time.Since(t0)
 		s1, _ := scriptCalls(rc)
 		row.scripts = s1 - s0
 		rows = append(rows, row)
@@ -121,21 +133,22 @@ func runRateLimitPeers(step func(string, ...any), clients, keys int, measure tim
 func printRateLimitPeers(p func(string, ...any), rows []peerRow, clients, keys int) {
 	p("#### Rate-limit peers at library level (%d goroutines over %d keys, no HTTP, one redis-server)", clients, keys)
 	p("")
-	p("| peer | decisions/s | decisions per script call | Redis CPU per decision |")
-	p("|---|---|---|---|")
+	p("| peer | decisions/s | decisions per script call | Redis CPU per decision | client CPU per decision |")
+	p("|---|---|---|---|---|")
 	for _, r := range rows {
 		if r.err != nil || r.decisions == 0 {
-			p("| %s | — | — | error: %v |", r.name, r.err)
+			p("| %s | — | — | error: %v | — |", r.name, r.err)
 			continue
 		}
 		per := "— (no script)"
 		if r.scripts > 0 {
 			per = fmt.Sprintf("%.1f", float64(r.decisions)/float64(r.scripts))
 		}
-		p("| %s | %.0f | %s | %.1f µs |", r.name, float64(r.decisions)/r.dur.Seconds(), per, r.redisCPU/float64(r.decisions)*1e6)
+		p("| %s | %.0f | %s | %.1f µs | %.1f µs |", r.name, float64(r.decisions)/r.dur.Seconds(), per,
+			r.redisCPU/float64(r.decisions)*1e6, r.goCPU/float64(r.decisions)*1e6)
 	}
 	p("")
-	p("- Redis CPU = the `INFO cpu` delta (used_cpu_user + used_cpu_sys) over the measured part ÷ decisions. The `redis_ratelimit` rows run its handler's ServeHTTP in the same loop (the requests of one client are batched into one pipeline and one script call, as in Caddy); the Redis column of the throughput table above is the same figure through Caddy (%d HTTP clients, Caddy and the load generator on the same 2 cores).", *rlClients)
+	p("- Redis CPU = the `INFO cpu` delta (used_cpu_user + used_cpu_sys) over the measured part ÷ decisions. The `redis_ratelimit` rows run its handler's ServeHTTP in the same loop (the requests of one client are batched into one pipeline and one script call, as in Caddy); the Redis column of the throughput table above is the same figure through Caddy (%d HTTP clients, Caddy and the load generator on the same 2 cores). Client CPU is this process's (go-redis, the limiter, the loop) from /proc in 10 ms ticks; the loop's own cost is the row without a limiter.", *rlClients)
 	p("")
 }
 
@@ -176,13 +189,17 @@ func provisionRateLimit(addr, algo string, n int) (*redisdlm.RedisRateLimit, fun
 
 var okNext = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error { return nil })
 
-// serveOnce runs one request with key through h, as Caddy would hand it over.
+// serveOnce runs one request with key through h, as Caddy would hand it
+// over; with h nil, straight to the next handler.
 func serveOnce(h *redisdlm.RedisRateLimit, key string) error {
 	req := httptest.NewRequest(http.MethodGet, "http://bench/", nil)
 	req.Header.Set("X-Key", key)
 	repl := caddyhttp.NewTestReplacer(req)
 	req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, repl))
 	w := httptest.NewRecorder()
+	if h == nil {
+		return okNext.ServeHTTP(w, req)
+	}
 	if err := h.ServeHTTP(w, req, okNext); err != nil {
 		return err
 	}
