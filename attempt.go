@@ -75,13 +75,17 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// Ask every server at once; stop as soon as the outcome is decided.
 		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
 			c := s.client
-			keys := []string{k, fenceKey(k), waitqKey(k), replayKey(k)}
+			keys := []string{k, fenceKey(k), waitqKey(k), replayKey(k), deadKey(k)}
+			var v []int64
+			var ans string
+			var err error
 			if l.opts.SyncReplicas > 0 {
-				return l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain, l.turnsFlag(len(order)))
+				v, ans, err = l.acquireSynced(ctx, c, keys, token, ttlMs, life, chain, l.turnsFlag(len(order)))
+			} else {
+				cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+				defer cancel()
+				v, ans, err = acquireReply(acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), l.turnsFlag(len(keys))))
 			}
-			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
-			defer cancel()
-			v, ans, err := acquireReply(acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), l.turnsFlag(len(keys))))
 			if ans != "" {
 				answer.Store(&ans)
 			}
@@ -160,7 +164,9 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// must reach it before the token is used (a max-register).
 		if err := l.raiseFences(ctx, keys, fence); err != nil {
 			failed.Store(true)
-			l.releaseKeys(keys, token, 0, removed, false, false, "")
+			// A minority of servers may not have answered the acquire:
+			// undone as outcomes unknown.
+			l.releaseKeys(keys, token, 0, removed, false, true, "")
 			return attempt{err: err}
 		}
 	}
@@ -170,7 +176,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0, removed, false, false, "")
+		l.releaseKeys(keys, token, 0, removed, false, true, "")
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
@@ -183,27 +189,28 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 // random one). WAIT's timeout is half the call's timeout, below the read
 // timeout, so too few acknowledgements are an answer, not an i/o timeout.
 // A grant that too few replicas acknowledged is an error: the caller's
-// undo releases it, owner-checked, at once.
-func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int, turns string) ([]int64, error) {
+// undo releases it, owner-checked, at once. A stored answer (replay) grants
+// nothing, so it needs no acknowledgement.
+func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int, turns string) ([]int64, string, error) {
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	node := c
 	if cc, ok := c.(*redis.ClusterClient); ok {
 		m, err := cc.MasterForKey(cctx, keys[0])
 		if err != nil {
-			return nil, fmt.Errorf("sync_replicas: finding the key's master: %w", err)
+			return nil, "", fmt.Errorf("sync_replicas: finding the key's master: %w", err)
 		}
 		node = m
 	}
 	waitMs := max((l.opts.Timeout / 2).Milliseconds(), 1) // 0 would block for ever
 	pipe := node.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, "0", turns)
+	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), turns)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, waitMs)
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
-	v, _, err := acquireReply(acq)
+	v, ans, err := acquireReply(acq)
 	if err != nil {
-		return nil, err
+		return nil, "", err
 	}
 	if v[0] == 1 {
 		n, err := wait.Result()
@@ -215,10 +222,10 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 		}
 		if err != nil {
 			// The caller's undo releases the grant (owner-checked) at once.
-			return nil, err
+			return nil, "", err
 		}
 	}
-	return v, nil
+	return v, ans, nil
 }
 
 // replayFlag tells the acquire script to look for a stored answer.

@@ -391,3 +391,33 @@ func BenchmarkReplayMemory(b *testing.B) {
 		b.Logf("stored response with a %6d-byte body and its headers: %7d bytes of Redis memory", size, n)
 	}
 }
+
+// TestReplayWithSyncReplicas: `replay` works with `sync_replicas` too (the
+// acquire that waits for replicas also looks for the stored answer): the
+// same idempotency key reaches the upstream once, and the retry is replayed.
+func TestReplayWithSyncReplicas(t *testing.T) {
+	t.Parallel()
+	primary := startRedis(t)
+	_ = startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
+	waitReplicaOnline(t, primary.Client(), 1)
+	up := new(orderUpstream)
+	h := provisionLock(t, lockCfg(primary.Addr, replayCfg+`,"sync_replicas":1,"timeout":"2s"`))
+	srv := handlerServer(t, h, up.ServeHTTP)
+	var bodies []string
+	for i := 0; i < 2; i++ {
+		st, hdr, body, err := post(srv.URL+"/pay", `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "k1")
+		if err != nil || st != http.StatusCreated {
+			t.Fatalf("request %d: %d %v", i, st, err)
+		}
+		if replayed := hdr.Get(HeaderIdempotentReplayed); (i == 1) != (replayed == "true") {
+			t.Errorf("request %d: %s = %q", i, HeaderIdempotentReplayed, replayed)
+		}
+		bodies = append(bodies, body)
+	}
+	if c := up.calls.Load(); c != 1 {
+		t.Fatalf("the same idempotency key reached the upstream %d times, want 1", c)
+	}
+	if bodies[0] != bodies[1] {
+		t.Errorf("the replay answered %q, the first answer was %q", bodies[1], bodies[0])
+	}
+}
