@@ -171,6 +171,10 @@ func fenceKey(lockKey string) string  { return lockKey + ":fence" }
 func replayKey(lockKey string) string { return lockKey + ":replay" }
 func waitqKey(lockKey string) string  { return lockKey + ":waitq" }
 
+// deadKey holds the tokens of attempts given up while their outcome was
+// unknown: the acquire script never grants them (see lock_acquire.lua).
+func deadKey(lockKey string) string { return lockKey + ":dead" }
+
 // wakeID is how a wake-up names a lock key on the Pub/Sub channel: an
 // opaque digest, so a client of a shared Redis that subscribes learns
 // nothing of the keys (user ids, paths) being locked.

@@ -286,7 +286,12 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 	holder := goFetch(context.Background(), sa.URL+"/secret-alice?hold=1")
 	time.Sleep(200 * time.Millisecond)
 	waiter := goFetch(context.Background(), sb.URL+"/secret-alice")
-	time.Sleep(300 * time.Millisecond)
+	// Release once the waiter's instance is on the key's wait list (a
+	// fixed sleep lost that race on a loaded machine).
+	wq := waitqKey(storedKey(a.Prefix, "/secret-alice"))
+	if !waitFor(10*time.Second, func() bool { return r.Client().ZCard(context.Background(), wq).Val() > 0 }) {
+		t.Fatal("the waiter's instance never joined the wait list")
+	}
 	close(release)
 	await(t, holder, 20*time.Second, "holder")
 	await(t, waiter, 20*time.Second, "waiter")

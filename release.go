@@ -31,8 +31,9 @@ type releaseJob struct {
 	replayMs int64
 	// unknown: the acquisition's answer was lost, so the lease may appear
 	// after a first release found nothing (the acquire script can still be
-	// queued on the server, on another connection): a "not held" answer
-	// is confirmed once more a little later.
+	// on its way to the server, on another connection): the release then
+	// also marks the token dead, so that acquire takes nothing when it
+	// arrives, and a "not held" answer is confirmed once more a little later.
 	unknown bool
 }
 
@@ -54,8 +55,14 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 	if j.answer != "" {
 		script = releaseStoreScript
 	}
-	n, err := script.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key)},
-		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self).Int64()
+	dead := int64(0)
+	if j.unknown {
+		// Kept as long as the releaser would retry this undo: an attempt
+		// delayed on its way to Redis is refused until then.
+		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
+	}
+	n, err := script.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key), deadKey(j.key)},
+		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead).Int64()
 	if j.answer != "" && isOOM(err) {
 		j.answer = ""
 		return j.run(ctx, s)
@@ -86,14 +93,10 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 				removed.Or(1 << i)
 			}
 			return ok, err
-		}, l.majorityAnswered, func(i int, r result) {
-			if r.err != nil {
-				l.servers[i].rel.retry(job, r.err)
-			}
-		})
+		}, l.majorityAnswered, func(i int, r result) { l.settleRelease(i, job, r) })
 		for i, r := range res {
-			if r.done && r.err != nil {
-				l.servers[i].rel.retry(job, r.err)
+			if r.done {
+				l.settleRelease(i, job, r)
 			}
 		}
 	}
@@ -111,6 +114,17 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 		}(k)
 	}
 	wg.Wait()
+}
+
+// settleRelease queues job again on server i when its answer r needs it:
+// a failure, or "not held" for an outcome nobody knows (confirmed again a
+// little later).
+func (l *locker) settleRelease(i int, job releaseJob, r result) {
+	if r.err != nil {
+		l.servers[i].rel.retry(job, r.err)
+	} else if job.unknown && !r.v.(bool) {
+		l.servers[i].rel.retry(job, nil)
+	}
 }
 
 // releaseOn releases token on one key of server i (a late grant, or a
@@ -131,6 +145,8 @@ const (
 	// releaseConfirm: an unknown outcome's "not held" answer is checked
 	// again after this long.
 	releaseConfirm = 200 * time.Millisecond
+	// releaseGiveUpExtra: a release is retried for 2 × ttl plus this long.
+	releaseGiveUpExtra = 10 * time.Second
 	// releaseBatch bounds the releases sent in one pipeline.
 	releaseBatch = 256
 )
@@ -171,7 +187,7 @@ func (r *releaser) retry(job releaseJob, err error) {
 		r.pending = map[releaseJob]*releaseState{}
 	}
 	if _, ok := r.pending[job]; !ok {
-		st := &releaseState{giveUp: time.Now().Add(2*time.Duration(job.ttlMs)*time.Millisecond + 10*time.Second)}
+		st := &releaseState{giveUp: time.Now().Add(2*time.Duration(job.ttlMs)*time.Millisecond + releaseGiveUpExtra)}
 		if err == nil {
 			st.confirm = time.Now().Add(releaseConfirm)
 		}

@@ -4,6 +4,10 @@
 -- KEYS[2] fence: the key's fencing counter; it expires once the lock is idle
 -- KEYS[3] waitq: sorted set of waiting Caddy instances, score = entry expiry (ms)
 -- KEYS[4] replay (with ARGV[7] = "1"): the stored answer of an earlier holder
+-- KEYS[5] dead: sorted set of tokens whose attempt was given up while its
+-- outcome was unknown (member = token, score = until when, ms): such a
+-- token is never granted, so an acquire that reaches Redis after its own
+-- undo (a delayed packet) takes nothing
 -- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits, ARGV[4] instance id,
 -- ARGV[5] waitq entry lifetime ms: a busy attempt puts its instance in the
 -- wait list, so a release knows whether to announce itself (nobody else
@@ -22,6 +26,9 @@
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the
 -- earliest lease ends} when not; {2, 0, answer} when an earlier holder's
 -- answer is stored (then nothing is taken: the request is answered with it).
+if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
+	return {0, 0}
+end
 if ARGV[7] == '1' then
 	local stored = redis.call('GET', KEYS[4])
 	if stored then

@@ -13,7 +13,19 @@
 -- KEYS[4] the key's wait list, ARGV[8] the releasing instance's id: the
 -- wake-up is published only when another instance waits (an uncontended
 -- release sends no message; waiters of this instance are woken locally).
+-- KEYS[5] the key's dead tokens, ARGV[9] how long (ms) to keep this token
+-- there ("0" = not at all): the undo of an attempt whose outcome is not
+-- known, so that the attempt, should it reach Redis only now, takes nothing
+-- (see lock_acquire.lua).
 -- Returns 1 when this token held the lock, 0 otherwise.
+local dead = tonumber(ARGV[9])
+if dead > 0 then
+	local t = redis.call('TIME')
+	local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+	redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
+	redis.call('ZADD', KEYS[5], now + dead, ARGV[1])
+	redis.call('PEXPIRE', KEYS[5], dead)
+end
 local raise = tonumber(ARGV[4])
 if raise > 0 then
 	local c = tonumber(redis.call('GET', KEYS[2]) or '0')

@@ -87,7 +87,7 @@ func (s *soak) leftovers() (held, noTTL []string, err error) {
 			return nil, nil, fmt.Errorf("%s KEYS: %w", r.name, e)
 		}
 		for _, k := range keys {
-			if strings.HasPrefix(k, "caddy:lock:") && !strings.HasSuffix(k, ":waitq") && c.Type(ctx, k).Val() == "zset" {
+			if strings.HasPrefix(k, "caddy:lock:") && !strings.HasSuffix(k, ":waitq") && !strings.HasSuffix(k, ":dead") && c.Type(ctx, k).Val() == "zset" {
 				if n := c.ZCard(ctx, k).Val(); n > 0 {
 					held = append(held, fmt.Sprintf("%s %s (%d)", r.name, k, n))
 				}

@@ -1,0 +1,105 @@
+package redisdlm
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// delayProxy forwards TCP to a Redis; while armed, a chunk from the client
+// that contains match is held back for delay before it goes on (a packet
+// retransmitted or stuck on one connection, while others flow).
+type delayProxy struct {
+	addr  string
+	armed atomic.Bool
+}
+
+func startDelayProxy(t *testing.T, target string, match []byte, delay time.Duration) *delayProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	p := &delayProxy{addr: ln.Addr().String()}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			t.Cleanup(func() { c.Close(); s.Close() })
+			go func() { io.Copy(c, s); c.Close() }()
+			go func() {
+				buf := make([]byte, 64<<10)
+				for {
+					n, err := c.Read(buf)
+					if n > 0 {
+						if p.armed.Load() && bytes.Contains(buf[:n], match) {
+							time.Sleep(delay)
+						}
+						s.Write(buf[:n])
+					}
+					if err != nil {
+						s.Close()
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return p
+}
+
+// TestNoOrphanAfterDelayedAcquire: an acquire that reaches Redis only after
+// the client gave up on it and undid it (its packet held back past the
+// timeout) takes nothing: the undo marked its token dead. Before, a delay
+// longer than the undo's confirmation left the key held for its whole ttl
+// by a token nobody owns.
+func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
+	t.Parallel()
+	for _, delay := range []time.Duration{450 * time.Millisecond, 1500 * time.Millisecond} {
+		t.Run(delay.String(), func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			p := startDelayProxy(t, r.Addr, []byte(acquireScript.Hash()), delay)
+			h := provisionLock(t, fmt.Sprintf(`{"redis":[%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, p.addr))
+			key := storedKey(h.Prefix, "/pay")
+			warm, err := h.locker.Acquire(context.Background(), []string{key})
+			if err != nil {
+				t.Fatal(err)
+			}
+			warm.release()
+			p.armed.Store(true)
+			if _, err := h.locker.Acquire(context.Background(), []string{key}); err == nil {
+				t.Fatal("an acquire held back past the timeout succeeded")
+			}
+			p.armed.Store(false)
+			time.Sleep(delay + 300*time.Millisecond) // the held-back acquire has reached Redis
+			if !freeWithin(time.Second, key, r) {
+				pttl, _ := r.Client().PTTL(context.Background(), key).Result()
+				t.Fatalf("held back %v: the key is held by a lost acquisition nobody owns (PTTL %v)", delay, pttl)
+			}
+			dead := r.Client().PTTL(context.Background(), deadKey(key)).Val()
+			if dead <= 0 || dead > 2*20*time.Second+releaseGiveUpExtra {
+				t.Errorf("the dead-token set's PTTL is %v, want an expiry of at most 2 × ttl + %v", dead, releaseGiveUpExtra)
+			}
+			// The key is usable at once by a new attempt.
+			ls, err := h.locker.Acquire(context.Background(), []string{key})
+			if err != nil {
+				t.Fatalf("after the lost acquisition: %v", err)
+			}
+			ls.release()
+		})
+	}
+}
