@@ -46,7 +46,7 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		sync_replicas  <n>             # default 0
 //		prefix         <string>        # default caddy:lock:
 //		replay         <duration>      # execute once: keep the holder's response; default 0 = off
-//		replay_max     <size>          # largest response body kept for replay; default 1MiB
+//		replay_max     <size>          # largest response body kept for replay; default 1MiB, at most 256MiB
 //		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256
 //		name           <string>        # for the admin API; default: its position
 //		redis          <address|url>...
@@ -65,8 +65,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if d.NextArg() {
 		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
 	}
-	redisLine := 0  // line of the last `redis` subdirective, for the server count check
-	replayLine := 0 // line of `replay`, for the checks against other subdirectives
+	redisLine := 0      // line of the last `redis` subdirective, for the server count check
+	var addrLines []int // the line of each of h.Addresses
+	replayLine := 0     // line of `replay`, for the checks against other subdirectives
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
 		switch sub {
@@ -226,6 +227,18 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			if !ok {
 				return d.Errf("%s: unknown subdirective %q", dir, sub)
+			}
+			if sub == "redis" {
+				for len(addrLines) < len(h.Addresses) {
+					addrLines = append(addrLines, d.Line())
+				}
+				if i, j := sameServer(h.Addresses); j >= 0 {
+					err := duplicateServerError(h.Addresses[i], h.Addresses[j])
+					if addrLines[i] != addrLines[j] {
+						return d.Errf("%s: %v (the first is at line %d)", dir, err, addrLines[i])
+					}
+					return d.Errf("%s: %v", dir, err)
+				}
 			}
 		}
 	}

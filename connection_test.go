@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
 )
@@ -207,4 +208,114 @@ func TestPoolShrinksAfterSlowRedis(t *testing.T) {
 		t.Errorf("%d connections after a quiet spell longer than connMaxIdle (%d before the burst); the expired idle ones were not closed", c, base)
 	}
 	t.Logf("connections: %d before, %d after %d requests met a paused Redis, %d after a quiet spell", base, after, n, connectedClients(t, rc))
+}
+
+// TestServerID: the entries of a Redlock list that name one Redis server,
+// whatever their spelling, and those that do not.
+func TestServerID(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		a, b string
+		same bool
+	}{
+		{"127.0.0.1:6379", "127.0.0.1:6379", true},
+		{"127.0.0.1:6379", "redis://127.0.0.1:6379/0", true},
+		{"127.0.0.1:6379", "redis://127.0.0.1", true},
+		{"127.0.0.1:6379", "redis://127.0.0.1:6379/1", true}, // another db, the same server
+		{"127.0.0.1:6379", "rediss://u:" + secretPW + "@127.0.0.1:6379/2", true},
+		{"Redis-1.Internal:6379", "redis-1.internal.:6379", true},
+		{"127.0.0.1:06379", "127.0.0.1:6379", true},
+		{"[::1]:6379", "[0:0:0:0:0:0:0:1]:6379", true},
+		{"[::1]:6379", "redis://[::1]", true},
+		{"127.0.0.1:6379", "127.0.0.1:6380", false},
+		{"127.0.0.1:6379", "127.0.0.2:6379", false},
+		{"localhost:6379", "127.0.0.1:6379", false}, // names are not resolved
+		{"{env.A}", "{env.A}", false},               // checked once replaced
+	} {
+		_, j := sameServer([]string{c.a, c.b})
+		if got := j >= 0; got != c.same {
+			t.Errorf("%q and %q: same server %v, want %v", c.a, c.b, got, c.same)
+		}
+	}
+}
+
+// TestRedlockDuplicateServers: a Redlock list that names one server twice
+// (which would give it two votes: with the other server down, it alone
+// would grant the lock) is refused in JSON, in the Caddyfile with its line,
+// and at provision time when a placeholder makes the duplicate; a password
+// never shows. Seed lists of a Cluster or a Sentinel may repeat an address.
+func TestRedlockDuplicateServers(t *testing.T) {
+	a, b := startRedis(t), startRedis(t)
+	t.Setenv("REDISDLM_TEST_DUP_ADDR", a.Addr)
+	for _, c := range []struct {
+		name  string
+		addrs []string
+		want  string
+	}{
+		{"same address", []string{a.Addr, a.Addr, b.Addr}, "is listed twice"},
+		{"address and URL", []string{a.Addr, "redis://:" + secretPW + "@" + a.Addr + "/0", b.Addr}, "are the same Redis server " + a.Addr},
+		{"another db", []string{"redis://" + a.Addr + "/1", b.Addr, "redis://" + a.Addr + "/2"}, "are the same Redis server " + a.Addr},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			list, _ := json.Marshal(c.addrs)
+			h := new(RedisLock)
+			if err := json.Unmarshal([]byte(`{"redis":`+string(list)+`}`), h); err != nil {
+				t.Fatal(err)
+			}
+			err := h.Validate()
+			if err == nil || !strings.Contains(err.Error(), "redis_lock: redis: ") || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), secretPW) {
+				t.Errorf("JSON %s: %v, want an error naming redis_lock: redis: and saying %q, without the password", list, err, c.want)
+			}
+			src := "redis_lock {\n\tredis " + strings.Join(c.addrs, " ") + "\n}"
+			err = new(RedisLock).UnmarshalCaddyfile(caddyfile.NewTestDispenser(src))
+			if err == nil || !strings.Contains(err.Error(), "redis_lock: redis: ") || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "Testfile:2") {
+				t.Errorf("Caddyfile %q: %v, want an error naming redis_lock: redis:, the line and %q", src, err, c.want)
+			}
+		})
+	}
+
+	// A placeholder is checked once it is replaced, in Provision.
+	h := new(RedisLock)
+	cfg := fmt.Sprintf(`{"redis":[%q,"{env.REDISDLM_TEST_DUP_ADDR}",%q]}`, a.Addr, b.Addr)
+	if err := json.Unmarshal([]byte(cfg), h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Validate(); err != nil {
+		t.Fatalf("Validate %s: %v, want the placeholder left to Provision", cfg, err)
+	}
+	if err := new(RedisLock).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\tredis " + a.Addr + " {env.REDISDLM_TEST_DUP_ADDR} " + b.Addr + "\n}")); err != nil {
+		t.Fatalf("Caddyfile with a placeholder address: %v, want it left to Provision", err)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	err := h.Provision(ctx)
+	_ = h.Cleanup()
+	if err == nil || !strings.Contains(err.Error(), "redis_lock: redis: ") || !strings.Contains(err.Error(), "is listed twice") || !strings.Contains(err.Error(), "placeholders") {
+		t.Fatalf("Provision %s: %v, want a duplicate server error", cfg, err)
+	}
+
+	// Three distinct servers are a quorum (the third need not run: nothing dials).
+	ok := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,"127.0.0.1:%d"]}`, a.Addr, "redis://"+b.Addr+"/1", freePort(t)))
+	if n := len(ok.locker.servers); n != 3 {
+		t.Errorf("a quorum of three distinct servers has %d servers", n)
+	}
+
+	// redis_ratelimit takes one address: a repeated one is still two.
+	rl := new(RedisRateLimit)
+	_ = json.Unmarshal([]byte(fmt.Sprintf(`{"redis":[%q,%q],"rates":[{"requests":1,"window":"1s"}]}`, a.Addr, a.Addr)), rl)
+	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "exactly one logical Redis") {
+		t.Errorf("redis_ratelimit with one address twice: %v, want exactly one logical Redis", err)
+	}
+
+	// Seeds of a Cluster or a Sentinel group may repeat: a seed only finds the rest.
+	for _, cfg := range []string{
+		fmt.Sprintf(`{"cluster":[%q,%q]}`, a.Addr, a.Addr),
+		fmt.Sprintf(`{"sentinel_master":"m","sentinels":[%q,"redis://%s"]}`, a.Addr, a.Addr),
+	} {
+		h := new(RedisLock)
+		_ = json.Unmarshal([]byte(cfg), h)
+		if err := h.Validate(); err != nil {
+			t.Errorf("%s: %v, want a repeated seed accepted", cfg, err)
+		}
+	}
 }

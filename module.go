@@ -267,6 +267,70 @@ func redactURL(s string) string {
 	return s[:j] + "xxxxx" + s[i:]
 }
 
+// serverID names the Redis server that addr points at, so that two
+// entries of a Redlock list can be told to be one server: the host
+// lowercased (an IP in its canonical form, a DNS name without a trailing
+// dot) and the port, 6379 when a URL gives none. Scheme, credentials and
+// db do not count: two databases of one server fail together. Names are
+// compared, never resolved (localhost and 127.0.0.1 stay apart). ok is
+// false for an address that holds a placeholder or is invalid
+// (validateAddress reports the latter).
+func serverID(addr string) (id string, ok bool) {
+	if hasPlaceholder(addr) {
+		return "", false
+	}
+	hostport := addr
+	if strings.Contains(addr, "://") {
+		o, err := redis.ParseURL(addr)
+		if err != nil {
+			return "", false
+		}
+		hostport = o.Addr
+	}
+	host, port, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return "", false
+	}
+	p, err := strconv.Atoi(port)
+	if err != nil {
+		return "", false
+	}
+	if ip := net.ParseIP(host); ip != nil {
+		host = ip.String()
+	} else {
+		host = strings.TrimSuffix(strings.ToLower(host), ".")
+	}
+	return net.JoinHostPort(host, strconv.Itoa(p)), true
+}
+
+// sameServer returns the indexes i < j of the first two entries of addrs
+// that name one Redis server (serverID), or -1, -1.
+func sameServer(addrs []string) (int, int) {
+	seen := make(map[string]int, len(addrs))
+	for j, a := range addrs {
+		id, ok := serverID(a)
+		if !ok {
+			continue
+		}
+		if i, dup := seen[id]; dup {
+			return i, j
+		}
+		seen[id] = j
+	}
+	return -1, -1
+}
+
+// duplicateServerError says why a list of independent servers may not
+// name one server twice. It never shows a password.
+func duplicateServerError(a, b string) error {
+	const why = "a Redlock quorum needs independent servers, and a server listed twice would get two votes"
+	id, _ := serverID(b)
+	if a == b {
+		return fmt.Errorf("redis: %q is listed twice; %s", redactURL(a), why)
+	}
+	return fmt.Errorf("redis: %q and %q are the same Redis server %s (only host and port count, not the db); %s", redactURL(a), redactURL(b), id, why)
+}
+
 // validate checks the settings without dialing. allowRedlock accepts
 // several independent `redis` servers (redis_lock); otherwise exactly one
 // logical Redis is accepted (redis_ratelimit).
@@ -290,6 +354,9 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 	n := len(c.Addresses)
 	if !allowRedlock && n > 1 {
 		return fmt.Errorf("redis: %d servers given, but this handler takes exactly one logical Redis (one address, a cluster or a sentinel)", n)
+	}
+	if i, j := sameServer(c.Addresses); j >= 0 {
+		return duplicateServerError(c.Addresses[i], c.Addresses[j])
 	}
 	if n > 1 && (n%2 == 0 || n > 7) {
 		return fmt.Errorf("redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority and adds no fault tolerance over one server fewer", n)
@@ -373,6 +440,10 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 	addrs, err := replAll(list)
 	if err != nil {
 		return nil, err
+	}
+	if i, j := sameServer(addrs); j >= 0 {
+		// Only placeholders can get here: validate saw the literal ones.
+		return nil, fmt.Errorf("%w (once placeholders were replaced)", duplicateServerError(addrs[i], addrs[j]))
 	}
 	out := make([]serverSettings, len(addrs))
 	for i, a := range addrs {
