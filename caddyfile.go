@@ -201,6 +201,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			n, err := parseSize(v)
+			if err == nil {
+				err = checkReplayMax(n)
+			}
 			if err != nil {
 				return d.Errf("%s: replay_max: %v", dir, err)
 			}

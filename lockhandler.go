@@ -147,7 +147,9 @@ type RedisLock struct {
 
 	// The largest response body kept for replay, in bytes; with the default
 	// fingerprint also the largest request body (a larger one is answered
-	// 413). Default: 1048576 (1 MiB).
+	// 413). At most 268435456 (256 MiB): a stored answer is one Redis
+	// string, which Redis caps at 512 MB, and the body is kept in memory
+	// until it is stored. Default: 1048576 (1 MiB).
 	ReplayMax int64 `json:"replay_max,omitempty"`
 
 	// What a replayed request must match beyond the key, as templates
@@ -311,6 +313,8 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: replay: must not be negative")
 	case h.ReplayMax < 0:
 		return fmt.Errorf("redis_lock: replay_max: must be positive, got %d", h.ReplayMax)
+	case h.ReplayMax > MaxReplayMax:
+		return fmt.Errorf("redis_lock: replay_max: %v", checkReplayMax(h.ReplayMax))
 	case h.Permits > 1 && len(h.Addresses) > 1:
 		return fmt.Errorf("redis_lock: permits: %d permits cannot be used with a Redlock quorum of %d servers: each server counts its own holders, so holders granted by different majorities (A+B, B+C, A+C) can be more than the permits; use one Redis (a server, Cluster or Sentinel) for a semaphore", h.Permits, len(h.Addresses))
 	case h.Replay > 0 && h.Permits > 1:

@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -29,6 +30,12 @@ const HeaderIdempotentReplayed = "Idempotent-Replayed"
 // DefaultReplayMax is the largest response body (and, with the default
 // fingerprint, request body) that replay handles: 1 MiB.
 const DefaultReplayMax = 1 << 20
+
+// MaxReplayMax is the largest replay_max accepted: 256 MiB. A stored
+// answer is one Redis string (at most 512 MB) that holds the headers as
+// well as the body, and the body is kept in Caddy's memory until the
+// release stores it.
+const MaxReplayMax = 256 << 20
 
 // replayFormat starts every stored answer (a version, for later changes).
 const replayFormat = "rdlm1"
@@ -234,7 +241,19 @@ func (rec *recorder) answer(fp string, handlerErr error, lost bool, clientGone b
 	return a.encode(), ""
 }
 
-// parseSize reads a size such as 1048576, 512KiB, 1MiB, 2MB or 64kb.
+// checkReplayMax checks a replay_max set by hand (0, the default, is not).
+func checkReplayMax(n int64) error {
+	if n <= 0 {
+		return fmt.Errorf("must be positive, got %d", n)
+	}
+	if n > MaxReplayMax {
+		return fmt.Errorf("%d bytes is more than the largest allowed, %d (256MiB): a stored answer is one Redis string (at most 512MB), and the body is kept in memory until it is stored", n, MaxReplayMax)
+	}
+	return nil
+}
+
+// parseSize reads a size such as 1048576, 512KiB, 1MiB, 2MB or 64kb. A
+// size that does not fit in an int64 is an error.
 func parseSize(s string) (int64, error) {
 	t := strings.TrimSpace(s)
 	mult := int64(1)
@@ -250,7 +269,10 @@ func parseSize(s string) (int64, error) {
 	}
 	n, err := strconv.ParseInt(t, 10, 64)
 	if err != nil || n <= 0 {
-		return 0, fmt.Errorf("invalid size %q: want a positive number of bytes, optionally with KiB, MiB, KB or MB", s)
+		return 0, fmt.Errorf("invalid size %q: want a positive number of bytes, optionally with KiB, MiB, GiB, KB, MB or GB", s)
+	}
+	if n > math.MaxInt64/mult {
+		return 0, fmt.Errorf("invalid size %q: too large", s)
 	}
 	return n * mult, nil
 }

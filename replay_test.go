@@ -421,3 +421,92 @@ func TestReplayWithSyncReplicas(t *testing.T) {
 		t.Errorf("the replay answered %q, the first answer was %q", bodies[1], bodies[0])
 	}
 }
+
+// TestReplayMaxLimits: a size that does not fit in an int64 is an error,
+// not a wrapped number, and replay_max above MaxReplayMax is refused in
+// JSON as in the Caddyfile (where the line is named, see
+// TestLockCaddyfileErrors).
+func TestReplayMaxLimits(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		in   string
+		want int64 // 0: an error
+	}{
+		{"1MiB", 1 << 20},
+		{"256MiB", MaxReplayMax},
+		{"64kb", 64000},
+		{"9223372036854775807", 1<<63 - 1},
+		{"9223372036854775807b", 1<<63 - 1},
+		{"8589934591GiB", 8589934591 << 30},
+		{"8589934592GiB", 0},  // 2^63
+		{"17179869185GiB", 0}, // wrapped to 1 GiB before
+		{"9223372036854776KB", 0},
+		{"9223372036854775808", 0},
+	} {
+		got, err := parseSize(c.in)
+		if c.want == 0 {
+			if err == nil {
+				t.Errorf("parseSize(%q) = %d, want an error", c.in, got)
+			}
+			continue
+		}
+		if err != nil || got != c.want {
+			t.Errorf("parseSize(%q) = %d, %v, want %d", c.in, got, err, c.want)
+		}
+	}
+	for _, c := range []struct {
+		max int64
+		ok  bool
+	}{{1, true}, {MaxReplayMax, true}, {MaxReplayMax + 1, false}, {1<<63 - 1, false}, {-1, false}} {
+		h := new(RedisLock)
+		if err := json.Unmarshal([]byte(fmt.Sprintf(`{"replay":"1m","replay_max":%d}`, c.max)), h); err != nil {
+			t.Fatal(err)
+		}
+		err := h.Validate()
+		if c.ok != (err == nil) || err != nil && !strings.Contains(err.Error(), "redis_lock: replay_max: ") {
+			t.Errorf("JSON replay_max %d: %v, want ok=%v (an error naming redis_lock: replay_max:)", c.max, err, c.ok)
+		}
+	}
+	h := new(RedisLock)
+	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\treplay 1m\n\treplay_max 256MiB\n}")); err != nil || h.ReplayMax != MaxReplayMax {
+		t.Fatalf("replay_max 256MiB: %v (replay_max %d)", err, h.ReplayMax)
+	}
+}
+
+// TestReplayLargeMaxForwardsBody: with the largest replay_max the request
+// body is fingerprinted and still reaches the upstream whole (a replay_max
+// near the int64 limit used to hand it an empty body), and a duplicate is
+// replayed.
+func TestReplayLargeMaxForwardsBody(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	var calls atomic.Int64
+	var got atomic.Value
+	echo := func(w http.ResponseWriter, req *http.Request) error {
+		calls.Add(1)
+		b, err := io.ReadAll(req.Body)
+		if err != nil {
+			return err
+		}
+		got.Store(string(b))
+		w.WriteHeader(http.StatusCreated)
+		_, _ = fmt.Fprintf(w, "got %d bytes", len(b))
+		return nil
+	}
+	h := provisionLock(t, lockCfg(r.Addr, fmt.Sprintf(`%s,"replay_max":%d`, replayCfg, MaxReplayMax)))
+	srv := handlerServer(t, h, echo)
+	body := strings.Repeat("order-line;", 1000)
+	for i := 0; i < 2; i++ {
+		st, hdr, resp, err := post(srv.URL+"/orders", body, "X-User", "u", "Idempotency-Key", "big")
+		want := fmt.Sprintf("got %d bytes", len(body))
+		if err != nil || st != 201 || resp != want {
+			t.Fatalf("request %d: %d %q %v, want 201 %q", i, st, resp, err, want)
+		}
+		if replayed := hdr.Get(HeaderIdempotentReplayed) == "true"; replayed != (i == 1) {
+			t.Errorf("request %d: replayed %v", i, replayed)
+		}
+	}
+	if s, _ := got.Load().(string); s != body || calls.Load() != 1 {
+		t.Fatalf("upstream got %d bytes in %d calls, want the %d-byte body once", len(s), calls.Load(), len(body))
+	}
+}
