@@ -57,7 +57,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 				return
 			}
 			if r.err != nil {
-				l.releaseOn(i, k, token, true)
+				l.releaseOn(i, k, token, unknownOutcome(r.err))
 			} else if r.v.([]int64)[0] == 1 && (len(keys) > 1 || removed.Load()&(1<<i) == 0) {
 				l.releaseOn(i, k, token, false)
 			}
@@ -119,7 +119,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			undo = order[:i+1]
 		}
 		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0, removed, false, errs > 0, "")
+			l.releaseKeys(undo, token, 0, removed, false, anyUnknown(results), "")
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.

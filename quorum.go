@@ -7,6 +7,7 @@ package redisdlm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -98,6 +99,25 @@ func tally(res []result) (granted, busy, errs int) {
 		}
 	}
 	return
+}
+
+// unknownOutcome reports whether a call that failed with err may still run
+// (or have run) on the server: a timeout, a lost connection, a call never
+// sent. An error that Redis answered (out of memory, a script error, BUSY)
+// is a known outcome: the call will not run later.
+func unknownOutcome(err error) bool {
+	var re redis.Error
+	return err != nil && !errors.As(err, &re)
+}
+
+// anyUnknown reports whether any answered call of res has an unknown outcome.
+func anyUnknown(res []result) bool {
+	for _, r := range res {
+		if r.done && unknownOutcome(r.err) {
+			return true
+		}
+	}
+	return false
 }
 
 // majorityAnswered ends a fan-out once a majority answered without error.
