@@ -24,6 +24,7 @@ type decision struct {
 	remaining int64         // of rate tight
 	reset     time.Duration // until rate tight's quota grows (0 = full)
 	cached    bool          // answered from the deny cache
+	ans       []int64       // the script's answer (settle reads what gcra wrote)
 }
 
 // decide answers from the deny cache, else asks Redis (one script call).
@@ -41,7 +42,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	// admission, on any instance, so no rejection is known to last.
 	if h.deny != nil {
 		if e, ok := h.deny.get(cacheID, h.now(), p.cost); ok {
-			return decision{tight: e.tight, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
+			return decision{tight: e.tight, remaining: e.left, wait: e.retryAt.Sub(h.now()), reset: e.retryAt.Sub(h.now()), cached: true}, nil
 		}
 	}
 	var keys [4]string
@@ -52,7 +53,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if err != nil {
 		return decision{}, err
 	}
-	d, err := parseDecision(res, len(p.rates))
+	d, err := parseDecision(res, len(p.rates), decisionScripts[h.script])
 	if err != nil {
 		return decision{}, err
 	}
@@ -62,7 +63,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		// that, minus a margin for clock-rate differences) and surely by
 		// got+wait (what Retry-After reports from the cache).
 		margin := time.Millisecond + d.wait/1000
-		h.deny.put(cacheID, denyEntry{until: sent.Add(d.wait - margin), retryAt: got.Add(d.wait), tight: d.tight, cost: p.cost}, got)
+		h.deny.put(cacheID, denyEntry{until: sent.Add(d.wait - margin), retryAt: got.Add(d.wait), tight: d.tight, left: d.remaining, cost: p.cost}, got)
 	}
 	return d, nil
 }
@@ -76,12 +77,13 @@ func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {
 }
 
 // parseDecision reads one decision's answer: {hold when admitted (>= 0), else
-// minus the wait; time recorded; then per rate remaining and reset}.
-func parseDecision(vals []int64, nrates int) (decision, error) {
-	if len(vals) != 2+2*nrates || vals[0] == failedRead || vals[0] == failedRun {
+// minus the wait; time recorded; then per rate remaining, reset and, with
+// per = 3 (gcra), the TAT written}.
+func parseDecision(vals []int64, nrates, per int) (decision, error) {
+	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun {
 		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
 	}
-	d := decision{allowed: vals[0] >= 0, tight: -1}
+	d := decision{allowed: vals[0] >= 0, tight: -1, ans: vals}
 	if d.allowed {
 		d.hold, d.at = time.Duration(vals[0])*time.Microsecond, vals[1]
 	} else {
@@ -89,7 +91,7 @@ func parseDecision(vals []int64, nrates int) (decision, error) {
 	}
 	// The tightest rate: the least remaining, then the longest until it grows.
 	for i := 0; i < nrates; i++ {
-		rem, reset := vals[2+2*i], time.Duration(vals[3+2*i])*time.Microsecond
+		rem, reset := vals[2+per*i], time.Duration(vals[3+per*i])*time.Microsecond
 		if d.tight < 0 || rem < d.remaining || rem == d.remaining && reset > d.reset {
 			d.tight, d.remaining, d.reset = i, rem, reset
 		}
@@ -105,10 +107,12 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	var keys [4]string
 	c := &rlCall{script: h.giveBack, keys: h.redisKeys(keys[:0], id, p)}
 	if h.algo == algoGCRA {
-		c.argv = make([]any, 0, 1+2*len(p.rates))
+		// Per rate also the TAT this admission wrote: a rate gives its
+		// units back only while no later admission came after them.
+		c.argv = make([]any, 0, 1+3*len(p.rates))
 		c.argv = append(c.argv, p.cost)
-		for _, s := range p.rates {
-			c.argv = append(c.argv, s.n, s.window.Microseconds())
+		for i, s := range p.rates {
+			c.argv = append(c.argv, s.n, s.window.Microseconds(), d.ans[4+3*i])
 		}
 	} else {
 		c.argv = make([]any, 0, 2+2*len(p.rates))

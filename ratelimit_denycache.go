@@ -19,14 +19,17 @@ type denyEntry struct {
 	until   time.Time // answer from memory before this (a little early)
 	retryAt time.Time // Retry-After points here (a little late)
 	tight   int       // the rate that rejects
-	cost    int64     // the rejected cost: a cheaper request may pass, so it asks Redis
+	left    int64     // its remaining quota when Redis rejected (less than cost)
+	cost    int64     // the rejected cost: only a request of this cost is answered here
 }
 
 func newDenyCache(max int) *denyCache {
 	return &denyCache{max: max, m: make(map[string]denyEntry)}
 }
 
-// get returns the entry of id if it still rejects a request of cost.
+// get returns the entry of id if it still rejects a request of cost. Only
+// the same cost: a cheaper request may pass, and a costlier one passes
+// later than retryAt, so both ask Redis.
 func (c *denyCache) get(id string, now time.Time, cost int64) (denyEntry, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -38,7 +41,7 @@ func (c *denyCache) get(id string, now time.Time, cost int64) (denyEntry, bool) 
 		delete(c.m, id)
 		return e, false
 	}
-	return e, cost >= e.cost
+	return e, cost == e.cost
 }
 
 func (c *denyCache) put(id string, e denyEntry, now time.Time) {

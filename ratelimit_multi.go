@@ -17,8 +17,9 @@ import (
 // read without a value per element on either side.
 
 // decisionScripts take a batch; other scripts (returning an admission) are
-// always sent alone.
-var decisionScripts = map[*luaScript]bool{slidingScript: true, gcraScript: true}
+// always sent alone. The value is how many integers a decision's answer
+// has per rate (after its first two).
+var decisionScripts = map[*luaScript]int{slidingScript: 2, gcraScript: 3}
 
 // The codes of a decision in a batch that failed (e.g. on a key of another
 // type): failedRead when nothing of it was written (it is sent again alone,
@@ -83,18 +84,19 @@ func sameArgs(a, b []any) bool {
 	return len(a) == 0 || &a[0] == &b[0] || slices.Equal(a, b)
 }
 
-// answer splits a batch's answer among its calls: 2 + 2 per rate integers
-// each. It reports whether the answer had the expected length.
+// answer splits a batch's answer among its calls: 2 integers each, then a
+// few per rate (decisionScripts). It reports whether the answer had the
+// expected length.
 func (u *rlUnit) answer(vals []int64) bool {
 	n := 0
 	for _, c := range u.calls {
-		n += 2 + 2*len(c.keys)
+		n += 2 + decisionScripts[c.script]*len(c.keys)
 	}
 	if len(vals) != n {
 		return false
 	}
 	for _, c := range u.calls {
-		w := 2 + 2*len(c.keys)
+		w := 2 + decisionScripts[c.script]*len(c.keys)
 		c.res, vals = vals[:w:w], vals[w:]
 	}
 	return true
@@ -111,7 +113,7 @@ func units(batch []*rlCall, cluster bool) []*rlUnit {
 	idx := make(map[group]int, 4)
 	out := make([]*rlUnit, 0, 4)
 	for _, c := range batch {
-		if !decisionScripts[c.script] {
+		if decisionScripts[c.script] == 0 {
 			out = append(out, &rlUnit{calls: []*rlCall{c}})
 			continue
 		}

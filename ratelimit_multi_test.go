@@ -92,7 +92,7 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 				t.Fatalf("decision %d (%s): %v", i, ids[i], c.err)
 			}
 			if ids[i] == "other" {
-				d, err := parseDecision(c.res, 1)
+				d, err := parseDecision(c.res, 1, decisionScripts[c.script])
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -104,7 +104,7 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 				}
 				continue
 			}
-			d, err := parseDecision(c.res, 2)
+			d, err := parseDecision(c.res, 2, decisionScripts[c.script])
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -228,7 +228,7 @@ func TestRateLimitMultiFailures(t *testing.T) {
 					}
 					continue
 				}
-				if d, err := parseDecision(c.res, 1); c.err != nil || err != nil || !d.allowed || d.remaining != 9 {
+				if d, err := parseDecision(c.res, 1, decisionScripts[c.script]); c.err != nil || err != nil || !d.allowed || d.remaining != 9 {
 					t.Fatalf("decision %d beside a failing one: %+v %v %v, want admitted with 9 left", i, d, c.err, err)
 				}
 			}

@@ -224,8 +224,8 @@ func TestRateLimitCostSequence(t *testing.T) {
 		}{
 			{3, true, 7, -1, -1},
 			{4, true, 3, -1, -1},
-			{4, false, 0, 5, 60}, // sliding: all 10 slots age out after 1m; gcra: one unit, 6s
-			{4, false, 0, 5, 60}, // from the deny cache
+			{4, false, 3, 5, 60}, // 3 remain, too few; sliding: all 10 slots age out after 1m; gcra: one unit, 6s
+			{4, false, 3, 5, 60}, // from the deny cache
 			{3, true, 0, -1, -1}, // cheaper: asks Redis, fits exactly
 			{1, false, 0, 5, 60},
 		} {
@@ -307,7 +307,11 @@ func TestRateLimitCountTwoInstances(t *testing.T) {
 		}
 
 		// Successful logins (and an error answer not listed) give their
-		// reservations back, also many at once: the quota stays whole.
+		// reservations back: the quota stays whole. With sliding_window
+		// also many at once (each return removes its own slots); a gcra
+		// admission gives its units back only while no later one came
+		// (TestRateLimitGCRAReturnsOnlyItsOwnUnits), so there they come
+		// one after the other.
 		reached.Store(0)
 		for round := 0; round < 3; round++ {
 			for i := 0; i < 6; i++ {
@@ -323,6 +327,9 @@ func TestRateLimitCountTwoInstances(t *testing.T) {
 					}
 					serveRLWith(context.Background(), hs[i%2], "192.0.2.75", user("alice"), next)
 				}(i)
+				if algo == algoGCRA {
+					wg.Wait()
+				}
 			}
 			wg.Wait()
 		}
@@ -604,6 +611,158 @@ func TestRateLimitCountCrashAgesOut(t *testing.T) {
 		time.Sleep(1100 * time.Millisecond)
 		if a := serveRL(h, "192.0.2.81", nil); !a.passed {
 			t.Fatalf("after the window the slot is still taken: %d", a.status)
+		}
+	})
+}
+
+// TestRateLimitGCRAReturnsOnlyItsOwnUnits: a gcra TAT is one schedule, so
+// an admission gives its units back only while it is still the latest on
+// the key. Before, a return always moved the TAT back by its cost: a long
+// request whose answer did not count erased a later request's counted
+// units (two counted 401s 0.4 s apart under `rate 1 2s`), and a held
+// client that went away freed the last waiter's slot, so a newcomer passed
+// at the same moment as that waiter.
+func TestRateLimitGCRAReturnsOnlyItsOwnUnits(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	t.Run("count", func(t *testing.T) {
+		t.Parallel()
+		h := newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Algorithm, h.Prefix = algoGCRA, "count:"
+			h.Key = "{http.request.header.X-User}"
+			h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(2 * time.Second)}}
+			h.Count = []string{"401"}
+		})
+		user := func(req *http.Request, _ *caddy.Replacer) { req.Header.Set("X-User", "victim") }
+		answer := func(code int, sleep time.Duration) caddyhttp.HandlerFunc {
+			return func(w http.ResponseWriter, r *http.Request) error {
+				time.Sleep(sleep)
+				w.WriteHeader(code)
+				return nil
+			}
+		}
+		slow := make(chan rlAnswer, 1)
+		go func() {
+			slow <- serveRLWith(context.Background(), h, "192.0.2.9", user, answer(200, 2500*time.Millisecond))
+		}()
+		time.Sleep(2200 * time.Millisecond) // the slow request's unit has drained
+		if b := serveRLWith(context.Background(), h, "192.0.2.9", user, answer(401, 0)); !b.passed {
+			t.Fatalf("a request after the window: %d, want admitted", b.status)
+		}
+		if a := <-slow; !a.passed {
+			t.Fatalf("slow request: %d", a.status)
+		}
+		// The slow request's return came after the counted 401: it must
+		// not take that one's unit.
+		if c := serveRLWith(context.Background(), h, "192.0.2.9", user, answer(401, 0)); c.passed {
+			t.Fatal("a second counted 401 within 0.4 s against rate 1 per 2s (burst 1)")
+		}
+	})
+	t.Run("wait", func(t *testing.T) {
+		t.Parallel()
+		h := newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Algorithm, h.Prefix = algoGCRA, "wait:"
+			h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
+			h.Wait = caddy.Duration(5 * time.Second)
+		})
+		start := time.Now()
+		var mu sync.Mutex
+		passed := map[string]time.Duration{}
+		var wg sync.WaitGroup
+		run := func(ctx context.Context, name string) {
+			defer wg.Done()
+			serveRLWith(ctx, h, "192.0.2.12", nil, func(w http.ResponseWriter, r *http.Request) error {
+				mu.Lock()
+				passed[name] = time.Since(start)
+				mu.Unlock()
+				return nil
+			})
+		}
+		wg.Add(1)
+		run(context.Background(), "w1") // passes at once
+		ctx2, cancel2 := context.WithCancel(context.Background())
+		wg.Add(2)
+		go run(ctx2, "w2") // held for about 1 s
+		time.Sleep(50 * time.Millisecond)
+		go run(context.Background(), "w3") // held for about 2 s
+		time.Sleep(300 * time.Millisecond)
+		cancel2() // w2 leaves: w3 keeps its moment
+		time.Sleep(50 * time.Millisecond)
+		wg.Add(1)
+		go run(context.Background(), "n")
+		wg.Wait()
+		if _, ok := passed["w2"]; ok || len(passed) != 3 {
+			t.Fatalf("passed: %v, want w1, w3 and n", passed)
+		}
+		if d := passed["n"] - passed["w3"]; d < 500*time.Millisecond && d > -500*time.Millisecond {
+			t.Fatalf("w3 and n passed %v apart against rate 1 per second (burst 1): %v", d, passed)
+		}
+	})
+}
+
+// TestRateLimitDenyCacheCostlier: a rejection in the deny cache answers only
+// requests of its own cost. Before, a costlier request got the cheaper
+// one's Retry-After, earlier than the moment it could pass; and a rejected
+// request reported r=0 although quota remained (less than its cost).
+func TestRateLimitDenyCacheCostlier(t *testing.T) {
+	t.Parallel()
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		mk := func() *RedisRateLimit {
+			return newRL(func(h *RedisRateLimit) {
+				h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(4 * time.Second)}}
+				h.Cost = "{http.request.header.X-Cost}"
+			})
+		}
+		cost := func(c int) func(*http.Request, *caddy.Replacer) {
+			return func(req *http.Request, _ *caddy.Replacer) { req.Header.Set("X-Cost", strconv.Itoa(c)) }
+		}
+		h, ip := mk(), "192.0.2.10"
+		if algo == algoSliding {
+			// The log's oldest slot leaves first: one unit back after 2.5s,
+			// all four only after 4s.
+			if a := serveRL(h, ip, cost(1)); !a.passed {
+				t.Fatal("first request rejected")
+			}
+			time.Sleep(1500 * time.Millisecond)
+			if a := serveRL(h, ip, cost(3)); !a.passed {
+				t.Fatal("second request rejected")
+			}
+		} else if a := serveRL(h, ip, cost(4)); !a.passed { // gcra: a unit back each second
+			t.Fatal("first request rejected")
+		}
+		if a := serveRL(h, ip, cost(1)); a.passed { // rejected: into the deny cache
+			t.Fatal("a fifth unit admitted against rate 4 per 4s")
+		}
+		b := serveRL(h, ip, cost(4))
+		c := serveRL(mk(), ip, cost(4)) // a handler without that cache entry: Redis answers
+		if b.passed || c.passed {
+			t.Fatalf("cost 4 with no quota left admitted: %v %v", b.passed, c.passed)
+		}
+		if b.retryAfter() < c.retryAfter() {
+			t.Fatalf("cost 4 got Retry-After %d; Redis says %d", b.retryAfter(), c.retryAfter())
+		}
+		if _, rem, _ := rlState(t, c); rem != 0 {
+			t.Fatalf("remaining %d with the whole quota used, want 0", rem)
+		}
+	})
+	// Remaining quota on a rejection: 1 unit left, a request of cost 3.
+	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+		h := newRL(func(h *RedisRateLimit) {
+			h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(10 * time.Second)}}
+			h.Cost = "{http.request.header.X-Cost}"
+		})
+		cost := func(c int) func(*http.Request, *caddy.Replacer) {
+			return func(req *http.Request, _ *caddy.Replacer) { req.Header.Set("X-Cost", strconv.Itoa(c)) }
+		}
+		serveRL(h, "192.0.2.11", cost(3))
+		for i := 0; i < 2; i++ { // from Redis, then from the deny cache
+			b := serveRL(h, "192.0.2.11", cost(3))
+			if _, rem, _ := rlState(t, b); b.passed || rem != 1 {
+				t.Fatalf("cost 3 with 1 left (answer %d): passed=%v remaining %d, want rejected with 1", i, b.passed, rem)
+			}
+		}
+		if c := serveRL(h, "192.0.2.11", cost(1)); !c.passed {
+			t.Fatal("the unit left was not admitted")
 		}
 	})
 }

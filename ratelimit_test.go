@@ -482,9 +482,16 @@ func TestRateLimitDenyCacheBounded(t *testing.T) {
 			t.Fatalf("cache holds %d entries, cap 100", c.len())
 		}
 	}
-	c.put("x", denyEntry{until: now.Add(time.Second)}, now)
+	c.put("x", denyEntry{until: now.Add(time.Second), cost: 1}, now)
 	if _, ok := c.get("x", now.Add(999*time.Millisecond), 1); !ok {
 		t.Fatal("entry missing before its moment")
+	}
+	// Another cost asks Redis: a cheaper request may pass, a costlier one
+	// passes later than the entry's Retry-After.
+	for _, cost := range []int64{2, 0} {
+		if _, ok := c.get("x", now.Add(500*time.Millisecond), cost); ok {
+			t.Fatalf("an entry for cost 1 answered a request of cost %d", cost)
+		}
 	}
 	if _, ok := c.get("x", now.Add(time.Second), 1); ok {
 		t.Fatal("entry answered at its moment")

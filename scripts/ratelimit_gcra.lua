@@ -19,7 +19,11 @@
 --
 -- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
 -- else minus the µs until it would be admitted; A (0 when rejected); then for
--- each rate: remaining quota, µs until it grows (0 = full). In a batch, a
+-- each rate: remaining quota (also when this request costs more than it),
+-- µs until it grows (0 = full; for a rate that rejects the request, until
+-- the request would pass), and the TAT this admission wrote, in whole µs
+-- (0 when rejected), by which ratelimit_gcra_return.lua knows whether a
+-- later admission came after it. In a batch, a
 -- decision that fails (a key of another type, a value that is not a TAT)
 -- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
 -- rate's TAT, and the others still run; alone in its call (D = 1), it fails
@@ -79,37 +83,38 @@ local function decide()
 		out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
 	end
 	for i = 1, r do
-		local tat, ui = tats[i], u[i]
-		if not admit and ats[i] - now > maxwait then
-			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, ceil(ats[i] - now)
+		local tat, ui, p = tats[i], u[i], o + 3 * i
+		if admit then
+			if A > tat then
+				tat = A
+			end
+			tat = tat + cost * ui
+			-- The state matters until the TAT is in the past. Whole
+			-- numbers are formatted as integers (a double's %.17g
+			-- costs Redis several times more).
+			local v = tat
+			if tat == floor(tat) then
+				v = fmt('%d', tat)
+			end
+			wrote = true
+			redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', ceil(tat / 1000)))
+			out[p + 2] = floor(tat)
 		else
-			if admit then
-				if A > tat then
-					tat = A
-				end
-				tat = tat + cost * ui
-				-- The state matters until the TAT is in the past. Whole
-				-- numbers are formatted as integers (a double's %.17g
-				-- costs Redis several times more).
-				local v = tat
-				if tat == floor(tat) then
-					v = fmt('%d', tat)
-				end
-				wrote = true
-				redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', ceil(tat / 1000)))
-			end
-			local debt = tat - now
-			-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
-			local rem = floor((tau[i] - debt + 0.5) / ui)
-			if rem < 0 then
-				rem = 0
-			end
-			out[o + 1 + 2 * i] = rem
-			if rem >= burst[i] then
-				out[o + 2 + 2 * i] = 0
-			else
-				out[o + 2 + 2 * i] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
-			end
+			out[p + 2] = 0
+		end
+		local debt = tat - now
+		-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
+		local rem = floor((tau[i] - debt + 0.5) / ui)
+		if rem < 0 then
+			rem = 0
+		end
+		out[p] = rem
+		if not admit and ats[i] - now > maxwait then
+			out[p + 1] = ceil(ats[i] - now)
+		elseif rem >= burst[i] then
+			out[p + 1] = 0
+		else
+			out[p + 1] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
 		end
 	end
 end
@@ -125,9 +130,9 @@ for d = 1, D do
 	elseif not pcall(decide) then
 		out[o + 1], out[o + 2] = wrote and -2305843009213693952 or -4611686018427387904, 0
 		for i = 1, R[set] do
-			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
+			out[o + 3 * i], out[o + 3 * i + 1], out[o + 3 * i + 2] = 0, 0, 0
 		end
 	end
-	o, k, now = o + 2 + 2 * R[set], k + R[set], now + 1
+	o, k, now = o + 2 + 3 * R[set], k + R[set], now + 1
 end
 return out

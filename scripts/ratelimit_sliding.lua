@@ -36,7 +36,9 @@
 --
 -- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
 -- else minus the µs until it would be admitted; T (0 when rejected); then
--- for each rate: remaining quota, µs until it grows (0 = full). In a batch,
+-- for each rate: remaining quota (also when this request costs more than
+-- it), µs until it grows (0 = full; for a rate that rejects the request,
+-- until the request would pass). In a batch,
 -- a decision that fails (a key of another type, a value that is not a log)
 -- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
 -- rate's log, and the others still run; alone in its call (D = 1), it fails
@@ -132,9 +134,7 @@ local function decide()
 	end
 	for i = 1, r do
 		local key, n, w, v, pos = KEYS[k + i], ns[i], ws[i], V[i], POS[i]
-		if not admit and AT[i] - now > maxwait then
-			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, AT[i] - now
-		else
+		do
 			-- Find the first slot at or after now - w: step on from the
 			-- hint a few times, else binary search the rest of the ring.
 			local thr = now - w
@@ -214,8 +214,13 @@ local function decide()
 				inwin = inwin + cost
 				first = first or T
 			end
+			-- The quota left (also when this request costs more), and when
+			-- it grows; for a rate that rejects the request, when the
+			-- request would pass.
 			out[o + 1 + 2 * i] = max(0, n - inwin)
-			if first then
+			if not admit and AT[i] - now > maxwait then
+				out[o + 2 + 2 * i] = AT[i] - now
+			elseif first then
 				out[o + 2 + 2 * i] = first + w + 1 - now
 			else
 				out[o + 2 + 2 * i] = 0
