@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"strconv"
@@ -439,6 +440,13 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence), zap.Duration("waited", waited))
 	}
 
+	var rec *recorder
+	if h.Replay > 0 {
+		rec = newRecorder(w, h.ReplayMax)
+		w = rec
+	}
+	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+
 	reqCtx, cancel := context.WithCancelCause(r.Context())
 	var lost atomic.Bool
 	onLost := func(cause error) {
@@ -447,17 +455,13 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		h.logger.Error("lock lease lost while the request ran",
 			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.fence), zap.Error(cause))
 		if h.OnLost == "cancel" {
+			// A response not started yet never starts: the next handler's
+			// writes are dropped, and the client gets 503.
+			rw.refuse()
 			cancel(cause)
 		}
 	}
 	keep := lease.keep(*h.AutoExtend, time.Duration(h.MaxHold), onLost)
-
-	var rec *recorder
-	if h.Replay > 0 {
-		rec = newRecorder(w, h.ReplayMax)
-		w = rec
-	}
-	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
 	completed := false // next returned (did not panic)
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
@@ -474,35 +478,96 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
 			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence))
 		}
-		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.started.Load() {
+		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
 		}
 	}()
 	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
 	completed = true
-	if err != nil && lost.Load() && h.OnLost == "cancel" && !rw.started.Load() {
+	if err != nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
 	return err
 }
 
-// startedWriter records whether the response has started.
+// startedWriter records whether the response has started, and once the
+// lease is lost with on_lost cancel, lets no response start any more (a
+// next handler that ignores its context must not answer without the lock).
 type startedWriter struct {
 	*caddyhttp.ResponseWriterWrapper
-	started atomic.Bool
+	mu      sync.Mutex
+	started bool
+	refused bool
+}
+
+// begin marks the response started; false when it may not start.
+func (w *startedWriter) begin() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.refused {
+		return false
+	}
+	w.started = true
+	return true
+}
+
+// refuse lets no response start from now on (one already started goes on).
+func (w *startedWriter) refuse() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.refused = !w.started
+}
+
+func (w *startedWriter) hasStarted() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.started
 }
 
 func (w *startedWriter) WriteHeader(code int) {
 	if code >= 200 || code == http.StatusSwitchingProtocols {
-		w.started.Store(true)
+		if !w.begin() {
+			return
+		}
+	} else if w.isRefused() {
+		return // no informational answer either
 	}
 	w.ResponseWriterWrapper.WriteHeader(code)
 }
 
+func (w *startedWriter) isRefused() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.refused
+}
+
 func (w *startedWriter) Write(b []byte) (int, error) {
-	w.started.Store(true)
+	if !w.begin() {
+		return 0, ErrLeaseLost
+	}
 	return w.ResponseWriterWrapper.Write(b)
 }
+
+// ReadFrom (io.Copy, file_server) starts the response too.
+func (w *startedWriter) ReadFrom(r io.Reader) (int64, error) {
+	if !w.begin() {
+		return 0, ErrLeaseLost
+	}
+	return w.ResponseWriterWrapper.ReadFrom(r)
+}
+
+// FlushError (http.ResponseController's Flush, Flush before any write
+// sends the header): starts the response.
+func (w *startedWriter) FlushError() error {
+	if !w.begin() {
+		return ErrLeaseLost
+	}
+	return http.NewResponseController(w.ResponseWriterWrapper.ResponseWriter).Flush()
+}
+
+// Flush is http.Flusher (handlers that assert it, such as reverse_proxy's
+// streaming, rather than use a ResponseController).
+func (w *startedWriter) Flush() { _ = w.FlushError() }
 
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
 	"strings"
@@ -809,5 +810,56 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 	b = &busyError{err: ErrNotObtained, leaseLeft: 60 * time.Second, ahead: 2}
 	if est := h.estimateFree(b); est < 4*time.Second || est > 7*time.Second {
 		t.Errorf("2 queued ahead of ~1.5s holds: estimate %s, want about 4.5s", est)
+	}
+}
+
+// TestOnLostCancelNoAnswerWithoutTheLock: with on_lost cancel, a next
+// handler that ignores its context (respond, file_server, a slow template)
+// and writes after the lease was lost does not answer the client: its
+// writes are dropped and the client gets 503, whichever way it writes (a
+// header and a body, io.Copy through ReadFrom, a flush). Before, it went
+// out as 200, produced without the lock.
+func TestOnLostCancelNoAnswerWithoutTheLock(t *testing.T) {
+	t.Parallel()
+	writes := map[string]func(w http.ResponseWriter){
+		"write": func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusOK)
+			_, _ = w.Write([]byte("written without the lock"))
+		},
+		"readfrom": func(w http.ResponseWriter) { _, _ = io.Copy(w, strings.NewReader("written without the lock")) },
+		"flush":    func(w http.ResponseWriter) { _ = http.NewResponseController(w).Flush() },
+	}
+	for name, write := range writes {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			entered := make(chan struct{})
+			up := func(w http.ResponseWriter, req *http.Request) error {
+				close(entered)
+				<-req.Context().Done() // the loss cancels it; the handler goes on anyway
+				write(w)
+				return nil
+			}
+			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"300ms","on_lost":"cancel"}`, r.Addr))
+			srv := handlerServer(t, h, up)
+			type answer struct {
+				resp *http.Response
+				body string
+			}
+			done := make(chan answer, 1)
+			go func() { resp, b := get(t, srv.URL+"/l"); done <- answer{resp, b} }()
+			<-entered
+			if err := r.Client().Del(context.Background(), storedKey(h.Prefix, "/l")).Err(); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case a := <-done:
+				if a.resp == nil || a.resp.StatusCode != http.StatusServiceUnavailable || strings.Contains(a.body, "without the lock") {
+					t.Fatalf("after the lease was lost with on_lost cancel: %v %q, want 503", a.resp, a.body)
+				}
+			case <-time.After(10 * time.Second):
+				t.Fatal("no answer")
+			}
+		})
 	}
 }
