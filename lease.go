@@ -148,7 +148,7 @@ func (ls *lease) dropRefs() {
 // takes over the Redis lease and the next reserved fencing token, with no
 // Redis call. It reports false when the lease must be released in Redis
 // instead (no tokens left and no renewal, lost, too little validity left,
-// nobody waiting).
+// nobody waiting, or a waiter of another local queue sharing a key).
 func (ls *lease) handOff() bool {
 	if ls.lost.Load() || ls.q == nil {
 		return false
@@ -169,6 +169,12 @@ func (ls *lease) handOff() bool {
 		ls.setUntil(r.until)
 	}
 	if ls.Valid() < ls.l.opts.TTL/2 {
+		return false
+	}
+	if ls.l.dom.othersWaiting(ls.q) {
+		// A waiter of another local queue wants one of these keys (e.g.
+		// {a,b} behind a chain of {a}): release in Redis, which wakes it,
+		// or the chain would renew itself past it for ever.
 		return false
 	}
 	q := ls.q

@@ -104,6 +104,27 @@ func (d *domain) putQueue(q *keyQueue) {
 	}
 }
 
+// othersWaiting reports whether another local queue that shares a key with
+// q has waiters (a request for keys {a,b} while q is {a}).
+func (d *domain) othersWaiting(q *keyQueue) bool {
+	d.mu.Lock()
+	var qs []*keyQueue
+	for _, w := range q.wakeIDs {
+		for o := range d.byWake[w] {
+			if o != q {
+				qs = append(qs, o)
+			}
+		}
+	}
+	d.mu.Unlock()
+	for _, o := range qs {
+		if o.waiting() > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // wakeKeys wakes the head waiter of every local queue that involves one of
 // keys (a release here).
 func (d *domain) wakeKeys(keys []string) {

@@ -755,3 +755,49 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 		t.Errorf("the split waiter got the lock %s after the release; its backoff is 15s, so it ignored the wake-up", el)
 	}
 }
+
+// TestMultiKeyWaiterNotStarvedByLocalChain: a request for keys {a,b} that
+// waits behind a steady stream of requests for {a} in the same instance
+// gets its turn. Before, the {a} holders handed the lease on locally and
+// renewed their block of tokens (no other instance waited), so a was never
+// released in Redis and the {a,b} waiter timed out.
+func TestMultiKeyWaiterNotStarvedByLocalChain(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K1}","{http.request.header.K2}"],"wait":"10s","ttl":"5s"}`, r.Addr))
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		time.Sleep(5 * time.Millisecond)
+		return nil
+	})
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var served atomic.Int64
+	for i := 0; i < 4; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				if resp, _ := get(t, srv.URL+"/", "K1", "a", "K2", "a"); resp != nil && resp.StatusCode == 200 {
+					served.Add(1)
+				}
+			}
+		}()
+	}
+	defer func() { close(stop); wg.Wait() }()
+	if !waitFor(10*time.Second, func() bool { return served.Load() >= 20 }) {
+		t.Fatal("the {a} stream did not get going")
+	}
+	start := time.Now()
+	resp, body := get(t, srv.URL+"/", "K1", "a", "K2", "b")
+	if resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("{a,b} request behind a stream of {a}: %v %q after %v, want 200", resp, body, time.Since(start))
+	}
+	if n := served.Load(); n < 20 {
+		t.Fatalf("only %d {a} requests served", n)
+	}
+}
