@@ -103,3 +103,28 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 		})
 	}
 }
+
+// TestDeadTokensOutliveShorterUndos: the dead-token set lives as long as
+// its longest-lived token: handlers with other ttls may share a key, and
+// an undo of the shorter one must not cut the other's mark short.
+func TestDeadTokensOutliveShorterUndos(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	ctx := context.Background()
+	c := r.Client()
+	key := "caddy:lock:{x}"
+	keys := []string{key, fenceKey(key), replayKey(key), waitqKey(key), deadKey(key)}
+	for _, undo := range []struct {
+		token string
+		ttlMs int64
+	}{{"A", 300000}, {"B", 1000}} { // ttl 5m, then 1s
+		if err := releaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+releaseGiveUpExtra.Milliseconds()).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	until := c.ZScore(ctx, deadKey(key), "A").Val()
+	left := time.Duration(int64(until)-c.Time(ctx).Val().UnixMilli()) * time.Millisecond
+	if pttl := c.PTTL(ctx, deadKey(key)).Val(); pttl < left-time.Second {
+		t.Fatalf("token A must stay dead %v more, but the set expires in %v", left.Round(time.Second), pttl.Round(time.Second))
+	}
+}

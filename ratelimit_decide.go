@@ -89,12 +89,24 @@ func parseDecision(vals []int64, nrates, per int) (decision, error) {
 	} else {
 		d.wait = time.Duration(-vals[0]) * time.Microsecond
 	}
-	// The tightest rate: the least remaining, then the longest until it grows.
+	// The tightest rate: the least remaining, then the longest until it
+	// grows; of a rejected request, among the rates that reject it (their
+	// remaining comes as -(remaining+1)).
 	for i := 0; i < nrates; i++ {
 		rem, reset := vals[2+per*i], time.Duration(vals[3+per*i])*time.Microsecond
+		rejects := rem < 0
+		if rejects {
+			rem = -rem - 1
+		}
+		if !d.allowed && !rejects {
+			continue
+		}
 		if d.tight < 0 || rem < d.remaining || rem == d.remaining && reset > d.reset {
 			d.tight, d.remaining, d.reset = i, rem, reset
 		}
+	}
+	if d.tight < 0 {
+		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v (rejected by no rate)", vals)
 	}
 	return d, nil
 }

@@ -303,3 +303,30 @@ func TestScriptCallsNeverResent(t *testing.T) {
 type processorFunc func(context.Context, redis.Cmder) error
 
 func (f processorFunc) Process(ctx context.Context, c redis.Cmder) error { return f(ctx, c) }
+
+// TestRejectionNamesARejectingRate: the RateLimit field of a rejected
+// request names a rate that rejects it. r0 (10 per 1s, none left, grows in
+// 0.1s) would admit within the hold of 0.5s; r1 (6 per 1h, 2 left) rejects
+// a request of cost 3 for about 10 minutes. Once a rejecting rate reported
+// its real remaining quota, the "least remaining" choice named r0.
+func TestRejectionNamesARejectingRate(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	ctx := context.Background()
+	c := r.Client()
+	now := c.Time(ctx).Val().UnixMicro()
+	k0, k1 := "rl:{x}:r0", "rl:{x}:r1"
+	c.Set(ctx, k0, fmt.Sprint(now+1_000_000), time.Hour)
+	c.Set(ctx, k1, fmt.Sprint(now+2_400_000_000), time.Hour)
+	res, err := decideOnce(ctx, c, gcraScript, []string{k0, k1}, 3, 500000, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := parseDecision(res, 2, decisionScripts[gcraScript])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.allowed || d.tight != 1 || d.remaining != 2 || d.reset < 9*time.Minute {
+		t.Fatalf("answer %v: allowed=%v tight=r%d remaining %d reset %v, want rejected by r1 with 2 left for about 10 minutes", res, d.allowed, d.tight, d.remaining, d.reset)
+	}
+}

@@ -224,6 +224,11 @@ func TestRateLimitSlidingScriptMatchesReference(t *testing.T) {
 			rb = []int64{1, res[0]}
 		}
 		rb = append(rb, res[2:]...)
+		for i := range ns {
+			if rb[2+2*i] < 0 { // a rate that rejects: -(remaining+1)
+				rb[2+2*i] = -rb[2+2*i] - 1
+			}
+		}
 		what := func() string {
 			return fmt.Sprintf("round %d, n %v, pos %v: reference %v, script %v", round, ns, poss, ra, rb)
 		}

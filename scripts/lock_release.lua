@@ -24,7 +24,10 @@ if dead > 0 then
 	local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 	redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now)
 	redis.call('ZADD', KEYS[5], now + dead, ARGV[1])
-	redis.call('PEXPIRE', KEYS[5], dead)
+	-- The set lives as long as its longest-lived token (handlers with
+	-- other ttls may share the key).
+	local last = redis.call('ZRANGE', KEYS[5], -1, -1, 'WITHSCORES')
+	redis.call('PEXPIREAT', KEYS[5], tonumber(last[2]))
 end
 local raise = tonumber(ARGV[4])
 if raise > 0 then

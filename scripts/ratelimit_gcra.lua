@@ -19,9 +19,10 @@
 --
 -- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
 -- else minus the µs until it would be admitted; A (0 when rejected); then for
--- each rate: remaining quota (also when this request costs more than it),
--- µs until it grows (0 = full; for a rate that rejects the request, until
--- the request would pass), and the TAT this admission wrote, in whole µs
+-- each rate: remaining quota (also when this request costs more than it;
+-- -(remaining+1) for a rate that rejects the request), µs until it grows
+-- (0 = full; for a rate that rejects the request, until it would pass),
+-- and the TAT this admission wrote, in whole µs
 -- (0 when rejected), by which ratelimit_gcra_return.lua knows whether a
 -- later admission came after it. In a batch, a
 -- decision that fails (a key of another type, a value that is not a TAT)
@@ -110,7 +111,9 @@ local function decide()
 		end
 		out[p] = rem
 		if not admit and ats[i] - now > maxwait then
-			out[p + 1] = ceil(ats[i] - now)
+			-- A rate that rejects: its quota as -(rem+1), so the caller
+			-- reports a rejecting rate in the RateLimit field.
+			out[p], out[p + 1] = -rem - 1, ceil(ats[i] - now)
 		elseif rem >= burst[i] then
 			out[p + 1] = 0
 		else

@@ -37,8 +37,9 @@
 -- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
 -- else minus the µs until it would be admitted; T (0 when rejected); then
 -- for each rate: remaining quota (also when this request costs more than
--- it), µs until it grows (0 = full; for a rate that rejects the request,
--- until the request would pass). In a batch,
+-- it; -(remaining+1) for a rate that rejects the request), µs until it
+-- grows (0 = full; for a rate that rejects the request, until it would
+-- pass). In a batch,
 -- a decision that fails (a key of another type, a value that is not a log)
 -- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
 -- rate's log, and the others still run; alone in its call (D = 1), it fails
@@ -219,7 +220,9 @@ local function decide()
 			-- request would pass.
 			out[o + 1 + 2 * i] = max(0, n - inwin)
 			if not admit and AT[i] - now > maxwait then
-				out[o + 2 + 2 * i] = AT[i] - now
+				-- A rate that rejects: its quota as -(rem+1), so the
+				-- caller reports a rejecting rate in the RateLimit field.
+				out[o + 1 + 2 * i], out[o + 2 + 2 * i] = -max(0, n - inwin) - 1, AT[i] - now
 			elseif first then
 				out[o + 2 + 2 * i] = first + w + 1 - now
 			else
