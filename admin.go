@@ -63,6 +63,14 @@ type adminEntry struct {
 	servers []string // display forms, without user info
 }
 
+// serverName is the display form of server i ("" when unknown).
+func (e *adminEntry) serverName(i int) string {
+	if i < len(e.servers) {
+		return e.servers[i]
+	}
+	return ""
+}
+
 func (e *adminEntry) kind() string {
 	if e.lock != nil {
 		return "redis_lock"
@@ -263,12 +271,12 @@ func (a *AdminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	switch {
 	case release:
 		if r.Method == http.MethodPost {
-			return releaseLock(w, r, e.lock, key)
+			return releaseLock(w, r, e, key)
 		}
 		allowed = "POST"
 	case e.lock != nil:
 		if r.Method == http.MethodGet {
-			return inspectLock(w, r, e.lock, key)
+			return inspectLock(w, r, e, key)
 		}
 		allowed = "GET (POST .../release frees the lock)"
 	case r.Method == http.MethodGet:

@@ -1,6 +1,7 @@
 package redisdlm
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/redis/go-redis/v9"
 )
 
 // adminCall sends one request to Caddy's admin endpoint and decodes the
@@ -609,11 +611,15 @@ func TestAdminOnCluster(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		status, body := call("GET", key, func(w http.ResponseWriter, r *http.Request) error { return inspectLock(w, r, h, key) })
+		status, body := call("GET", key, func(w http.ResponseWriter, r *http.Request) error {
+			return inspectLock(w, r, &adminEntry{lock: h}, key)
+		})
 		if status != 200 || !strings.Contains(body, `"holder_count": 1`) || !strings.Contains(body, `"held": true`) {
 			t.Errorf("inspect %s on a cluster: %d %s", key, status, body)
 		}
-		status, body = call("POST", key, func(w http.ResponseWriter, r *http.Request) error { return releaseLock(w, r, h, key) })
+		status, body = call("POST", key, func(w http.ResponseWriter, r *http.Request) error {
+			return releaseLock(w, r, &adminEntry{lock: h}, key)
+		})
 		if status != 200 || !strings.Contains(body, `"holders_removed": 1`) {
 			t.Errorf("release %s on a cluster: %d %s", key, status, body)
 		}
@@ -662,7 +668,7 @@ func TestAdminLockReplayView(t *testing.T) {
 	inspect := func(key string) (map[string]any, string) {
 		t.Helper()
 		w := httptest.NewRecorder()
-		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), h, key); err != nil {
+		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), &adminEntry{lock: h}, key); err != nil {
 			t.Fatalf("inspect %s: %v", key, err)
 		}
 		var m map[string]any
@@ -701,4 +707,40 @@ func TestAdminLockReplayView(t *testing.T) {
 	if sv, body := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
 		t.Errorf("no replay: %s, want replay null and fencing counter 7", body)
 	}
+}
+
+// TestAdminInspectAcrossUnregister: an admin call that found its handler
+// just before a reload's Cleanup unregistered it still answers (with the
+// servers it found), and a panic inside the fan-out cannot take Caddy
+// down. Before, the servers were looked up again, came back empty, and the
+// index panicked in a goroutine, which ended the process.
+func TestAdminInspectAcrossUnregister(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"name":"inspect-unregister","timeout":"2s"}`, r.Addr))
+	rk := storedKey(h.Prefix, "k")
+	ls, err := h.locker.Acquire(t.Context(), []string{rk})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ls.release()
+	var e *adminEntry // what findHandler found, just before the Cleanup
+	adminRegistry.mu.Lock()
+	for _, x := range adminRegistry.entries {
+		if x.lock == h {
+			e = x
+		}
+	}
+	adminRegistry.mu.Unlock()
+	if e == nil || len(e.servers) != 1 {
+		t.Fatalf("handler not registered: %+v", e)
+	}
+	adminUnregister(h) // what the old config's Cleanup does first
+	w := httptest.NewRecorder()
+	if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), e, "k"); err != nil || !strings.Contains(w.Body.String(), `"held": true`) {
+		t.Fatalf("inspect after unregister: %v %s", err, w.Body.String())
+	}
+	fanOut(t.Context(), lockClients(h), time.Second, func(ctx context.Context, i int, c redis.UniversalClient) {
+		panic("a bug in one call")
+	})
 }

@@ -116,6 +116,7 @@ func fanOut(ctx context.Context, clients []redis.UniversalClient, timeout time.D
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			defer func() { _ = recover() }() // an admin call never takes Caddy down; its slot stays empty
 			cctx, cancel := context.WithTimeout(ctx, timeout)
 			defer cancel()
 			f(cctx, i, c)
@@ -139,7 +140,8 @@ func handlerRef(name string) string {
 	return "(unnamed)"
 }
 
-func inspectLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key string) error {
+func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
+	h := e.lock
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty lock key")
 	}
@@ -148,12 +150,11 @@ func inspectLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key strin
 	v.WaitersHere, v.HeldHere = lockLocal(h, rk)
 	clients := lockClients(h)
 	v.Servers = make([]lockServerView, len(clients))
-	servers := adminServers(h)
 	found := v.WaitersHere > 0 || v.HeldHere > 0
 	var mu sync.Mutex
 	withHolders := 0
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		sv := lockServerView{Server: servers[i], Holders: []holderView{}}
+		sv := lockServerView{Server: e.serverName(i), Holders: []holderView{}}
 		res, err := adminLockInspectScript.Run(ctx, c,
 			[]string{rk, fenceKey(rk), waitqKey(rk), replayKey(rk)}, lockInstanceID(h)).Slice()
 		if err == nil {
@@ -235,29 +236,17 @@ func newReplayView(typ, head string, size int64) *replayView {
 	return rv
 }
 
-// adminServers returns the display names of a handler's servers.
-func adminServers(h any) []string {
-	adminRegistry.mu.Lock()
-	defer adminRegistry.mu.Unlock()
-	for _, e := range adminRegistry.entries {
-		if (e.lock != nil && any(e.lock) == h) || (e.limit != nil && any(e.limit) == h) {
-			return e.servers
-		}
-	}
-	return nil
-}
-
 // releaseLock force-releases every holder of a lock key on every server
 // and wakes the key's waiters in every instance. An old holder's next
 // extension then finds its lease lost (the key's fencing counter is still
 // there, so no extension re-creates the lease) and on_lost applies.
-func releaseLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key string) error {
+func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
+	h := e.lock
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := storedKey(h.Prefix, key)
 	clients := lockClients(h)
-	servers := adminServers(h)
 	removed := make([]int64, len(clients))
 	errs := make([]string, len(clients))
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
@@ -286,7 +275,7 @@ func releaseLock(w http.ResponseWriter, r *http.Request, h *RedisLock, key strin
 		if errs[i] != "" {
 			failed++
 		}
-		out.Servers = append(out.Servers, serverResult{Server: servers[i], Removed: removed[i], Error: errs[i]})
+		out.Servers = append(out.Servers, serverResult{Server: e.serverName(i), Removed: removed[i], Error: errs[i]})
 	}
 	if total == 0 {
 		if failed > 0 {
