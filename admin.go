@@ -16,6 +16,7 @@ package redisdlm
 // ratelimit_inspect.go.
 
 import (
+	"bytes"
 	_ "embed"
 	"encoding/json"
 	"errors"
@@ -129,13 +130,44 @@ func adminRegister(ctx caddy.Context, h any) error {
 	defer adminRegistry.mu.Unlock()
 	if name != "" {
 		for _, o := range adminRegistry.entries {
-			if o.cfg == e.cfg && o.kind() == e.kind() && o.name() == name {
+			if o.cfg == e.cfg && o.kind() == e.kind() && o.name() == name && (o.server == e.server || !sameConfig(o, e)) {
 				return fmt.Errorf("%s: name: %q is already the name of another %s handler in this config", e.kind(), name, e.kind())
 			}
 		}
 	}
 	adminRegistry.entries = append(adminRegistry.entries, e)
 	return nil
+}
+
+// sameConfig reports whether two handlers have the same configuration: a
+// site block that listens on several addresses becomes several HTTP
+// servers, each with its own copy of the handler, which keep its one name
+// (they share their Redis state; the first answers for them).
+func sameConfig(a, b *adminEntry) bool {
+	ja, errA := json.Marshal(a.handler())
+	jb, errB := json.Marshal(b.handler())
+	return errA == nil && errB == nil && bytes.Equal(ja, jb)
+}
+
+func (e *adminEntry) handler() any {
+	if e.lock != nil {
+		return e.lock
+	}
+	return e.limit
+}
+
+// copies lists the running handlers of e's kind and name (e first).
+func copies(e *adminEntry) []*RedisRateLimit {
+	out := []*RedisRateLimit{e.limit}
+	if e.name() == "" {
+		return out
+	}
+	for _, o := range runningHandlers() {
+		if o != e && o.limit != nil && o.name() == e.name() {
+			out = append(out, o.limit)
+		}
+	}
+	return out
 }
 
 // adminUnregister forgets a handler (its Cleanup); it is a no-op for a
@@ -282,7 +314,7 @@ func (a *AdminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	case r.Method == http.MethodGet:
 		return inspectQuota(w, r, e.limit, key)
 	case r.Method == http.MethodDelete:
-		return resetQuota(w, r, e.limit, key)
+		return resetQuota(w, r, e.limit, copies(e), key)
 	}
 	return adminError(http.StatusMethodNotAllowed, "method %s not allowed; use %s", r.Method, allowed)
 }

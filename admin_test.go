@@ -528,6 +528,17 @@ func TestHandlerNames(t *testing.T) {
 	if err := validate(site(lock("/a", "same") + limit("/a", "same"))); err != nil {
 		t.Errorf("a lock and a limit of one name: %v", err)
 	}
+	// One site on two ports is two HTTP servers, each with a copy of the
+	// handler: its one name is fine (the copies are the same handler).
+	twoPorts := "127.0.0.1:18201, 127.0.0.1:18202 {\n" + lock("/a", "jobs") + limit("/b", "api") + "respond ok\n}\n"
+	if err := validate(twoPorts); err != nil {
+		t.Errorf("a named lock and limit in a site on two ports: %v", err)
+	}
+	// Different handlers of one name in two servers are still an error.
+	twoSites := "127.0.0.1:18203 {\n" + lock("/a", "jobs") + "respond ok\n}\n127.0.0.1:18204 {\n" + lock("/other", "jobs") + "redis_lock /x {\n ttl 7s\n name jobs2\n redis " + r.Addr + "\n}\nrespond ok\n}\n"
+	if err := validate(strings.Replace(twoSites, "redis_lock /other {\n name jobs\n", "redis_lock /other {\n name jobs\n ttl 9s\n", 1)); err == nil || !strings.Contains(err.Error(), `"jobs" is already`) {
+		t.Errorf("two different locks named jobs in two servers: %v", err)
+	}
 	// JSON bypasses the Caddyfile parser: Provision checks the name.
 	h := new(RedisLock)
 	_ = json.Unmarshal([]byte(fmt.Sprintf(`{"name":"007","redis":["%s"]}`, r.Addr)), h)
@@ -642,7 +653,7 @@ func TestAdminOnCluster(t *testing.T) {
 		if status != 200 || !strings.Contains(body, `"remaining": 2`) {
 			t.Errorf("quota of %s on a cluster: %d %s", id, status, body)
 		}
-		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error { return resetQuota(w, r, rl, id) })
+		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error { return resetQuota(w, r, rl, []*RedisRateLimit{rl}, id) })
 		if status != 200 {
 			t.Errorf("reset of %s on a cluster: %d %s", id, status, body)
 		}

@@ -11,6 +11,7 @@ import (
 	"math"
 	"net/http"
 	"strconv"
+	"strings"
 
 	"go.uber.org/zap"
 )
@@ -170,11 +171,16 @@ func peekGCRA(raw string, now float64, s rateSpec) (used, remaining int64, reset
 	return burst - rem, rem, reset
 }
 
-// forget drops a key from the deny cache.
+// forget drops a key from the deny cache, under every plan.
 func (c *denyCache) forget(id string) {
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	delete(c.m, id)
-	c.mu.Unlock()
+	for k := range c.m {
+		if strings.HasPrefix(k, id+"\x00") {
+			delete(c.m, k)
+		}
+	}
 }
 
 // quotaAnswer is GET and DELETE /redisdlm/limits/<handler>/<key>.
@@ -202,10 +208,12 @@ func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key
 	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: h.limitRedisKeys(id), Rates: views})
 }
 
-// resetQuota deletes every rate's state of a key, and forgets it in this
+// resetQuota deletes every rate's state of a key, and forgets it in the
+// deny caches of copies (h and the copies of the same named handler in
+// other HTTP servers of the config), in this
 // instance's deny cache (other instances' deny caches hold a rejected key
 // until the moment they last learned, at most that rate's wait).
-func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
+func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copies []*RedisRateLimit, key string) error {
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty rate limit key")
 	}
@@ -222,8 +230,10 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key s
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
 	n, err := h.client.client.Del(ctx, keys...).Result()
-	if h.deny != nil {
-		h.deny.forget(id)
+	for _, o := range copies {
+		if o.deny != nil {
+			o.deny.forget(id)
+		}
 	}
 	if err != nil {
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
