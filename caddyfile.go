@@ -491,6 +491,9 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 			c.Addresses = append(c.Addresses, args...)
 		} else {
 			c.Cluster = append(c.Cluster, args...)
+			if _, _, err := splitSeeds("cluster", c.Cluster); err != nil {
+				return true, d.Errf("%s: %v", dir, err)
+			}
 		}
 	case "sentinel":
 		args := d.RemainingArgs()
@@ -503,6 +506,9 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 			}
 		}
 		c.SentinelMaster, c.Sentinels = args[0], append(c.Sentinels, args[1:]...)
+		if _, _, err := splitSeeds("sentinel", c.Sentinels); err != nil {
+			return true, d.Errf("%s: %v", dir, err)
+		}
 	case "username", "password":
 		v, err := oneArg(d, dir)
 		if err != nil {

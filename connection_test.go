@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -51,8 +52,12 @@ var addressForms = []struct{ addr, reason string }{
 // shows a password.
 func TestAddressFormsAgree(t *testing.T) {
 	t.Parallel()
-	for _, f := range addressForms {
+	for _, form := range addressForms {
 		for _, sub := range []string{"redis", "cluster"} {
+			f := form
+			if sub == "cluster" && strings.HasSuffix(f.addr, "/2") {
+				f.reason = "supports only database 0" // a Cluster has db 0 only
+			}
 			var errs []string
 			check := func(what string, err error, wantPrefix string) {
 				if f.reason == "" {
@@ -317,5 +322,158 @@ func TestRedlockDuplicateServers(t *testing.T) {
 		if err := h.Validate(); err != nil {
 			t.Errorf("%s: %v, want a repeated seed accepted", cfg, err)
 		}
+	}
+}
+
+// TestSeedURLsResolve: the URLs of a cluster or sentinel list become
+// host:port addresses, their user, password, db, client name and scheme
+// become the connection's (the directive's user and password apply where
+// the URLs carry none), and URLs that disagree, or a cluster URL naming a
+// db other than 0, are refused naming the subdirective (and the Caddyfile
+// line), without the password.
+func TestSeedURLsResolve(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		name string
+		cfg  RedisConfig
+		want serverSettings
+	}{
+		{"cluster URLs", RedisConfig{Cluster: []string{"rediss://u:" + secretPW + "@h1:7000?client_name=c", "h2:7001", "rediss://u:" + secretPW + "@h3:7002/0?client_name=c"}, Password: "other"},
+			serverSettings{Mode: "cluster", Addrs: []string{"h1:7000", "h2:7001", "h3:7002"}, Username: "u", Password: secretPW, TLS: true, ClientName: "c"}},
+		{"cluster URLs without credentials", RedisConfig{Cluster: []string{"redis://h1:7000"}, Username: "du", Password: "dp"},
+			serverSettings{Mode: "cluster", Addrs: []string{"h1:7000"}, Username: "du", Password: "dp"}},
+		{"sentinel URLs", RedisConfig{SentinelMaster: "m", Sentinels: []string{"redis://:" + secretPW + "@s1:26379/3", "redis://:" + secretPW + "@s2:26379/3"}},
+			serverSettings{Mode: "sentinel", Master: "m", Addrs: []string{"s1:26379", "s2:26379"}, Password: secretPW, DB: 3}},
+	} {
+		if err := c.cfg.validate(true); err != nil {
+			t.Errorf("%s: validate: %v", c.name, err)
+			continue
+		}
+		got, err := c.cfg.resolve()
+		if err != nil || len(got) != 1 {
+			t.Errorf("%s: resolve: %v, %v", c.name, got, err)
+			continue
+		}
+		c.want.Timeout = DefaultTimeout
+		if g, w := fmt.Sprintf("%+v", got[0]), fmt.Sprintf("%+v", c.want); g != w {
+			t.Errorf("%s: resolved to\n%s, want\n%s", c.name, g, w)
+		}
+	}
+
+	for _, c := range []struct {
+		sub   string
+		addrs []string
+		want  string
+	}{
+		{"cluster", []string{"redis://:" + secretPW + "@h1:1", "redis://:other@h2:1"}, "differ in their password"},
+		{"cluster", []string{"redis://h1:1", "rediss://h2:1"}, "differ in their scheme"},
+		{"cluster", []string{"redis://a@h1:1", "h2:1", "redis://b@h3:1"}, "differ in their user"},
+		{"cluster", []string{"redis://:" + secretPW + "@h1:1/2"}, "supports only database 0"},
+		{"sentinel", []string{"redis://s1:1/1", "redis://s2:1/2"}, "differ in their db"},
+	} {
+		cfg := RedisConfig{Cluster: c.addrs}
+		src := "redis_ratelimit {\n\trate 1 1s\n\tcluster " + strings.Join(c.addrs, " ") + "\n}"
+		if c.sub == "sentinel" {
+			cfg = RedisConfig{SentinelMaster: "m", Sentinels: c.addrs}
+			src = "redis_ratelimit {\n\trate 1 1s\n\tsentinel m " + strings.Join(c.addrs, " ") + "\n}"
+		}
+		errs := []error{cfg.validate(false)}
+		_, err := cfg.resolve()
+		errs = append(errs, err)
+		for _, err := range errs {
+			if err == nil || !strings.HasPrefix(err.Error(), c.sub+": ") || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), secretPW) {
+				t.Errorf("%s %v: %v, want an error naming %s: and saying %q, without the password", c.sub, c.addrs, err, c.sub, c.want)
+			}
+		}
+		err = new(RedisRateLimit).UnmarshalCaddyfile(caddyfile.NewTestDispenser(src))
+		if err == nil || !strings.Contains(err.Error(), "redis_ratelimit: "+c.sub+": ") || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "Testfile:3") || strings.Contains(err.Error(), secretPW) {
+			t.Errorf("Caddyfile %q: %v, want an error naming redis_ratelimit: %s:, the line and %q", src, err, c.sub, c.want)
+		}
+	}
+}
+
+// TestClusterURLSeeds: a Cluster whose nodes need a password works with
+// redis:// seeds that carry it: the rate limiter counts exactly and a lock
+// is taken (go-redis was once handed the URLs as addresses and never
+// connected).
+func TestClusterURLSeeds(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	ctx := context.Background()
+	for _, r := range rs {
+		if err := r.Client().ConfigSet(ctx, "requirepass", secretPW).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seeds := []string{"redis://:" + secretPW + "@" + rs[0].Addr, "redis://:" + secretPW + "@" + rs[1].Addr + "/0"}
+	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
+		h.Addresses, h.Cluster = nil, seeds
+		h.FailClosed = true
+		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
+	})
+	rls := handlerServer(t, rl, okHandler)
+	ok := 0
+	for i := 0; i < 5; i++ {
+		resp, body := get(t, rls.URL+"/")
+		if resp != nil && resp.StatusCode == 200 {
+			ok++
+		} else if resp == nil || resp.StatusCode != http.StatusTooManyRequests {
+			t.Fatalf("rate limit on a cluster with URL seeds: %v %s", resp, body)
+		}
+	}
+	if ok != 3 {
+		t.Errorf("admitted %d of 5 with a limit of 3", ok)
+	}
+
+	list, _ := json.Marshal(seeds)
+	lock := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"3s"}`, list))
+	ls := handlerServer(t, lock, okHandler)
+	for i := 0; i < 3; i++ {
+		if resp, body := get(t, ls.URL+"/k"); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("lock on a cluster with URL seeds: %v %s", resp, body)
+		}
+	}
+	// The keys are in the cluster, behind its password.
+	keys := 0
+	for _, r := range rs {
+		c := redis.NewClient(&redis.Options{Addr: r.Addr, Password: secretPW})
+		n, err := c.DBSize(ctx).Result()
+		c.Close()
+		if err != nil {
+			t.Fatalf("DBSIZE on %s: %v", r.Addr, err)
+		}
+		keys += int(n)
+	}
+	if keys == 0 {
+		t.Error("no key in the cluster")
+	}
+}
+
+// TestSentinelURL: a sentinel given as a URL that carries the master's
+// password and db leads to the master, with that password and db.
+func TestSentinelURL(t *testing.T) {
+	t.Parallel()
+	master := startRedis(t)
+	sentinel := startSentinel(t, master)
+	ctx := context.Background()
+	sc := redis.NewSentinelClient(&redis.Options{Addr: sentinel})
+	defer sc.Close()
+	if err := sc.Set(ctx, "mymaster", "auth-pass", secretPW).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := master.Client().ConfigSet(ctx, "requirepass", secretPW).Err(); err != nil {
+		t.Fatal(err)
+	}
+	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["redis://:%s@%s/2"],"timeout":"3s"}`, secretPW, sentinel))
+	srv := handlerServer(t, h, okHandler)
+	for i := 0; i < 3; i++ {
+		if resp, body := get(t, srv.URL+"/s"); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("lock through a sentinel URL: %v %s", resp, body)
+		}
+	}
+	c := redis.NewClient(&redis.Options{Addr: master.Addr, Password: secretPW, DB: 2})
+	defer c.Close()
+	if v, _ := c.Get(ctx, fenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
+		t.Errorf("fencing counter in db 2 of the master is %d; the lock did not go there", v)
 	}
 }

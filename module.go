@@ -71,15 +71,22 @@ type RedisConfig struct {
 	// or 7); redis_ratelimit takes exactly one. Default: 127.0.0.1:6379.
 	Addresses []string `json:"redis,omitempty"`
 
-	// Seed addresses of one Redis Cluster, used instead of `redis`. Every
-	// script of this plugin touches keys of one hash slot only.
+	// Seed addresses of one Redis Cluster, used instead of `redis`, as
+	// `host:port` or `redis://` / `rediss://` URLs. A URL's user and
+	// password are the cluster's and win over Username and Password;
+	// `rediss://` turns TLS on; the URLs of the list must agree on them.
+	// Every script of this plugin touches keys of one hash slot only.
 	Cluster []string `json:"cluster,omitempty"`
 
 	// Name of the master monitored by Sentinel; used with `sentinels`
 	// instead of `redis`.
 	SentinelMaster string `json:"sentinel_master,omitempty"`
 
-	// Sentinel addresses (`host:port`) for SentinelMaster.
+	// Sentinel addresses for SentinelMaster, as `host:port` or `redis://` /
+	// `rediss://` URLs. A URL's user, password and db are the master's and
+	// win over Username, Password and DB (the sentinels are asked without a
+	// password); `rediss://` turns TLS on; the URLs of the list must agree
+	// on them.
 	Sentinels []string `json:"sentinels,omitempty"`
 
 	// Username for Redis ACL authentication. A username in a URL wins.
@@ -130,6 +137,9 @@ type serverSettings struct {
 	CertFile string        `json:"cert_file,omitempty"`
 	KeyFile  string        `json:"key_file,omitempty"`
 	Timeout  time.Duration `json:"timeout"`
+	// ClientName comes from the URLs of a cluster or sentinel list (a
+	// single server's URL is read in newClient).
+	ClientName string `json:"client_name,omitempty"`
 }
 
 // poolKey identifies identical settings; the password only enters as a hash.
@@ -331,6 +341,84 @@ func duplicateServerError(a, b string) error {
 	return fmt.Errorf("redis: %q and %q are the same Redis server %s (only host and port count, not the db); %s", redactURL(a), redactURL(b), id, why)
 }
 
+// seedURLs is what the URLs of a `cluster` or `sentinel` list carry
+// besides their addresses; one list names one logical Redis, so its URLs
+// must agree on it.
+type seedURLs struct {
+	username, password, clientName string
+	db                             int
+	tls                            bool
+	urls                           int // how many entries were URLs
+}
+
+// splitSeeds turns the entries of a `cluster` or `sentinel` list (sub
+// names it) into host:port addresses and returns what their URLs carry:
+// user, password, db, client name and TLS (rediss://). Entries that still
+// hold a placeholder are returned as they are and do not count. Its errors
+// never show a password.
+func splitSeeds(sub string, addrs []string) ([]string, seedURLs, error) {
+	var got seedURLs
+	first := ""
+	out := make([]string, len(addrs))
+	for i, a := range addrs {
+		out[i] = a
+		if hasPlaceholder(a) || !strings.Contains(a, "://") {
+			continue
+		}
+		o, err := redis.ParseURL(a)
+		if err != nil {
+			return nil, seedURLs{}, fmt.Errorf("%s: invalid redis URL %q", sub, redactURL(a))
+		}
+		out[i] = o.Addr
+		this := seedURLs{username: o.Username, password: o.Password, clientName: o.ClientName, db: o.DB, tls: o.TLSConfig != nil}
+		if got.urls == 0 {
+			got, first = this, a
+		} else if what := seedDiff(got, this); what != "" {
+			return nil, seedURLs{}, fmt.Errorf("%s: the URLs %q and %q differ in their %s; the URLs of one %s must carry the same user, password, db, client name and scheme", sub, redactURL(first), redactURL(a), what, sub)
+		}
+		got.urls++
+	}
+	if sub == "cluster" && got.db != 0 {
+		return nil, seedURLs{}, fmt.Errorf("cluster: %q names db %d, but Redis Cluster supports only database 0", redactURL(first), got.db)
+	}
+	return out, got, nil
+}
+
+// seedDiff names what two URLs of one list disagree on, or "".
+func seedDiff(a, b seedURLs) string {
+	switch {
+	case a.tls != b.tls:
+		return "scheme (redis:// or rediss://)"
+	case a.username != b.username:
+		return "user"
+	case a.password != b.password:
+		return "password"
+	case a.db != b.db:
+		return "db"
+	case a.clientName != b.clientName:
+		return "client name"
+	}
+	return ""
+}
+
+// apply puts what the URLs carry into s: their user and password win over
+// the directive's, so does a db other than 0, and rediss:// turns TLS on.
+func (u seedURLs) apply(s *serverSettings) {
+	if u.username != "" {
+		s.Username = u.username
+	}
+	if u.password != "" {
+		s.Password = u.password
+	}
+	if u.db != 0 {
+		s.DB = u.db
+	}
+	if u.tls {
+		s.TLS = true
+	}
+	s.ClientName = u.clientName
+}
+
 // validate checks the settings without dialing. allowRedlock accepts
 // several independent `redis` servers (redis_lock); otherwise exactly one
 // logical Redis is accepted (redis_ratelimit).
@@ -367,6 +455,12 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 				return err
 			}
 		}
+	}
+	if _, _, err := splitSeeds("cluster", c.Cluster); err != nil {
+		return err
+	}
+	if _, _, err := splitSeeds("sentinel", c.Sentinels); err != nil {
+		return err
 	}
 	if c.DB < 0 {
 		return fmt.Errorf("db: must not be negative, got %d", c.DB)
@@ -421,16 +515,26 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		if err != nil {
 			return nil, err
 		}
+		hostports, urls, err := splitSeeds("cluster", addrs)
+		if err != nil {
+			return nil, err
+		}
 		s := base
-		s.Mode, s.Addrs = "cluster", addrs
+		s.Mode, s.Addrs = "cluster", hostports
+		urls.apply(&s)
 		return []serverSettings{s}, nil
 	case len(c.Sentinels) > 0:
 		addrs, err := replAll(c.Sentinels)
 		if err != nil {
 			return nil, err
 		}
+		hostports, urls, err := splitSeeds("sentinel", addrs)
+		if err != nil {
+			return nil, err
+		}
 		s := base
-		s.Mode, s.Addrs, s.Master = "sentinel", addrs, repl.ReplaceAll(c.SentinelMaster, "")
+		s.Mode, s.Addrs, s.Master = "sentinel", hostports, repl.ReplaceAll(c.SentinelMaster, "")
+		urls.apply(&s)
 		return []serverSettings{s}, nil
 	}
 	list := c.Addresses
@@ -508,7 +612,7 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 	// The same settings in every mode.
 	u := &redis.UniversalOptions{
 		Addrs: s.Addrs, MasterName: s.Master, Username: s.Username, Password: s.Password,
-		DB: s.DB, TLSConfig: tlsConf,
+		DB: s.DB, TLSConfig: tlsConf, ClientName: s.ClientName,
 		DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
 		// Lock and limit scripts are not idempotent: never resend one.
 		MaxRetries: -1,
