@@ -364,9 +364,11 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			if !hasPlaceholder(v) {
-				if n, err := strconv.ParseInt(v, 10, 64); err != nil || n < 1 {
+				n, err := strconv.ParseInt(v, 10, 64)
+				if err != nil || n < 1 {
 					return d.Errf("%s: cost: want a whole number >= 1 or a placeholder, got %q", dir, v)
 				}
+				v = strconv.FormatInt(n, 10) // "007" and "+5" are not JSON numbers
 			}
 			h.Cost = IntOrPlaceholder(v)
 		case "count":

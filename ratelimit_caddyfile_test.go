@@ -270,3 +270,51 @@ func TestRateLimitDirectiveOrder(t *testing.T) {
 		last = i
 	}
 }
+
+// TestRateLimitCostNormalised: a literal cost that strconv reads but JSON
+// does not ("007", "+5") is adapted to a plain JSON number, and the config
+// validates; before, the raw text made the handler's JSON invalid, so the
+// adapter silently dropped the handler.
+func TestRateLimitCostNormalised(t *testing.T) {
+	t.Parallel()
+	adapter := caddyconfig.GetAdapter("caddyfile")
+	for _, c := range []struct{ cost, want string }{
+		{"007", "7"}, {"+5", "5"}, {"12", "12"}, {"{http.request.header.Cost}", `"{http.request.header.Cost}"`},
+	} {
+		in := "{\n\tadmin off\n}\n:0 {\n\tredis_ratelimit {\n\t\trate 100 1m\n\t\tcost " + c.cost + "\n\t}\n\trespond ok\n}\n"
+		out, warnings, err := adapter.Adapt([]byte(in), map[string]any{"filename": "Caddyfile"})
+		if err != nil || len(warnings) > 0 {
+			t.Fatalf("cost %s: adapt: %v %v", c.cost, err, warnings)
+		}
+		if !json.Valid(out) || !strings.Contains(string(out), `"cost":`+c.want+`,`) && !strings.Contains(string(out), `"cost":`+c.want+`}`) {
+			t.Errorf("cost %s: adapted to %s, want \"cost\":%s", c.cost, out, c.want)
+		}
+		if !strings.Contains(string(out), `"handler":"redis_ratelimit"`) {
+			t.Errorf("cost %s: the handler is missing from %s", c.cost, out)
+		}
+		if err := caddy.Validate(mustConfig(t, out)); err != nil {
+			t.Errorf("cost %s: the adapted config does not validate: %v", c.cost, err)
+		}
+	}
+
+	// A JSON config that gives the cost as such a string is written back
+	// as a plain number too.
+	h := new(RedisRateLimit)
+	if err := json.Unmarshal([]byte(`{"cost":"007","rates":[{"requests":1,"window":"1s"}]}`), h); err != nil {
+		t.Fatal(err)
+	}
+	b, err := json.Marshal(h)
+	if err != nil || !json.Valid(b) || !strings.Contains(string(b), `"cost":7`) {
+		t.Errorf("cost \"007\" from JSON marshals to %s (%v), want \"cost\":7", b, err)
+	}
+}
+
+// mustConfig decodes an adapted config.
+func mustConfig(t *testing.T, b []byte) *caddy.Config {
+	t.Helper()
+	cfg := new(caddy.Config)
+	if err := json.Unmarshal(b, cfg); err != nil {
+		t.Fatalf("decoding %s: %v", b, err)
+	}
+	return cfg
+}

@@ -125,10 +125,12 @@ func (r *Rate) UnmarshalJSON(b []byte) error {
 // In JSON it is a number (`3`) or a string (`"3"`, `"{http.vars.cost}"`).
 type IntOrPlaceholder string
 
-// MarshalJSON writes a literal as a number, a placeholder as a string.
+// MarshalJSON writes a literal as a number, a placeholder as a string. A
+// literal is written in its plain form: "007" or "+5" are numbers to
+// strconv but not in JSON, so they become 7 and 5.
 func (v IntOrPlaceholder) MarshalJSON() ([]byte, error) {
-	if _, err := strconv.ParseInt(string(v), 10, 64); err == nil {
-		return []byte(v), nil
+	if n, err := strconv.ParseInt(string(v), 10, 64); err == nil {
+		return strconv.AppendInt(nil, n, 10), nil
 	}
 	return json.Marshal(string(v))
 }
