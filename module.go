@@ -85,8 +85,9 @@ type RedisConfig struct {
 	// Sentinel addresses for SentinelMaster, as `host:port` or `redis://` /
 	// `rediss://` URLs. A URL's user, password and db are the master's and
 	// win over Username, Password and DB (the sentinels are asked without a
-	// password); `rediss://` turns TLS on; the URLs of the list must agree
-	// on them.
+	// password); `rediss://` turns TLS on for the master, as TLS does (the
+	// sentinels are asked without TLS); the URLs of the list must agree on
+	// them.
 	Sentinels []string `json:"sentinels,omitempty"`
 
 	// Username for Redis ACL authentication. A username in a URL wins.
