@@ -653,7 +653,9 @@ func TestAdminOnCluster(t *testing.T) {
 		if status != 200 || !strings.Contains(body, `"remaining": 2`) {
 			t.Errorf("quota of %s on a cluster: %d %s", id, status, body)
 		}
-		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error { return resetQuota(w, r, rl, []*RedisRateLimit{rl}, id) })
+		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error {
+			return resetQuota(w, r, rl, []*RedisRateLimit{rl}, id)
+		})
 		if status != 200 {
 			t.Errorf("reset of %s on a cluster: %d %s", id, status, body)
 		}
