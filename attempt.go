@@ -47,12 +47,15 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	// if the attempt failed or the lease is already released — unless that
 	// server's release already removed it (its grant came first there).
 	var failed atomic.Bool
-	released, removed := new(atomic.Bool), new(atomic.Uint64)
+	released, removed, unknown := new(atomic.Bool), new(atomic.Uint64), new(atomic.Bool)
 	var answer atomic.Pointer[string]
 	// A late error is an outcome nobody knows: released in the background
 	// if the attempt failed or the lease is gone already.
 	lateGrant := func(k string) func(i int, r result) {
 		return func(i int, r result) {
+			if unknownOutcome(r.err) {
+				unknown.Store(true) // the lease's release marks the token dead there
+			}
 			if !failed.Load() && !released.Load() {
 				return
 			}
@@ -95,6 +98,9 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
 		}, lateGrant(k))
 		granted, busy, errs := tally(results)
+		if anyUnknown(results) {
+			unknown.Store(true)
+		}
 		if a := answer.Load(); a != nil {
 			return attempt{answer: *a}
 		}
@@ -180,7 +186,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
-		until: start.Add(validity), released: released, removed: removed, chainLeft: chain - 1, raise: raise}}
+		until: start.Add(validity), released: released, removed: removed, unknown: unknown, chainLeft: chain - 1, raise: raise}}
 }
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the

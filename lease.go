@@ -40,6 +40,10 @@ type lease struct {
 	// late grant there needs no second release.
 	released *atomic.Bool
 	removed  *atomic.Uint64
+	// unknown is set when a server's answer to the acquire was lost (a
+	// minority of a Redlock): that acquire may still reach it, so the
+	// release marks the token dead there too.
+	unknown *atomic.Bool
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
@@ -121,7 +125,7 @@ func (ls *lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, false, answer)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, ls.unknown != nil && ls.unknown.Load(), answer)
 }
 
 // releaseEnded tells the local queue that the release in Redis is over and
@@ -188,7 +192,7 @@ func (ls *lease) handOff() bool {
 	until := ls.until
 	ls.mu.Unlock()
 	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
-		until: until, q: q, released: ls.released, removed: ls.removed, chainLeft: left - 1, chained: true, raise: ls.raise}
+		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, chainLeft: left - 1, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
 		// Redis for another block while it works. Renewal needs the

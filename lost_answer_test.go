@@ -128,3 +128,34 @@ func TestDeadTokensOutliveShorterUndos(t *testing.T) {
 		t.Fatalf("token A must stay dead %v more, but the set expires in %v", left.Round(time.Second), pttl.Round(time.Second))
 	}
 }
+
+// TestNoOrphanOnRedlockMinority: a Redlock lease granted by a majority while
+// the third server's acquire was held back: the lease's release marks the
+// token dead on every server, so that acquire, reaching the third server
+// after the release, takes nothing there. Before, it held the key on that
+// server for the whole ttl (one more failure would then leave no majority).
+func TestNoOrphanOnRedlockMinority(t *testing.T) {
+	t.Parallel()
+	a, b, c := startRedis(t), startRedis(t), startRedis(t)
+	p := startDelayProxy(t, c.Addr, []byte(acquireScript.Hash()), 1500*time.Millisecond)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, a.Addr, b.Addr, p.addr))
+	key := storedKey(h.Prefix, "/pay")
+	warm, err := h.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	warm.release()
+	p.armed.Store(true)
+	ls, err := h.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatalf("two of three servers answer: %v", err)
+	}
+	time.Sleep(500 * time.Millisecond) // the third server's call has timed out, the lease is held
+	ls.release()
+	p.armed.Store(false)
+	time.Sleep(1500 * time.Millisecond) // the held-back acquire has reached the third server
+	if !freeWithin(time.Second, key, a, b, c) {
+		pttl, _ := c.Client().PTTL(context.Background(), key).Result()
+		t.Fatalf("the third server holds the key for a token nobody owns (PTTL %v)", pttl)
+	}
+}
