@@ -15,8 +15,10 @@ import (
 
 func init() {
 	httpcaddyfile.RegisterHandlerDirective("redis_lock", parseLockCaddyfile)
-	// The lock wraps everything after it (handle, route, reverse_proxy, ...).
-	httpcaddyfile.RegisterDirectiveOrder("redis_lock", httpcaddyfile.Before, "request_header")
+	// The lock wraps everything after it (handle, route, reverse_proxy,
+	// ...); encode wraps the lock, so a replayed answer is compressed for
+	// the client it answers, not stored compressed.
+	httpcaddyfile.RegisterDirectiveOrder("redis_lock", httpcaddyfile.After, "encode")
 	httpcaddyfile.RegisterHandlerDirective("redis_ratelimit", parseRateLimitCaddyfile)
 	// After authentication, so {http.auth.user.id} is known.
 	httpcaddyfile.RegisterDirectiveOrder("redis_ratelimit", httpcaddyfile.After, "forward_auth")
@@ -193,6 +195,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			v, err := parsePositiveDuration(d, dir)
 			if err != nil {
 				return err
+			}
+			if v < time.Millisecond {
+				return d.Errf("%s: replay: %v is less than 1ms, Redis's finest expiry", dir, v)
 			}
 			h.Replay = caddy.Duration(v)
 		case "replay_max":

@@ -312,6 +312,8 @@ func (h *RedisLock) Validate() error {
 		return fmt.Errorf("redis_lock: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", h.Prefix)
 	case h.Replay < 0:
 		return errors.New("redis_lock: replay: must not be negative")
+	case h.Replay > 0 && time.Duration(h.Replay) < time.Millisecond:
+		return fmt.Errorf("redis_lock: replay: %v is less than 1ms, Redis's finest expiry", time.Duration(h.Replay))
 	case h.ReplayMax < 0:
 		return fmt.Errorf("redis_lock: replay_max: must be positive, got %d", h.ReplayMax)
 	case h.ReplayMax > MaxReplayMax:
@@ -375,7 +377,7 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	if err != nil {
 		var rp *replayed
 		if errors.As(err, &rp) {
-			return h.serveReplay(w, fp, display, rp.answer)
+			return h.serveReplay(w, r, fp, display, rp.answer)
 		}
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}

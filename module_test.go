@@ -94,8 +94,9 @@ func TestWholeCaddyReverseProxy(t *testing.T) {
 		key {http.request.header.X-User-ID}
 		redis %s
 	}
-	request_header X-Lock-Key {http.redis_lock.key}
-	reverse_proxy %s
+	reverse_proxy %s {
+		header_up X-Lock-Key {http.redis_lock.key}
+	}
 }
 `, admin, port, r.Addr, strings.TrimPrefix(up.URL, "http://")))
 

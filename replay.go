@@ -15,6 +15,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -129,7 +130,7 @@ func decodeAnswer(s string) (*storedAnswer, error) {
 
 // serveReplay answers r with a stored answer, or 422 when r's fingerprint
 // differs from the stored request's.
-func (h *RedisLock) serveReplay(w http.ResponseWriter, fp, display, stored string) error {
+func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, fp, display, stored string) error {
 	a, err := decodeAnswer(stored)
 	if err != nil {
 		return caddyhttp.Error(http.StatusInternalServerError, err)
@@ -146,15 +147,24 @@ func (h *RedisLock) serveReplay(w http.ResponseWriter, fp, display, stored strin
 	if c := h.logger.Check(zapcore.DebugLevel, "replaying stored response"); c != nil {
 		c.Write(zap.String("key", display), zap.Int("status", a.Status))
 	}
+	// The headers the route set (what handlers before the lock set for
+	// this request, such as a request id, stay this request's own).
 	hdr := w.Header()
 	for k, v := range a.Header {
 		hdr[k] = v
 	}
 	hdr.Set(HeaderIdempotentReplayed, "true")
-	hdr.Set("Content-Length", strconv.Itoa(len(a.body)))
+	if r.Method != http.MethodHead && bodyAllowed(a.Status) {
+		hdr.Set("Content-Length", strconv.Itoa(len(a.body)))
+	} // else the stored Content-Length (of a HEAD answer, say) stays
 	w.WriteHeader(a.Status)
 	_, _ = w.Write(a.body)
 	return nil
+}
+
+// bodyAllowed reports whether a response of this status has a body.
+func bodyAllowed(status int) bool {
+	return status >= 200 && status != http.StatusNoContent && status != http.StatusNotModified
 }
 
 // recorder passes a response on to the client unchanged and keeps a copy
@@ -162,22 +172,29 @@ func (h *RedisLock) serveReplay(w http.ResponseWriter, fp, display, stored strin
 type recorder struct {
 	*caddyhttp.ResponseWriterWrapper
 	max      int64
+	before   http.Header // the header as handlers before the lock left it
 	status   int
-	header   http.Header // copied when the header is written
+	header   http.Header // what the route set, copied when the header is written
 	body     bytes.Buffer
 	overflow bool  // the body outgrew max
-	flushed  bool  // streamed: not stored
 	writeErr error // the client went away mid-response
 }
 
 func newRecorder(w http.ResponseWriter, max int64) *recorder {
-	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, max: max}
+	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, max: max, before: w.Header().Clone()}
 }
 
 func (rec *recorder) WriteHeader(code int) {
-	if rec.status == 0 && code >= 200 {
+	if rec.status == 0 && (code >= 200 || code == http.StatusSwitchingProtocols) {
 		rec.status = code
-		rec.header = rec.Header().Clone()
+		// Only the fields the route set or changed: those set before the
+		// lock (a request id, CORS) belong to each request.
+		rec.header = http.Header{}
+		for k, v := range rec.Header() {
+			if old, ok := rec.before[k]; !ok || !slices.Equal(old, v) {
+				rec.header[k] = slices.Clone(v)
+			}
+		}
 	}
 	rec.ResponseWriterWrapper.WriteHeader(code)
 }
@@ -201,9 +218,24 @@ func (rec *recorder) Write(b []byte) (int, error) {
 	return n, err
 }
 
+// ReadFrom (io.Copy, file_server) goes through Write, so the body is kept
+// too (the wrapper's own ReadFrom would pass it by).
+func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
+	return io.Copy(struct{ io.Writer }{rec}, r)
+}
+
+// Flush passes a flush on. A flushed answer is still stored when it ends
+// (reverse_proxy flushes every answer without a Content-Length); a stream
+// that does not end within replay_max is not.
 func (rec *recorder) Flush() {
-	rec.flushed = true
 	_ = http.NewResponseController(rec.ResponseWriterWrapper).Flush()
+}
+
+// streamed reports an answer that is a stream by nature (server-sent
+// events, a protocol switch): never replayed.
+func (rec *recorder) streamed() bool {
+	ct, _, _ := strings.Cut(rec.header.Get("Content-Type"), ";")
+	return rec.status == http.StatusSwitchingProtocols || strings.EqualFold(strings.TrimSpace(ct), "text/event-stream")
 }
 
 // Unwrap lets http.ResponseController reach the underlying writer.
@@ -222,8 +254,8 @@ func (rec *recorder) answer(fp string, handlerErr error, lost bool, clientGone b
 		return "", "status " + strconv.Itoa(rec.status)
 	case rec.overflow:
 		return "", "the body is larger than replay_max"
-	case rec.flushed:
-		return "", "the response was streamed (flushed)"
+	case rec.streamed():
+		return "", "the response is a stream (server-sent events or a protocol switch)"
 	case rec.writeErr != nil || clientGone:
 		return "", "the response was aborted"
 	}

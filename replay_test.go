@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // orderUpstream places an "order" per call: it counts calls and answers
@@ -163,19 +164,31 @@ func TestReplayNotStored(t *testing.T) {
 	}
 	t.Run("streamed", func(t *testing.T) {
 		t.Parallel()
-		var calls atomic.Int64
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:streamed:"`))
-		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
-			calls.Add(1)
-			_, _ = io.WriteString(w, "part")
-			http.NewResponseController(w).Flush()
-			return nil
-		})
-		for i := 0; i < 2; i++ {
-			post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
-		}
-		if c := calls.Load(); c != 2 {
-			t.Fatalf("%d calls, want 2 (a streamed response is not stored)", c)
+		// Server-sent events are a stream: not stored. A flushed answer
+		// that ends is (reverse_proxy flushes every answer without a
+		// Content-Length).
+		for _, tc := range []struct {
+			contentType string
+			calls       int64
+		}{{"text/event-stream", 2}, {"application/json", 1}} {
+			var calls atomic.Int64
+			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:streamed:`+tc.contentType+`:"`))
+			srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
+				calls.Add(1)
+				w.Header().Set("Content-Type", tc.contentType)
+				_, _ = io.WriteString(w, "part")
+				http.NewResponseController(w).Flush()
+				_, _ = io.WriteString(w, " and the rest")
+				return nil
+			})
+			var bodies []string
+			for i := 0; i < 2; i++ {
+				_, _, body, _ := post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
+				bodies = append(bodies, body)
+			}
+			if c := calls.Load(); c != tc.calls || bodies[1] != "part and the rest" {
+				t.Fatalf("%s, flushed: %d calls, second answer %q; want %d calls", tc.contentType, c, bodies[1], tc.calls)
+			}
 		}
 	})
 	t.Run("holder's client went away", func(t *testing.T) {
@@ -509,4 +522,107 @@ func TestReplayLargeMaxForwardsBody(t *testing.T) {
 	if s, _ := got.Load().(string); s != body || calls.Load() != 1 {
 		t.Fatalf("upstream got %d bytes in %d calls, want the %d-byte body once", len(s), calls.Load(), len(body))
 	}
+}
+
+// outerHeader is a handler before the lock that sets a response header of
+// its own for each request (a request id, CORS).
+type outerHeader struct {
+	mw caddyhttp.MiddlewareHandler
+	n  *atomic.Int64
+}
+
+func (o outerHeader) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	w.Header().Set("X-Request-Id", fmt.Sprint("req-", o.n.Add(1)))
+	return o.mw.ServeHTTP(w, r, next)
+}
+
+// TestReplayAnswersAsTheRouteWrote: a replayed answer is the route's, whichever
+// way the route wrote it, and leaves alone what handlers before the lock
+// set for the duplicate. Before: a body written with io.Copy (ReadFrom, as
+// file_server does) was stored empty or not at all; a request id set
+// before the lock was replaced by the first request's; a replayed HEAD
+// said Content-Length: 0.
+func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const receipt = "the receipt of order #1"
+	for name, write := range map[string]func(w http.ResponseWriter){
+		"readfrom after WriteHeader": func(w http.ResponseWriter) {
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.Copy(w, struct{ io.Reader }{strings.NewReader(receipt)}) // no WriteTo: io.Copy uses ReadFrom
+		},
+		"readfrom alone": func(w http.ResponseWriter) {
+			_, _ = io.Copy(w, struct{ io.Reader }{strings.NewReader(receipt)})
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			var calls atomic.Int64
+			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"rf:`+strings.ReplaceAll(name, " ", "-")+`:"`))
+			srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+				calls.Add(1)
+				write(w)
+				return nil
+			})
+			for i := 0; i < 2; i++ {
+				_, hdr, body, err := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+				if err != nil || body != receipt || (hdr.Get(HeaderIdempotentReplayed) == "true") != (i == 1) {
+					t.Fatalf("request %d: %q %v replayed=%q, want the receipt", i, body, err, hdr.Get(HeaderIdempotentReplayed))
+				}
+			}
+			if c := calls.Load(); c != 1 {
+				t.Fatalf("%d upstream calls, want 1", c)
+			}
+		})
+	}
+	t.Run("headers set before the lock", func(t *testing.T) {
+		t.Parallel()
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"outer:"`))
+		srv := handlerServer(t, outerHeader{h, new(atomic.Int64)}, func(w http.ResponseWriter, req *http.Request) error {
+			w.Header().Set("X-Order", "1")
+			_, _ = io.WriteString(w, receipt)
+			return nil
+		})
+		var ids []string
+		for i := 0; i < 2; i++ {
+			_, hdr, body, _ := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+			if body != receipt || hdr.Get("X-Order") != "1" {
+				t.Fatalf("request %d: %q X-Order %q, want the route's answer", i, body, hdr.Get("X-Order"))
+			}
+			ids = append(ids, hdr.Get("X-Request-Id"))
+		}
+		if ids[0] != "req-1" || ids[1] != "req-2" {
+			t.Fatalf("request ids %v, want each request's own (req-1, req-2)", ids)
+		}
+	})
+	t.Run("HEAD", func(t *testing.T) {
+		t.Parallel()
+		h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:"`))
+		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+			w.Header().Set("Content-Length", "1234")
+			w.WriteHeader(http.StatusOK)
+			return nil
+		})
+		for i := 0; i < 2; i++ {
+			req, _ := http.NewRequest(http.MethodHead, srv.URL+"/file", nil)
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.ContentLength != 1234 || (resp.Header.Get(HeaderIdempotentReplayed) == "true") != (i == 1) {
+				t.Fatalf("HEAD %d: Content-Length %d replayed=%q, want 1234", i, resp.ContentLength, resp.Header.Get(HeaderIdempotentReplayed))
+			}
+		}
+	})
+	t.Run("replay under 1ms", func(t *testing.T) {
+		t.Parallel()
+		h := new(RedisLock)
+		if err := json.Unmarshal([]byte(lockCfg(r.Addr, `"replay":"500us"`)), h); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "replay") {
+			t.Fatalf("replay 500us: %v, want an error naming replay", err)
+		}
+	})
 }
