@@ -78,7 +78,7 @@ func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {
 
 // parseDecision reads one decision's answer: {hold when admitted (>= 0), else
 // minus the wait; time recorded; then per rate remaining, reset and, with
-// per = 3 (gcra), the TAT written}.
+// per = 4 (gcra), the TAT written and the key's sum of returns}.
 func parseDecision(vals []int64, nrates, per int) (decision, error) {
 	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun {
 		return decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
@@ -119,12 +119,18 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	var keys [4]string
 	c := &rlCall{script: h.giveBack, keys: h.redisKeys(keys[:0], id, p)}
 	if h.algo == algoGCRA {
-		// Per rate also the TAT this admission wrote: a rate gives its
-		// units back only while no later admission came after them.
-		c.argv = make([]any, 0, 1+3*len(p.rates))
-		c.argv = append(c.argv, p.cost)
+		// Per rate also the TAT this admission wrote and the key's sum of
+		// returns then: by them a rate gives back only what is left of
+		// this admission in its schedule (with wait: only while no later
+		// admission was scheduled after it).
+		wait := 0
+		if h.hold() > 0 {
+			wait = 1
+		}
+		c.argv = make([]any, 0, 2+4*len(p.rates))
+		c.argv = append(c.argv, p.cost, wait)
 		for i, s := range p.rates {
-			c.argv = append(c.argv, s.n, s.window.Microseconds(), d.ans[4+3*i])
+			c.argv = append(c.argv, s.n, s.window.Microseconds(), d.ans[4+4*i], d.ans[5+4*i])
 		}
 	} else {
 		c.argv = make([]any, 0, 2+2*len(p.rates))

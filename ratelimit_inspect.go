@@ -155,6 +155,9 @@ func peekGCRA(raw string, now float64, s rateSpec) (used, remaining int64, reset
 	if raw == "" {
 		return 0, burst, 0
 	}
+	if i := strings.IndexByte(raw, ' '); i >= 0 {
+		raw = raw[:i] // "TAT S X" once returns happened: the TAT comes first
+	}
 	tat, err := strconv.ParseFloat(raw, 64)
 	if err != nil {
 		return 0, burst, 0

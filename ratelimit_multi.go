@@ -19,7 +19,7 @@ import (
 // decisionScripts take a batch; other scripts (returning an admission) are
 // always sent alone. The value is how many integers a decision's answer
 // has per rate (after its first two).
-var decisionScripts = map[*luaScript]int{slidingScript: 2, gcraScript: 3}
+var decisionScripts = map[*luaScript]int{slidingScript: 2, gcraScript: 4}
 
 // The codes of a decision in a batch that failed (e.g. on a key of another
 // type): failedRead when nothing of it was written (it is sent again alone,

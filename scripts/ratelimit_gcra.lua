@@ -10,7 +10,13 @@
 --          n, window w in µs, burst; then, when S > 1, the set of each
 --          decision (1..S).
 -- KEYS     the keys of every decision in turn, one per rate of its set: the
---          theoretical arrival time (TAT, µs, Redis TIME) of that rate.
+--          theoretical arrival time (TAT, µs, Redis TIME) of that rate. Once
+--          an admission was returned on a key (ratelimit_gcra_return.lua),
+--          its value is "TAT S X" and its last few returns: S the µs
+--          returned so far, X the latest expiry (ms) any TAT of the key
+--          required (see there); each admission then keeps them and expires
+--          the key at X at the earliest (the returns go once the key's
+--          schedule drained). A plain "TAT" costs no parsing.
 --
 -- One unit costs T = w/n; a request of cost c is admitted at A when
 -- TAT + c*T - burst*T is not after A. So at most burst + t*n/w units pass in
@@ -22,9 +28,9 @@
 -- each rate: remaining quota (also when this request costs more than it;
 -- -(remaining+1) for a rate that rejects the request), µs until it grows
 -- (0 = full; for a rate that rejects the request, until it would pass),
--- and the TAT this admission wrote, in whole µs
--- (0 when rejected), by which ratelimit_gcra_return.lua knows whether a
--- later admission came after it. In a batch, a
+-- the TAT this admission wrote, in whole µs (0 when rejected), and the
+-- key's S then (0 for a plain TAT), by which ratelimit_gcra_return.lua
+-- knows how much of this admission is still in the schedule. In a batch, a
 -- decision that fails (a key of another type, a value that is not a TAT)
 -- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
 -- rate's TAT, and the others still run; alone in its call (D = 1), it fails
@@ -54,7 +60,7 @@ end
 -- The decision in hand: its parameter set, first key - 1, first answer
 -- slot - 1, and whether it wrote anything yet.
 local out, o, k, set, wrote = {}, 0, 0, 1, false
-local tats, ats = {}, {}
+local tats, ats, sums, exps, lists = {}, {}, {}, {}, {}
 
 local function decide()
 	local r, cost, maxwait = R[set], COST[set], HOLD[set]
@@ -63,15 +69,21 @@ local function decide()
 	local A = now
 	for i = 1, r do
 		local v = redis.call('GET', KEYS[k + i])
-		local tat = now
+		local tat, sum, x, list = now, false, 0, ''
 		if v then
 			tat = tonumber(v)
+			if not tat then
+				local ts, ss, xs, rest = string.match(v, '^(%S+) (%d+) (%d+)(.*)$')
+				tat, sum, x, list = tonumber(ts), tonumber(ss), tonumber(xs), rest
+			end
 			if tat < now then
-				tat = now
+				-- Drained: the admissions the returns were kept for
+				-- have nothing left to give back.
+				tat, list = now, ''
 			end
 		end
 		local at = tat + cost * u[i] - tau[i]
-		tats[i], ats[i] = tat, at
+		tats[i], ats[i], sums[i], exps[i], lists[i] = tat, at, sum, x, list
 		if at > A then
 			A = at
 		end
@@ -84,7 +96,7 @@ local function decide()
 		out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
 	end
 	for i = 1, r do
-		local tat, ui, p = tats[i], u[i], o + 3 * i
+		local tat, ui, p, sum = tats[i], u[i], o + 4 * i - 1, sums[i]
 		if admit then
 			if A > tat then
 				tat = A
@@ -97,12 +109,24 @@ local function decide()
 			if tat == floor(tat) then
 				v = fmt('%d', tat)
 			end
+			local pxat = ceil(tat / 1000)
 			wrote = true
-			redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', ceil(tat / 1000)))
+			if sum then
+				-- Returns happened: the key lives until X at least.
+				if exps[i] > pxat then
+					pxat = exps[i]
+				end
+				if v == tat then
+					v = fmt('%.17g', tat)
+				end
+				v = fmt('%s %d %d%s', v, sum, pxat, lists[i])
+			end
+			redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', pxat))
 			out[p + 2] = floor(tat)
 		else
 			out[p + 2] = 0
 		end
+		out[p + 3] = sum or 0
 		local debt = tat - now
 		-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
 		local rem = floor((tau[i] - debt + 0.5) / ui)
@@ -132,10 +156,10 @@ for d = 1, D do
 		decide()
 	elseif not pcall(decide) then
 		out[o + 1], out[o + 2] = wrote and -2305843009213693952 or -4611686018427387904, 0
-		for i = 1, R[set] do
-			out[o + 3 * i], out[o + 3 * i + 1], out[o + 3 * i + 2] = 0, 0, 0
+		for i = o + 3, o + 2 + 4 * R[set] do
+			out[i] = 0
 		end
 	end
-	o, k, now = o + 2 + 3 * R[set], k + R[set], now + 1
+	o, k, now = o + 2 + 4 * R[set], k + R[set], now + 1
 end
 return out

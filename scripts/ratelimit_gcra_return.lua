@@ -2,35 +2,91 @@
 -- count, or its client went away while it waited).
 --
 -- KEYS[i]  the TAT of rate i (format in ratelimit_gcra.lua).
--- ARGV[1]  the cost c of the admission; then per rate i: ARGV[3i-1] n,
---          ARGV[3i] window w in µs, ARGV[3i+1] the TAT the admission wrote
---          (whole µs, from the decision's answer).
+-- ARGV[1]  the cost c of the admission; ARGV[2] 1 when the handler has
+--          `wait`, else 0; then per rate i: n, window w in µs, the TAT the
+--          admission R wrote (whole µs) and the key's S then, both from the
+--          decision's answer.
 --
--- A TAT is one schedule: the units of later admissions follow this one's.
--- So a rate gives its c units back only while this admission is still the
--- latest on it (its TAT is the one it wrote): then they are the last c
--- units of the schedule, and moving the TAT back by them (no further than
--- now: what already passed stays used) frees exactly them. Once a later
--- admission came, its units — and, with `wait`, the moment it was promised
--- — come after these, and taking units from the middle would let a new
--- request in ahead of it (two passing at once, over the limit): then the
--- units stay used, which is stricter, never looser. A TAT that is in the
--- past after the return means a full quota, so the key goes.
+-- A TAT is one schedule: each admission's units follow those before it,
+-- and they drain in that order. Moving the TAT back by x takes x units off
+-- the end and moves every later admission's units earlier by x; that is
+-- exact when x is at most what is left of R in the current schedule, as if
+-- R had cost that much less. R's units end at E = the TAT it wrote minus
+-- what admissions ahead of it returned since. The key counts in S the µs
+-- ever returned, and keeps its last few returns, newest first, as
+-- " P x" each: P = TAT written + S then, of the admission that returned
+-- (TAT + S never falls, and grows with every admission, so a smaller P is
+-- an admission ahead). Of the S returned since R, those of the kept list
+-- that came from behind R do not move E; any other (also one dropped from
+-- the list) counts as ahead, so E is never overestimated. Without `wait`
+-- R gives back what is left of it before E (and before the TAT), at most
+-- c units. With `wait` a later admission holds a promised moment that
+-- moving it earlier would break (a newcomer would pass beside it), so R
+-- gives back only while it is the latest on the key (the TAT is E, to the
+-- µs dropped by flooring).
+--
+-- A key that expired and was written again restarts S, so its E would be
+-- too late. So while an admission is still in its key's schedule (now
+-- before the TAT it wrote) the key must not expire: a plain TAT only grows
+-- and expires after it; a return lowers the TAT, so the key keeps X, the
+-- latest expiry (ms) any of its TATs required, and expires at X at the
+-- earliest, also when its TAT is already in the past (a full quota).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[1])
+local cost, wait = tonumber(ARGV[1]), ARGV[2] == '1'
+local ceil, floor, fmt = math.ceil, math.floor, string.format
+local keep = 4 -- returns kept per key
 for i = 1, #KEYS do
-	local v = redis.call('GET', KEYS[i])
-	local wrote = tonumber(ARGV[3 * i + 1])
+	local a = 4 * i - 1
+	local wrote, sumThen = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	local v = now < wrote and redis.call('GET', KEYS[i])
 	if v then
-		local tat = tonumber(v)
-		if tat >= wrote and tat < wrote + 1 then
-			tat = tat - cost * tonumber(ARGV[3 * i]) / tonumber(ARGV[3 * i - 1])
-			if tat <= now then
-				redis.call('DEL', KEYS[i])
-			else
-				redis.call('SET', KEYS[i], string.format('%.17g', tat), 'PXAT', math.ceil(tat / 1000))
+		local tat, sum, x, list = tonumber(v), 0, 0, ''
+		if not tat then
+			local ts, ss, xs, rest = string.match(v, '^(%S+) (%d+) (%d+)(.*)$')
+			tat, sum, x, list = tonumber(ts), tonumber(ss), tonumber(xs), rest
+		end
+		local pos, back = wrote + sumThen, 0
+		-- A smaller S than R saw: the key was reset since (admin API).
+		if sum >= sumThen then
+			local behind, s = 0, sum
+			for p, b in string.gmatch(list, ' (%d+) (%d+)') do
+				b = tonumber(b)
+				s = s - b -- S before this return
+				if s < sumThen then
+					break -- returned before R was admitted
+				end
+				if tonumber(p) > pos then
+					behind = behind + b
+				end
 			end
+			local est = wrote - (sum - sumThen - behind)
+			local most = cost * tonumber(ARGV[a + 1]) / tonumber(ARGV[a])
+			if not wait then
+				back = math.min(est, tat) - now
+			elseif tat < est + 1 then
+				back = tat - now
+			end
+			back = floor(math.min(back, most))
+		end
+		if back > 0 then
+			local pxat = ceil(tat / 1000)
+			if x > pxat then
+				pxat = x
+			end
+			tat = tat - back
+			local tv = fmt('%.17g', tat)
+			if tat == floor(tat) then
+				tv = fmt('%d', tat)
+			end
+			local out, n = {tv, fmt('%d', sum + back), fmt('%d', pxat), fmt('%d', pos), fmt('%d', back)}, 1
+			for e in string.gmatch(list, ' %d+ %d+') do
+				if n == keep then
+					break
+				end
+				out[#out + 1], n = string.sub(e, 2), n + 1
+			end
+			redis.call('SET', KEYS[i], table.concat(out, ' '), 'PXAT', out[3])
 		end
 	end
 end
