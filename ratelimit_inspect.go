@@ -156,7 +156,7 @@ func peekGCRA(raw string, now float64, s rateSpec) (used, remaining int64, reset
 		return 0, burst, 0
 	}
 	if i := strings.IndexByte(raw, ' '); i >= 0 {
-		raw = raw[:i] // "TAT S X" once returns happened: the TAT comes first
+		raw = raw[:i] // "TAT S X ..." once a return happened: the TAT comes first
 	}
 	tat, err := strconv.ParseFloat(raw, 64)
 	if err != nil {

@@ -2,7 +2,8 @@
 -- Admin API: read a rate limit's state for every rate of one key, at one
 -- moment, without recording a request.
 -- KEYS[i] the state of rate i (a sliding_window log, or a gcra arrival time:
---         "TAT", or "TAT S X" once returns happened; the Go side parses it)
+--         "TAT", or "TAT S X" and the kept returns once a return happened;
+--         the Go side reads the TAT)
 -- Returns {Redis TIME seconds, microseconds, then each key's value or ""}.
 local t = redis.call('TIME')
 local out = {tonumber(t[1]), tonumber(t[2])}
