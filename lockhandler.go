@@ -447,7 +447,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		rec = newRecorder(w, h.ReplayMax)
 		w = rec
 	}
-	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}}
+	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: w.Header().Clone()}
 
 	reqCtx, cancel := context.WithCancelCause(r.Context())
 	var lost atomic.Bool
@@ -481,12 +481,14 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence))
 		}
 		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
+			rw.restoreHeader()
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
 		}
 	}()
 	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
 	completed = true
 	if err != nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
+		rw.restoreHeader()
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
 	return err
@@ -497,9 +499,21 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 // next handler that ignores its context must not answer without the lock).
 type startedWriter struct {
 	*caddyhttp.ResponseWriterWrapper
+	before  http.Header // the header as handlers before the lock left it
 	mu      sync.Mutex
 	started bool
 	refused bool
+}
+
+// restoreHeader puts the header back as it was before the lock: the 503 of
+// a refused response carries nothing the route set without the lock (a
+// session cookie, its Content-Length).
+func (w *startedWriter) restoreHeader() {
+	h := w.Header()
+	clear(h)
+	for k, v := range w.before {
+		h[k] = v
+	}
 }
 
 // begin marks the response started; false when it may not start.

@@ -837,6 +837,8 @@ func TestOnLostCancelNoAnswerWithoutTheLock(t *testing.T) {
 			up := func(w http.ResponseWriter, req *http.Request) error {
 				close(entered)
 				<-req.Context().Done() // the loss cancels it; the handler goes on anyway
+				w.Header().Set("Set-Cookie", "session=made-without-the-lock")
+				w.Header().Set("Content-Length", "1000")
 				write(w)
 				return nil
 			}
@@ -856,6 +858,9 @@ func TestOnLostCancelNoAnswerWithoutTheLock(t *testing.T) {
 			case a := <-done:
 				if a.resp == nil || a.resp.StatusCode != http.StatusServiceUnavailable || strings.Contains(a.body, "without the lock") {
 					t.Fatalf("after the lease was lost with on_lost cancel: %v %q, want 503", a.resp, a.body)
+				}
+				if c := a.resp.Header.Get("Set-Cookie"); c != "" {
+					t.Fatalf("the 503 carries the route's Set-Cookie %q, set without the lock", c)
 				}
 			case <-time.After(10 * time.Second):
 				t.Fatal("no answer")

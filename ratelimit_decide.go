@@ -119,18 +119,14 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	var keys [4]string
 	c := &rlCall{script: h.giveBack, keys: h.redisKeys(keys[:0], id, p)}
 	if h.algo == algoGCRA {
-		// Per rate also the TAT this admission wrote and the key's sum of
-		// returns then: by them a rate gives back only what is left of
-		// this admission in its schedule (with wait: only while no later
-		// admission was scheduled after it).
-		wait := 0
-		if h.hold() > 0 {
-			wait = 1
-		}
-		c.argv = make([]any, 0, 2+4*len(p.rates))
-		c.argv = append(c.argv, p.cost, wait)
+		// Per rate also its burst, the TAT this admission wrote and the
+		// key's sum of returns then: by them a rate gives back only what is
+		// left of this admission in its schedule (while a held request
+		// waits on the key: only while no later admission came after it).
+		c.argv = make([]any, 0, 1+5*len(p.rates))
+		c.argv = append(c.argv, p.cost)
 		for i, s := range p.rates {
-			c.argv = append(c.argv, s.n, s.window.Microseconds(), d.ans[4+4*i], d.ans[5+4*i])
+			c.argv = append(c.argv, s.n, s.window.Microseconds(), s.burst, d.ans[4+4*i], d.ans[5+4*i])
 		}
 	} else {
 		c.argv = make([]any, 0, 2+2*len(p.rates))

@@ -22,7 +22,6 @@ type gcraKey struct {
 	key  string
 	n, w int64 // w in µs
 	hold int64 // µs
-	wait bool  // the return runs as for a handler with wait
 }
 
 // gcraAdm is one admission: its moment and what the return needs.
@@ -48,11 +47,7 @@ func (k *gcraKey) mustAdmit() gcraAdm {
 
 func (k *gcraKey) giveBack(a gcraAdm) {
 	k.t.Helper()
-	wait := 0
-	if k.wait {
-		wait = 1
-	}
-	if err := gcraReturnScript.Run(context.Background(), k.c, []string{k.key}, 1, wait, k.n, k.w, a.tat, a.sum).Err(); err != nil {
+	if err := gcraReturnScript.Run(context.Background(), k.c, []string{k.key}, 1, k.n, k.w, k.n, a.tat, a.sum).Err(); err != nil {
 		k.t.Fatal(err)
 	}
 }
@@ -188,7 +183,7 @@ func TestRateLimitGCRAReturnExact(t *testing.T) {
 	// gets that very moment.
 	t.Run("wait", func(t *testing.T) {
 		t.Parallel()
-		k := &gcraKey{t: t, c: r.Client(), key: "x:{a}:wait", n: 1, w: sec, hold: 5 * sec, wait: true}
+		k := &gcraKey{t: t, c: r.Client(), key: "x:{a}:wait", n: 1, w: sec, hold: 5 * sec}
 		k.mustAdmit()
 		w2, w3 := k.mustAdmit(), k.mustAdmit()
 		tat0, _, raw0 := k.state()
@@ -264,5 +259,26 @@ func TestPeekGCRAWithReturns(t *testing.T) {
 	u2, r2, z2 := peekGCRA("3000000 7000 5000 1800000 1000", 1_000_000, s)
 	if u1 != 2 || u1 != u2 || r1 != r2 || z1 != z2 {
 		t.Fatalf("plain %d %d %v, with returns %d %d %v; want the same, 2 used", u1, r1, z1, u2, r2, z2)
+	}
+}
+
+// TestRateLimitGCRAReturnBesideAWaiter: handlers that share a key may
+// differ in `wait`. A return from one without `wait` must not move the units
+// of a request another handler holds for a later moment: a waiter pending
+// on the key makes every return give back only while it is the latest.
+// Before, the returning handler's own setting decided, and a newcomer was
+// scheduled 23 ms after the waiter under burst 1, 1 per second.
+func TestRateLimitGCRAReturnBesideAWaiter(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const sec = int64(time.Second / time.Microsecond)
+	plain := &gcraKey{t: t, c: r.Client(), key: "x:{a}:mixed", n: 1, w: sec}
+	held := &gcraKey{t: t, c: r.Client(), key: plain.key, n: 1, w: sec, hold: 5 * sec}
+	rr := plain.mustAdmit() // passes now; its answer will not count
+	q := held.mustAdmit()   // held until about now + 1s
+	plain.giveBack(rr)
+	n := held.mustAdmit()
+	if gap := n.at - q.at; gap < sec-1000 {
+		t.Fatalf("a newcomer was scheduled %d µs after the waiter, under burst 1, 1 per second", gap)
 	}
 }

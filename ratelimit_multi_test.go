@@ -280,7 +280,7 @@ func TestScriptCallsNeverResent(t *testing.T) {
 	acquireScript.Run(ctx, capture, []string{"k"}, "token")
 	acquireScript.Eval(ctx, capture, []string{"k"}, "token")
 	decision := &rlCall{script: gcraScript, keys: []string{"p:{a}:g"}, argv: []any{1, 0, 5, 1000000, 5}}
-	giveBack := &rlCall{script: gcraReturnScript, keys: []string{"p:{a}:g"}, argv: []any{1, 0, 5, 1000000, 0, 0}}
+	giveBack := &rlCall{script: gcraReturnScript, keys: []string{"p:{a}:g"}, argv: []any{1, 5, 1000000, 5, 0, 0}}
 	us := units([]*rlCall{decision, giveBack}, false)
 	if len(us) != 2 {
 		t.Fatalf("%d units, want 2", len(us))

@@ -228,6 +228,9 @@ func (rec *recorder) ReadFrom(r io.Reader) (int64, error) {
 // (reverse_proxy flushes every answer without a Content-Length); a stream
 // that does not end within replay_max is not.
 func (rec *recorder) Flush() {
+	if rec.status == 0 {
+		rec.WriteHeader(http.StatusOK) // a flush sends the header: record it now
+	}
 	_ = http.NewResponseController(rec.ResponseWriterWrapper).Flush()
 }
 

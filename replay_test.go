@@ -595,6 +595,23 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 			t.Fatalf("request ids %v, want each request's own (req-1, req-2)", ids)
 		}
 	})
+	t.Run("flush before the first write", func(t *testing.T) {
+		t.Parallel()
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"flushfirst:"`))
+		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+			w.Header().Set("X-Early", "1")
+			_ = http.NewResponseController(w).Flush() // sends the header
+			w.Header().Set("X-Late", "never-sent")
+			_, _ = io.WriteString(w, receipt)
+			return nil
+		})
+		for i := 0; i < 2; i++ {
+			_, hdr, body, _ := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+			if body != receipt || hdr.Get("X-Early") != "1" || hdr.Get("X-Late") != "" {
+				t.Fatalf("request %d: %q X-Early %q X-Late %q, want what the first client got", i, body, hdr.Get("X-Early"), hdr.Get("X-Late"))
+			}
+		}
+	})
 	t.Run("HEAD", func(t *testing.T) {
 		t.Parallel()
 		h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:"`))

@@ -2,10 +2,9 @@
 -- count, or its client went away while it waited).
 --
 -- KEYS[i]  the TAT of rate i (format in ratelimit_gcra.lua).
--- ARGV[1]  the cost c of the admission; ARGV[2] 1 when the handler has
---          `wait`, else 0; then per rate i: n, window w in µs, the TAT the
---          admission R wrote (whole µs) and the key's S then, both from the
---          decision's answer.
+-- ARGV[1]  the cost c of the admission; then per rate i: n, window w in
+--          µs, burst, the TAT the admission R wrote (whole µs) and the
+--          key's S then, both from the decision's answer.
 --
 -- A TAT is one schedule: each admission's units follow those before it,
 -- and they drain in that order. Moving the TAT back by x takes x units off
@@ -18,12 +17,16 @@
 -- (TAT + S never falls, and grows with every admission, so a smaller P is
 -- an admission ahead). Of the S returned since R, those of the kept list
 -- that came from behind R do not move E; any other (also one dropped from
--- the list) counts as ahead, so E is never overestimated. Without `wait`
--- R gives back what is left of it before E (and before the TAT), at most
--- c units. With `wait` a later admission holds a promised moment that
--- moving it earlier would break (a newcomer would pass beside it), so R
--- gives back only while it is the latest on the key (the TAT is E, to the
--- µs dropped by flooring).
+-- the list) counts as ahead, so E is never overestimated. R gives back
+-- what is left of it before E (and before the TAT), at most c units —
+-- unless a request held for a later moment (`wait`) is still waiting on
+-- the key: moving its units earlier would break that promise (a newcomer
+-- would pass beside it), so then R gives back only while it is the latest
+-- on the key (the TAT is E, to the µs dropped by flooring). A waiter is
+-- pending exactly while the TAT is beyond now + burst units (a held
+-- admission's TAT is its moment + burst units; a plain one's at most now +
+-- burst units), so this depends on the key, not on the handler that
+-- returns (handlers sharing a key may differ in `wait`).
 --
 -- A key that expired and was written again restarts S, so its E would be
 -- too late. So while an admission is still in its key's schedule (now
@@ -33,12 +36,12 @@
 -- earliest, also when its TAT is already in the past (a full quota).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost, wait = tonumber(ARGV[1]), ARGV[2] == '1'
+local cost = tonumber(ARGV[1])
 local ceil, floor, fmt = math.ceil, math.floor, string.format
 local keep = 4 -- returns kept per key
 for i = 1, #KEYS do
-	local a = 4 * i - 1
-	local wrote, sumThen = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	local a = 5 * i - 3
+	local wrote, sumThen = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
 	local v = now < wrote and redis.call('GET', KEYS[i])
 	if v then
 		local tat, sum, x, list = tonumber(v), 0, 0, ''
@@ -61,8 +64,12 @@ for i = 1, #KEYS do
 				end
 			end
 			local est = wrote - (sum - sumThen - behind)
-			local most = cost * tonumber(ARGV[a + 1]) / tonumber(ARGV[a])
-			if not wait then
+			local unit = tonumber(ARGV[a + 1]) / tonumber(ARGV[a])
+			local most = cost * unit
+			-- A request held for a later moment (`wait`, on any handler
+			-- that shares the key) leaves the TAT beyond now + burst units
+			-- while it waits; a plain admission never does.
+			if tat <= now + tonumber(ARGV[a + 2]) * unit then
 				back = math.min(est, tat) - now
 			elseif tat < est + 1 then
 				back = tat - now
