@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -123,6 +125,44 @@ func TestRedactURL(t *testing.T) {
 	}
 	if got := redactURL("rediss://alice:" + secretPW + "@h:1/2"); got != "rediss://alice:xxxxx@h:1/2" {
 		t.Errorf("redactURL kept too little or too much: %q", got)
+	}
+	// A password with a "/" whose start url.Parse reads as host and port.
+	slashed := "redis://:8123/Zk9" + secretPW + "@redis.internal:6379"
+	if got := redactURL(slashed); strings.Contains(got, secretPW) || !strings.Contains(got, "@redis.internal:6379") {
+		t.Errorf("redactURL(%q) = %q", slashed, got)
+	}
+	if err := validateAddress(slashed); err == nil || strings.Contains(err.Error(), secretPW) {
+		t.Errorf("the config error of %q: %v, want one that does not show the password", slashed, err)
+	}
+}
+
+// TestPoolKeyFollowsTLSFiles: a client is shared only while the TLS files'
+// contents are the same: a reload after a certificate was replaced at the
+// same path gets a new client (with the new files), not the old one.
+func TestPoolKeyFollowsTLSFiles(t *testing.T) {
+	t.Parallel()
+	ca := filepath.Join(t.TempDir(), "ca.pem")
+	if err := os.WriteFile(ca, []byte("first"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := RedisConfig{Addresses: []string{"127.0.0.1:6390"}, TLS: true, TLSCAFile: ca}
+	key := func() string {
+		t.Helper()
+		ss, err := cfg.resolve()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ss[0].poolKey()
+	}
+	before := key()
+	if key() != before {
+		t.Fatal("the same files gave two pool keys")
+	}
+	if err := os.WriteFile(ca, []byte("rotated"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if key() == before {
+		t.Fatal("a CA file replaced at the same path kept the old client")
 	}
 }
 

@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 )
@@ -368,5 +370,64 @@ func TestReleasePublishesOnlyForOtherInstances(t *testing.T) {
 				t.Error("no wake-up published although another instance waited")
 			}
 		})
+	}
+}
+
+// TestReloadGraceForRequestsOnTheirWay: a reload's old servers finish their
+// requests after Cleanup, and such a request may reach the lock or the
+// limiter only then (after a slow forward_auth, say). For destructGrace
+// (10 s in Caddy) the old client still serves it, and an admission's
+// settle after Cleanup is still sent. After that the client is closed and
+// no new batcher is started on it. Before, the client closed at Cleanup:
+// such requests got "redis: client is closed" (503), and a settle was lost.
+func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h, cleanup := provisionLockScoped(t, lockCfg(r.Addr, `"timeout":"456ms"`))
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	rl := &RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, Count: []string{"401"}}
+	rl.Addresses = []string{r.Addr}
+	rl.Timeout = caddy.Duration(456 * time.Millisecond) // the lock's client
+	if err := rl.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	quietRateLimit(rl)
+	if rl.client.lock != h.locker.servers[0] {
+		t.Fatal("the lock and the limiter with the same settings do not share a client")
+	}
+	cleanup()                     // the old config goes away ...
+	_ = rl.Cleanup()              // ... with both handlers
+	time.Sleep(destructGrace / 2) // while its requests are on their way
+	ls, err := h.locker.Acquire(context.Background(), []string{storedKey(h.Prefix, "/late")})
+	if err != nil {
+		t.Fatalf("a lock request of the old config after Cleanup: %v", err)
+	}
+	ls.release()
+	ok := func(status int) caddyhttp.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) error { w.WriteHeader(status); return nil }
+	}
+	if a := serveRLWith(context.Background(), rl, "192.0.2.90", nil, ok(200)); !a.passed {
+		t.Fatalf("a limited request of the old config after Cleanup: %d %v", a.status, a.err)
+	}
+	// Its answer did not count: the settle gave the unit back.
+	if a := serveRLWith(context.Background(), rl, "192.0.2.90", nil, ok(401)); !a.passed {
+		t.Fatalf("after a settle sent after Cleanup: %d %v, want the unit given back", a.status, a.err)
+	}
+	client := rl.client.client
+	if !waitFor(destructGrace+5*time.Second, func() bool { return client.Ping(context.Background()).Err() != nil }) {
+		t.Fatal("the old client was not closed after the grace")
+	}
+	if _, err := rl.client.rateLimit(context.Background(), &rlCall{script: slidingScript}, rl.logger); !errors.Is(err, errBatcherDone) {
+		t.Fatalf("a call on a closed client: %v, want errBatcherDone", err)
+	}
+	if b := rl.client.batcher(); b == nil {
+		t.Fatal("no batcher: the limiter's calls did not run")
+	} else {
+		select {
+		case <-b.stop:
+		default:
+			t.Fatal("the batcher of a closed client still runs")
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"flag"
 	"os"
 	"testing"
+	"time"
 )
 
 // TestMain runs more tests at once than -parallel's default (GOMAXPROCS):
@@ -20,5 +21,8 @@ func TestMain(m *testing.M) {
 	if !set {
 		_ = flag.Set("test.parallel", "16")
 	}
+	// A client whose handlers went away closes this long after (10 s in
+	// Caddy): shorter here, so tests that watch it close need not wait.
+	destructGrace = 500 * time.Millisecond
 	os.Exit(m.Run())
 }

@@ -127,16 +127,19 @@ type RedisConfig struct {
 // serverSettings is the resolved connection of one logical Redis (one
 // server, one cluster or one sentinel group). Its JSON form is the pool key.
 type serverSettings struct {
-	Mode     string        `json:"mode"` // "single", "cluster" or "sentinel"
-	Addrs    []string      `json:"addrs"`
-	Master   string        `json:"master,omitempty"`
-	Username string        `json:"username,omitempty"`
-	Password string        `json:"password,omitempty"`
-	DB       int           `json:"db,omitempty"`
-	TLS      bool          `json:"tls,omitempty"`
-	CAFile   string        `json:"ca_file,omitempty"`
-	CertFile string        `json:"cert_file,omitempty"`
-	KeyFile  string        `json:"key_file,omitempty"`
+	Mode     string   `json:"mode"` // "single", "cluster" or "sentinel"
+	Addrs    []string `json:"addrs"`
+	Master   string   `json:"master,omitempty"`
+	Username string   `json:"username,omitempty"`
+	Password string   `json:"password,omitempty"`
+	DB       int      `json:"db,omitempty"`
+	TLS      bool     `json:"tls,omitempty"`
+	CAFile   string   `json:"ca_file,omitempty"`
+	CertFile string   `json:"cert_file,omitempty"`
+	KeyFile  string   `json:"key_file,omitempty"`
+	// TLSFiles is a digest of the TLS files' contents: a reload after the
+	// files were replaced at the same paths gets a new client.
+	TLSFiles string        `json:"tls_files,omitempty"`
 	Timeout  time.Duration `json:"timeout"`
 	// ClientName comes from the URLs of a cluster or sentinel list (a
 	// single server's URL is read in newClient).
@@ -200,6 +203,10 @@ func validateAddress(addr string) error {
 			}
 		}
 		if _, err := redis.ParseURL(addr); err != nil {
+			if strings.Contains(addr, "@") {
+				// go-redis may repeat part of the credentials in its message.
+				return fmt.Errorf("invalid redis URL %q: want redis://[user:password@]host[:port][/db]", shown)
+			}
 			return fmt.Errorf("invalid redis URL %q: %s", shown, strings.ReplaceAll(err.Error(), addr, shown))
 		}
 		return nil
@@ -257,7 +264,10 @@ func checkPort(p string) error {
 // redactURL hides the password of a redis URL. Of something that is not a
 // valid URL but holds an '@', it hides everything before the last '@'.
 func redactURL(s string) string {
-	if u, err := url.Parse(s); err == nil && strings.Contains(s, "://") {
+	// A password with a "/" can make url.Parse read its start as the host
+	// (redis://:8123/secret@host): then the last "@" rule below applies.
+	_, rest, isURL := strings.Cut(s, "://")
+	if u, err := url.Parse(s); err == nil && isURL && (u.User != nil || !strings.Contains(rest, "@")) {
 		if _, ok := u.User.Password(); ok {
 			u.User = url.UserPassword(u.User.Username(), "xxxxx")
 			return u.String()
@@ -478,6 +488,26 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 	return nil
 }
 
+// filesDigest is the SHA-256 of the named files' contents ("" for none; a
+// file that cannot be read counts as empty: tlsConfig reports it).
+func filesDigest(names ...string) string {
+	sum := sha256.New()
+	named := false
+	for _, n := range names {
+		if n == "" {
+			continue
+		}
+		named = true
+		b, _ := os.ReadFile(n)
+		fmt.Fprintf(sum, "%s\x00%d\x00", n, len(b))
+		sum.Write(b)
+	}
+	if !named {
+		return ""
+	}
+	return hex.EncodeToString(sum.Sum(nil))
+}
+
 // resolve replaces placeholders ({env.*} and other global ones) and returns
 // one serverSettings per logical Redis: several for a Redlock quorum, one
 // otherwise.
@@ -497,6 +527,7 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		KeyFile:  repl.ReplaceAll(c.TLSClientKeyFile, ""),
 		Timeout:  timeout,
 	}
+	base.TLSFiles = filesDigest(base.CAFile, base.CertFile, base.KeyFile)
 	replAll := func(in []string) ([]string, error) {
 		out := make([]string, len(in))
 		for i, a := range in {
@@ -676,25 +707,37 @@ type pooledClient struct {
 	lock     *server
 	check    *serverCheck // version and maxmemory-policy, per server
 
-	mu sync.Mutex
-	rl *rlBatcher // made by the first rate-limit call
+	mu     sync.Mutex
+	rl     *rlBatcher // made by the first rate-limit call
+	closed bool       // no new batcher: the client is closed
 }
+
+// destructGrace is how long a client whose last handler went away stays
+// open for requests of the old config still on their way to a lock or a
+// limit (a reload's old servers finish their requests after Cleanup). A
+// var only so that tests can shorten it.
+var destructGrace = 10 * time.Second
 
 // Destruct implements caddy.Destructor: it runs when the last handler using
 // this client has been cleaned up.
 //
-// The client itself closes once no lock request or background release of
-// an old config uses it any more: a reload that changes the connection
-// settings must not cut off the release of a lock an old request holds.
+// The client itself closes destructGrace later, once no lock request, rate
+// limit call or background release of an old config uses it any more: a
+// reload that changes the connection settings must not cut off a request
+// of the old config, still in an earlier handler or holding a lock.
 func (p *pooledClient) Destruct() error {
-	p.mu.Lock()
-	if p.rl != nil {
-		p.rl.close()
-	}
-	p.mu.Unlock()
-	p.lock.closeWhenIdle(func() {
-		p.check.close()
-		_ = p.client.Close()
+	time.AfterFunc(destructGrace, func() {
+		p.lock.closeWhenIdle(func() {
+			p.mu.Lock()
+			p.closed = true
+			rl := p.rl
+			p.mu.Unlock()
+			if rl != nil {
+				rl.close()
+			}
+			p.check.close()
+			_ = p.client.Close()
+		})
 	})
 	return nil
 }
@@ -705,11 +748,17 @@ func (p *pooledClient) Destruct() error {
 // calling handler's: the batcher outlives configs, its log lines do not.
 func (p *pooledClient) rateLimit(ctx context.Context, c *rlCall, logger *zap.Logger) ([]int64, error) {
 	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil, errBatcherDone
+	}
 	if p.rl == nil {
 		p.rl = newBatcher(p.client, batchWorkers)
 	}
 	b := p.rl
 	p.mu.Unlock()
+	p.lock.use() // the client stays open until the call (a settle too) is over
+	defer p.lock.unuse()
 	return b.do(ctx, c, p.settings.Timeout, logger)
 }
 

@@ -706,10 +706,17 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 		t.Fatal("second handler stopped working after the first one's Cleanup")
 	}
 	_ = h2.Cleanup()
+	// It serves requests of the old config still on their way for
+	// destructGrace, then stops.
 	select {
 	case <-b.stop:
+		t.Fatal("batcher stopped at once: a request of the old config on its way would fail")
 	default:
-		t.Fatal("batcher still running after the last Cleanup")
+	}
+	select {
+	case <-b.stop:
+	case <-time.After(destructGrace + 5*time.Second):
+		t.Fatal("batcher still running after the last Cleanup and the grace")
 	}
 	h3 := mk()
 	defer h3.Cleanup()
