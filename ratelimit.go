@@ -414,6 +414,13 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		return h.failPolicy(w, r, next, p, err)
 	}
 
+	if h.counts != nil || h.Wait > 0 {
+		// An admission may be returned when the request ends (count, a
+		// held client that leaves): the client stays open until then,
+		// also across a reload.
+		h.client.lock.use()
+		defer h.client.lock.unuse()
+	}
 	d, err := h.decide(r.Context(), id, p)
 	if err != nil {
 		if ctxErr := r.Context().Err(); ctxErr != nil {

@@ -3,6 +3,7 @@ package redisdlm
 import (
 	"context"
 	"net/http"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -280,5 +281,53 @@ func TestRateLimitGCRAReturnBesideAWaiter(t *testing.T) {
 	n := held.mustAdmit()
 	if gap := n.at - q.at; gap < sec-1000 {
 		t.Fatalf("a newcomer was scheduled %d µs after the waiter, under burst 1, 1 per second", gap)
+	}
+}
+
+// TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate: a request held by one
+// rate of a limit is pending on all of them; a return then gives back only
+// while it is the latest on every rate. Before, each rate judged from its
+// own TAT: rate i (5/s, burst 4) did not show the waiter that rate j (10/s,
+// burst 1) held, took the return from the middle, and then let 8 units
+// pass within 0.7 s (burst + t·n/w allows 7.5).
+func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	c := r.Client()
+	ctx := context.Background()
+	const sec = int64(time.Second / time.Microsecond)
+	keys := []string{"two:{a}:j", "two:{a}:i"}
+	rates := []int64{10, sec, 1, 5, sec, 4} // n, w, burst of j, then of i
+	admit := func() []int64 {
+		t.Helper()
+		argv := []any{1, 5 * sec}
+		for _, v := range rates {
+			argv = append(argv, v)
+		}
+		res, err := decideOnce(ctx, c, gcraScript, keys, argv...).Result()
+		if err != nil || res[0] < 0 {
+			t.Fatalf("decision: %v %v", res, err)
+		}
+		return res
+	}
+	rr := admit() // passes now; its answer will not count
+	passes := []int64{rr[1], admit()[1]}
+	argv := []any{1}
+	for i := 0; i < 2; i++ {
+		argv = append(argv, rates[3*i], rates[3*i+1], rates[3*i+2], rr[4+4*i], rr[5+4*i])
+	}
+	if err := gcraReturnScript.Run(ctx, c, keys, argv...).Err(); err != nil {
+		t.Fatal(err)
+	}
+	for n := 0; n < 8; n++ {
+		passes = append(passes, admit()[1])
+	}
+	sort.Slice(passes, func(a, b int) bool { return passes[a] < passes[b] })
+	for a := range passes { // rate i, counting the returned request in full
+		for b := a; b < len(passes); b++ {
+			if units, allowed := float64(b-a+1), 4+float64(passes[b]-passes[a])/float64(sec/5); units > allowed+0.01 {
+				t.Fatalf("rate i (5/s, burst 4): %v units passed in %v µs, at most %.2f allowed", units, passes[b]-passes[a], allowed)
+			}
+		}
 	}
 }

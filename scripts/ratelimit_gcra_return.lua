@@ -39,16 +39,34 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local cost = tonumber(ARGV[1])
 local ceil, floor, fmt = math.ceil, math.floor, string.format
 local keep = 4 -- returns kept per key
+-- Read every rate's key first: a request held on any of them (by any of
+-- its rates: the rate that set its moment shows it) makes the return
+-- strict on all of them.
+local vals, pending = {}, false
 for i = 1, #KEYS do
 	local a = 5 * i - 3
-	local wrote, sumThen = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-	local v = now < wrote and redis.call('GET', KEYS[i])
+	local v = redis.call('GET', KEYS[i])
 	if v then
 		local tat, sum, x, list = tonumber(v), 0, 0, ''
 		if not tat then
 			local ts, ss, xs, rest = string.match(v, '^(%S+) (%d+) (%d+)(.*)$')
 			tat, sum, x, list = tonumber(ts), tonumber(ss), tonumber(xs), rest
 		end
+		vals[i] = {tat, sum, x, list}
+		-- A request held for a later moment (`wait`, on any handler that
+		-- shares the key) leaves the TAT of the rate that holds it beyond
+		-- now + burst units while it waits; a plain admission never does.
+		if tat > now + tonumber(ARGV[a + 2]) * tonumber(ARGV[a + 1]) / tonumber(ARGV[a]) then
+			pending = true
+		end
+	end
+end
+for i = 1, #KEYS do
+	local a = 5 * i - 3
+	local wrote, sumThen = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+	local kv = now < wrote and vals[i]
+	if kv then
+		local tat, sum, x, list = kv[1], kv[2], kv[3], kv[4]
 		local pos, back = wrote + sumThen, 0
 		-- A smaller S than R saw: the key was reset since (admin API).
 		if sum >= sumThen then
@@ -64,12 +82,8 @@ for i = 1, #KEYS do
 				end
 			end
 			local est = wrote - (sum - sumThen - behind)
-			local unit = tonumber(ARGV[a + 1]) / tonumber(ARGV[a])
-			local most = cost * unit
-			-- A request held for a later moment (`wait`, on any handler
-			-- that shares the key) leaves the TAT beyond now + burst units
-			-- while it waits; a plain admission never does.
-			if tat <= now + tonumber(ARGV[a + 2]) * unit then
+			local most = cost * tonumber(ARGV[a + 1]) / tonumber(ARGV[a])
+			if not pending then
 				back = math.min(est, tat) - now
 			elseif tat < est + 1 then
 				back = tat - now
