@@ -384,20 +384,15 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h, cleanup := provisionLockScoped(t, lockCfg(r.Addr, `"timeout":"456ms"`))
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	rl := &RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, Count: []string{"401"}}
-	rl.Addresses = []string{r.Addr}
-	rl.Timeout = caddy.Duration(456 * time.Millisecond) // the lock's client
-	if err := rl.Provision(ctx); err != nil {
-		t.Fatal(err)
-	}
-	quietRateLimit(rl)
+	rl, rlCleanup := newRateLimitScoped(t, r, func(rl *RedisRateLimit) {
+		rl.Rates, rl.Count = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, []string{"401"}
+		rl.Timeout = caddy.Duration(456 * time.Millisecond) // the lock's client
+	})
 	if rl.client.lock != h.locker.servers[0] {
 		t.Fatal("the lock and the limiter with the same settings do not share a client")
 	}
 	cleanup()                     // the old config goes away ...
-	_ = rl.Cleanup()              // ... with both handlers
+	rlCleanup()                   // ... with both handlers
 	time.Sleep(destructGrace / 2) // while its requests are on their way
 	ls, err := h.locker.Acquire(context.Background(), []string{storedKey(h.Prefix, "/late")})
 	if err != nil {
@@ -439,20 +434,14 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 func TestSettleAfterTheGrace(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	mk := func(timeout time.Duration) *RedisRateLimit {
-		rl := &RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, Count: []string{"401"}}
-		rl.Addresses = []string{r.Addr}
-		rl.Timeout = caddy.Duration(timeout) // a client of its own
-		if err := rl.Provision(ctx); err != nil {
-			t.Fatal(err)
-		}
-		quietRateLimit(rl)
-		return rl
+	mk := func(timeout time.Duration) (*RedisRateLimit, func()) {
+		return newRateLimitScoped(t, r, func(rl *RedisRateLimit) {
+			rl.Rates, rl.Count = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, []string{"401"}
+			rl.Timeout = caddy.Duration(timeout) // a client of its own
+		})
 	}
-	old := mk(567 * time.Millisecond)
-	_ = old.Cleanup() // the reload; the request below is on its way
+	old, reload := mk(567 * time.Millisecond)
+	reload() // the request below is on its way
 	slow := func(w http.ResponseWriter, r *http.Request) error {
 		time.Sleep(destructGrace + 300*time.Millisecond) // answers after the grace
 		w.WriteHeader(http.StatusOK)                     // not counted: the unit goes back
@@ -461,8 +450,7 @@ func TestSettleAfterTheGrace(t *testing.T) {
 	if a := serveRLWith(context.Background(), old, "192.0.2.91", nil, slow); !a.passed {
 		t.Fatalf("the old config's request: %d %v", a.status, a.err)
 	}
-	fresh := mk(678 * time.Millisecond)
-	defer fresh.Cleanup()
+	fresh, _ := mk(678 * time.Millisecond)
 	if a := serveRLWith(context.Background(), fresh, "192.0.2.91", nil, nil); !a.passed {
 		t.Fatalf("the unit of an answer that did not count was not given back: %d %q", a.status, a.header.Get(HeaderRateLimit))
 	}

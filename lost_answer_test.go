@@ -61,6 +61,19 @@ func startDelayProxy(t *testing.T, target string, match []byte, delay time.Durat
 	return p
 }
 
+// warmThenArm takes and releases key once through h (the connections and
+// the script are ready, so the next acquire's packet is the one held
+// back), then arms the proxy.
+func (p *delayProxy) warmThenArm(t *testing.T, h *RedisLock, key string) {
+	t.Helper()
+	warm, err := h.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	warm.release()
+	p.armed.Store(true)
+}
+
 // TestNoOrphanAfterDelayedAcquire: an acquire that reaches Redis only after
 // the client gave up on it and undid it (its packet held back past the
 // timeout) takes nothing: the undo marked its token dead. Before, a delay
@@ -75,12 +88,7 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 			p := startDelayProxy(t, r.Addr, []byte(acquireScript.Hash()), delay)
 			h := provisionLock(t, fmt.Sprintf(`{"redis":[%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, p.addr))
 			key := storedKey(h.Prefix, "/pay")
-			warm, err := h.locker.Acquire(context.Background(), []string{key})
-			if err != nil {
-				t.Fatal(err)
-			}
-			warm.release()
-			p.armed.Store(true)
+			p.warmThenArm(t, h, key)
 			if _, err := h.locker.Acquire(context.Background(), []string{key}); err == nil {
 				t.Fatal("an acquire held back past the timeout succeeded")
 			}
@@ -140,12 +148,7 @@ func TestNoOrphanOnRedlockMinority(t *testing.T) {
 	p := startDelayProxy(t, c.Addr, []byte(acquireScript.Hash()), 1500*time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, a.Addr, b.Addr, p.addr))
 	key := storedKey(h.Prefix, "/pay")
-	warm, err := h.locker.Acquire(context.Background(), []string{key})
-	if err != nil {
-		t.Fatal(err)
-	}
-	warm.release()
-	p.armed.Store(true)
+	p.warmThenArm(t, h, key)
 	ls, err := h.locker.Acquire(context.Background(), []string{key})
 	if err != nil {
 		t.Fatalf("two of three servers answer: %v", err)

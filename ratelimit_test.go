@@ -28,6 +28,15 @@ import (
 // config before Provision (the default is 5 requests per second, timeout 5s).
 func newRateLimit(t *testing.T, r *testRedis, mod func(h *RedisRateLimit)) *RedisRateLimit {
 	t.Helper()
+	h, _ := newRateLimitScoped(t, r, mod)
+	return h
+}
+
+// newRateLimitScoped is newRateLimit for a handler that lives for part of a
+// test (a config that a reload drops): the returned function cleans it up
+// (once; it also runs when the test ends).
+func newRateLimitScoped(t *testing.T, r *testRedis, mod func(h *RedisRateLimit)) (*RedisRateLimit, func()) {
+	t.Helper()
 	h := &RedisRateLimit{Rates: []Rate{{Requests: 5, Window: caddy.Duration(time.Second)}}}
 	h.Addresses = []string{r.Addr}
 	// A generous bound, so a loaded machine does not turn decisions into
@@ -45,11 +54,10 @@ func newRateLimit(t *testing.T, r *testRedis, mod func(h *RedisRateLimit)) *Redi
 	if err := h.Validate(); err != nil {
 		t.Fatalf("validate: %v", err)
 	}
-	t.Cleanup(func() {
-		_ = h.Cleanup()
-		cancel()
-	})
-	return h
+	var once sync.Once
+	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
+	t.Cleanup(done)
+	return h, done
 }
 
 // rlAnswer is what one request got.
@@ -670,19 +678,13 @@ func TestRateLimitConfigErrors(t *testing.T) {
 func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	mk := func() *RedisRateLimit {
-		h := &RedisRateLimit{Rates: []Rate{{Requests: 5, Window: caddy.Duration(time.Second)}}}
-		h.Addresses = []string{r.Addr}
-		h.Timeout = caddy.Duration(777 * time.Millisecond) // a client of its own
-		if err := h.Provision(ctx); err != nil {
-			t.Fatal(err)
-		}
-		quietRateLimit(h)
-		return h
+	mk := func() (*RedisRateLimit, func()) {
+		return newRateLimitScoped(t, r, func(h *RedisRateLimit) {
+			h.Timeout = caddy.Duration(777 * time.Millisecond) // a client of its own
+		})
 	}
-	h1, h2 := mk(), mk()
+	h1, cleanup1 := mk()
+	h2, cleanup2 := mk()
 	if h1.client != h2.client {
 		t.Fatal("handlers with the same settings do not share a client")
 	}
@@ -696,7 +698,7 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	if b == nil || h2.client.batcher() != b {
 		t.Fatal("handlers with the same settings do not share a batcher")
 	}
-	_ = h1.Cleanup()
+	cleanup1()
 	select {
 	case <-b.stop:
 		t.Fatal("batcher stopped while a handler still uses it")
@@ -705,7 +707,7 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	if a := serveRL(h2, "192.0.2.20", nil); !a.passed {
 		t.Fatal("second handler stopped working after the first one's Cleanup")
 	}
-	_ = h2.Cleanup()
+	cleanup2()
 	// It serves requests of the old config still on their way for
 	// destructGrace, then stops.
 	select {
@@ -718,8 +720,7 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	case <-time.After(destructGrace + 5*time.Second):
 		t.Fatal("batcher still running after the last Cleanup and the grace")
 	}
-	h3 := mk()
-	defer h3.Cleanup()
+	h3, _ := mk()
 	if a := serveRL(h3, "192.0.2.20", nil); !a.passed || a.err != nil {
 		t.Fatalf("after re-provisioning: %d %v", a.status, a.err)
 	}
