@@ -442,12 +442,18 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence), zap.Duration("waited", waited))
 	}
 
+	// The header as handlers before the lock left it: what a replay stores
+	// is what the route added, and a 503 after a lost lease goes back to it.
+	var before http.Header
+	if h.Replay > 0 || h.OnLost == "cancel" {
+		before = w.Header().Clone()
+	}
 	var rec *recorder
 	if h.Replay > 0 {
-		rec = newRecorder(w, h.ReplayMax)
+		rec = newRecorder(w, h.ReplayMax, before)
 		w = rec
 	}
-	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: w.Header().Clone()}
+	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: before}
 
 	reqCtx, cancel := context.WithCancelCause(r.Context())
 	var lost atomic.Bool

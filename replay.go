@@ -180,8 +180,10 @@ type recorder struct {
 	writeErr error // the client went away mid-response
 }
 
-func newRecorder(w http.ResponseWriter, max int64) *recorder {
-	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, max: max, before: w.Header().Clone()}
+// newRecorder records what the route writes to w; before is w's header as
+// handlers before the lock left it.
+func newRecorder(w http.ResponseWriter, max int64, before http.Header) *recorder {
+	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, max: max, before: before}
 }
 
 func (rec *recorder) WriteHeader(code int) {
