@@ -49,7 +49,8 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		prefix         <string>        # default caddy:lock:
 //		replay         <duration>      # execute once: keep the holder's response; default 0 = off
 //		replay_max     <size>          # largest response body kept for replay; default 1MiB, at most 256MiB
-//		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256
+//		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256, credentials
+//		credential_cookies <name>...   # cookies that identify the client; default none
 //		name           <string>        # for the admin API; default: its position
 //		redis          <address|url>...
 //		cluster        <address|url>...
@@ -222,6 +223,12 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: fingerprint: off stands alone", dir)
 			}
 			h.Fingerprint = args
+		case "credential_cookies":
+			args := d.RemainingArgs()
+			if len(args) == 0 {
+				return d.Errf("%s: credential_cookies: want one or more cookie names", dir)
+			}
+			h.CredentialCookies = append(h.CredentialCookies, args...)
 		case "name":
 			v, err := parseName(d, dir)
 			if err != nil {

@@ -138,27 +138,60 @@ type RedisLock struct {
 	// that releases the lock. Every request with the same key that waited
 	// for the lock, in any Caddy instance, and every one that arrives within
 	// this time gets the stored response, with `Idempotent-Replayed: true`,
-	// instead of running the rest of the route. Not stored: 5xx, a body over
-	// replay_max, a streamed (flushed) or aborted response, a lost lease;
-	// then the waiters take the lock in turn. A response is replayed to
-	// anyone presenting the same key: put the user in the key. Needs one
-	// key, one permit and one Redis (a server, Cluster or Sentinel; not a
-	// Redlock quorum). 0 turns it off. Default: 0.
+	// instead of running the rest of the route.
+	//
+	// The answer outlives the client: a client that goes away does not cut
+	// the route short. The route runs to its end on a context the client's
+	// departure does not cancel (bounded by max_hold if set, else one ttl
+	// after the client left), the lock stays held, and the answer is
+	// stored for the client's retry. The request body is buffered (up to
+	// replay_max; a larger one is answered 413).
+	//
+	// Not stored: 5xx; 206, 304, 408, 409, 425 and 429; for GET and HEAD
+	// every status HTTP caching does not store by default (only 200, 203,
+	// 204, 300, 301, 308, 404, 405, 410 and 414 are kept); answers to
+	// requests carrying Range or If-* headers; `Vary: *`; a body over
+	// replay_max; a stream (server-sent events, 101); an answer the route
+	// broke off (it returned an error); a lost lease. Then the waiters
+	// take the lock in turn and run the route.
+	//
+	// A stored answer is given only to requests it can answer: the same
+	// fingerprint (which covers the credentials), the same values of the
+	// headers its `Vary` names, no Range or If-* header, and for an answer
+	// marked `Cache-Control: private` or `no-store` or carrying
+	// `Set-Cookie`, the same credentials and (without credential_cookies)
+	// the same Cookie header. Any other request with the key gets 422 if
+	// its method is unsafe; a GET or HEAD runs the route itself, without
+	// the lock. A response is replayed to anyone presenting the same key
+	// and credentials: put the user in the key. Needs one key, one permit
+	// and one Redis (a server, Cluster or Sentinel; not a Redlock quorum).
+	// 0 turns it off. Default: 0.
 	Replay caddy.Duration `json:"replay,omitempty"`
 
-	// The largest response body kept for replay, in bytes; with the default
-	// fingerprint also the largest request body (a larger one is answered
-	// 413). At most 268435456 (256 MiB): a stored answer is one Redis
+	// The largest response body kept for replay, in bytes; also the
+	// largest request body under replay (a larger one is answered 413).
+	// At most 268435456 (256 MiB): a stored answer is one Redis
 	// string, which Redis caps at 512 MB, and the body is kept in memory
 	// until it is stored. Default: 1048576 (1 MiB).
 	ReplayMax int64 `json:"replay_max,omitempty"`
 
 	// What a replayed request must match beyond the key, as templates
 	// rendered per request; a request whose key has a stored response but
-	// whose fingerprint differs gets 422 and never reaches the upstream.
-	// ["off"] skips the check. Default: the method, the URI and the SHA-256
-	// of the request body (read up to replay_max and passed on unchanged).
+	// whose fingerprint differs never gets it (422 for an unsafe method; a
+	// GET or HEAD runs the route itself). The credentials (Authorization,
+	// Proxy-Authorization and the credential_cookies) are always part of
+	// it. ["off"] skips the check (private answers still go only to the
+	// same credentials). Default: the method, the URI, the SHA-256 of the
+	// request body and the credentials.
 	Fingerprint []string `json:"fingerprint,omitempty"`
+
+	// Cookies that identify the client (a session cookie) and so join the
+	// credentials of the fingerprint. With none named, a private answer
+	// (Cache-Control private or no-store, or Set-Cookie) is replayed only
+	// to a request with the same whole Cookie header; the whole header is
+	// not part of every fingerprint, since a rotating analytics cookie
+	// would then break a browser's retry. Default: none.
+	CredentialCookies []string `json:"credential_cookies,omitempty"`
 
 	// How the admin API (admin.api.redisdlm) names this handler: its locks
 	// are at /redisdlm/locks/<name>/<key>. Letters, digits, `-`, `_` and
@@ -326,6 +359,10 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: replay: takes one key template: the stored answer belongs to one lock key")
 	case h.Replay > 0 && len(h.Addresses) > 1:
 		return errors.New("redis_lock: replay: needs one Redis (a server, a Cluster or a Sentinel), not a Redlock quorum: an answer stored on a majority could be missed by a later majority that shares only one server with it")
+	case len(h.CredentialCookies) > 0 && h.Replay == 0:
+		return errors.New("redis_lock: credential_cookies: only has a meaning with replay")
+	case slices.Contains(h.CredentialCookies, ""):
+		return errors.New("redis_lock: credential_cookies: a cookie name must not be empty")
 	case len(h.Fingerprint) > 1 && slices.Contains(h.Fingerprint, "off"):
 		return errors.New("redis_lock: fingerprint: off stands alone")
 	case strings.ContainsAny(h.FencingHeader, " \t\r\n:"):
@@ -356,9 +393,9 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		return caddyhttp.Error(http.StatusBadRequest, err)
 	}
 
-	var fp string
+	var id identity
 	if h.Replay > 0 {
-		if fp, err = h.fingerprint(r, repl); err != nil {
+		if id, err = h.identify(r, repl); err != nil {
 			if errors.Is(err, errBodyTooLarge) {
 				return caddyhttp.Error(http.StatusRequestEntityTooLarge, err)
 			}
@@ -377,12 +414,19 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	if err != nil {
 		var rp *replayed
 		if errors.As(err, &rp) {
-			return h.serveReplay(w, r, fp, display, rp.answer)
+			a, why, err := h.mayServe(r, id, rp.answer)
+			switch {
+			case err != nil:
+				return caddyhttp.Error(http.StatusInternalServerError, err)
+			case why != "":
+				return h.refuseReplay(w, r, next, id, display, why)
+			}
+			return h.serveReplay(w, r, display, a)
 		}
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
 	acquiredSeconds.Observe(waited.Seconds())
-	return h.serveLocked(w, r, next, repl, lease, display, waited, fp)
+	return h.serveLocked(w, r, next, repl, lease, display, waited, id)
 }
 
 // acquireFailed answers a request that did not get the lock.
@@ -434,7 +478,7 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 //
 // With replay, the response is recorded on its way to the client and, if it
 // can be replayed, stored by the release.
-func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration, fp string) (err error) {
+func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration, id identity) (err error) {
 	fence := strconv.FormatInt(lease.fence, 10)
 	repl.Set("http.redis_lock.fencing_token", fence)
 	h.setFencingHeader(r, fence)
@@ -449,13 +493,19 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		before = w.Header().Clone()
 	}
 	var rec *recorder
+	base := r.Context()
 	if h.Replay > 0 {
-		rec = newRecorder(w, h.ReplayMax, before)
+		rec = newRecorder(w, r.Context(), h.ReplayMax, before)
 		w = rec
+		// The answer outlives the client: the route runs to its end, the
+		// lock held, and its answer is stored for the client's retry.
+		var stopDetached context.CancelFunc
+		base, stopDetached = h.detach(r.Context(), lease)
+		defer stopDetached()
 	}
 	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: before}
 
-	reqCtx, cancel := context.WithCancelCause(r.Context())
+	reqCtx, cancel := context.WithCancelCause(base)
 	var lost atomic.Bool
 	onLost := func(cause error) {
 		lost.Store(true)
@@ -476,7 +526,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		keep.stop()
 		cancel(nil)
 		if rec != nil {
-			h.releaseReplay(lease, rec, fp, display, err, !completed || lost.Load(), r.Context().Err() != nil)
+			h.releaseReplay(lease, rec, r, id, display, err, !completed || lost.Load())
 		} else {
 			lease.releaseWith("", true) // the answer does not wait for Redis
 		}
@@ -498,6 +548,38 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
 	return err
+}
+
+// errDetachedRunOver ends a replay route whose client went away once the
+// run outlasts its bound.
+var errDetachedRunOver = errors.New("redisdlm: the client went away and the route ran past max_hold, or one ttl after the client left")
+
+// detach returns the context a replay route runs on: it keeps the
+// client's values but not its cancellation. Once the client is gone, the
+// run is bounded: it ends at max_hold (from the grant) if set, else one
+// ttl after the client left; it is then cancelled, and its answer is not
+// stored. stop ends it when the route returns.
+func (h *RedisLock) detach(client context.Context, ls *lease) (ctx context.Context, stop context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(context.WithoutCancel(client))
+	go func() {
+		select {
+		case <-ctx.Done():
+			return
+		case <-client.Done():
+		}
+		bound := time.Duration(h.TTL)
+		if h.MaxHold > 0 {
+			bound = time.Until(ls.start.Add(time.Duration(h.MaxHold)))
+		}
+		t := time.NewTimer(max(bound, 0))
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+			cancel(errDetachedRunOver)
+		}
+	}()
+	return ctx, func() { cancel(nil) }
 }
 
 // startedWriter records whether the response has started, and once the
@@ -596,8 +678,8 @@ func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWr
 
 // releaseReplay releases a replay lock, storing the holder's answer with
 // the release when it can be replayed.
-func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, fp, display string, handlerErr error, lost, clientGone bool) {
-	ans, why := rec.answer(fp, handlerErr, lost, clientGone)
+func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, r *http.Request, id identity, display string, handlerErr error, lost bool) {
+	ans, why := rec.answer(r, id, handlerErr, lost)
 	if ans == "" {
 		replayNotStored.Inc()
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {

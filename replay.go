@@ -7,6 +7,7 @@ package redisdlm
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -46,39 +47,95 @@ const replayFormat = "rdlm1"
 var hopByHop = []string{"Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization",
 	"Proxy-Connection", "Te", "Trailer", "Transfer-Encoding", "Upgrade"}
 
-// errBodyTooLarge: with the default fingerprint a request body over
-// replay_max cannot be fingerprinted; it is answered 413.
+// errBodyTooLarge: under replay the request body is buffered (so the
+// route can run to its end when the client goes away, and for the
+// default fingerprint); one over replay_max is answered 413.
 var errBodyTooLarge = errors.New("redisdlm: request body larger than replay_max")
 
-// fingerprint returns the identity a replay must match beyond the key:
-// by default method, URI and the SHA-256 of the body (the body is read, up
-// to replay_max, and passed on unchanged), or the rendered templates, or
-// "" with `fingerprint off`.
-func (h *RedisLock) fingerprint(r *http.Request, repl *caddy.Replacer) (string, error) {
-	if h.fingerprintOff() {
-		return "", nil
+// conditionalHeaders make a request one whose answer depends on what the
+// client already has: it is never answered from, nor stored as, a stored
+// answer (SPEC §3a).
+var conditionalHeaders = []string{"Range", "If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since", "If-Range"}
+
+// identity is what a stored answer is matched against: the request's
+// fingerprint, its credentials and cookies, and what kind of request it is.
+type identity struct {
+	fp          string // fingerprint: "" with `fingerprint off`
+	cred        string // hash of Authorization, Proxy-Authorization and the credential cookies
+	cookie      string // hash of the whole Cookie header
+	safe        bool   // GET or HEAD: a request that may not be replayed runs the route itself
+	conditional bool   // Range or If-*: never replayed, its answer never stored
+}
+
+// bufferBody reads the request body, up to replay_max, and puts it back
+// for the route: a client that goes away mid-upload cannot cut the
+// route's copy short.
+func (h *RedisLock) bufferBody(r *http.Request) ([]byte, error) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
 	}
-	if len(h.Fingerprint) > 0 {
-		parts := make([]string, len(h.Fingerprint))
+	body, err := io.ReadAll(io.LimitReader(r.Body, h.ReplayMax+1))
+	if err != nil {
+		return nil, fmt.Errorf("reading the request body: %w", err)
+	}
+	if int64(len(body)) > h.ReplayMax {
+		return nil, errBodyTooLarge
+	}
+	_ = r.Body.Close()
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	return body, nil
+}
+
+// identify buffers the body and returns the request's identity. The
+// fingerprint is, by default, the method, the URI, the SHA-256 of the body
+// and the credentials; with templates, the rendered templates and the
+// credentials; with `fingerprint off`, nothing (private answers still go
+// only to the same credentials and cookies).
+func (h *RedisLock) identify(r *http.Request, repl *caddy.Replacer) (identity, error) {
+	body, err := h.bufferBody(r)
+	if err != nil {
+		return identity{}, err
+	}
+	id := identity{
+		cred:   h.credentials(r),
+		cookie: digest(strings.Join(r.Header.Values("Cookie"), "; ")),
+		safe:   r.Method == http.MethodGet || r.Method == http.MethodHead,
+	}
+	for _, name := range conditionalHeaders {
+		if _, ok := r.Header[name]; ok {
+			id.conditional = true
+		}
+	}
+	switch {
+	case h.fingerprintOff():
+	case len(h.Fingerprint) > 0:
+		parts := make([]string, len(h.Fingerprint), len(h.Fingerprint)+1)
 		for i, t := range h.Fingerprint {
 			parts[i] = repl.ReplaceAll(t, "")
 		}
-		return digest(strings.Join(parts, "\x00")), nil
+		id.fp = digest(strings.Join(append(parts, id.cred), "\x00"))
+	default:
+		sum := sha256.Sum256(body)
+		id.fp = digest(r.Method + "\x00" + r.RequestURI + "\x00" + hex.EncodeToString(sum[:]) + "\x00" + id.cred)
 	}
-	sum := sha256.New()
-	if r.Body != nil && r.Body != http.NoBody {
-		body, err := io.ReadAll(io.LimitReader(r.Body, h.ReplayMax+1))
-		if err != nil {
-			return "", fmt.Errorf("reading the request body: %w", err)
+	return id, nil
+}
+
+// credentials hashes what identifies the client to the upstream: the
+// Authorization and Proxy-Authorization headers and the cookies named by
+// credential_cookies (in the order configured).
+func (h *RedisLock) credentials(r *http.Request) string {
+	var b strings.Builder
+	b.WriteString(strings.Join(r.Header.Values("Authorization"), ","))
+	b.WriteByte(0)
+	b.WriteString(strings.Join(r.Header.Values("Proxy-Authorization"), ","))
+	for _, name := range h.CredentialCookies {
+		b.WriteByte(0)
+		if c, err := r.Cookie(name); err == nil {
+			b.WriteString(c.Value)
 		}
-		if int64(len(body)) > h.ReplayMax {
-			return "", errBodyTooLarge
-		}
-		_ = r.Body.Close()
-		r.Body = io.NopCloser(bytes.NewReader(body))
-		sum.Write(body)
 	}
-	return digest(r.Method + "\x00" + r.RequestURI + "\x00" + hex.EncodeToString(sum.Sum(nil))), nil
+	return digest(b.String())
 }
 
 func (h *RedisLock) fingerprintOff() bool {
@@ -90,12 +147,25 @@ func digest(s string) string {
 	return hex.EncodeToString(sum[:])
 }
 
-// storedAnswer is a response as kept in Redis.
+// storedAnswer is a response as kept in Redis, with what a later request
+// must match to be given it.
 type storedAnswer struct {
 	Fingerprint string      `json:"f"`
 	Status      int         `json:"s"`
 	Header      http.Header `json:"h"`
-	body        []byte
+	// Removed names the headers the route took away from those set
+	// before the lock (such as Server): a replay removes them too.
+	Removed []string `json:"d,omitempty"`
+	// Private: Cache-Control private or no-store, or Set-Cookie. Such an
+	// answer is replayed only to the same credentials (Cred) and, when no
+	// credential cookie is named, the same Cookie header (Cookie).
+	Private bool   `json:"p,omitempty"`
+	Cred    string `json:"c,omitempty"`
+	Cookie  string `json:"k,omitempty"`
+	// Vary is the hash of the holder's values of the request headers that
+	// the answer's Vary names.
+	Vary string `json:"v,omitempty"`
+	body []byte
 }
 
 // encode lays an answer out as "rdlm1\n<json head>\n<body>".
@@ -128,28 +198,80 @@ func decodeAnswer(s string) (*storedAnswer, error) {
 	return a, nil
 }
 
-// serveReplay answers r with a stored answer, or 422 when r's fingerprint
-// differs from the stored request's.
-func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, fp, display, stored string) error {
-	a, err := decodeAnswer(stored)
-	if err != nil {
-		return caddyhttp.Error(http.StatusInternalServerError, err)
+// varyHash hashes r's values of the request headers named by an answer's
+// Vary header ("" when it names none).
+func varyHash(answer http.Header, r *http.Request) string {
+	names := varyNames(answer)
+	if len(names) == 0 {
+		return ""
 	}
-	if a.Fingerprint != fp {
-		replayMismatch.Inc()
-		if c := h.logger.Check(zapcore.DebugLevel, "replay: request differs from the stored one; answering 422"); c != nil {
-			c.Write(zap.String("key", display))
+	var b strings.Builder
+	for _, n := range names {
+		b.WriteString(n)
+		b.WriteByte(':')
+		b.WriteString(strings.Join(r.Header.Values(n), ","))
+		b.WriteByte(0)
+	}
+	return digest(b.String())
+}
+
+// varyNames lists the header names of Vary, canonical and sorted.
+func varyNames(answer http.Header) []string {
+	var names []string
+	for _, v := range answer.Values("Vary") {
+		for _, n := range strings.Split(v, ",") {
+			if n = strings.TrimSpace(n); n != "" {
+				names = append(names, http.CanonicalHeaderKey(n))
+			}
 		}
-		return caddyhttp.Error(http.StatusUnprocessableEntity,
-			errors.New("redisdlm: this key was used with another request (method, URI or body differ)"))
 	}
+	slices.Sort(names)
+	return slices.Compact(names)
+}
+
+// servable says why a stored answer may not answer this request ("" when
+// it may).
+func (a *storedAnswer) servable(id identity, r *http.Request, credCookies bool) string {
+	switch {
+	case a.Status == http.StatusPartialContent || a.Status == http.StatusNotModified:
+		return "the stored answer is a " + strconv.Itoa(a.Status)
+	case id.conditional:
+		return "the request is conditional or a range request"
+	case a.Fingerprint != id.fp:
+		return "the request differs from the stored one"
+	case a.Private && a.Cred != id.cred:
+		return "the stored answer is private to other credentials"
+	case a.Private && !credCookies && a.Cookie != id.cookie:
+		return "the stored answer is private to other cookies"
+	case a.Vary != varyHash(a.Header, r):
+		return "a header the stored answer varies by differs"
+	}
+	return ""
+}
+
+// mayServe decodes a stored answer and reports whether it may answer r;
+// why is the reason when it may not.
+func (h *RedisLock) mayServe(r *http.Request, id identity, stored string) (a *storedAnswer, why string, err error) {
+	a, err = decodeAnswer(stored)
+	if err != nil {
+		return nil, "", err
+	}
+	return a, a.servable(id, r, len(h.CredentialCookies) > 0), nil
+}
+
+// serveReplay answers r with a stored answer that mayServe allowed.
+func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, display string, a *storedAnswer) error {
 	replayReplayed.Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "replaying stored response"); c != nil {
 		c.Write(zap.String("key", display), zap.Int("status", a.Status))
 	}
-	// The headers the route set (what handlers before the lock set for
-	// this request, such as a request id, stay this request's own).
+	// The headers the route set, and none it removed (what handlers
+	// before the lock set for this request, such as a request id, stay
+	// this request's own).
 	hdr := w.Header()
+	for _, k := range a.Removed {
+		hdr.Del(k)
+	}
 	for k, v := range a.Header {
 		hdr[k] = v
 	}
@@ -162,28 +284,70 @@ func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, fp, disp
 	return nil
 }
 
+// refuseReplay answers a request that may not be given the stored answer
+// of its key: an unsafe method gets 422 (running it would run the key's
+// request a second time); a GET or HEAD runs the route itself, without
+// the lock (coalescing is an optimisation, not exclusion).
+func (h *RedisLock) refuseReplay(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, id identity, display, why string) error {
+	replayMismatch.Inc()
+	if id.safe {
+		if c := h.logger.Check(zapcore.DebugLevel, "replay: stored answer not for this request; running the route without the lock"); c != nil {
+			c.Write(zap.String("key", display), zap.String("reason", why))
+		}
+		h.setFencingHeader(r, "")
+		return next.ServeHTTP(w, r)
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "replay: request differs from the stored one; answering 422"); c != nil {
+		c.Write(zap.String("key", display), zap.String("reason", why))
+	}
+	return caddyhttp.Error(http.StatusUnprocessableEntity,
+		errors.New("redisdlm: this key was used with another request (method, URI, body or credentials differ)"))
+}
+
 // bodyAllowed reports whether a response of this status has a body.
 func bodyAllowed(status int) bool {
 	return status >= 200 && status != http.StatusNoContent && status != http.StatusNotModified
 }
 
-// recorder passes a response on to the client unchanged and keeps a copy
-// of it, up to max bytes of body, for replay.
+// cacheableByDefault are the statuses HTTP caching may store without
+// explicit freshness (RFC 9110 §15.1): the only ones kept for GET/HEAD,
+// so one client's 400 is never served to the next.
+var cacheableByDefault = []int{200, 203, 204, 300, 301, 308, 404, 405, 410, 414}
+
+// neverStored are transient answers (and the answers to conditional or
+// range requests), stored for no method.
+var neverStored = []int{http.StatusPartialContent, http.StatusNotModified, http.StatusRequestTimeout,
+	http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests}
+
+// recorder passes a response on to the client and keeps a copy of it, up
+// to max bytes of body, for replay. Once the client is gone (a write
+// fails, or its request context ends) it swallows writes and flushes and
+// keeps recording, so the route runs to its end and its answer is stored.
 type recorder struct {
 	*caddyhttp.ResponseWriterWrapper
 	max      int64
-	before   http.Header // the header as handlers before the lock left it
+	client   context.Context // the client's own request context
+	before   http.Header     // the header as handlers before the lock left it
 	status   int
 	header   http.Header // what the route set, copied when the header is written
+	removed  []string    // headers set before the lock that the route removed
 	body     bytes.Buffer
-	overflow bool  // the body outgrew max
-	writeErr error // the client went away mid-response
+	overflow bool // the body outgrew max
+	gone     bool // the client went away: nothing more is sent to it
 }
 
 // newRecorder records what the route writes to w; before is w's header as
-// handlers before the lock left it.
-func newRecorder(w http.ResponseWriter, max int64, before http.Header) *recorder {
-	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, max: max, before: before}
+// handlers before the lock left it, client the client's request context.
+func newRecorder(w http.ResponseWriter, client context.Context, max int64, before http.Header) *recorder {
+	return &recorder{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, client: client, max: max, before: before}
+}
+
+// clientGone reports (and remembers) whether the client went away.
+func (rec *recorder) clientGone() bool {
+	if !rec.gone && rec.client.Err() != nil {
+		rec.gone = true
+	}
+	return rec.gone
 }
 
 func (rec *recorder) WriteHeader(code int) {
@@ -197,6 +361,15 @@ func (rec *recorder) WriteHeader(code int) {
 				rec.header[k] = slices.Clone(v)
 			}
 		}
+		for k := range rec.before {
+			if _, ok := rec.Header()[k]; !ok {
+				rec.removed = append(rec.removed, k)
+			}
+		}
+		slices.Sort(rec.removed)
+	}
+	if rec.clientGone() {
+		return
 	}
 	rec.ResponseWriterWrapper.WriteHeader(code)
 }
@@ -213,11 +386,13 @@ func (rec *recorder) Write(b []byte) (int, error) {
 			rec.body.Write(b)
 		}
 	}
-	n, err := rec.ResponseWriterWrapper.Write(b)
-	if err != nil && rec.writeErr == nil {
-		rec.writeErr = err
+	if rec.clientGone() {
+		return len(b), nil
 	}
-	return n, err
+	if _, err := rec.ResponseWriterWrapper.Write(b); err != nil {
+		rec.gone = true // the client went away mid-response
+	}
+	return len(b), nil
 }
 
 // ReadFrom (io.Copy, file_server) goes through Write, so the body is kept
@@ -233,7 +408,12 @@ func (rec *recorder) Flush() {
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK) // a flush sends the header: record it now
 	}
-	_ = http.NewResponseController(rec.ResponseWriterWrapper).Flush()
+	if rec.clientGone() {
+		return
+	}
+	if err := http.NewResponseController(rec.ResponseWriterWrapper).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
+		rec.gone = true
+	}
 }
 
 // streamed reports an answer that is a stream by nature (server-sent
@@ -246,23 +426,38 @@ func (rec *recorder) streamed() bool {
 // Unwrap lets http.ResponseController reach the underlying writer.
 func (rec *recorder) Unwrap() http.ResponseWriter { return rec.ResponseWriterWrapper }
 
-// answer returns the response to store, or why it is not stored.
-func (rec *recorder) answer(fp string, handlerErr error, lost bool, clientGone bool) (string, string) {
+// storable says why the recorded answer to a request of identity id may
+// not be stored ("" when it may).
+func (rec *recorder) storable(id identity, handlerErr error, lost bool) string {
 	switch {
 	case handlerErr != nil:
-		return "", "the route returned an error"
+		return "the route returned an error (the response was aborted)"
 	case lost:
-		return "", "the lease was lost"
+		return "the lease was lost"
 	case rec.status == 0:
-		return "", "no response was written"
+		return "no response was written"
 	case rec.status >= 500:
-		return "", "status " + strconv.Itoa(rec.status)
+		return "status " + strconv.Itoa(rec.status)
+	case slices.Contains(neverStored, rec.status):
+		return "status " + strconv.Itoa(rec.status) + " is never stored"
+	case id.conditional:
+		return "the request is conditional or a range request"
+	case id.safe && !slices.Contains(cacheableByDefault, rec.status):
+		return "status " + strconv.Itoa(rec.status) + " is not stored for GET or HEAD"
+	case slices.Contains(varyNames(rec.header), "*"):
+		return "the response varies by every header (Vary: *)"
 	case rec.overflow:
-		return "", "the body is larger than replay_max"
+		return "the body is larger than replay_max"
 	case rec.streamed():
-		return "", "the response is a stream (server-sent events or a protocol switch)"
-	case rec.writeErr != nil || clientGone:
-		return "", "the response was aborted"
+		return "the response is a stream (server-sent events or a protocol switch)"
+	}
+	return ""
+}
+
+// answer returns the response to store, or why it is not stored.
+func (rec *recorder) answer(r *http.Request, id identity, handlerErr error, lost bool) (string, string) {
+	if why := rec.storable(id, handlerErr, lost); why != "" {
+		return "", why
 	}
 	hdr := rec.header
 	for _, c := range hdr.Values("Connection") {
@@ -274,8 +469,29 @@ func (rec *recorder) answer(fp string, handlerErr error, lost bool, clientGone b
 		hdr.Del(name)
 	}
 	hdr.Del(HeaderIdempotentReplayed)
-	a := &storedAnswer{Fingerprint: fp, Status: rec.status, Header: hdr, body: rec.body.Bytes()}
+	a := &storedAnswer{Fingerprint: id.fp, Status: rec.status, Header: hdr, Removed: rec.removed,
+		Private: privateAnswer(hdr), Vary: varyHash(hdr, r), body: rec.body.Bytes()}
+	if a.Private {
+		a.Cred, a.Cookie = id.cred, id.cookie
+	}
 	return a.encode(), ""
+}
+
+// privateAnswer reports an answer meant for one client: Cache-Control
+// private or no-store, or a Set-Cookie.
+func privateAnswer(hdr http.Header) bool {
+	if len(hdr.Values("Set-Cookie")) > 0 {
+		return true
+	}
+	for _, v := range hdr.Values("Cache-Control") {
+		for _, d := range strings.Split(v, ",") {
+			d, _, _ = strings.Cut(strings.TrimSpace(d), "=")
+			if strings.EqualFold(d, "private") || strings.EqualFold(d, "no-store") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // checkReplayMax checks a replay_max set by hand (0, the default, is not).

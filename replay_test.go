@@ -191,17 +191,50 @@ func TestReplayNotStored(t *testing.T) {
 			}
 		}
 	})
+	t.Run("the route broke off", func(t *testing.T) {
+		t.Parallel()
+		// An answer the route itself failed to finish (reverse_proxy returns
+		// an error when the upstream breaks off) is aborted: not stored.
+		var calls atomic.Int64
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:brokeoff:"`))
+		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
+			if calls.Add(1) == 1 {
+				w.WriteHeader(200)
+				_, _ = io.WriteString(w, "half")
+				return io.ErrUnexpectedEOF
+			}
+			_, _ = io.WriteString(w, "second")
+			return nil
+		})
+		post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
+		if _, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k"); body != "second" || hdr.Get(HeaderIdempotentReplayed) != "" {
+			t.Fatalf("after a broken-off answer: %q replayed=%q, want the route to run again", body, hdr.Get(HeaderIdempotentReplayed))
+		}
+	})
 	t.Run("holder's client went away", func(t *testing.T) {
 		t.Parallel()
+		// The answer outlives the client: the route runs to its end, its
+		// writes to the gone client are swallowed, and the waiter is
+		// replayed the whole answer.
 		var calls atomic.Int64
 		started := make(chan struct{}, 4)
 		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:gone:"`))
-		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
+		clients := make(chan context.Context, 4) // the client's own context, seen before the lock
+		srv := handlerServer(t, seeClient{h, clients}, func(w http.ResponseWriter, req *http.Request) error {
 			if calls.Add(1) == 1 {
 				started <- struct{}{}
 				w.WriteHeader(200)
-				<-r.Context().Done() // the client goes away mid-response
-				_, _ = io.WriteString(w, "too late")
+				_, _ = io.WriteString(w, "first ")
+				<-(<-clients).Done() // the client goes away mid-response
+				for i := 0; i < 3; i++ {
+					if _, err := io.WriteString(w, "and more "); err != nil {
+						return err // a write error would abort the route
+					}
+					_ = http.NewResponseController(w).Flush()
+				}
+				if req.Context().Err() != nil {
+					return req.Context().Err()
+				}
 				return nil
 			}
 			_, _ = io.WriteString(w, "second")
@@ -221,19 +254,36 @@ func TestReplayNotStored(t *testing.T) {
 		waiter := make(chan string, 1)
 		go func() {
 			_, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
-			waiter <- body + hdr.Get(HeaderIdempotentReplayed)
+			waiter <- body + "|" + hdr.Get(HeaderIdempotentReplayed)
 		}()
-		time.Sleep(200 * time.Millisecond)
 		cancel()
 		select {
 		case got := <-waiter:
-			if got != "second" {
-				t.Fatalf("waiter got %q, want to run the route itself (\"second\")", got)
+			if got != "first and more and more and more |true" {
+				t.Fatalf("waiter got %q, want the whole first answer, replayed", got)
 			}
 		case <-time.After(20 * time.Second):
 			t.Fatal("waiter not answered")
 		}
+		if c := calls.Load(); c != 1 {
+			t.Fatalf("%d route runs, want 1", c)
+		}
 	})
+}
+
+// seeClient passes each request's own context (the client's, before the
+// lock detaches the route from it) to a channel.
+type seeClient struct {
+	mw caddyhttp.MiddlewareHandler
+	ch chan context.Context
+}
+
+func (s seeClient) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	select {
+	case s.ch <- r.Context():
+	default:
+	}
+	return s.mw.ServeHTTP(w, r, next)
 }
 
 // TestReplayCoalescesGets: 30 concurrent GETs of one URI cost one upstream
@@ -250,8 +300,8 @@ func TestReplayCoalescesGets(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			resp, body := get(t, srv.URL+"/catalog?page=1&sleep=200ms")
-			if resp == nil || resp.StatusCode != 201 || body != "order #1" {
+			resp, body := get(t, srv.URL+"/catalog?page=1&sleep=200ms&status=200")
+			if resp == nil || resp.StatusCode != 200 || body != "order #1" {
 				bad.Add(1)
 			}
 		}()
@@ -262,9 +312,9 @@ func TestReplayCoalescesGets(t *testing.T) {
 	}
 }
 
-// TestReplayLargeRequestBody: with the default fingerprint a request body
-// over replay_max is answered 413 and never reaches the upstream; with
-// `fingerprint off` the body is not read at all.
+// TestReplayLargeRequestBody: a request body over replay_max is answered
+// 413 and never reaches the upstream, with any fingerprint; with
+// `fingerprint off` another body gets the stored answer.
 func TestReplayLargeRequestBody(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
@@ -274,9 +324,15 @@ func TestReplayLargeRequestBody(t *testing.T) {
 	if st, _, _, _ := post(srv.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
 		t.Fatalf("body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
 	}
+	// Under replay the body is always buffered (a client that goes away
+	// mid-upload cannot cut the route's copy short), whatever the
+	// fingerprint: over replay_max it is 413 with fingerprint off too.
 	off := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":16,"fingerprint":["off"],"prefix":"off:"`))
 	so := handlerServer(t, off, up.ServeHTTP)
-	if st, _, _, _ := post(so.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 201 {
+	if st, _, _, _ := post(so.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
+		t.Fatalf("fingerprint off, body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
+	}
+	if st, _, _, _ := post(so.URL+"/big", "a body", "X-User", "u", "Idempotency-Key", "k"); st != 201 {
 		t.Fatalf("fingerprint off: %d, want 201", st)
 	}
 	if st, hdr, _, _ := post(so.URL+"/big", "another body", "X-User", "u", "Idempotency-Key", "k"); st != 201 || hdr.Get(HeaderIdempotentReplayed) != "true" {

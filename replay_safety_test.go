@@ -1,0 +1,373 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// paymentUpstream is a payment backend: each call takes `hold`, finishes
+// even when the proxy in front of it goes away, and counts calls and how
+// many ran at once.
+type paymentUpstream struct {
+	hold          time.Duration
+	calls, inside atomic.Int64
+	mu            sync.Mutex
+	most          int64
+}
+
+func (u *paymentUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n := u.calls.Add(1)
+	in := u.inside.Add(1)
+	u.mu.Lock()
+	u.most = max(u.most, in)
+	u.mu.Unlock()
+	time.Sleep(u.hold) // not r.Context(): the payment goes through anyway
+	u.inside.Add(-1)
+	w.Header().Set("X-Payment", fmt.Sprint(n))
+	w.WriteHeader(http.StatusCreated)
+	fmt.Fprintf(w, "payment #%d", n)
+}
+
+func (u *paymentUpstream) overlap() int64 {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.most
+}
+
+// TestReplayAnswerOutlivesClient (issue 19 item 1): a client posts a
+// payment through Caddy (redis_lock with replay in front of
+// reverse_proxy) and gives up after 0.5 s while the upstream takes 1.5 s;
+// the same POST is then sent twice, once to each of two instances (sites
+// with their own Redis clients, so their own pools, queues and instance
+// ids). The upstream sees one call and never two at once; both retries
+// wait for the first run and get its answer, replayed. Before the fix the
+// proxy aborted when the client left, the lock was released, nothing was
+// stored, and a retry ran the payment a second time while the first was
+// still running.
+func TestReplayAnswerOutlivesClient(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	up := &paymentUpstream{hold: 1500 * time.Millisecond}
+	upSrv := httptest.NewServer(up)
+	defer upSrv.Close()
+	portA, portB, admin := freePort(t), freePort(t), freePort(t)
+	site := func(port int, timeout string) string {
+		return fmt.Sprintf(`:%d {
+	@post method POST
+	redis_lock @post {
+		key {http.request.header.X-User}:{http.request.header.Idempotency-Key}
+		replay 24h
+		wait 20s
+		timeout %s
+		redis %s
+	}
+	reverse_proxy %s
+}
+`, port, timeout, r.Addr, strings.TrimPrefix(upSrv.URL, "http://"))
+	}
+	runCaddy(t, fmt.Sprintf("{\n\tadmin localhost:%d\n\tauto_https off\n}\n", admin)+site(portA, "2s")+site(portB, "3s"))
+	urlA := fmt.Sprintf("http://127.0.0.1:%d/pay", portA)
+	urlB := fmt.Sprintf("http://127.0.0.1:%d/pay", portB)
+
+	impatient := &http.Client{Timeout: 500 * time.Millisecond}
+	req, _ := http.NewRequest("POST", urlA, strings.NewReader(`{"amount":100}`))
+	req.Header.Set("X-User", "alice")
+	req.Header.Set("Idempotency-Key", "pay-1")
+	if resp, err := impatient.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the impatient client got %d before the 1.5 s upstream answered", resp.StatusCode)
+	}
+
+	type answer struct {
+		status   int
+		body     string
+		replayed string
+		err      error
+	}
+	answers := make([]answer, 2)
+	var wg sync.WaitGroup
+	for i, url := range []string{urlA, urlB} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			st, hdr, body, err := post(url, `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "pay-1")
+			answers[i] = answer{st, body, hdr.Get(HeaderIdempotentReplayed), err}
+		}()
+	}
+	wg.Wait()
+	for i, a := range answers {
+		if a.err != nil || a.status != 201 || a.body != "payment #1" || a.replayed != "true" {
+			t.Errorf("retry %d: %d %q replayed=%q %v; want the first payment's answer, replayed", i, a.status, a.body, a.replayed, a.err)
+		}
+	}
+	if c, o := up.calls.Load(), up.overlap(); c != 1 || o != 1 {
+		t.Fatalf("the upstream saw %d calls, %d at once; want 1 call", c, o)
+	}
+}
+
+// TestReplayDetachedRunIsBounded: once its client is gone, a replay route
+// runs at most one ttl longer (the lease's auto-extension keeps it) and
+// then is cancelled; its answer is not stored, the lock is released, and
+// the next request runs the route. With max_hold, the run ends at
+// max_hold from the grant.
+func TestReplayDetachedRunIsBounded(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	for _, tc := range []struct{ name, cfg string }{
+		{"ttl", `,"ttl":"600ms"`},
+		{"max_hold", `,"ttl":"30s","max_hold":"900ms","on_lost":"continue"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var calls atomic.Int64
+			ended := make(chan error, 1)
+			started := make(chan struct{}, 1)
+			h := provisionLock(t, lockCfg(r.Addr, replayCfg+tc.cfg+`,"prefix":"bound:`+tc.name+`:"`))
+			srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+				if calls.Add(1) == 1 {
+					started <- struct{}{}
+					<-req.Context().Done() // a route that never finishes by itself
+					ended <- context.Cause(req.Context())
+					return req.Context().Err()
+				}
+				_, _ = io.WriteString(w, "second")
+				return nil
+			})
+			ctx, cancel := context.WithCancel(context.Background())
+			req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/p", strings.NewReader("x"))
+			req.Header.Set("X-User", "u")
+			req.Header.Set("Idempotency-Key", "k")
+			go func() {
+				if resp, err := http.DefaultClient.Do(req); err == nil {
+					resp.Body.Close()
+				}
+			}()
+			<-started
+			cancel()
+			select {
+			case cause := <-ended:
+				if cause != errDetachedRunOver {
+					t.Fatalf("the detached run ended with %v, want errDetachedRunOver", cause)
+				}
+			case <-time.After(15 * time.Second):
+				t.Fatal("the detached run was never cancelled")
+			}
+			_, hdr, body, err := post(srv.URL+"/p", "x", "X-User", "u", "Idempotency-Key", "k")
+			if err != nil || body != "second" || hdr.Get(HeaderIdempotentReplayed) != "" {
+				t.Fatalf("next request: %q replayed=%q %v; want it to run the route", body, hdr.Get(HeaderIdempotentReplayed), err)
+			}
+		})
+	}
+}
+
+// answerUpstream answers each request as its query says: ?status=,
+// ?vary=, ?cc= (Cache-Control), and honours Range with a 206 and
+// If-Modified-Since with a 304, like a file server. It counts calls, and
+// says in the body who asked (the Authorization header).
+type answerUpstream struct{ calls atomic.Int64 }
+
+func (u *answerUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	n := u.calls.Add(1)
+	q := r.URL.Query()
+	if v := q.Get("vary"); v != "" {
+		w.Header().Set("Vary", v)
+	}
+	if v := q.Get("cc"); v != "" {
+		w.Header().Set("Cache-Control", v)
+	}
+	if q.Get("cookie") != "" {
+		w.Header().Set("Set-Cookie", "session="+r.Header.Get("Authorization"))
+	}
+	body := fmt.Sprintf("answer #%d for %q lang %q", n, r.Header.Get("Authorization"), r.Header.Get("Accept-Language"))
+	switch {
+	case r.Header.Get("Range") != "":
+		w.Header().Set("Content-Range", "bytes 0-3/1000")
+		w.WriteHeader(http.StatusPartialContent)
+		_, _ = io.WriteString(w, body[:4])
+		return nil
+	case r.Header.Get("If-Modified-Since") != "":
+		w.WriteHeader(http.StatusNotModified)
+		return nil
+	}
+	status := 200
+	fmt.Sscan(q.Get("status"), &status)
+	w.WriteHeader(status)
+	_, _ = io.WriteString(w, body)
+	return nil
+}
+
+// send makes one request; hdr are name, value pairs.
+func send(method, url string, hdr ...string) (int, http.Header, string, error) {
+	req, _ := http.NewRequest(method, url, strings.NewReader(""))
+	for i := 0; i+1 < len(hdr); i += 2 {
+		req.Header.Add(hdr[i], hdr[i+1])
+	}
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
+	if err != nil {
+		return 0, nil, "", err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, string(b), nil
+}
+
+// TestReplayServesOnlyWhatItCanAnswer (issue 19 item 2): request
+// coalescing (`key {http.request.uri}`, replay) is not poisoned by headers
+// the fingerprint ignores. A range request's 206 and a conditional
+// request's 304 are never stored (a plain GET then runs the route and
+// gets the whole answer); a GET's 400 or 409 is not stored; `Vary: *` is
+// not stored; `Vary: Accept-Language` joins the fingerprint, so another
+// language runs the route itself; a conditional request never gets a
+// stored answer. Before the fix a plain GET got the 206 with its
+// Content-Range, an empty 304, or another client's 400.
+func TestReplayServesOnlyWhatItCanAnswer(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := new(answerUpstream)
+	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s"`))
+	srv := handlerServer(t, h, up.ServeHTTP)
+
+	type step struct {
+		name, path string
+		hdr        []string
+		status     int
+		replayed   bool
+	}
+	for _, tc := range []struct {
+		name  string
+		steps []step
+	}{
+		{"range", []step{
+			{"range request", "/r", []string{"Range", "bytes=0-3"}, 206, false},
+			{"plain GET after it", "/r", nil, 200, false},
+			{"plain GET replayed", "/r", nil, 200, true},
+			{"range request with a stored answer", "/r", []string{"Range", "bytes=0-3"}, 206, false},
+		}},
+		{"conditional", []step{
+			{"If-Modified-Since", "/c", []string{"If-Modified-Since", "Mon, 01 Dec 2025 00:00:00 GMT"}, 304, false},
+			{"unconditional after it", "/c", nil, 200, false},
+			{"If-None-Match with a stored answer", "/c", []string{"If-None-Match", `"x"`}, 200, false},
+		}},
+		{"client error", []step{
+			{"400", "/e?status=400", nil, 400, false},
+			{"400 again", "/e?status=400", nil, 400, false},
+			{"409", "/e?status=409", nil, 409, false},
+			{"409 again", "/e?status=409", nil, 409, false},
+			{"404 is stored", "/e?status=404", nil, 404, false},
+			{"404 replayed", "/e?status=404", nil, 404, true},
+		}},
+		{"vary", []step{
+			{"Vary: *", "/v?vary=*", nil, 200, false},
+			{"Vary: * again", "/v?vary=*", nil, 200, false},
+			{"Vary: Accept-Language, en", "/l?vary=Accept-Language", []string{"Accept-Language", "en"}, 200, false},
+			{"en again", "/l?vary=Accept-Language", []string{"Accept-Language", "en"}, 200, true},
+			{"de", "/l?vary=Accept-Language", []string{"Accept-Language", "de"}, 200, false},
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, s := range tc.steps {
+				before := up.calls.Load()
+				st, hdr, body, err := send("GET", srv.URL+s.path, s.hdr...)
+				replayed := hdr.Get(HeaderIdempotentReplayed) == "true"
+				if err != nil || st != s.status || replayed != s.replayed || (up.calls.Load() == before) != s.replayed {
+					t.Fatalf("%s: %d %q replayed=%v (upstream calls %d → %d) %v; want %d, replayed=%v",
+						s.name, st, body, replayed, before, up.calls.Load(), err, s.status, s.replayed)
+				}
+				if !replayed && s.status == 200 && hdr.Get("Content-Range") != "" {
+					t.Fatalf("%s: a 200 with Content-Range %q", s.name, hdr.Get("Content-Range"))
+				}
+			}
+		})
+	}
+	t.Run("POST statuses", func(t *testing.T) {
+		// Transient answers are stored for no method; a POST's 400 is (the
+		// same request would get it again).
+		for _, tc := range []struct {
+			status int
+			stored bool
+		}{{409, false}, {429, false}, {425, false}, {408, false}, {400, true}, {201, true}} {
+			path := fmt.Sprintf("/post?status=%d", tc.status)
+			send("POST", srv.URL+path)
+			_, hdr, _, _ := send("POST", srv.URL+path)
+			if got := hdr.Get(HeaderIdempotentReplayed) == "true"; got != tc.stored {
+				t.Errorf("POST answered %d: replayed=%v, want %v", tc.status, got, tc.stored)
+			}
+		}
+	})
+}
+
+// TestReplayNeverAnotherClientsAnswer (issue 19 item 3): the fingerprint
+// covers the credentials. Alice's answer to a GET (private, with her
+// cookie) is never replayed to Bob: his GET runs the route itself, and
+// his POST under a key Alice used is 422. A private answer goes only to
+// the same Cookie header when no credential cookie is named, and with
+// credential_cookies only the named cookie counts. `fingerprint off`
+// still keeps private answers to their owner. Before the fix Bob got
+// Alice's body and cookie, marked replayed.
+func TestReplayNeverAnotherClientsAnswer(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := new(answerUpstream)
+	coalesce := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"co:"`))
+	sc := handlerServer(t, coalesce, up.ServeHTTP)
+
+	const alice, bob = "Bearer alice", "Bearer bob"
+	_, _, body, _ := send("GET", sc.URL+"/balance?cc=private&cookie=1", "Authorization", alice)
+	if !strings.Contains(body, alice) {
+		t.Fatalf("alice's GET: %q", body)
+	}
+	st, hdr, body, _ := send("GET", sc.URL+"/balance?cc=private&cookie=1", "Authorization", bob)
+	if st != 200 || hdr.Get(HeaderIdempotentReplayed) != "" || !strings.Contains(body, bob) || strings.Contains(hdr.Get("Set-Cookie"), "alice") {
+		t.Fatalf("bob's GET: %d %q replayed=%q Set-Cookie %q; want his own answer", st, body, hdr.Get(HeaderIdempotentReplayed), hdr.Get("Set-Cookie"))
+	}
+	_, hdr, body, _ = send("GET", sc.URL+"/balance?cc=private&cookie=1", "Authorization", alice)
+	if hdr.Get(HeaderIdempotentReplayed) != "true" || !strings.Contains(body, alice) {
+		t.Fatalf("alice again: %q replayed=%q; want her stored answer", body, hdr.Get(HeaderIdempotentReplayed))
+	}
+	// The same credentials with another Cookie header: a private answer is
+	// not theirs (no credential cookie named).
+	_, hdr, _, _ = send("GET", sc.URL+"/balance?cc=private&cookie=1", "Authorization", alice, "Cookie", "session=other")
+	if hdr.Get(HeaderIdempotentReplayed) != "" {
+		t.Fatal("a private answer was replayed to another Cookie header")
+	}
+	// Unsafe method, other credentials: 422, and the upstream is not called.
+	before := up.calls.Load()
+	send("POST", sc.URL+"/order", "Authorization", alice)
+	if st, _, _, _ := send("POST", sc.URL+"/order", "Authorization", bob); st != 422 || up.calls.Load() != before+1 {
+		t.Fatalf("bob's POST under alice's key: %d (upstream calls %d → %d), want 422 and no call", st, before, up.calls.Load())
+	}
+
+	// credential_cookies: only the named cookie counts, so an analytics
+	// cookie that changed does not break the retry, and another session
+	// does not get the answer.
+	cc := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"cc:","credential_cookies":["session"]`))
+	scc := handlerServer(t, cc, up.ServeHTTP)
+	send("GET", scc.URL+"/me?cc=no-store", "Cookie", "session=s1; _ga=1")
+	if _, hdr, _, _ := send("GET", scc.URL+"/me?cc=no-store", "Cookie", "session=s1; _ga=2"); hdr.Get(HeaderIdempotentReplayed) != "true" {
+		t.Fatal("credential_cookies session: the same session with another analytics cookie was not replayed")
+	}
+	if _, hdr, _, _ := send("GET", scc.URL+"/me?cc=no-store", "Cookie", "session=s2; _ga=1"); hdr.Get(HeaderIdempotentReplayed) != "" {
+		t.Fatal("credential_cookies session: another session got the stored answer")
+	}
+
+	// fingerprint off: any request with the key gets a public answer, but
+	// a private one only goes to its owner.
+	off := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"off:","fingerprint":["off"]`))
+	so := handlerServer(t, off, up.ServeHTTP)
+	send("GET", so.URL+"/pub", "Authorization", alice)
+	if _, hdr, _, _ := send("GET", so.URL+"/pub", "Authorization", bob); hdr.Get(HeaderIdempotentReplayed) != "true" {
+		t.Fatal("fingerprint off: a public answer was not replayed")
+	}
+	send("GET", so.URL+"/priv?cc=private", "Authorization", alice)
+	if _, hdr, body, _ := send("GET", so.URL+"/priv?cc=private", "Authorization", bob); hdr.Get(HeaderIdempotentReplayed) != "" || strings.Contains(body, alice) {
+		t.Fatalf("fingerprint off: alice's private answer went to bob: %q", body)
+	}
+}
