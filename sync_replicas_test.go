@@ -75,7 +75,9 @@ func TestSyncReplicas(t *testing.T) {
 // TestSyncReplicasCluster: on a Cluster, WAIT runs on the key's own master.
 // Only the master of key "a" has a replica, so "a" is granted every time and
 // a key on another master is refused every time (with WAIT sent to a random
-// master, both would be a coin toss).
+// master, both would be a coin toss). Then that replica is paused: "a" gets
+// 503 "0 of 1 replicas acknowledged" within the bounded WAIT, holds nothing
+// on its master afterwards, and is granted again once the replica resumes.
 func TestSyncReplicasCluster(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
@@ -127,4 +129,44 @@ func TestSyncReplicasCluster(t *testing.T) {
 			t.Errorf("key on a master without a replica, try %d: %v %q, want 503 with \"0 of 1 replicas acknowledged\"", i, resp, body)
 		}
 	}
+	// noHolder: the lock key of path has no holder (and no queued instance)
+	// on its master; a release whose outcome was unknown may still run in
+	// the background, so it polls for up to 2s.
+	noHolder := func(path, what string) {
+		t.Helper()
+		m, k := masterOf(path), storedKey(h.Prefix, path)
+		var holders, queued int64
+		if !waitFor(2*time.Second, func() bool {
+			holders, _ = m.ZCard(ctx, k).Result()
+			queued, _ = m.ZCard(ctx, waitqKey(k)).Result()
+			return holders == 0 && queued == 0
+		}) {
+			ttl, _ := m.PTTL(ctx, k).Result()
+			t.Errorf("%s: %s left %d holders (ttl %s), %d queued on %s", what, k, holders, ttl, queued, m.Options().Addr)
+		}
+	}
+	noHolder(other, "key on a master without a replica")
+
+	replica.Pause()
+	t.Cleanup(replica.Resume)
+	start := time.Now()
+	resp, body := get(t, srv.URL+"/a")
+	took := time.Since(start)
+	if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "sync_replicas: 0 of 1 replicas acknowledged the lock") {
+		t.Errorf("the master's replica paused: %v %q, want 503 with \"0 of 1 replicas acknowledged\"", resp, body)
+	}
+	// WAIT gives up after timeout/2 (1s); the pipeline may take 2*timeout.
+	if took > 5*time.Second {
+		t.Errorf("the master's replica paused: the 503 took %s, want at most 5s (WAIT gives up after 1s)", took)
+	}
+	noHolder("/a", "the master's replica paused")
+	resp, body = get(t, srv.URL+other)
+	if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "0 of 1 replicas acknowledged") {
+		t.Errorf("key on a master without a replica, replica of /a paused: %v %q, want 503", resp, body)
+	}
+	noHolder(other, "key on a master without a replica, replica of /a paused")
+
+	replica.Resume()
+	until200(t, srv.URL+"/a", 10*time.Second, "the master's replica resumed")
+	noHolder("/a", "the master's replica resumed, lock released")
 }
