@@ -198,7 +198,7 @@ type RedisRateLimit struct {
 	algo       string
 	status     int
 	sendHdrs   bool
-	counters   [3]prometheus.Counter // decisions: allowed, denied, error
+	counters   [len(rateLimitResults)]prometheus.Counter // by result, as rateLimitResults
 	waited     prometheus.Observer
 	timeout    time.Duration
 	client     *pooledClient
@@ -304,7 +304,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.keyTmpl, err = parseKeyTemplate(keyRaw); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
-	for i, result := range []string{"allowed", "denied", "error"} {
+	for i, result := range rateLimitResults {
 		h.counters[i] = rateLimitTotal.WithLabelValues(result)
 	}
 	h.waited = rateLimitWaitedSeconds
@@ -408,11 +408,11 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	if repl == nil {
 		repl = caddy.NewReplacer()
 	}
-	id := h.limitID(r, repl)
 	p, err := h.planFor(repl)
 	if err != nil {
-		return h.failPolicy(w, r, next, p, err)
+		return h.badInput(w, r, next, err)
 	}
+	id := h.limitID(r, repl)
 
 	if h.counts != nil || h.Wait > 0 {
 		// An admission may be returned when the request ends (count, a
@@ -440,9 +440,9 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	repl.Set("http.redis_ratelimit.remaining", d.remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
 	if d.allowed {
-		h.counters[0].Inc()
+		h.counters[resultAllowed].Inc()
 	} else {
-		h.counters[1].Inc()
+		h.counters[resultDenied].Inc()
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
 		c.Write(zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),
