@@ -345,7 +345,7 @@ func (h *RedisRateLimit) Validate() error {
 		if r.windowTmpl != "" {
 			w = time.Second
 		}
-		if err := checkRate(n, w, algo); err != nil {
+		if err := checkRate(int64(n), w, algo); err != nil {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
 	}
@@ -376,7 +376,7 @@ func (h *RedisRateLimit) Validate() error {
 }
 
 // checkRate checks one rate; the Caddyfile parser uses it too.
-func checkRate(n int, window time.Duration, algo string) error {
+func checkRate(n int64, window time.Duration, algo string) error {
 	if n < 1 {
 		return fmt.Errorf("requests must be at least 1, got %d", n)
 	}
@@ -386,7 +386,7 @@ func checkRate(n int, window time.Duration, algo string) error {
 	if algo == algoSliding && n > MaxSlidingWindowRequests {
 		return fmt.Errorf("%d requests is more than sliding_window accepts (%d): it keeps one 8-byte timestamp per admitted request per key in Redis; use algorithm gcra for larger rates", n, MaxSlidingWindowRequests)
 	}
-	if algo == algoGCRA && int64(window/time.Microsecond) < int64(n) {
+	if algo == algoGCRA && int64(window/time.Microsecond) < n {
 		return fmt.Errorf("%d requests per %s is faster than gcra's resolution of one request per microsecond", n, window)
 	}
 	return nil

@@ -261,3 +261,25 @@ func TestRateLimitBadRequestMetric(t *testing.T) {
 		}
 	}
 }
+
+// TestRateLimitRenderedGCRALimit: a rendered gcra n is bad input above one
+// request per microsecond of its window, as a literal one is a config
+// error. Before, the check saw n clipped to 2^31, so `rate {plan_rpm} 1h`
+// took any n from 3600000001 up.
+func TestRateLimitRenderedGCRALimit(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Algorithm = algoGCRA
+		h.Rates = []Rate{rateOf(t, "{plan_rpm}", "1h")}
+	})
+	for _, tc := range []struct {
+		rpm    string
+		status int
+	}{{"3600000001", 400}, {"5000000000", 400}, {"9223372036854775807", 400}, {"3600000000", 200}, {"100001", 200}} {
+		a := serveRL(h, "192.0.2.92", withPlan(tc.rpm))
+		if a.status != tc.status {
+			t.Fatalf("gcra rate %s 1h: %d (%v), want %d", tc.rpm, a.status, a.err, tc.status)
+		}
+	}
+}

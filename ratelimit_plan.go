@@ -243,7 +243,7 @@ func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 					return nil, err
 				}
 			}
-			if err := checkRate(int(min(n, 1<<31)), window, h.algo); err != nil {
+			if err := checkRate(n, window, h.algo); err != nil {
 				return nil, h.badRender("rate", tmpl, fmt.Sprintf("%d %s", n, window), err)
 			}
 			p.rates[i] = h.newSpec(i, n, window)
