@@ -103,7 +103,13 @@ type RedisRateLimit struct {
 	// The rates; every one must admit a request. A rejected request is not
 	// charged to any rate. A rate's n and window may be placeholders
 	// (e.g. from `map` or `vars`), rendered per request, so each plan gets
-	// its own limit; see Rate. Required: at least one.
+	// its own limit; see Rate. A render that is not usable (an n that is
+	// not base-10 digits >= 1, or above what the algorithm takes; a window
+	// that is not a duration >= 1ms; an unknown placeholder; empty) is bad
+	// input: the request gets 400 with a short reason, whatever the fail
+	// policy, and counts nothing. So a `map` without `default` that a
+	// client can steer to no value is a 400, never a free pass: give it a
+	// `default`. Required: at least one.
 	Rates []Rate `json:"rates,omitempty"`
 
 	// `sliding_window` (exact: in any interval of length window, at most
@@ -131,12 +137,15 @@ type RedisRateLimit struct {
 	// Decide, count (metrics, headers, placeholders) and log, but never
 	// reject. A request that would be rejected is not recorded in Redis,
 	// exactly as when enforcing, so a dry run shows what enforcement would
-	// do. Default: false.
+	// do. Bad input (a rate or cost that renders to no usable number) is
+	// logged and counted, and passes instead of getting 400. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
 	// When Redis cannot be reached, answer 503 instead of admitting the
 	// request. Either way a warning is logged (at most every 10s) and the
-	// decision counts as `error` in the metrics. Default: false (fail open).
+	// decision counts as `error` in the metrics. The fail policy is for
+	// Redis faults only: bad input (see Rates and Cost) is a 400 either way.
+	// Default: false (fail open).
 	FailClosed bool `json:"fail_closed,omitempty"`
 
 	// The namespace of this handler's Redis keys. Limits with the same
@@ -156,9 +165,14 @@ type RedisRateLimit struct {
 	// sets per endpoint). The RateLimit fields and Retry-After are in these
 	// units. A request that costs more than a rate's requests (with gcra:
 	// its burst) can never pass and is rejected at once, without Retry-After.
-	// A cost that renders to anything but a whole number >= 1 is logged once
-	// per template and answered by the fail policy. In JSON a number or a
-	// string. Default: 1.
+	// A usable rendered cost is base-10 digits and nothing else, at least 1
+	// and within 64 bits: no sign, exponent, fraction or surrounding spaces
+	// (the render is never trimmed), so `0`, `-1`, `+5`, `1e3`, `5.0`, ` 5`
+	// and empty are not. Any other render is bad input: the request gets 400
+	// with a short reason (never the fail policy: not admitted, not 503),
+	// counts nothing in Redis, counts as `bad_request` in the metrics, and is
+	// logged once per template; under dry_run it passes. In JSON a number or
+	// a string. Default: 1.
 	Cost IntOrPlaceholder `json:"cost,omitempty"`
 
 	// Count only answers with these statuses: codes (`401`) or classes

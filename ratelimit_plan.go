@@ -26,9 +26,12 @@ import (
 // In JSON, `requests` is a number (`100`) or a string holding a placeholder
 // (`"{plan_rpm}"`), and `window` is a duration (`"1m"`, or nanoseconds) or a
 // string holding a placeholder (`"{plan_window}"`). A placeholder is
-// rendered per request; a render that is not a positive number (or a
-// duration of at least 1ms) is logged once per template as an error and the
-// request is answered by the fail policy, never left unlimited.
+// rendered per request, and the render is used as it is (never trimmed).
+// A usable n is base-10 digits and nothing else (no sign, exponent or
+// fraction), at least 1 and at most what the algorithm takes; a usable
+// window is a duration of at least 1ms. Any other render is bad input: the
+// request gets 400 whatever the fail policy, counts nothing in Redis, and
+// the template is logged once as an error; it is never left unlimited.
 type Rate struct {
 	// The number of requests admitted per window. Required; at least 1.
 	// With sliding_window at most 100000.
