@@ -353,7 +353,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: rate: the request count must be an integer >= 1, got %q", dir, args[0])
 			}
 			// A placeholder is checked per request; literals here.
-			n, win := rate.Requests, time.Duration(rate.Window)
+			n, win := int64(rate.Requests), time.Duration(rate.Window)
 			if rate.requestsTmpl != "" {
 				n = 1
 			}

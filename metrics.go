@@ -28,6 +28,19 @@ var (
 	rateLimitWaitedSeconds                                         prometheus.Histogram
 )
 
+// rateLimitResults are the results of caddy_redis_ratelimit_requests_total:
+// requests admitted, rejected, answered by the fail policy (Redis could not
+// decide), and answered 400 because a rate, window or cost rendered to
+// something unusable. The result* constants index them.
+var rateLimitResults = [...]string{"allowed", "denied", "error", "bad_request"}
+
+const (
+	resultAllowed = iota
+	resultDenied
+	resultError
+	resultBadRequest
+)
+
 func initMetrics() {
 	metricsOnce.Do(func() {
 		lockAcquireSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -67,7 +80,7 @@ func initMetrics() {
 		rateLimitTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
-		}, []string{"result"}) // allowed|denied|error
+		}, []string{"result"}) // rateLimitResults
 		evictingServers = prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "caddy_redis_evicting_servers",
 			Help: "Redis servers in use whose maxmemory-policy evicts keys (locks need noeviction).",

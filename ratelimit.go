@@ -103,7 +103,13 @@ type RedisRateLimit struct {
 	// The rates; every one must admit a request. A rejected request is not
 	// charged to any rate. A rate's n and window may be placeholders
 	// (e.g. from `map` or `vars`), rendered per request, so each plan gets
-	// its own limit; see Rate. Required: at least one.
+	// its own limit; see Rate. A render that is not usable (an n that is
+	// not base-10 digits >= 1, or above what the algorithm takes; a window
+	// that is not a duration >= 1ms; an unknown placeholder; empty) is bad
+	// input: the request gets 400 with a short reason, whatever the fail
+	// policy, and counts nothing. So a `map` without `default` that a
+	// client can steer to no value is a 400, never a free pass: give it a
+	// `default`. Required: at least one.
 	Rates []Rate `json:"rates,omitempty"`
 
 	// `sliding_window` (exact: in any interval of length window, at most
@@ -131,12 +137,15 @@ type RedisRateLimit struct {
 	// Decide, count (metrics, headers, placeholders) and log, but never
 	// reject. A request that would be rejected is not recorded in Redis,
 	// exactly as when enforcing, so a dry run shows what enforcement would
-	// do. Default: false.
+	// do. Bad input (a rate or cost that renders to no usable number) is
+	// logged and counted, and passes instead of getting 400. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
 	// When Redis cannot be reached, answer 503 instead of admitting the
 	// request. Either way a warning is logged (at most every 10s) and the
-	// decision counts as `error` in the metrics. Default: false (fail open).
+	// decision counts as `error` in the metrics. The fail policy is for
+	// Redis faults only: bad input (see Rates and Cost) is a 400 either way.
+	// Default: false (fail open).
 	FailClosed bool `json:"fail_closed,omitempty"`
 
 	// The namespace of this handler's Redis keys. Limits with the same
@@ -156,9 +165,14 @@ type RedisRateLimit struct {
 	// sets per endpoint). The RateLimit fields and Retry-After are in these
 	// units. A request that costs more than a rate's requests (with gcra:
 	// its burst) can never pass and is rejected at once, without Retry-After.
-	// A cost that renders to anything but a whole number >= 1 is logged once
-	// per template and answered by the fail policy. In JSON a number or a
-	// string. Default: 1.
+	// A usable rendered cost is base-10 digits and nothing else, at least 1
+	// and within 64 bits: no sign, exponent, fraction or surrounding spaces
+	// (the render is never trimmed), so `0`, `-1`, `+5`, `1e3`, `5.0`, ` 5`
+	// and empty are not. Any other render is bad input: the request gets 400
+	// with a short reason (never the fail policy: not admitted, not 503),
+	// counts nothing in Redis, counts as `bad_request` in the metrics, and is
+	// logged once per template; under dry_run it passes. In JSON a number or
+	// a string. Default: 1.
 	Cost IntOrPlaceholder `json:"cost,omitempty"`
 
 	// Count only answers with these statuses: codes (`401`) or classes
@@ -198,7 +212,7 @@ type RedisRateLimit struct {
 	algo       string
 	status     int
 	sendHdrs   bool
-	counters   [3]prometheus.Counter // decisions: allowed, denied, error
+	counters   [len(rateLimitResults)]prometheus.Counter // by result, as rateLimitResults
 	waited     prometheus.Observer
 	timeout    time.Duration
 	client     *pooledClient
@@ -304,7 +318,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.keyTmpl, err = parseKeyTemplate(keyRaw); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
-	for i, result := range []string{"allowed", "denied", "error"} {
+	for i, result := range rateLimitResults {
 		h.counters[i] = rateLimitTotal.WithLabelValues(result)
 	}
 	h.waited = rateLimitWaitedSeconds
@@ -345,7 +359,7 @@ func (h *RedisRateLimit) Validate() error {
 		if r.windowTmpl != "" {
 			w = time.Second
 		}
-		if err := checkRate(n, w, algo); err != nil {
+		if err := checkRate(int64(n), w, algo); err != nil {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
 	}
@@ -376,7 +390,7 @@ func (h *RedisRateLimit) Validate() error {
 }
 
 // checkRate checks one rate; the Caddyfile parser uses it too.
-func checkRate(n int, window time.Duration, algo string) error {
+func checkRate(n int64, window time.Duration, algo string) error {
 	if n < 1 {
 		return fmt.Errorf("requests must be at least 1, got %d", n)
 	}
@@ -386,7 +400,7 @@ func checkRate(n int, window time.Duration, algo string) error {
 	if algo == algoSliding && n > MaxSlidingWindowRequests {
 		return fmt.Errorf("%d requests is more than sliding_window accepts (%d): it keeps one 8-byte timestamp per admitted request per key in Redis; use algorithm gcra for larger rates", n, MaxSlidingWindowRequests)
 	}
-	if algo == algoGCRA && int64(window/time.Microsecond) < int64(n) {
+	if algo == algoGCRA && int64(window/time.Microsecond) < n {
 		return fmt.Errorf("%d requests per %s is faster than gcra's resolution of one request per microsecond", n, window)
 	}
 	return nil
@@ -408,11 +422,11 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	if repl == nil {
 		repl = caddy.NewReplacer()
 	}
-	id := h.limitID(r, repl)
 	p, err := h.planFor(repl)
 	if err != nil {
-		return h.failPolicy(w, r, next, p, err)
+		return h.badInput(w, r, next, err)
 	}
+	id := h.limitID(r, repl)
 
 	if h.counts != nil || h.Wait > 0 {
 		// An admission may be returned when the request ends (count, a
@@ -440,9 +454,9 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	repl.Set("http.redis_ratelimit.remaining", d.remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
 	if d.allowed {
-		h.counters[0].Inc()
+		h.counters[resultAllowed].Inc()
 	} else {
-		h.counters[1].Inc()
+		h.counters[resultDenied].Inc()
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
 		c.Write(zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),

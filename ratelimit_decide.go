@@ -2,7 +2,6 @@ package redisdlm
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -150,14 +149,12 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	}
 }
 
-// failPolicy answers when there is no decision: Redis could not decide, or
-// a rate or cost rendered to something unusable (p is nil then).
+// failPolicy answers when Redis could not decide. (Bad input never comes
+// here: see badInput.)
 func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, err error) error {
-	h.counters[2].Inc()
-	if !errors.Is(err, errBadRender) { // logged once per template already
-		h.warnFail(err)
-	}
-	if h.sendHdrs && p != nil {
+	h.counters[resultError].Inc()
+	h.warnFail(err)
+	if h.sendHdrs {
 		w.Header().Set(HeaderRateLimitPolicy, p.policy)
 	}
 	if h.FailClosed {

@@ -5,11 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
@@ -24,9 +26,12 @@ import (
 // In JSON, `requests` is a number (`100`) or a string holding a placeholder
 // (`"{plan_rpm}"`), and `window` is a duration (`"1m"`, or nanoseconds) or a
 // string holding a placeholder (`"{plan_window}"`). A placeholder is
-// rendered per request; a render that is not a positive number (or a
-// duration of at least 1ms) is logged once per template as an error and the
-// request is answered by the fail policy, never left unlimited.
+// rendered per request, and the render is used as it is (never trimmed).
+// A usable n is base-10 digits and nothing else (no sign, exponent or
+// fraction), at least 1 and at most what the algorithm takes; a usable
+// window is a duration of at least 1ms. Any other render is bad input: the
+// request gets 400 whatever the fail policy, counts nothing in Redis, and
+// the template is logged once as an error; it is never left unlimited.
 type Rate struct {
 	// The number of requests admitted per window. Required; at least 1.
 	// With sliding_window at most 100000.
@@ -205,12 +210,13 @@ func (h *RedisRateLimit) finish(p *plan, hold time.Duration) {
 	p.policy = strings.Join(policies, ", ")
 }
 
-// errBadRender is a rate, window or cost that rendered to something unusable.
-var errBadRender = errors.New("redisdlm: rate limit template rendered to an unusable value")
+// errBadRender is a rate, window or cost that rendered to something
+// unusable: bad input, answered 400 (never by the fail policy).
+var errBadRender = errors.New("redisdlm: bad rate-limit input")
 
 // planFor returns the plan of one request: the static one, or one rendered
 // from the request's placeholders. A bad render is logged once per
-// template as an error.
+// template as an error, and its error wraps errBadRender.
 func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 	if !h.dynamic && h.costTmpl == "" {
 		return &h.static, nil
@@ -240,7 +246,7 @@ func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 					return nil, err
 				}
 			}
-			if err := checkRate(int(min(n, 1<<31)), window, h.algo); err != nil {
+			if err := checkRate(n, window, h.algo); err != nil {
 				return nil, h.badRender("rate", tmpl, fmt.Sprintf("%d %s", n, window), err)
 			}
 			p.rates[i] = h.newSpec(i, n, window)
@@ -273,40 +279,85 @@ func (s rateSpec) rateTemplate() string {
 }
 
 // renderInt renders part of a template (of subdirective sub, logged as
-// whole) that must give a whole number >= 1.
+// whole) that must give a usable count (see parseCount).
 func (h *RedisRateLimit) renderInt(repl *caddy.Replacer, sub, whole, part string) (int64, error) {
 	v, err := repl.ReplaceOrErr(part, false, true)
 	if err != nil {
 		return 0, h.badRender(sub, whole, "", err)
 	}
-	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
-	if err != nil || n < 1 {
-		return 0, h.badRender(sub, whole, v, errors.New("not a whole number >= 1"))
+	n, err := parseCount(v)
+	if err != nil {
+		return 0, h.badRender(sub, whole, v, err)
 	}
 	return n, nil
 }
 
-// renderDuration renders a rate's window template.
+// parseCount reads a rendered n or cost. A usable one is base-10 digits
+// and nothing else, at least 1 and within int64: no sign, exponent,
+// fraction, digit separator or surrounding spaces (the render is used as
+// it is, never trimmed), so `+5`, `1e3`, `5.0` and ` 5` are all bad input.
+func parseCount(v string) (int64, error) {
+	if v == "" {
+		return 0, errors.New("empty, want a whole number >= 1")
+	}
+	for i := 0; i < len(v); i++ {
+		if v[i] < '0' || v[i] > '9' {
+			return 0, errors.New("want a whole number >= 1, in digits only")
+		}
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return 0, errors.New("too large")
+	}
+	if n < 1 {
+		return 0, errors.New("want a whole number >= 1")
+	}
+	return n, nil
+}
+
+// renderDuration renders a rate's window template: a Caddy duration
+// (`90s`, `1m`, `1d`), used as it is (never trimmed).
 func (h *RedisRateLimit) renderDuration(repl *caddy.Replacer, whole, part string) (time.Duration, error) {
 	v, err := repl.ReplaceOrErr(part, false, true)
 	if err != nil {
 		return 0, h.badRender("rate", whole, "", err)
 	}
-	d, err := caddy.ParseDuration(strings.TrimSpace(v))
+	d, err := caddy.ParseDuration(v)
 	if err != nil {
-		return 0, h.badRender("rate", whole, v, errors.New("not a duration"))
+		return 0, h.badRender("rate", whole, v, errors.New("window: not a duration"))
 	}
 	return d, nil
 }
 
 // badRender logs a template's bad render (once per template) and returns
-// the error the fail policy answers.
+// the error of the 400 that answers it: the subdirective, its template,
+// the start of what it rendered and why that is unusable.
 func (h *RedisRateLimit) badRender(sub, tmpl, got string, cause error) error {
 	if h.warn.first("render:" + tmpl) {
-		h.logger.Error("rate limit "+sub+" renders to an unusable value; answering by the fail policy (logged once per template)",
+		answer := "answering 400"
+		if h.DryRun {
+			answer = "passing the request (dry_run)"
+		}
+		h.logger.Error("rate limit "+sub+" renders to an unusable value; "+answer+" (logged once per template)",
 			zap.String("template", tmpl), zap.String("rendered", got), zap.Error(cause))
 	}
-	return fmt.Errorf("%w: %s %q: %v", errBadRender, sub, tmpl, cause)
+	if len(got) > 40 {
+		got = got[:40] + "..."
+	}
+	return fmt.Errorf("%w: %s %q rendered %q: %v", errBadRender, sub, tmpl, got, cause)
+}
+
+// badInput answers a request whose rate, window or cost rendered to
+// something unusable: 400, whatever the handler's status and fail policy
+// (those are for limited requests and Redis faults, not for a client's
+// input), counted as bad_request; nothing is counted in Redis. Under
+// dry_run the request passes.
+func (h *RedisRateLimit) badInput(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, err error) error {
+	h.counters[resultBadRequest].Inc()
+	if h.DryRun {
+		return next.ServeHTTP(w, r)
+	}
+	return caddyhttp.Error(http.StatusBadRequest, err)
 }
 
 // statusSet is the answers that count (`count`); nil counts every answer.

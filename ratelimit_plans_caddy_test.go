@@ -1,8 +1,12 @@
 package redisdlm
 
 import (
+	"context"
 	"fmt"
+	"io"
 	"net/http"
+	"regexp"
+	"strconv"
 	"testing"
 )
 
@@ -96,5 +100,96 @@ func TestWholeCaddyRateLimitPlans(t *testing.T) {
 		if resp := call("/login", "X-User", "dee", "X-Password", "wrong"); resp.StatusCode != want {
 			t.Fatalf("bad login %d: %d, want %d", i+1, resp.StatusCode, want)
 		}
+	}
+}
+
+// TestWholeCaddyRateLimitPlanWithoutDefault runs the whole Caddy with a
+// `map` without `default` before `rate {plan_rpm} 1m`, and a cost from a
+// header under fail_closed: a plan the map does not know, no plan at all
+// and an unusable cost are each a 400 (before, they were admitted
+// unlimited, or 503 under fail_closed), counted as bad_request.
+func TestWholeCaddyRateLimitPlanWithoutDefault(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	port, admin := freePort(t), freePort(t)
+	runCaddy(t, fmt.Sprintf(`{
+	admin localhost:%d
+	auto_https off
+}
+:%d {
+	map {http.request.header.X-Plan} {plan_rpm} {
+		pro 600
+		free 5
+	}
+	route /plan {
+		redis_ratelimit {
+			prefix plan:
+			rate {plan_rpm} 1m
+			redis %s
+		}
+		respond "plan"
+	}
+	route /cost {
+		redis_ratelimit {
+			prefix cost:
+			rate 100 1m
+			cost {http.request.header.X-Cost}
+			fail_closed
+			redis %s
+		}
+		respond "cost"
+	}
+}
+`, admin, port, r.Addr, r.Addr))
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	call := func(path string, hdr ...string) *http.Response {
+		t.Helper()
+		resp, _ := get(t, base+path, hdr...)
+		if resp == nil {
+			t.FailNow()
+		}
+		return resp
+	}
+	for _, hdr := range [][]string{{"X-Plan", "enterprise"}, nil} {
+		for i := 0; i < 12; i++ {
+			if resp := call("/plan", hdr...); resp.StatusCode != http.StatusBadRequest || resp.Header.Get("RateLimit") != "" {
+				t.Fatalf("plan %q request %d: %d RateLimit %q, want 400", hdr, i+1, resp.StatusCode, resp.Header.Get("RateLimit"))
+			}
+		}
+	}
+	for i := 0; i < 5; i++ {
+		if resp := call("/plan", "X-Plan", "free"); resp.StatusCode != 200 {
+			t.Fatalf("free request %d: %d", i+1, resp.StatusCode)
+		}
+	}
+	if resp := call("/plan", "X-Plan", "free"); resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("free request 6: %d, want 429", resp.StatusCode)
+	}
+	for _, v := range []string{"0", "-1", "1e3", "5abc", "+5", "5.0", "18446744073709551616", ""} {
+		if resp := call("/cost", "X-Cost", v); resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("X-Cost %q: %d, want 400", v, resp.StatusCode)
+		}
+	}
+	if resp := call("/cost", "X-Cost", "101"); resp.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("X-Cost 101 above n 100: %d, want 429", resp.StatusCode)
+	}
+	if resp := call("/cost", "X-Cost", "7"); resp.StatusCode != 200 || resp.Header.Get("RateLimit") != `"r0";r=93;t=60` {
+		t.Fatalf("X-Cost 7: %d RateLimit %q, want 200 with r=93", resp.StatusCode, resp.Header.Get("RateLimit"))
+	}
+	if keys, _ := r.Client().Keys(context.Background(), "*").Result(); len(keys) != 2 {
+		t.Fatalf("keys %v, want the free plan's and the cost limit's", keys)
+	}
+	mresp, err := http.Get(fmt.Sprintf("http://localhost:%d/metrics", admin))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(mresp.Body)
+	mresp.Body.Close()
+	m := regexp.MustCompile(`(?m)^caddy_redis_ratelimit_requests_total\{result="bad_request"\} (\d+)`).FindSubmatch(b)
+	if m == nil {
+		t.Fatal(`metrics lack caddy_redis_ratelimit_requests_total{result="bad_request"}`)
+	}
+	if n, _ := strconv.Atoi(string(m[1])); n < 32 {
+		t.Fatalf(`result="bad_request" is %d, want at least the 32 bad requests sent`, n)
 	}
 }

@@ -140,9 +140,11 @@ func TestRateLimitPlanExactTwoInstances(t *testing.T) {
 }
 
 // TestRateLimitBadRender: a rate, window or cost that renders to anything
-// but a positive number is never unlimited: it is answered by the fail
-// policy (admit, or 503 with Retry-After), logged once per template as an
-// error, counted as an error, and writes nothing to Redis.
+// but a usable positive number is never unlimited, and never answered by
+// the fail policy (that is for Redis faults): it is a 400, with fail open
+// and fail_closed alike, logged once per template as an error, and writes
+// nothing to Redis. Before, fail open admitted it unlimited and
+// fail_closed answered 503.
 func TestRateLimitBadRender(t *testing.T) {
 	t.Parallel()
 	for _, closed := range []bool{false, true} {
@@ -156,11 +158,15 @@ func TestRateLimitBadRender(t *testing.T) {
 				h.FailClosed = closed
 			})
 			h.logger = zap.New(core)
-			for _, tc := range []struct{ rpm, window, cost string }{
-				{"abc", "1m", "1"}, {"0", "1m", "1"}, {"-4", "1m", "1"}, {"", "1m", "1"}, {"3.5", "1m", "1"},
-				{"5", "", "1"}, {"5", "soon", "1"}, {"5", "0s", "1"}, {"5", "1us", "1"},
-				{"5", "1m", "0"}, {"5", "1m", "x"}, {"5", "1m", ""},
-				{"abc", "1m", "1"}, {"5", "soon", "1"}, // the same templates again: not logged again
+			for _, tc := range []struct{ rpm, window, cost, reason string }{
+				{"abc", "1m", "1", "rate"}, {"0", "1m", "1", "rate"}, {"-4", "1m", "1", "rate"}, {"", "1m", "1", "rate"},
+				{"3.5", "1m", "1", "rate"}, {"+5", "1m", "1", "rate"}, {"5e1", "1m", "1", "rate"}, {" 5", "1m", "1", "rate"},
+				{"100001", "1m", "1", "rate"}, // more than sliding_window accepts
+				{"18446744073709551616", "1m", "1", "rate"}, {"9223372036854775807", "1m", "1", "rate"},
+				{"5", "", "1", "rate"}, {"5", "soon", "1", "rate"}, {"5", "0s", "1", "rate"}, {"5", "1us", "1", "rate"},
+				{"5", "-1m", "1", "rate"}, {"5", " 1m", "1", "rate"},
+				{"5", "1m", "0", "cost"}, {"5", "1m", "x", "cost"}, {"5", "1m", "", "cost"}, {"5", "1m", "+1", "cost"},
+				{"abc", "1m", "1", "rate"}, {"5", "soon", "1", "rate"}, // the same templates again: not logged again
 			} {
 				for i := 0; i < 3; i++ {
 					a := serveRL(h, "192.0.2.71", func(req *http.Request, repl *caddy.Replacer) {
@@ -168,12 +174,11 @@ func TestRateLimitBadRender(t *testing.T) {
 						req.Header.Set("X-Cost", tc.cost)
 						withPlan(tc.rpm)(req, repl)
 					})
-					if closed {
-						if a.passed || a.status != http.StatusServiceUnavailable || a.retryAfter() != 1 {
-							t.Fatalf("%+v: fail_closed: want 503 with Retry-After 1, got passed=%v %d %q", tc, a.passed, a.status, a.header.Get(HeaderRetryAfter))
-						}
-					} else if !a.passed || a.err != nil {
-						t.Fatalf("%+v: fail open: want admitted, got %d %v", tc, a.status, a.err)
+					if a.passed || a.status != http.StatusBadRequest || a.retryAfter() != -1 {
+						t.Fatalf("%+v: want 400 without Retry-After, got passed=%v %d %q", tc, a.passed, a.status, a.header.Get(HeaderRetryAfter))
+					}
+					if !strings.Contains(a.err.Error(), tc.reason) {
+						t.Fatalf("%+v: the reason %q does not name the %s", tc, a.err, tc.reason)
 					}
 				}
 			}
