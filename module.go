@@ -620,20 +620,26 @@ func (s serverSettings) tlsConfig() (*tls.Config, error) {
 }
 
 // Each client's pool per Redis server: up to poolSize connections in use
-// at once; a connection handed back while maxIdleConns are idle already is
-// closed, so a burst (or a slow Redis, which holds connections longer)
-// leaves no lasting crowd of idle connections behind; and a connection
-// idle for connMaxIdle is closed when the pool next looks at it. go-redis
-// has no background reaper: a call closes up to three expired connections
-// before it dials, and the pool hands out its oldest idle connection first
-// (FIFO), so after a quiet spell the next calls close every expired one
-// and the pool comes back to what the traffic needs.
-const (
-	poolSize     = 64
-	maxIdleConns = 16
-)
+// at once, and as many kept idle, so steady load dials nothing new (with a
+// smaller idle cap, every connection handed back beyond it was closed and
+// the next call dialled again: a handshake, HELLO and the server check per
+// request once more requests were in flight than the cap). The pool
+// shrinks after a burst or a slow Redis by time instead: a connection idle
+// for connMaxIdle, or older than connMaxLifetime (± connLifetimeJitter, so
+// a burst's connections do not all go at once), is closed when the pool
+// next looks at it. go-redis has no background reaper: a call closes up to
+// three expired connections before it dials, and the pool hands out its
+// oldest idle connection first (FIFO), so the surplus of a burst reaches
+// its lifetime and is closed without a new dial while other idle
+// connections remain.
+const poolSize = 64
 
-var connMaxIdle = time.Minute // a var only so that a test can shorten it
+var (
+	// vars only so that a test can shorten them
+	connMaxIdle        = time.Minute
+	connMaxLifetime    = 10 * time.Minute
+	connLifetimeJitter = time.Minute
+)
 
 // newClient builds (but does not dial) the go-redis client for s; check
 // runs on every new connection.
@@ -655,7 +661,8 @@ func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, er
 		DialerRetries:         1,
 		ContextTimeoutEnabled: true,
 		DisableIdentity:       true,
-		PoolSize:              poolSize, MaxIdleConns: maxIdleConns, ConnMaxIdleTime: connMaxIdle, PoolFIFO: true,
+		PoolSize:              poolSize, MaxIdleConns: poolSize, PoolFIFO: true,
+		ConnMaxIdleTime: connMaxIdle, ConnMaxLifetime: connMaxLifetime, ConnMaxLifetimeJitter: connLifetimeJitter,
 		Protocol:  2, // no RESP3 feature is used: skip the push-notification checks per reply
 		OnConnect: check.onConnect,
 	}

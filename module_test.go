@@ -250,8 +250,8 @@ func TestClientOptions(t *testing.T) {
 	if o.Addr != "127.0.0.1:6390" || o.Username != "u" || o.Password != "pw" || o.DB != 3 || o.ClientName != "x" {
 		t.Errorf("URL: addr %q user %q password %q db %d name %q; want the URL's", o.Addr, o.Username, o.Password, o.DB, o.ClientName)
 	}
-	if o.PoolSize != poolSize || o.DialerRetries != 1 || o.MaxIdleConns != maxIdleConns {
-		t.Errorf("URL: pool %d, dial retries %d, idle %d; want %d, 1, %d", o.PoolSize, o.DialerRetries, o.MaxIdleConns, poolSize, maxIdleConns)
+	if o.PoolSize != poolSize || o.DialerRetries != 1 || o.MaxIdleConns != poolSize || o.ConnMaxLifetime != connMaxLifetime {
+		t.Errorf("URL: pool %d, dial retries %d, idle %d, lifetime %v; want %d, 1, %d, %v", o.PoolSize, o.DialerRetries, o.MaxIdleConns, o.ConnMaxLifetime, poolSize, poolSize, connMaxLifetime)
 	}
 
 	o = simple(serverSettings{Mode: "single", Addrs: []string{"redis://127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
