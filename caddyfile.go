@@ -1,6 +1,7 @@
 package redisdlm
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -71,8 +72,12 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	redisLine := 0      // line of the last `redis` subdirective, for the server count check
 	var addrLines []int // the line of each of h.Addresses
 	replayLine := 0     // line of `replay`, for the checks against other subdirectives
+	seen := subdirectives{repeatable: lockRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
+		if err := seen.check(d, dir); err != nil {
+			return err
+		}
 		switch sub {
 		case "redis":
 			redisLine = d.Line()
@@ -222,6 +227,11 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(args) > 1 && slices.Contains(args, "off") {
 				return d.Errf("%s: fingerprint: off stands alone", dir)
 			}
+			for _, a := range args {
+				if err := checkTemplate(a); err != nil {
+					return d.Errf("%s: fingerprint: %v", dir, err)
+				}
+			}
 			h.Fingerprint = args
 		case "credential_cookies":
 			args := d.RemainingArgs()
@@ -328,8 +338,12 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	// Checks that depend on a later subdirective (algorithm) are made at the
 	// end of the block, with the line of the subdirective they concern.
 	var slidingErr, gcraErr, burstErr error
+	seen := subdirectives{repeatable: rateLimitRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
+		if err := seen.check(d, dir); err != nil {
+			return err
+		}
 		switch sub {
 		case "key":
 			v, err := oneArg(d, dir)
@@ -346,6 +360,9 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: rate: want <n> <window>, e.g. rate 100 1m; got %d argument(s)", dir, len(args))
 			}
 			rate, err := RateOf(args[0], args[1])
+			if err == nil {
+				err = errors.Join(checkTemplate(args[0]), checkTemplate(args[1]))
+			}
 			if err != nil {
 				return d.Errf("%s: rate: %v", dir, err)
 			}
@@ -374,6 +391,9 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			v, err := oneArg(d, dir)
 			if err != nil {
 				return err
+			}
+			if err := checkTemplate(v); err != nil {
+				return d.Errf("%s: cost: %v", dir, err)
 			}
 			if !hasPlaceholder(v) {
 				n, err := strconv.ParseInt(v, 10, 64)
@@ -572,6 +592,37 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 		return true, d.Errf("%s: %s: redis, cluster and sentinel are mutually exclusive: use one of them", dir, sub)
 	}
 	return true, nil
+}
+
+// The subdirectives that may be given more than once (they add to a
+// list); every other one takes one value, and a second is an error rather
+// than a silent "last one wins".
+var (
+	lockRepeatable      = []string{"key", "redis", "cluster", "credential_cookies"}
+	rateLimitRepeatable = []string{"rate", "count", "redis", "cluster"} // redis: "takes exactly one address" says more
+)
+
+// subdirectives remembers the line of each subdirective of one block.
+type subdirectives struct {
+	repeatable []string
+	lines      map[string]int
+}
+
+// check fails when the current subdirective takes one value and was given
+// before in the block, naming both lines.
+func (s *subdirectives) check(d *caddyfile.Dispenser, dir string) error {
+	sub := d.Val()
+	if slices.Contains(s.repeatable, sub) {
+		return nil
+	}
+	if first, ok := s.lines[sub]; ok {
+		return d.Errf("%s: %s: given twice (first at line %d); it takes one value", dir, sub, first)
+	}
+	if s.lines == nil {
+		s.lines = map[string]int{}
+	}
+	s.lines[sub] = d.Line()
+	return nil
 }
 
 // parseName reads the handler's admin API name.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"sort"
 	"strings"
 
@@ -79,8 +80,8 @@ func parseKeyTemplate(raw string) (*keyTemplate, error) {
 				return nil, fmt.Errorf("unclosed placeholder in %q", raw)
 			}
 			name := s[i+1 : i+end]
-			if !knownNamespace(name) {
-				return nil, fmt.Errorf("key %q: placeholder {%s} is outside Caddy's known namespaces (http.*, env.*, time.*, system.*, file.*); it would render empty for every request", raw, name)
+			if err := checkPlaceholder(name); err != nil {
+				return nil, fmt.Errorf("key %q: %w", raw, err)
 			}
 			flush()
 			t.parts = append(t.parts, keyPart{ph: name})
@@ -91,6 +92,78 @@ func parseKeyTemplate(raw string) (*keyTemplate, error) {
 	}
 	flush()
 	return t, nil
+}
+
+// checkPlaceholder rejects a placeholder that can never render: one
+// outside the known namespaces, or a field of http.request.* that does not
+// exist (the fields of http.request.* are fixed in Caddy v2.11, but for
+// the open header.*, cookie.*, uri.query.* and tls.*).
+func checkPlaceholder(name string) error {
+	if !knownNamespace(name) {
+		return fmt.Errorf("placeholder {%s} is outside Caddy's known namespaces (http.*, env.*, time.*, system.*, file.*); it would render empty for every request", name)
+	}
+	return checkRequestField(name)
+}
+
+// checkRequestField rejects a field of http.request.* that does not exist.
+func checkRequestField(name string) error {
+	if field, ok := strings.CutPrefix(name, "http.request."); ok && !requestField(field) {
+		return fmt.Errorf("placeholder {%s} does not exist: http.request.%s is no field of Caddy's request placeholders (header.<name>, cookie.<name>, uri.query.<name>, uri.path, host, method, remote.host, ...)", name, field)
+	}
+	return nil
+}
+
+// requestFields are the fixed fields of Caddy's http.request.* placeholders
+// (modules/caddyhttp/replacer.go, v2.11).
+var requestFields = []string{"method", "scheme", "proto", "proto_name", "host", "port", "hostport",
+	"local", "local.host", "local.port", "remote", "remote.host", "remote.port",
+	"uri", "uri_escaped", "uri.path", "uri.path_escaped", "uri.path.file", "uri.path.dir",
+	"uri.path.file.base", "uri.path.file.ext", "uri.query", "uri.query_escaped", "uri.prefixed_query",
+	"duration", "duration_ms", "uuid", "body", "body_base64",
+	"orig_method", "orig_uri", "orig_uri.path", "orig_uri.path.file", "orig_uri.path.file_escaped",
+	"orig_uri.path.dir", "orig_uri.query", "orig_uri.prefixed_query"}
+
+// requestField reports whether http.request.<field> can render.
+func requestField(field string) bool {
+	if slices.Contains(requestFields, field) {
+		return true
+	}
+	for _, open := range []string{"header.", "cookie.", "uri.query.", "tls."} {
+		if rest, ok := strings.CutPrefix(field, open); ok && rest != "" {
+			return true
+		}
+	}
+	for _, indexed := range []string{"host.labels.", "uri.path.", "orig_uri.path.", "remote.host/"} {
+		if rest, ok := strings.CutPrefix(field, indexed); ok && rest != "" && strings.Trim(rest, "0123456789,") == "" {
+			return true
+		}
+	}
+	return false
+}
+
+// checkTemplate checks every placeholder of a template (a rate, a cost, a
+// fingerprint), after Caddyfile shorthands: any name may be set by a
+// handler before (map, vars), but a field of http.request.* must exist.
+func checkTemplate(raw string) error {
+	s := expandShorthands(raw)
+	for {
+		i := strings.IndexByte(s, '{')
+		if i < 0 {
+			return nil
+		}
+		if i > 0 && s[i-1] == '\\' {
+			s = s[i+1:]
+			continue
+		}
+		end := strings.IndexByte(s[i:], '}')
+		if end < 0 {
+			return fmt.Errorf("unclosed placeholder in %q", raw)
+		}
+		if err := checkRequestField(s[i+1 : i+end]); err != nil {
+			return err
+		}
+		s = s[i+end+1:]
+	}
 }
 
 func knownNamespace(name string) bool {

@@ -318,6 +318,11 @@ func (h *RedisLock) Validate() error {
 			return fmt.Errorf("redis_lock: key: %w", err)
 		}
 	}
+	for _, f := range h.Fingerprint {
+		if err := checkTemplate(f); err != nil {
+			return fmt.Errorf("redis_lock: fingerprint: %w", err)
+		}
+	}
 	switch {
 	case h.TTL < 0:
 		return fmt.Errorf("redis_lock: ttl: must be positive, got %s", time.Duration(h.TTL))

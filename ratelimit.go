@@ -362,6 +362,14 @@ func (h *RedisRateLimit) Validate() error {
 		if err := checkRate(int64(n), w, algo); err != nil {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
+		for _, t := range []string{r.requestsTmpl, r.windowTmpl} {
+			if err := checkTemplate(t); err != nil {
+				return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
+			}
+		}
+	}
+	if err := checkTemplate(string(h.Cost)); err != nil {
+		return fmt.Errorf("redis_ratelimit: cost: %w", err)
 	}
 	if c := string(h.Cost); c != "" && !hasPlaceholder(c) {
 		if n, err := strconv.ParseInt(c, 10, 64); err != nil || n < 1 {

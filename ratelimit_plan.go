@@ -91,8 +91,12 @@ func (r *Rate) UnmarshalJSON(b []byte) error {
 		Requests json.RawMessage `json:"requests"`
 		Window   json.RawMessage `json:"window"`
 	}
-	if err := json.Unmarshal(b, &raw); err != nil {
-		return err
+	// Strict, as Caddy decodes every module's JSON: a misspelled or
+	// misplaced field ("requets", "burst") is an error, not a default.
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&raw); err != nil {
+		return fmt.Errorf("rate: %w (a rate has only requests and window)", err)
 	}
 	*r = Rate{}
 	if len(raw.Requests) > 0 && raw.Requests[0] == '"' {
