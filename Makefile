@@ -39,8 +39,8 @@ redis-server:
 		(apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null
 
-# The plugin's tests (real redis-servers, about 25 s), then the
-# benchmark modules' vet and tests, then a 30 s soak (and its quiet minute) (README "How we test")
+# The plugin's tests (real redis-servers, about 1–2 minutes on 2 cores), then the
+# benchmark modules' vet and tests, then a 30 s soak (and its quiet minute) (docs/testing.md)
 # with a fixed seed, so that CI replays a known fault schedule; `make soak`
 # draws a new seed each time.
 TEST_SOAK_SEED ?= 300568143
@@ -65,7 +65,7 @@ FUZZTIME ?= 30s
 fuzz:
 	@FUZZTIME=$(FUZZTIME) tools/fuzz.sh
 
-# The soak (README "How we test"): 4 Caddy processes, a single Redis and a
+# The soak (docs/testing.md): 4 Caddy processes, a single Redis and a
 # 3-server Redlock behind TCP fault proxies, random faults drawn from a seed,
 # an independent checker; exits 1 when a promise was broken. SOAK is the
 # length of the fault phase (about 70 s more in all: a quiet minute ends it); SEED=<n> replays a

@@ -6,30 +6,8 @@
 //   - http.handlers.redis_ratelimit admits or rejects requests against per-key
 //     limits kept in Redis, exact across every Caddy instance sharing it.
 //
-// Where things are:
-//
-//	module.go            connection settings, the pooled client (one per identical settings)
-//	servercheck.go       checks on the first connection: Redis version, maxmemory-policy
-//	lockhandler.go       http.handlers.redis_lock: config, Provision, ServeHTTP
-//	replay.go            execute once: fingerprint, recording and replaying a response
-//	redlock.go           the lock engine: acquire/wait/backoff
-//	attempt.go           one attempt on every key and server (WAIT, undo, fencing write-back)
-//	quorum.go            the engine's servers and the fan-out decided by a majority
-//	lease.go             a held lease: hand-off to local waiters, renewal, extension, the keeper
-//	release.go           the release fan-out; releases of lost answers retried in the background
-//	queue.go             per-key local FIFO queues and the domains that share them
-//	wake.go              the Pub/Sub wake-up listener and its dispatch
-//	ratelimit*.go        http.handlers.redis_ratelimit: config, plans, decisions, deny cache,
-//	                     and its Redis calls (pipelines, NOSCRIPT, breaker)
-//	keys.go              every key rule: templates, rendering, hashing, Redis key names
-//	script.go            how every Lua script is called (never resent after a lost answer)
-//	admin.go, *_inspect.go  admin.api.redisdlm: inspect and fix locks and quotas
-//	caddyfile.go         both directives' Caddyfile syntax
-//	metrics.go           Prometheus collectors; warnings.go: log throttling
-//	scripts/*.lua        the Lua scripts, embedded
-//
-// The lock engine (redlock.go, attempt.go, quorum.go, lease.go, release.go,
-// queue.go, wake.go, script.go) imports nothing of net/http or Caddy.
+// The files and what each holds are described once, in docs/design.md
+// ("Code layout"); the user documentation starts at README.md.
 //
 // This file holds what both handlers share: the Redis connection settings and
 // the pool of clients (one per identical settings, shared across handlers and
