@@ -49,11 +49,15 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	var failed atomic.Bool
 	released, removed, unknown := new(atomic.Bool), new(atomic.Uint64), new(atomic.Bool)
 	var answer atomic.Pointer[string]
+	// keyUnknown[j]: some server's answer for order[j] was lost in this
+	// attempt, so its undo marks the token dead for that key.
+	keyUnknown := make([]atomic.Bool, len(keys))
 	// A late error is an outcome nobody knows: released in the background
 	// if the attempt failed or the lease is gone already.
-	lateGrant := func(k string) func(i int, r result) {
+	lateGrant := func(j int, k string) func(i int, r result) {
 		return func(i int, r result) {
 			if unknownOutcome(r.err) {
+				keyUnknown[j].Store(true)
 				unknown.Store(true) // the lease's release marks the token dead there
 			}
 			if !failed.Load() && !released.Load() {
@@ -73,6 +77,17 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		order = append(order, keys[first+1:]...)
 	} else {
 		order = append(order, keys...)
+	}
+	// undo gives back order[:n] everywhere, marking the token dead for
+	// every key whose outcome was unknown anywhere in the attempt (or for
+	// all, with allUnknown).
+	undo := func(n int, allUnknown bool) {
+		jobs := make([]releaseJob, n)
+		for j, k := range order[:n] {
+			jobs[j] = l.releaseJob(k, token)
+			jobs[j].unknown = allUnknown || keyUnknown[j].Load()
+		}
+		l.releaseJobs(jobs, removed)
 	}
 	for i, k := range order {
 		// Ask every server at once; stop as soon as the outcome is decided.
@@ -96,9 +111,10 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
-		}, lateGrant(k))
+		}, lateGrant(i, k))
 		granted, busy, errs := tally(results)
 		if anyUnknown(results) {
+			keyUnknown[i].Store(true)
 			unknown.Store(true)
 		}
 		if a := answer.Load(); a != nil {
@@ -120,12 +136,12 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		// Not taken: give back what this attempt took, everywhere at once.
 		// On one server a refused key holds nothing, but one whose answer
 		// was lost may; with Redlock a minority may have granted it.
-		undo := order[:i]
+		taken := i
 		if n > 1 || errs > 0 {
-			undo = order[:i+1]
+			taken = i + 1
 		}
-		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0, removed, false, anyUnknown(results), "")
+		if taken > 0 {
+			undo(taken, false)
 		}
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
@@ -172,7 +188,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			failed.Store(true)
 			// A minority of servers may not have answered the acquire:
 			// undone as outcomes unknown.
-			l.releaseKeys(keys, token, 0, removed, false, true, "")
+			undo(len(order), true)
 			return attempt{err: err}
 		}
 	}
@@ -182,7 +198,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0, removed, false, true, "")
+		undo(len(order), true)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,

@@ -79,17 +79,32 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 // acquisition whose outcome is not known; answer (one key only) is stored
 // for replay.
 func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
-	one := func(k string) {
-		job := releaseJob{key: k, token: token, raise: raise, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown,
-			answer: answer, replayMs: l.opts.Replay.Milliseconds(), self: l.dom.id}
+	jobs := make([]releaseJob, len(keys))
+	for i, k := range keys {
+		jobs[i] = l.releaseJob(k, token)
+		jobs[i].raise, jobs[i].unknown, jobs[i].answer = raise, unknown, answer
 		if wake {
-			job.msg = l.dom.id + " " + wakeID(k)
+			jobs[i].msg = l.dom.id + " " + wakeID(k)
 		}
+	}
+	l.releaseJobs(jobs, removed)
+}
+
+// releaseJob is the release of token on key k, with nothing to write back,
+// announce or store.
+func (l *locker) releaseJob(k, token string) releaseJob {
+	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(), self: l.dom.id}
+}
+
+// releaseJobs runs jobs (one per key) on every server, in parallel, as
+// releaseKeys says.
+func (l *locker) releaseJobs(jobs []releaseJob, removed *atomic.Uint64) {
+	one := func(job releaseJob) {
 		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *server) (any, error) {
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
 			ok, err := job.run(cctx, s)
-			if err == nil && ok && removed != nil && len(keys) == 1 {
+			if err == nil && ok && removed != nil && len(jobs) == 1 {
 				removed.Or(1 << i)
 			}
 			return ok, err
@@ -100,18 +115,18 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 			}
 		}
 	}
-	if len(keys) == 1 {
-		one(keys[0])
+	if len(jobs) == 1 {
+		one(jobs[0])
 		return
 	}
 	var wg sync.WaitGroup
-	for _, k := range keys {
+	for _, j := range jobs {
 		wg.Add(1)
-		go func(k string) {
+		go func(j releaseJob) {
 			defer wg.Done()
 			defer l.recoverPanic("releasing a lock key")
-			one(k)
-		}(k)
+			one(j)
+		}(j)
 	}
 	wg.Wait()
 }
@@ -130,7 +145,8 @@ func (l *locker) settleRelease(i int, job releaseJob, r result) {
 // releaseOn releases token on one key of server i (a late grant, or a
 // late answer that was lost): in the background until the server answers.
 func (l *locker) releaseOn(i int, k, token string, unknown bool) {
-	job := releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown}
+	job := l.releaseJob(k, token)
+	job.unknown = unknown
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	defer cancel()
 	if removed, err := job.run(ctx, l.servers[i]); err != nil || (unknown && !removed) {

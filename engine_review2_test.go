@@ -1,0 +1,174 @@
+package redisdlm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// Tests of the second review of the lock engine (issue 19, item 5); each
+// failed before its fix.
+
+// gateProxy forwards TCP to a Redis. While armed, a chunk from the client
+// that contains all of match is held back until open is called: the
+// client's connection is then cut at once (lost: the answer never comes)
+// or left hanging (the call is still in flight), and the held command
+// reaches Redis later, on a connection of its own. Its answer goes to
+// landed.
+type gateProxy struct {
+	addr   string
+	target string
+	lost   bool // cut the client's connection when a chunk is held
+	armed  atomic.Bool
+	held   atomic.Int32
+	gate   chan struct{}
+	landed chan string
+}
+
+func startGateProxy(t *testing.T, target string, lost bool, match ...[]byte) *gateProxy {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	p := &gateProxy{addr: ln.Addr().String(), target: target, lost: lost, gate: make(chan struct{}), landed: make(chan string, 16)}
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			s, err := net.Dial("tcp", target)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			t.Cleanup(func() { c.Close(); s.Close() })
+			go func() { io.Copy(c, s); c.Close() }()
+			go func() {
+				buf := make([]byte, 64<<10)
+				for {
+					n, err := c.Read(buf)
+					if n > 0 && p.armed.Load() && containsAll(buf[:n], match) {
+						if p.lost {
+							c.Close()
+							s.Close()
+						}
+						go p.land(t, append([]byte(nil), buf[:n]...))
+						p.held.Add(1)
+						return // a hanging connection gets nothing more
+					}
+					if n > 0 {
+						s.Write(buf[:n])
+					}
+					if err != nil {
+						s.Close()
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return p
+}
+
+func containsAll(b []byte, match [][]byte) bool {
+	for _, m := range match {
+		if !bytes.Contains(b, m) {
+			return false
+		}
+	}
+	return true
+}
+
+// land sends a held command to Redis once the gate opens.
+func (p *gateProxy) land(t *testing.T, cmd []byte) {
+	<-p.gate
+	s, err := net.Dial("tcp", p.target)
+	if err != nil {
+		p.landed <- "dial: " + err.Error()
+		return
+	}
+	defer s.Close()
+	_ = s.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := s.Write(cmd); err != nil {
+		p.landed <- "write: " + err.Error()
+		return
+	}
+	buf := make([]byte, 4096)
+	n, err := s.Read(buf)
+	if err != nil {
+		p.landed <- "read: " + err.Error()
+		return
+	}
+	p.landed <- string(buf[:n])
+}
+
+// open lets the held commands go on, and returns the answers of n of them.
+func (p *gateProxy) open(t *testing.T, n int) []string {
+	t.Helper()
+	close(p.gate)
+	var out []string
+	for i := 0; i < n; i++ {
+		select {
+		case a := <-p.landed:
+			out = append(out, a)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("%d of %d held commands reached redis", i, n)
+		}
+	}
+	return out
+}
+
+// TestUndoMarksEveryUnknownKeyDead: a Redlock attempt on keys {a, b} whose
+// answer for a was lost on the third server (the acquire still on its way
+// there) and that then found b busy everywhere: its undo marks the token
+// dead for a on every server, so the acquire that reaches the third server
+// late takes nothing. Before, the undo passed only b's unknown flag (false),
+// and a stayed held there for the ttl by a token nobody owned.
+func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
+	t.Parallel()
+	rs, _ := startRedlock(t, 3)
+	prefix := "caddy:lock:"
+	ka, kb := storedKey(prefix, "a"), storedKey(prefix, "b")
+	// The third server loses the answer to a's acquire; the other two
+	// answer b a little late (known answers, after a's loss is known).
+	p3 := startGateProxy(t, rs[2].Addr, true, []byte(acquireScript.Hash()), []byte(ka))
+	p1 := startDelayProxy(t, rs[0].Addr, []byte(kb), 150*time.Millisecond)
+	p2 := startDelayProxy(t, rs[1].Addr, []byte(kb), 150*time.Millisecond)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":"1s","wait":"0s","ttl":"20s"}`, p1.addr, p2.addr, p3.addr))
+	keys := []string{ka, kb}
+	warm, err := h.locker.Acquire(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	warm.release()
+	for _, r := range rs { // a rival holds b everywhere
+		r.Client().ZAdd(context.Background(), kb, redisZ(time.Now().Add(time.Minute), "rival"))
+	}
+	p1.armed.Store(true)
+	p2.armed.Store(true)
+	p3.armed.Store(true)
+	if _, err := h.locker.Acquire(context.Background(), keys); !errors.Is(err, ErrNotObtained) {
+		t.Fatalf("b is held by a rival: %v, want ErrNotObtained", err)
+	}
+	if p3.held.Load() != 1 {
+		t.Fatalf("%d acquires of a held back on the third server, want 1", p3.held.Load())
+	}
+	time.Sleep(100 * time.Millisecond) // the undo has reached every server
+	ans := p3.open(t, 1)[0]
+	if n := heldBy(rs[2], ka); n != 0 {
+		pttl := rs[2].Client().PTTL(context.Background(), ka).Val()
+		t.Fatalf("the late acquire holds a on the third server for a token nobody owns (answer %q, PTTL %v)", ans, pttl)
+	}
+	if !freeWithin(time.Second, ka, rs...) {
+		t.Fatal("a is still held somewhere after the attempt failed")
+	}
+}
