@@ -10,6 +10,11 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // Tests of the second review of the lock engine (issue 19, item 5); each
@@ -171,4 +176,87 @@ func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
 	if !freeWithin(time.Second, ka, rs...) {
 		t.Fatal("a is still held somewhere after the attempt failed")
 	}
+}
+
+// delayHook holds back one command of a client (by name) for delay.
+type delayHook struct {
+	name  string
+	delay time.Duration
+}
+
+func (h delayHook) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h delayHook) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == h.name {
+			time.Sleep(h.delay)
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h delayHook) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
+}
+
+// TestWaiterLeavesWaitqBeforeClientCloses: a waiter that gives up just as
+// its client is closed (the end of a reload's grace) still takes its
+// instance out of the key's Redis wait list. Before, the server reference
+// was dropped before the ZREM ran: the client closed first, and the entry
+// stayed at the head of the list, so other instances were refused the free
+// lock until it expired.
+func TestWaiterLeavesWaitqBeforeClientCloses(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	// backoff_max 5s: a wait-list entry lives 11s, far longer than the test.
+	h := provisionLock(t, lockCfg(r.Addr, `"wait":"0s","timeout":"2s","backoff_max":"5s"`))
+	key := storedKey(h.Prefix, "/waitq")
+	rc := r.Client()
+	rc.ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "other-instance"))
+	s := h.locker.servers[0]
+	s.client.AddHook(delayHook{name: "zrem", delay: 300 * time.Millisecond})
+	if _, err := h.locker.Acquire(context.Background(), []string{key}); !errors.Is(err, ErrNotObtained) {
+		t.Fatalf("key held elsewhere: %v, want ErrNotObtained", err)
+	}
+	// The reload's grace ends right now: the client closes once idle.
+	s.closeWhenIdle(func() { _ = s.client.Close() })
+	gone := waitFor(3*time.Second, func() bool {
+		return rc.ZScore(context.Background(), waitqKey(key), h.locker.dom.id).Err() == redis.Nil
+	})
+	if !gone {
+		t.Fatal("this instance is still in the key's wait list after its last waiter gave up (the ZREM met a closed client)")
+	}
+}
+
+// TestLeaveWaitqRecoversPanic: a panic while leaving the wait list is
+// logged, never a crash of the process.
+func TestLeaveWaitqRecoversPanic(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"wait":"0s"`))
+	core, logs := observer.New(zapcore.ErrorLevel)
+	h.locker.logger = zap.New(core)
+	key := storedKey(h.Prefix, "/waitq-panic")
+	r.Client().ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "other-instance"))
+	h.locker.servers[0].client.AddHook(panicOn{name: "zrem"})
+	if _, err := h.locker.Acquire(context.Background(), []string{key}); !errors.Is(err, ErrNotObtained) {
+		t.Fatalf("key held elsewhere: %v, want ErrNotObtained", err)
+	}
+	if !waitFor(3*time.Second, func() bool { return logs.FilterMessageSnippet("panic").Len() > 0 }) {
+		t.Fatal("the panic while leaving the wait list was not logged")
+	}
+}
+
+// panicOn panics on one command of a client (by name).
+type panicOn struct{ name string }
+
+func (h panicOn) DialHook(next redis.DialHook) redis.DialHook { return next }
+func (h panicOn) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
+	return func(ctx context.Context, cmd redis.Cmder) error {
+		if cmd.Name() == h.name {
+			panic(h.name + " exploded")
+		}
+		return next(ctx, cmd)
+	}
+}
+func (h panicOn) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
+	return next
 }
