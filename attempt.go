@@ -202,7 +202,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
-		until: start.Add(validity), released: released, removed: removed, unknown: unknown, chainLeft: chain - 1, raise: raise}}
+		until: start.Add(validity), released: released, removed: removed, unknown: unknown, extending: new(atomic.Int32), chainLeft: chain - 1, raise: raise}}
 }
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the

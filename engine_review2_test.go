@@ -260,3 +260,56 @@ func (h panicOn) ProcessHook(next redis.ProcessHook) redis.ProcessHook {
 func (h panicOn) ProcessPipelineHook(next redis.ProcessPipelineHook) redis.ProcessPipelineHook {
 	return next
 }
+
+// TestLateExtensionDoesNotRecreateReleasedLease: a Redlock lease of two
+// keys whose extension to one member (restarted empty) was still in flight,
+// or whose answer was lost, when the lease was released: the extension
+// that reaches the member after the release does not re-create the lease
+// there. Before, keeper.stop returned while the call was on its way; the
+// release found nothing on the member, and the late extension re-created
+// the lease there for a whole ttl.
+func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		lost    bool
+		timeout string
+	}{{"in flight", false, "3s"}, {"answer lost", true, "3s"}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			rs, _ := startRedlock(t, 3)
+			p := startGateProxy(t, rs[2].Addr, tc.lost, []byte(extendScript.Hash()))
+			h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":%q,"ttl":"1500ms"}`, rs[0].Addr, rs[1].Addr, p.addr, tc.timeout))
+			keys := []string{storedKey(h.Prefix, "a"), storedKey(h.Prefix, "b")}
+			ls, err := h.locker.Acquire(context.Background(), keys)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rs[2].Restart() // the third member lost its state
+			c := rs[2].Client()
+			for _, src := range []string{extendLua, releaseLua} {
+				c.ScriptLoad(context.Background(), src) // so the late EVALSHA finds its script
+			}
+			p.armed.Store(true)
+			k := ls.keep(true, 0, func(err error) { t.Errorf("lease lost: %v", err) })
+			if !waitFor(5*time.Second, func() bool { return p.held.Load() >= 2 }) {
+				t.Fatalf("%d extensions held back on the third member, want 2 (one per key)", p.held.Load())
+			}
+			k.stop()
+			held := int(p.held.Load())
+			before := rs[2].CommandCalls("evalsha")
+			ls.release()
+			// The release has reached the third member (before the extensions).
+			if !waitFor(5*time.Second, func() bool { return rs[2].CommandCalls("evalsha") >= before+2 }) {
+				t.Fatal("the release did not reach the third member")
+			}
+			answers := p.open(t, held)
+			for _, key := range keys {
+				if n := heldBy(rs[2], key); n != 0 {
+					t.Errorf("%s: the late extension re-created the released lease on the restarted member (answers %q, PTTL %v)",
+						key, answers, c.PTTL(context.Background(), key).Val())
+				}
+			}
+		})
+	}
+}
