@@ -313,3 +313,44 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 		})
 	}
 }
+
+// TestReleaserSurvivesPanic: a panic in the release runner, also one
+// raised while it holds its lock, neither deadlocks the releaser nor
+// leaves its pending releases without a runner: they still run.
+func TestReleaserSurvivesPanic(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	rc := r.Client()
+	c := redis.NewClient(&redis.Options{Addr: r.Addr})
+	defer c.Close()
+	var arm atomic.Bool
+	s := newServer("test", c, time.Second, func() *zap.Logger {
+		if arm.CompareAndSwap(true, false) {
+			panic("logger exploded")
+		}
+		return zap.NewNop()
+	})
+	key := "caddy:lock:{panic}"
+	rc.ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "T"))
+	// A release given up already: the runner logs that, and the log panics.
+	s.rel.mu.Lock()
+	s.rel.pending = map[releaseJob]*releaseState{{key: "caddy:lock:{gone}", token: "x", ttlMs: 1000}: {giveUp: time.Now().Add(-time.Second)}}
+	s.rel.mu.Unlock()
+	arm.Store(true)
+	s.rel.retry(releaseJob{key: key, token: "T", ttlMs: 60000}, nil)
+	if !waitFor(5*time.Second, func() bool { return heldBy(r, key) == 0 }) {
+		t.Error("a pending release did not run after a panic in the release runner")
+	}
+	// pendingCount takes the releaser's lock: it never answers if the
+	// lock is still held.
+	drained := make(chan bool, 1)
+	go func() { drained <- waitFor(5*time.Second, func() bool { return s.rel.pendingCount() == 0 }) }()
+	select {
+	case ok := <-drained:
+		if !ok {
+			t.Errorf("%d releases still pending", s.rel.pendingCount())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the releaser is deadlocked: its lock is still held after the panic")
+	}
+}

@@ -223,51 +223,88 @@ func (r *releaser) pendingCount() int {
 	return len(r.pending)
 }
 
+// run retries the pending releases until none is left. A panic in a round
+// is logged and the round counts as failed: the runner goes on, so the
+// releases still owed keep their runner (no lock is held while it
+// recovers).
 func (r *releaser) run() {
 	defer r.s.unuse()
+	wait := releaseRetryMin
+	for r.round(&wait) {
+		time.Sleep(wait)
+	}
+}
+
+// round sends the releases that are due; it reports whether releases are
+// still owed, and sets wait to the delay before the next round.
+func (r *releaser) round(wait *time.Duration) (owed bool) {
 	defer func() {
 		if p := recover(); p != nil {
-			if lg := r.s.logger(); lg != nil {
-				lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
-			}
-			r.mu.Lock()
-			r.running = false
-			r.mu.Unlock()
+			r.logPanic(p)
+			*wait = releaseRetryMax
+			owed = r.owed()
 		}
 	}()
-	wait := releaseRetryMin
-	for {
-		r.mu.Lock()
-		now := time.Now()
-		var jobs []releaseJob
-		for j, st := range r.pending {
-			switch {
-			case now.After(st.giveUp):
-				delete(r.pending, j)
-				if lg := r.s.logger(); lg != nil {
-					lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself")
-				}
-			case st.confirm.After(now):
-			case len(jobs) < releaseBatch:
-				jobs = append(jobs, j)
-			}
+	jobs, gaveUp, owed := r.due()
+	for range gaveUp {
+		if lg := r.s.logger(); lg != nil {
+			lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself")
 		}
-		if len(r.pending) == 0 {
-			r.running = false
-			r.mu.Unlock()
-			return
+	}
+	if !owed {
+		return false
+	}
+	if len(jobs) > 0 {
+		if r.send(jobs) {
+			*wait = releaseRetryMin
+		} else if *wait *= 2; *wait > releaseRetryMax {
+			*wait = releaseRetryMax
 		}
-		r.mu.Unlock()
+	}
+	return true
+}
 
-		if len(jobs) > 0 {
-			progress := r.send(jobs)
-			if progress {
-				wait = releaseRetryMin
-			} else if wait *= 2; wait > releaseRetryMax {
-				wait = releaseRetryMax
-			}
+// due takes the pending releases that are due (up to releaseBatch) and
+// drops those given up. When none is left, the runner ends (owed false).
+func (r *releaser) due() (jobs, gaveUp []releaseJob, owed bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	for j, st := range r.pending {
+		switch {
+		case now.After(st.giveUp):
+			delete(r.pending, j)
+			gaveUp = append(gaveUp, j)
+		case st.confirm.After(now):
+		case len(jobs) < releaseBatch:
+			jobs = append(jobs, j)
 		}
-		time.Sleep(wait)
+	}
+	return jobs, gaveUp, r.owedLocked()
+}
+
+// owed reports whether releases are still pending; when none is, the
+// runner ends.
+func (r *releaser) owed() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.owedLocked()
+}
+
+func (r *releaser) owedLocked() bool {
+	if len(r.pending) == 0 {
+		r.running = false
+		return false
+	}
+	return true
+}
+
+// logPanic logs a panic of the runner with its stack; a logger that
+// panics too is ignored.
+func (r *releaser) logPanic(p any) {
+	defer func() { _ = recover() }()
+	if lg := r.s.logger(); lg != nil {
+		lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
 	}
 }
 
