@@ -52,6 +52,10 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	// keyUnknown[j]: some server's answer for order[j] was lost in this
 	// attempt, so its undo marks the token dead for that key.
 	keyUnknown := make([]atomic.Bool, len(keys))
+	// refused[j]: bit i is set when server i refused order[j] with an
+	// answer (busy, or a call Redis refused without running it): it holds
+	// nothing of this attempt there, so an undo has nothing to release on it.
+	refused := make([]uint64, len(keys))
 	// A late error is an outcome nobody knows: released in the background
 	// if the attempt failed or the lease is gone already.
 	lateGrant := func(j int, k string) func(i int, r result) {
@@ -63,9 +67,10 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			if !failed.Load() && !released.Load() {
 				return
 			}
-			if r.err != nil {
+			switch {
+			case r.err != nil && !refusedUnrun(r.err):
 				l.releaseOn(i, k, token, unknownOutcome(r.err))
-			} else if r.v.([]int64)[0] == 1 && (len(keys) > 1 || removed.Load()&(1<<i) == 0) {
+			case r.err == nil && r.v.([]int64)[0] == 1 && (len(keys) > 1 || removed.Load()&(1<<i) == 0):
 				l.releaseOn(i, k, token, false)
 			}
 		}
@@ -78,16 +83,25 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	} else {
 		order = append(order, keys...)
 	}
-	// undo gives back order[:n] everywhere, marking the token dead for
-	// every key whose outcome was unknown anywhere in the attempt (or for
-	// all, with allUnknown).
+	// undo gives back order[:n] on every server that may hold it, marking
+	// the token dead for every key whose outcome was unknown anywhere in
+	// the attempt (or for all, with allUnknown). A server that refused a
+	// key gets no release of it: nothing is held there, and a release that
+	// failed there would count as a failure.
 	undo := func(n int, allUnknown bool) {
-		jobs := make([]releaseJob, n)
+		var jobs []releaseJob
+		var skip []uint64
 		for j, k := range order[:n] {
-			jobs[j] = l.releaseJob(k, token)
-			jobs[j].unknown = allUnknown || keyUnknown[j].Load()
+			if refused[j] == 1<<len(l.servers)-1 {
+				continue
+			}
+			job := l.releaseJob(k, token)
+			job.unknown = allUnknown || keyUnknown[j].Load()
+			jobs, skip = append(jobs, job), append(skip, refused[j])
 		}
-		l.releaseJobs(jobs, removed)
+		if len(jobs) > 0 {
+			l.releaseJobs(jobs, skip, removed)
+		}
 	}
 	for i, k := range order {
 		// Ask every server at once; stop as soon as the outcome is decided.
@@ -113,6 +127,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
 		}, lateGrant(i, k))
 		granted, busy, errs := tally(results)
+		for si, r := range results {
+			if r.done && ((r.err == nil && r.v.([]int64)[0] != 1) || refusedUnrun(r.err)) {
+				refused[i] |= 1 << si
+			}
+		}
 		if anyUnknown(results) {
 			keyUnknown[i].Store(true)
 			unknown.Store(true)
@@ -133,16 +152,10 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			continue
 		}
 		failed.Store(true)
-		// Not taken: give back what this attempt took, everywhere at once.
-		// On one server a refused key holds nothing, but one whose answer
-		// was lost may; with Redlock a minority may have granted it.
-		taken := i
-		if n > 1 || errs > 0 {
-			taken = i + 1
-		}
-		if taken > 0 {
-			undo(taken, false)
-		}
+		// Not taken: give back what this attempt took, everywhere at once:
+		// this key too, where its answer was lost or not yet in, and with
+		// Redlock where a minority granted it.
+		undo(i+1, false)
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
 			var last error
@@ -238,7 +251,9 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 		n, err := wait.Result()
 		switch {
 		case err != nil:
-			err = fmt.Errorf("sync_replicas: waiting for replicas: %w", err)
+			// %v: the grant stands, so this is no refusal of Redis's (see
+			// refusedUnrun) whatever WAIT answered.
+			err = fmt.Errorf("sync_replicas: waiting for replicas: %v", err)
 		case n < int64(l.opts.SyncReplicas):
 			err = fmt.Errorf("sync_replicas: %d of %d replicas acknowledged the lock", n, l.opts.SyncReplicas)
 		}

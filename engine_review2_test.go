@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -352,5 +353,121 @@ func TestReleaserSurvivesPanic(t *testing.T) {
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the releaser is deadlocked: its lock is still held after the panic")
+	}
+}
+
+// makeReadOnly turns r into a replica of a master that does not exist: it
+// refuses every write (READONLY), scripts included.
+func makeReadOnly(t *testing.T, r *testRedis) {
+	t.Helper()
+	if err := r.Client().Do(context.Background(), "replicaof", "127.0.0.1", fmt.Sprint(freePort(t))).Err(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRefusedAcquiresCountNoReleaseFailure: acquires that Redis refused
+// with an answer (a read-only replica, or over maxmemory) held nothing:
+// nothing is released for them, so caddy_redis_lock_release_failures_total
+// does not rise and no release is left pending. Before, each refused
+// acquire was undone by a release that was refused too: 64 refused
+// acquires counted 64 release failures, each retried for 2 × ttl + 10s.
+// Not parallel: the counter is global.
+func TestRefusedAcquiresCountNoReleaseFailure(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		servers int
+		refuse  func(t *testing.T, rs []*testRedis)
+	}{
+		{"read-only replica", 1, func(t *testing.T, rs []*testRedis) { makeReadOnly(t, rs[0]) }},
+		{"over maxmemory", 1, func(t *testing.T, rs []*testRedis) { fillRedis(t, rs[0].Client()) }},
+		{"redlock, two read-only members", 3, func(t *testing.T, rs []*testRedis) { makeReadOnly(t, rs[0]); makeReadOnly(t, rs[1]) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var rs []*testRedis
+			var addrs []string
+			for i := 0; i < tc.servers; i++ {
+				rs = append(rs, startRedis(t, "--maxmemory-policy", "noeviction"))
+				addrs = append(addrs, fmt.Sprintf("%q", rs[i].Addr))
+			}
+			h := provisionLock(t, fmt.Sprintf(`{"redis":[%s],"wait":"0s","ttl":"2s"}`, strings.Join(addrs, ",")))
+			tc.refuse(t, rs)
+			before := releaseFailures()
+			for i := 0; i < 64; i++ {
+				_, err := h.locker.Acquire(context.Background(), []string{storedKey(h.Prefix, fmt.Sprintf("/k%d", i))})
+				if !errors.Is(err, ErrUnavailable) {
+					t.Fatalf("acquire %d refused by redis: %v, want ErrUnavailable", i, err)
+				}
+			}
+			time.Sleep(200 * time.Millisecond) // late answers and their undos
+			if n := releaseFailures() - before; n != 0 {
+				t.Errorf("64 refused acquires counted %v release failures, want 0", n)
+			}
+			for i, s := range h.locker.servers {
+				if n := s.rel.pendingCount(); n != 0 {
+					t.Errorf("server %d: %d releases pending for acquires that held nothing", i, n)
+				}
+			}
+		})
+	}
+}
+
+// TestScriptErrorAfterWritesIsUndone: an acquire that Redis answered with
+// an error raised while the script ran (here the key's fencing counter is
+// of the wrong type, after the script took the lock) may have written: it
+// is undone, unlike a call Redis refused without running it.
+func TestScriptErrorAfterWritesIsUndone(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"wait":"0s"`))
+	key := storedKey(h.Prefix, "/wrongtype")
+	r.Client().HSet(context.Background(), fenceKey(key), "not", "a counter")
+	_, err := h.locker.Acquire(context.Background(), []string{key})
+	if err == nil || !strings.Contains(err.Error(), "WRONGTYPE") {
+		t.Fatalf("acquire with a fencing counter of the wrong type: %v, want the WRONGTYPE error", err)
+	}
+	if !freeWithin(2*time.Second, key, r) {
+		t.Fatal("the lock taken before the script's error is still held")
+	}
+}
+
+// TestReleaseFailureLogNamesServerAndHandler: the warning about a release
+// that Redis did not answer names the server and the handler; the key only
+// at debug level (and hashed at warn).
+func TestReleaseFailureLogNamesServerAndHandler(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"300ms","name":"payments"`))
+	core, logs := observer.New(zapcore.DebugLevel)
+	h.locker.servers[0].logger = func() *zap.Logger { return zap.New(core) }
+	key := storedKey(h.Prefix, "/secret-key")
+	ls, err := h.locker.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Pause()
+	ls.release()
+	r.Resume()
+	if !freeWithin(5*time.Second, key, r) {
+		t.Fatal("the release was not retried")
+	}
+	warns := logs.FilterLevelExact(zapcore.WarnLevel).FilterMessageSnippet("releasing a lock failed").All()
+	if len(warns) == 0 {
+		t.Fatalf("no warning about the failed release: %v", logs.All())
+	}
+	f := warns[0].ContextMap()
+	if f["server"] != r.Addr || f["handler"] != "payments" {
+		t.Errorf("the warning names server %v and handler %v, want %s and payments", f["server"], f["handler"], r.Addr)
+	}
+	for name, v := range f {
+		if strings.Contains(fmt.Sprint(v), "secret-key") {
+			t.Errorf("the warning names the key in %s at warn level", name)
+		}
+	}
+	if f["key_hash"] != wakeID(key) {
+		t.Errorf("the warning's key_hash is %v, want %s", f["key_hash"], wakeID(key))
+	}
+	debug := logs.FilterLevelExact(zapcore.DebugLevel).FilterField(zap.String("key", key))
+	if debug.Len() == 0 {
+		t.Errorf("no debug line names the key: %v", logs.All())
 	}
 }

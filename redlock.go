@@ -80,6 +80,9 @@ type lockOptions struct {
 	// Replay > 0: an acquisition answers with a holder's stored answer
 	// (kept this long) when there is one (one server, one key).
 	Replay time.Duration
+	// Handler names the handler in the log lines of the releases it
+	// leaves to a server's background releaser ("" for unnamed).
+	Handler string
 }
 
 // replayed is what Acquire returns when an earlier holder's answer is

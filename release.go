@@ -16,6 +16,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // releaseJob is one owner-checked release of one key on one server.
@@ -25,6 +26,7 @@ type releaseJob struct {
 	self       string // the releasing instance (domain) id
 	raise      int64  // fencing counter to write back (Redlock); 0 for none
 	ttlMs      int64
+	handler    string // the handler's name, for the log lines ("" for none)
 	// answer is the holder's answer to store for replay ("" for none),
 	// kept replayMs.
 	answer   string
@@ -87,20 +89,28 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 			jobs[i].msg = l.dom.id + " " + wakeID(k)
 		}
 	}
-	l.releaseJobs(jobs, removed)
+	l.releaseJobs(jobs, nil, removed)
 }
 
 // releaseJob is the release of token on key k, with nothing to write back,
 // announce or store.
 func (l *locker) releaseJob(k, token string) releaseJob {
-	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(), self: l.dom.id}
+	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(),
+		self: l.dom.id, handler: l.opts.Handler}
 }
 
+// notAsked is the answer of a server that a release skips.
+type notAsked struct{}
+
 // releaseJobs runs jobs (one per key) on every server, in parallel, as
-// releaseKeys says.
-func (l *locker) releaseJobs(jobs []releaseJob, removed *atomic.Uint64) {
-	one := func(job releaseJob) {
+// releaseKeys says; bit i of skip[j] (skip may be nil) spares server i
+// the release of jobs[j]: it is known to hold nothing of it.
+func (l *locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
+	one := func(job releaseJob, skip uint64) {
 		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *server) (any, error) {
+			if skip&(1<<i) != 0 {
+				return notAsked{}, nil
+			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
 			ok, err := job.run(cctx, s)
@@ -115,18 +125,24 @@ func (l *locker) releaseJobs(jobs []releaseJob, removed *atomic.Uint64) {
 			}
 		}
 	}
+	skipOf := func(j int) uint64 {
+		if skip == nil {
+			return 0
+		}
+		return skip[j]
+	}
 	if len(jobs) == 1 {
-		one(jobs[0])
+		one(jobs[0], skipOf(0))
 		return
 	}
 	var wg sync.WaitGroup
-	for _, j := range jobs {
+	for i, j := range jobs {
 		wg.Add(1)
-		go func(j releaseJob) {
+		go func(j releaseJob, skip uint64) {
 			defer wg.Done()
 			defer l.recoverPanic("releasing a lock key")
-			one(j)
-		}(j)
+			one(j, skip)
+		}(j, skipOf(i))
 	}
 	wg.Wait()
 }
@@ -135,6 +151,9 @@ func (l *locker) releaseJobs(jobs []releaseJob, removed *atomic.Uint64) {
 // a failure, or "not held" for an outcome nobody knows (confirmed again a
 // little later).
 func (l *locker) settleRelease(i int, job releaseJob, r result) {
+	if _, skipped := r.v.(notAsked); skipped {
+		return
+	}
 	if r.err != nil {
 		l.servers[i].rel.retry(job, r.err)
 	} else if job.unknown && !r.v.(bool) {
@@ -186,14 +205,21 @@ type releaseState struct {
 	confirm time.Time // unknown outcome answered "not held": ask again then
 }
 
-// retry queues job (err is why it failed; nil for a confirmation).
+// retry queues job (err is why it failed; nil for a confirmation). Only
+// releases of leases that were held, or whose acquire outcome is unknown,
+// come here: a failure is counted and logged (at most every 10 s, naming
+// the handler, the server and the key's hash; the key itself at debug).
 func (r *releaser) retry(job releaseJob, err error) {
 	if err != nil {
 		countReleaseFailure()
-		if due, n := r.warn.due(); due {
-			if lg := r.s.logger(); lg != nil {
-				lg.Warn("releasing a lock failed; retrying in the background until redis answers",
-					zap.Error(err), zap.Int64("failures_since_last_warning", n))
+		lg := r.s.logger()
+		if due, n := r.warn.due(); due && lg != nil {
+			lg.Warn("releasing a lock failed; retrying in the background until redis answers",
+				append(r.jobFields(job), zap.Error(err), zap.Int64("failures_since_last_warning", n))...)
+		}
+		if lg != nil {
+			if c := lg.Check(zapcore.DebugLevel, "releasing a lock failed"); c != nil {
+				c.Write(append(r.jobFields(job), zap.String("key", job.key), zap.Error(err))...)
 			}
 		}
 	}
@@ -214,6 +240,11 @@ func (r *releaser) retry(job releaseJob, err error) {
 		r.s.use() // the client stays open while releases are owed
 		go r.run()
 	}
+}
+
+// jobFields name a job's handler, server and key (hashed) in a log line.
+func (r *releaser) jobFields(job releaseJob) []zap.Field {
+	return []zap.Field{zap.String("handler", handlerRef(job.handler)), zap.String("server", r.s.name), zap.String("key_hash", wakeID(job.key))}
 }
 
 // pendingCount is how many releases are owed (for tests and the admin API).
@@ -246,9 +277,9 @@ func (r *releaser) round(wait *time.Duration) (owed bool) {
 		}
 	}()
 	jobs, gaveUp, owed := r.due()
-	for range gaveUp {
+	for _, j := range gaveUp {
 		if lg := r.s.logger(); lg != nil {
-			lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself")
+			lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself", r.jobFields(j)...)
 		}
 	}
 	if !owed {
