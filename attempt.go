@@ -49,19 +49,28 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	var failed atomic.Bool
 	released, removed, unknown := new(atomic.Bool), new(atomic.Uint64), new(atomic.Bool)
 	var answer atomic.Pointer[string]
+	// keyUnknown[j]: some server's answer for order[j] was lost in this
+	// attempt, so its undo marks the token dead for that key.
+	keyUnknown := make([]atomic.Bool, len(keys))
+	// refused[j]: bit i is set when server i refused order[j] with an
+	// answer (busy, or a call Redis refused without running it): it holds
+	// nothing of this attempt there, so an undo has nothing to release on it.
+	refused := make([]uint64, len(keys))
 	// A late error is an outcome nobody knows: released in the background
 	// if the attempt failed or the lease is gone already.
-	lateGrant := func(k string) func(i int, r result) {
+	lateGrant := func(j int, k string) func(i int, r result) {
 		return func(i int, r result) {
 			if unknownOutcome(r.err) {
+				keyUnknown[j].Store(true)
 				unknown.Store(true) // the lease's release marks the token dead there
 			}
 			if !failed.Load() && !released.Load() {
 				return
 			}
-			if r.err != nil {
+			switch {
+			case r.err != nil && !refusedUnrun(r.err):
 				l.releaseOn(i, k, token, unknownOutcome(r.err))
-			} else if r.v.([]int64)[0] == 1 && (len(keys) > 1 || removed.Load()&(1<<i) == 0) {
+			case r.err == nil && r.v.([]int64)[0] == 1 && (len(keys) > 1 || removed.Load()&(1<<i) == 0):
 				l.releaseOn(i, k, token, false)
 			}
 		}
@@ -73,6 +82,26 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		order = append(order, keys[first+1:]...)
 	} else {
 		order = append(order, keys...)
+	}
+	// undo gives back order[:n] on every server that may hold it, marking
+	// the token dead for every key whose outcome was unknown anywhere in
+	// the attempt (or for all, with allUnknown). A server that refused a
+	// key gets no release of it: nothing is held there, and a release that
+	// failed there would count as a failure.
+	undo := func(n int, allUnknown bool) {
+		var jobs []releaseJob
+		var skip []uint64
+		for j, k := range order[:n] {
+			if refused[j] == 1<<len(l.servers)-1 {
+				continue
+			}
+			job := l.releaseJob(k, token)
+			job.unknown = allUnknown || keyUnknown[j].Load()
+			jobs, skip = append(jobs, job), append(skip, refused[j])
+		}
+		if len(jobs) > 0 {
+			l.releaseJobs(jobs, skip, removed)
+		}
 	}
 	for i, k := range order {
 		// Ask every server at once; stop as soon as the outcome is decided.
@@ -96,9 +125,15 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		}, func(res []result, _ int) bool {
 			g, b, e := tally(res)
 			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
-		}, lateGrant(k))
+		}, lateGrant(i, k))
 		granted, busy, errs := tally(results)
+		for si, r := range results {
+			if r.done && ((r.err == nil && r.v.([]int64)[0] != 1) || refusedUnrun(r.err)) {
+				refused[i] |= 1 << si
+			}
+		}
 		if anyUnknown(results) {
+			keyUnknown[i].Store(true)
 			unknown.Store(true)
 		}
 		if a := answer.Load(); a != nil {
@@ -117,16 +152,10 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			continue
 		}
 		failed.Store(true)
-		// Not taken: give back what this attempt took, everywhere at once.
-		// On one server a refused key holds nothing, but one whose answer
-		// was lost may; with Redlock a minority may have granted it.
-		undo := order[:i]
-		if n > 1 || errs > 0 {
-			undo = order[:i+1]
-		}
-		if len(undo) > 0 {
-			l.releaseKeys(undo, token, 0, removed, false, anyUnknown(results), "")
-		}
+		// Not taken: give back what this attempt took, everywhere at once:
+		// this key too, where its answer was lost or not yet in, and with
+		// Redlock where a minority granted it.
+		undo(i+1, false)
 		if granted+busy < l.quorum {
 			// Fewer than a majority answered at all: Redis is unreachable.
 			var last error
@@ -172,7 +201,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			failed.Store(true)
 			// A minority of servers may not have answered the acquire:
 			// undone as outcomes unknown.
-			l.releaseKeys(keys, token, 0, removed, false, true, "")
+			undo(len(order), true)
 			return attempt{err: err}
 		}
 	}
@@ -182,11 +211,11 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	if validity <= 0 {
 		failed.Store(true)
-		l.releaseKeys(keys, token, 0, removed, false, true, "")
+		undo(len(order), true)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
-		until: start.Add(validity), released: released, removed: removed, unknown: unknown, chainLeft: chain - 1, raise: raise}}
+		until: start.Add(validity), released: released, removed: removed, unknown: unknown, extending: new(atomic.Int32), chainLeft: chain - 1, raise: raise}}
 }
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the
@@ -222,7 +251,9 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 		n, err := wait.Result()
 		switch {
 		case err != nil:
-			err = fmt.Errorf("sync_replicas: waiting for replicas: %w", err)
+			// %v: the grant stands, so this is no refusal of Redis's (see
+			// refusedUnrun) whatever WAIT answered.
+			err = fmt.Errorf("sync_replicas: waiting for replicas: %v", err)
 		case n < int64(l.opts.SyncReplicas):
 			err = fmt.Errorf("sync_replicas: %d of %d replicas acknowledged the lock", n, l.opts.SyncReplicas)
 		}

@@ -44,6 +44,13 @@ type lease struct {
 	// minority of a Redlock): that acquire may still reach it, so the
 	// release marks the token dead there too.
 	unknown *atomic.Bool
+	// extending counts the calls of extensions still on their way to a
+	// Redlock member (shared along a chain of hand-offs, like unknown): an
+	// extension that reaches a member restarted empty after the release
+	// would re-create the lease there, so a release that starts while one
+	// is on its way marks the token dead, and the extend script never
+	// extends a dead token.
+	extending *atomic.Int32
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
@@ -125,7 +132,14 @@ func (ls *lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, ls.unknown != nil && ls.unknown.Load(), answer)
+	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, ls.outcomeUnknown(), answer)
+}
+
+// outcomeUnknown reports whether some server may hold the lease in a way
+// nobody knows: an acquire or extension whose answer was lost, or an
+// extension still on its way. Its release then marks the token dead.
+func (ls *lease) outcomeUnknown() bool {
+	return (ls.extending != nil && ls.extending.Load() > 0) || (ls.unknown != nil && ls.unknown.Load())
 }
 
 // releaseEnded tells the local queue that the release in Redis is over and
@@ -192,7 +206,7 @@ func (ls *lease) handOff() bool {
 	until := ls.until
 	ls.mu.Unlock()
 	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
-		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, chainLeft: left - 1, chained: true, raise: ls.raise}
+		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, extending: ls.extending, chainLeft: left - 1, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
 		// Redis for another block while it works. Renewal needs the
@@ -249,7 +263,10 @@ func (l *locker) renew(ls *lease, n int) *renewal {
 //
 // The decision comes as soon as a majority answered; the calls to the
 // other servers go on within the timeout, so a Redlock member that
-// restarted empty gets the lease back in this round, not the next.
+// restarted empty gets the lease back in this round, not the next. Such a
+// call may still be on its way when the lease is released, or its answer
+// may be lost: both mark the lease's outcome unknown for its release (see
+// lease.extending).
 func (l *locker) extend(ctx context.Context, ls *lease) error {
 	start := time.Now()
 	prev := ls.validUntil()
@@ -260,11 +277,22 @@ func (l *locker) extend(ctx context.Context, ls *lease) error {
 	if len(l.servers) > 1 {
 		recreate = "1"
 	}
+	track := recreate == "1" && ls.extending != nil && ls.unknown != nil
 	for _, k := range ls.keys {
+		if track {
+			ls.extending.Add(int32(len(l.servers)))
+		}
 		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+			if track {
+				defer ls.extending.Add(-1) // after unknown is stored
+			}
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
 			defer cancel()
-			return extendScript.Run(cctx, s.client, []string{k, fenceKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+			v, err := extendScript.Run(cctx, s.client, []string{k, fenceKey(k), deadKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+			if track && unknownOutcome(err) {
+				ls.unknown.Store(true)
+			}
+			return v, err
 		}, func(res []result, _ int) bool {
 			ok, bad := 0, 0
 			for _, r := range res {
@@ -420,8 +448,10 @@ func (k *keeper) fire() {
 	k.t.Reset(d)
 }
 
-// stop ends the keeping and waits for an extension in flight, so no
-// extension can follow the release that comes next.
+// stop ends the keeping and waits for an extension in flight to be
+// decided. With Redlock, its calls to a minority may still be on their way
+// after that: the release that comes next marks the token dead then, so
+// none of them can re-create the lease (see lease.extending).
 func (k *keeper) stop() {
 	k.mu.Lock()
 	if k.stopped {

@@ -304,6 +304,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
 		Replay:       time.Duration(h.Replay),
+		Handler:      h.Name,
 	}, h.logger)
 	return adminRegister(ctx, h)
 }

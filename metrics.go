@@ -67,7 +67,7 @@ func initMetrics() {
 		})
 		lockReleaseFailures = prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_release_failures_total",
-			Help: "Lock releases (and undos of acquisitions whose answer was lost) that Redis did not answer; each is retried in the background.",
+			Help: "Failed releases of held leases (and undos of acquisitions whose outcome is unknown); each is retried in the background. Acquires that Redis refused hold nothing and are never counted.",
 		})
 		lockReplays = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_replays_total",
@@ -112,7 +112,8 @@ func registerMetrics(ctx caddy.Context) error {
 	return nil
 }
 
-// countReleaseFailure counts a release that Redis did not answer.
+// countReleaseFailure counts a failed release of a lease that was held, or
+// whose acquire outcome is unknown.
 func countReleaseFailure() {
 	initMetrics()
 	lockReleaseFailures.Inc()

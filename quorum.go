@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -27,6 +28,7 @@ import (
 // release of a lock that an old request still holds.
 type server struct {
 	id      string
+	name    string // for log lines: the address (never a password)
 	client  redis.UniversalClient
 	timeout time.Duration // bound of one call
 	wake    *wakeListener
@@ -42,10 +44,25 @@ type server struct {
 // newServer wraps a client; nothing is dialed until the first call.
 // logger returns the logger of the moment (the server outlives configs).
 func newServer(id string, c redis.UniversalClient, timeout time.Duration, logger func() *zap.Logger) *server {
-	s := &server{id: id, client: c, timeout: timeout, wake: newWakeListener(c, logger), logger: logger}
+	s := &server{id: id, name: clientName(c), client: c, timeout: timeout, wake: newWakeListener(c, logger), logger: logger}
 	s.rel.s = s
 	s.rel.warn = newWarnings(10 * time.Second)
 	return s
+}
+
+// clientName names a client's server in log lines: its address, the
+// addresses of a Cluster, or "sentinel" for a Sentinel group.
+func clientName(c redis.UniversalClient) string {
+	switch c := c.(type) {
+	case *redis.Client:
+		if a := c.Options().Addr; a != "FailoverClient" {
+			return a
+		}
+		return "sentinel"
+	case *redis.ClusterClient:
+		return "cluster " + strings.Join(c.Options().Addrs, ",")
+	}
+	return ""
 }
 
 // use and unuse count a user of the server.
@@ -108,6 +125,27 @@ func tally(res []result) (granted, busy, errs int) {
 func unknownOutcome(err error) bool {
 	var re redis.Error
 	return err != nil && !errors.As(err, &re)
+}
+
+// refusedUnrun reports whether Redis refused a call without running it
+// (over maxmemory, a read-only replica, busy or loading, no permission,
+// ...): it took nothing. An error raised while a script ran names the
+// script, and may come after some of its writes.
+func refusedUnrun(err error) bool {
+	var re redis.Error
+	if !errors.As(err, &re) {
+		return false
+	}
+	msg := re.Error()
+	if strings.Contains(msg, "user_script") {
+		return false
+	}
+	for _, p := range []string{"OOM ", "READONLY ", "NOSCRIPT ", "BUSY ", "LOADING ", "MASTERDOWN ", "MISCONF ", "NOREPLICAS ", "CLUSTERDOWN ", "TRYAGAIN ", "NOPERM "} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
 }
 
 // anyUnknown reports whether any answered call of res has an unknown outcome.

@@ -80,6 +80,9 @@ type lockOptions struct {
 	// Replay > 0: an acquisition answers with a holder's stored answer
 	// (kept this long) when there is one (one server, one key).
 	Replay time.Duration
+	// Handler names the handler in the log lines of the releases it
+	// leaves to a server's background releaser ("" for unnamed).
+	Handler string
 }
 
 // replayed is what Acquire returns when an earlier holder's answer is
@@ -150,12 +153,16 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 		}
 	}
 	if ls == nil {
-		if q.empty() {
-			// Nobody here waits any more: give up this instance's turn in Redis.
-			go l.leaveWaitq(keys)
-		}
+		leave := q.empty()
 		l.dom.putQueue(q)
-		l.unuseServers()
+		if leave {
+			// Nobody here waits any more: give up this instance's turn in
+			// Redis. The servers stay in use until that is done, so a
+			// reload cannot close their clients first.
+			go l.leaveWaitq(keys)
+		} else {
+			l.unuseServers()
+		}
 		return nil, err
 	}
 	if !ls.chained {
@@ -375,13 +382,20 @@ func (l *locker) turnsFlag(keys int) string {
 	return "0"
 }
 
-// leaveWaitq removes this instance from the keys' Redis wait lists.
+// leaveWaitq removes this instance from the keys' Redis wait lists on
+// every server at once, then gives back the servers that Acquire took.
 func (l *locker) leaveWaitq(keys []string) {
-	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
-	defer cancel()
-	for _, k := range keys {
-		for _, s := range l.servers {
-			s.client.ZRem(ctx, waitqKey(k), l.dom.id)
+	defer l.unuseServers()
+	defer l.recoverPanic("leaving the wait list")
+	l.callAll(context.Background(), func(ctx context.Context, _ int, s *server) (any, error) {
+		cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+		defer cancel()
+		var err error
+		for _, k := range keys {
+			if e := s.client.ZRem(cctx, waitqKey(k), l.dom.id).Err(); e != nil {
+				err = e
+			}
 		}
-	}
+		return nil, err
+	}, nil, nil)
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // releaseJob is one owner-checked release of one key on one server.
@@ -25,6 +26,7 @@ type releaseJob struct {
 	self       string // the releasing instance (domain) id
 	raise      int64  // fencing counter to write back (Redlock); 0 for none
 	ttlMs      int64
+	handler    string // the handler's name, for the log lines ("" for none)
 	// answer is the holder's answer to store for replay ("" for none),
 	// kept replayMs.
 	answer   string
@@ -79,17 +81,40 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 // acquisition whose outcome is not known; answer (one key only) is stored
 // for replay.
 func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
-	one := func(k string) {
-		job := releaseJob{key: k, token: token, raise: raise, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown,
-			answer: answer, replayMs: l.opts.Replay.Milliseconds(), self: l.dom.id}
+	jobs := make([]releaseJob, len(keys))
+	for i, k := range keys {
+		jobs[i] = l.releaseJob(k, token)
+		jobs[i].raise, jobs[i].unknown, jobs[i].answer = raise, unknown, answer
 		if wake {
-			job.msg = l.dom.id + " " + wakeID(k)
+			jobs[i].msg = l.dom.id + " " + wakeID(k)
 		}
+	}
+	l.releaseJobs(jobs, nil, removed)
+}
+
+// releaseJob is the release of token on key k, with nothing to write back,
+// announce or store.
+func (l *locker) releaseJob(k, token string) releaseJob {
+	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(),
+		self: l.dom.id, handler: l.opts.Handler}
+}
+
+// notAsked is the answer of a server that a release skips.
+type notAsked struct{}
+
+// releaseJobs runs jobs (one per key) on every server, in parallel, as
+// releaseKeys says; bit i of skip[j] (skip may be nil) spares server i
+// the release of jobs[j]: it is known to hold nothing of it.
+func (l *locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
+	one := func(job releaseJob, skip uint64) {
 		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *server) (any, error) {
+			if skip&(1<<i) != 0 {
+				return notAsked{}, nil
+			}
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
 			ok, err := job.run(cctx, s)
-			if err == nil && ok && removed != nil && len(keys) == 1 {
+			if err == nil && ok && removed != nil && len(jobs) == 1 {
 				removed.Or(1 << i)
 			}
 			return ok, err
@@ -100,18 +125,24 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 			}
 		}
 	}
-	if len(keys) == 1 {
-		one(keys[0])
+	skipOf := func(j int) uint64 {
+		if skip == nil {
+			return 0
+		}
+		return skip[j]
+	}
+	if len(jobs) == 1 {
+		one(jobs[0], skipOf(0))
 		return
 	}
 	var wg sync.WaitGroup
-	for _, k := range keys {
+	for i, j := range jobs {
 		wg.Add(1)
-		go func(k string) {
+		go func(j releaseJob, skip uint64) {
 			defer wg.Done()
 			defer l.recoverPanic("releasing a lock key")
-			one(k)
-		}(k)
+			one(j, skip)
+		}(j, skipOf(i))
 	}
 	wg.Wait()
 }
@@ -120,6 +151,9 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 // a failure, or "not held" for an outcome nobody knows (confirmed again a
 // little later).
 func (l *locker) settleRelease(i int, job releaseJob, r result) {
+	if _, skipped := r.v.(notAsked); skipped {
+		return
+	}
 	if r.err != nil {
 		l.servers[i].rel.retry(job, r.err)
 	} else if job.unknown && !r.v.(bool) {
@@ -130,7 +164,8 @@ func (l *locker) settleRelease(i int, job releaseJob, r result) {
 // releaseOn releases token on one key of server i (a late grant, or a
 // late answer that was lost): in the background until the server answers.
 func (l *locker) releaseOn(i int, k, token string, unknown bool) {
-	job := releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), unknown: unknown}
+	job := l.releaseJob(k, token)
+	job.unknown = unknown
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	defer cancel()
 	if removed, err := job.run(ctx, l.servers[i]); err != nil || (unknown && !removed) {
@@ -170,14 +205,21 @@ type releaseState struct {
 	confirm time.Time // unknown outcome answered "not held": ask again then
 }
 
-// retry queues job (err is why it failed; nil for a confirmation).
+// retry queues job (err is why it failed; nil for a confirmation). Only
+// releases of leases that were held, or whose acquire outcome is unknown,
+// come here: a failure is counted and logged (at most every 10 s, naming
+// the handler, the server and the key's hash; the key itself at debug).
 func (r *releaser) retry(job releaseJob, err error) {
 	if err != nil {
 		countReleaseFailure()
-		if due, n := r.warn.due(); due {
-			if lg := r.s.logger(); lg != nil {
-				lg.Warn("releasing a lock failed; retrying in the background until redis answers",
-					zap.Error(err), zap.Int64("failures_since_last_warning", n))
+		lg := r.s.logger()
+		if due, n := r.warn.due(); due && lg != nil {
+			lg.Warn("releasing a lock failed; retrying in the background until redis answers",
+				append(r.jobFields(job), zap.Error(err), zap.Int64("failures_since_last_warning", n))...)
+		}
+		if lg != nil {
+			if c := lg.Check(zapcore.DebugLevel, "releasing a lock failed"); c != nil {
+				c.Write(append(r.jobFields(job), zap.String("key", job.key), zap.Error(err))...)
 			}
 		}
 	}
@@ -200,6 +242,11 @@ func (r *releaser) retry(job releaseJob, err error) {
 	}
 }
 
+// jobFields name a job's handler, server and key (hashed) in a log line.
+func (r *releaser) jobFields(job releaseJob) []zap.Field {
+	return []zap.Field{zap.String("handler", handlerRef(job.handler)), zap.String("server", r.s.name), zap.String("key_hash", wakeID(job.key))}
+}
+
 // pendingCount is how many releases are owed (for tests and the admin API).
 func (r *releaser) pendingCount() int {
 	r.mu.Lock()
@@ -207,51 +254,88 @@ func (r *releaser) pendingCount() int {
 	return len(r.pending)
 }
 
+// run retries the pending releases until none is left. A panic in a round
+// is logged and the round counts as failed: the runner goes on, so the
+// releases still owed keep their runner (no lock is held while it
+// recovers).
 func (r *releaser) run() {
 	defer r.s.unuse()
+	wait := releaseRetryMin
+	for r.round(&wait) {
+		time.Sleep(wait)
+	}
+}
+
+// round sends the releases that are due; it reports whether releases are
+// still owed, and sets wait to the delay before the next round.
+func (r *releaser) round(wait *time.Duration) (owed bool) {
 	defer func() {
 		if p := recover(); p != nil {
-			if lg := r.s.logger(); lg != nil {
-				lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
-			}
-			r.mu.Lock()
-			r.running = false
-			r.mu.Unlock()
+			r.logPanic(p)
+			*wait = releaseRetryMax
+			owed = r.owed()
 		}
 	}()
-	wait := releaseRetryMin
-	for {
-		r.mu.Lock()
-		now := time.Now()
-		var jobs []releaseJob
-		for j, st := range r.pending {
-			switch {
-			case now.After(st.giveUp):
-				delete(r.pending, j)
-				if lg := r.s.logger(); lg != nil {
-					lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself")
-				}
-			case st.confirm.After(now):
-			case len(jobs) < releaseBatch:
-				jobs = append(jobs, j)
-			}
+	jobs, gaveUp, owed := r.due()
+	for _, j := range gaveUp {
+		if lg := r.s.logger(); lg != nil {
+			lg.Error("gave up releasing a lock: redis did not answer; the lease runs out by itself", r.jobFields(j)...)
 		}
-		if len(r.pending) == 0 {
-			r.running = false
-			r.mu.Unlock()
-			return
+	}
+	if !owed {
+		return false
+	}
+	if len(jobs) > 0 {
+		if r.send(jobs) {
+			*wait = releaseRetryMin
+		} else if *wait *= 2; *wait > releaseRetryMax {
+			*wait = releaseRetryMax
 		}
-		r.mu.Unlock()
+	}
+	return true
+}
 
-		if len(jobs) > 0 {
-			progress := r.send(jobs)
-			if progress {
-				wait = releaseRetryMin
-			} else if wait *= 2; wait > releaseRetryMax {
-				wait = releaseRetryMax
-			}
+// due takes the pending releases that are due (up to releaseBatch) and
+// drops those given up. When none is left, the runner ends (owed false).
+func (r *releaser) due() (jobs, gaveUp []releaseJob, owed bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	now := time.Now()
+	for j, st := range r.pending {
+		switch {
+		case now.After(st.giveUp):
+			delete(r.pending, j)
+			gaveUp = append(gaveUp, j)
+		case st.confirm.After(now):
+		case len(jobs) < releaseBatch:
+			jobs = append(jobs, j)
 		}
-		time.Sleep(wait)
+	}
+	return jobs, gaveUp, r.owedLocked()
+}
+
+// owed reports whether releases are still pending; when none is, the
+// runner ends.
+func (r *releaser) owed() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.owedLocked()
+}
+
+func (r *releaser) owedLocked() bool {
+	if len(r.pending) == 0 {
+		r.running = false
+		return false
+	}
+	return true
+}
+
+// logPanic logs a panic of the runner with its stack; a logger that
+// panics too is ignored.
+func (r *releaser) logPanic(p any) {
+	defer func() { _ = recover() }()
+	if lg := r.s.logger(); lg != nil {
+		lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
 	}
 }
 

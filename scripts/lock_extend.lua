@@ -1,12 +1,17 @@
 #!lua flags=allow-oom
 -- Extend a lease, owner-checked.
--- KEYS[1] lock sorted set, KEYS[2] fencing counter
+-- KEYS[1] lock sorted set, KEYS[2] fencing counter, KEYS[3] dead tokens (see
+-- lock_acquire.lua): a token marked dead was released while this extension
+-- was on its way, and is neither extended nor re-created
 -- ARGV[1] token, ARGV[2] ttl ms, ARGV[3] permits,
 -- ARGV[4] "1" to re-create a lease that is missing on a server that lost its
 -- state (a Redlock server restarted empty: neither the lease nor the key's
 -- fencing counter is there, and a permit is free). A server whose counter
 -- is still there saw the lease end or be released, and never revives it.
 -- Returns 1 when the lease now runs ttl from now, 0 when it is lost.
+if redis.call('ZSCORE', KEYS[3], ARGV[1]) then
+	return 0
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
