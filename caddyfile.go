@@ -52,6 +52,7 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //		replay_max     <size>          # largest response body kept for replay; default 1MiB, at most 256MiB
 //		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256, credentials
 //		credential_cookies <name>...   # cookies that identify the client; default none
+//		jitter         <fraction>      # raise Retry-After by a random share up to this; default 0
 //		name           <string>        # for the admin API; default: its position
 //		redis          <address|url>...
 //		cluster        <address|url>...
@@ -239,6 +240,16 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: credential_cookies: want one or more cookie names", dir)
 			}
 			h.CredentialCookies = append(h.CredentialCookies, args...)
+		case "jitter":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || f < 0 || f > 1 {
+				return d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
+			}
+			h.Jitter = f
 		case "name":
 			v, err := parseName(d, dir)
 			if err != nil {
@@ -313,6 +324,7 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 //		cost      <n>                 # what one request counts for; a number or a placeholder; default 1
 //		count     <status>...         # count only these answers (codes like 401, classes like 5xx); default all
 //		wait      <duration>          # hold a request up to this long for its slot instead of rejecting; default 0
+//		jitter    <fraction>          # raise Retry-After by a random share up to this; default 0
 //		name      <string>            # for the admin API; default: its position
 //
 //		redis    <address|url>        # one logical Redis: one address,
@@ -465,6 +477,16 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: prefix: must not contain { or } (the handler adds the hash tag), got %q", dir, v)
 			}
 			h.Prefix = v
+		case "jitter":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil || f < 0 || f > 1 {
+				return d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
+			}
+			h.Jitter = f
 		case "name":
 			v, err := parseName(d, dir)
 			if err != nil {

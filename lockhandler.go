@@ -193,6 +193,12 @@ type RedisLock struct {
 	// would then break a browser's retry. Default: none.
 	CredentialCookies []string `json:"credential_cookies,omitempty"`
 
+	// Raise Retry-After by a random share of it, up to this fraction (0.2:
+	// up to 20% later), so rejected clients do not all come back at the
+	// same moment. Never lowers it; applied before rounding up to whole
+	// seconds. Between 0 and 1. Default: 0.
+	Jitter float64 `json:"jitter,omitempty"`
+
 	// How the admin API (admin.api.redisdlm) names this handler: its locks
 	// are at /redisdlm/locks/<name>/<key>. Letters, digits, `-`, `_` and
 	// `.`, not all digits; unique among the redis_lock handlers of one
@@ -365,6 +371,8 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: replay: takes one key template: the stored answer belongs to one lock key")
 	case h.Replay > 0 && len(h.Addresses) > 1:
 		return errors.New("redis_lock: replay: needs one Redis (a server, a Cluster or a Sentinel), not a Redlock quorum: an answer stored on a majority could be missed by a later majority that shares only one server with it")
+	case h.Jitter < 0 || h.Jitter > 1:
+		return fmt.Errorf("redis_lock: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
 	case len(h.CredentialCookies) > 0 && h.Replay == 0:
 		return errors.New("redis_lock: credential_cookies: only has a meaning with replay")
 	case slices.Contains(h.CredentialCookies, ""):
@@ -441,7 +449,7 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 	switch {
 	case errors.As(err, &busy):
 		timeoutSeconds.Observe(waited.Seconds())
-		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(h.estimateFree(busy)), 10))
+		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(jittered(h.estimateFree(busy), h.Jitter)), 10))
 		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
 		}

@@ -23,6 +23,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/url"
 	"os"
@@ -802,6 +803,15 @@ func retryAfterSeconds(d time.Duration) int64 {
 		return s
 	}
 	return 1
+}
+
+// jittered raises d by a random share of it, up to fraction f (0: d as
+// it is), so rejected clients do not retry in step.
+func jittered(d time.Duration, f float64) time.Duration {
+	if f <= 0 || d <= 0 {
+		return d
+	}
+	return d + time.Duration(rand.Float64()*f*float64(d))
 }
 
 // ceilSeconds rounds d up to whole seconds (0 for d <= 0).

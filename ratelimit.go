@@ -154,6 +154,12 @@ type RedisRateLimit struct {
 	// contain `{` or `}`. Default: `caddy:rl:`.
 	Prefix string `json:"prefix,omitempty"`
 
+	// Raise Retry-After by a random share of it, up to this fraction (0.2:
+	// up to 20% later), so rejected clients do not all come back at the
+	// same moment. Never lowers it; applied before rounding up to whole
+	// seconds. RateLimit's t= is not jittered. Between 0 and 1. Default: 0.
+	Jitter float64 `json:"jitter,omitempty"`
+
 	// How the admin API (admin.api.redisdlm) names this handler: its
 	// quotas are at /redisdlm/limits/<name>/<key>. Letters, digits, `-`,
 	// `_` and `.`, not all digits; unique among the redis_ratelimit
@@ -379,6 +385,9 @@ func (h *RedisRateLimit) Validate() error {
 	if _, err := parseStatusSet(h.Count); err != nil {
 		return fmt.Errorf("redis_ratelimit: count: %w", err)
 	}
+	if h.Jitter < 0 || h.Jitter > 1 {
+		return fmt.Errorf("redis_ratelimit: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
+	}
 	if h.Wait < 0 {
 		return fmt.Errorf("redis_ratelimit: wait: must not be negative, got %s", time.Duration(h.Wait))
 	}
@@ -454,7 +463,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 
 	retry := int64(0)
 	if !d.allowed && d.wait > 0 {
-		retry = retryAfterSeconds(d.wait)
+		retry = retryAfterSeconds(jittered(d.wait, h.Jitter))
 	}
 	if h.sendHdrs {
 		h.setHeaders(w.Header(), p, d)
