@@ -325,6 +325,7 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 //		count     <status>...         # count only these answers (codes like 401, classes like 5xx); default all
 //		wait      <duration>          # hold a request up to this long for its slot instead of rejecting; default 0
 //		jitter    <fraction>          # raise Retry-After by a random share up to this; default 0
+//		ip_prefix <v4> <v6>           # group client IPs by network prefix; default 32 128
 //		name      <string>            # for the admin API; default: its position
 //
 //		redis    <address|url>        # one logical Redis: one address,
@@ -487,6 +488,17 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
 			}
 			h.Jitter = f
+		case "ip_prefix":
+			args := d.RemainingArgs()
+			if len(args) != 2 {
+				return d.Errf("%s: ip_prefix: want <IPv4 bits> <IPv6 bits>, e.g. ip_prefix 24 64; got %d argument(s)", dir, len(args))
+			}
+			v4, err4 := strconv.Atoi(args[0])
+			v6, err6 := strconv.Atoi(args[1])
+			if err := checkIPPrefix([]int{v4, v6}); err4 != nil || err6 != nil || err != nil {
+				return d.Errf("%s: ip_prefix: want <IPv4 bits 1-32> <IPv6 bits 1-128>, got %q %q", dir, args[0], args[1])
+			}
+			h.IPPrefix = []int{v4, v6}
 		case "name":
 			v, err := parseName(d, dir)
 			if err != nil {

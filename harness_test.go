@@ -71,10 +71,11 @@ func quietLogger() *zap.Logger {
 func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.HandlerFunc) *httptest.Server {
 	t.Helper()
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// The vars first, so that the replacer sees {http.vars.client_ip}
+		// as Caddy's does.
+		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{"client_ip": strings.Split(r.RemoteAddr, ":")[0]}))
 		repl := caddyhttp.NewTestReplacer(r)
-		ctx := context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl)
-		ctx = context.WithValue(ctx, caddyhttp.VarsCtxKey, map[string]any{"client_ip": strings.Split(r.RemoteAddr, ":")[0]})
-		r = r.WithContext(ctx)
+		r = r.WithContext(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl))
 		err := mw.ServeHTTP(w, r, next)
 		if err != nil {
 			var he caddyhttp.HandlerError

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"slices"
 	"sort"
 	"strings"
@@ -46,6 +47,36 @@ var (
 type keyTemplate struct {
 	raw   string
 	parts []keyPart
+	ip    ipPrefix // how the client IP placeholder is grouped (rate limiter)
+}
+
+// clientIPPlaceholder is what {client_ip} stands for.
+const clientIPPlaceholder = "http.vars." + caddyhttp.ClientIPVarKey
+
+// ipPrefix groups client IPs by network prefix: bits of IPv4 and of IPv6
+// (0, 0: every address as it is).
+type ipPrefix struct{ v4, v6 int }
+
+// group returns the network of ip under the prefix ("192.0.2.0/24"), or
+// ip as it is: without a prefix, or when it is no IP address. IPv4-mapped
+// IPv6 counts as IPv4; a zone is dropped.
+func (p ipPrefix) group(ip string) string {
+	if p.v4 == 0 && p.v6 == 0 {
+		return ip
+	}
+	a, err := netip.ParseAddr(ip)
+	if err != nil {
+		return ip
+	}
+	a = a.WithZone("").Unmap()
+	bits := p.v6
+	if a.Is4() {
+		bits = p.v4
+	}
+	if pfx, err := a.Prefix(bits); err == nil {
+		return pfx.String()
+	}
+	return ip
 }
 
 // keyPart is literal text, or a placeholder when ph is set.
@@ -213,6 +244,9 @@ func (t *keyTemplate) value(repl *caddy.Replacer, name string) (string, error) {
 	if s == "" {
 		return "", fmt.Errorf("{%s}: %w", name, errKeyEmpty)
 	}
+	if name == clientIPPlaceholder {
+		s = t.ip.group(s)
+	}
 	return s, nil
 }
 
@@ -305,7 +339,7 @@ func (h *RedisRateLimit) limitID(r *http.Request, repl *caddy.Replacer) string {
 			h.logger.Warn("rate limit key has a placeholder unknown or empty for this request; limiting by client IP instead (logged once)",
 				zap.String("key_template", h.keyTmpl.raw), zap.Error(err))
 		}
-		return limitIDFor("", clientIP(r))
+		return limitIDFor("", h.keyTmpl.ip.group(clientIP(r)))
 	}
 	return limitIDFor(key, "")
 }

@@ -805,6 +805,22 @@ func retryAfterSeconds(d time.Duration) int64 {
 	return 1
 }
 
+// checkIPPrefix checks an ip_prefix: none, or IPv4 bits 1-32 and IPv6
+// bits 1-128.
+func checkIPPrefix(p []int) error {
+	switch {
+	case len(p) == 0:
+		return nil
+	case len(p) != 2:
+		return fmt.Errorf("want [IPv4 bits, IPv6 bits], got %d numbers", len(p))
+	case p[0] < 1 || p[0] > 32:
+		return fmt.Errorf("IPv4 bits must be 1-32, got %d (0 would put every client in one bucket)", p[0])
+	case p[1] < 1 || p[1] > 128:
+		return fmt.Errorf("IPv6 bits must be 1-128, got %d (0 would put every client in one bucket)", p[1])
+	}
+	return nil
+}
+
 // jittered raises d by a random share of it, up to fraction f (0: d as
 // it is), so rejected clients do not retry in step.
 func jittered(d time.Duration, f float64) time.Duration {

@@ -160,6 +160,15 @@ type RedisRateLimit struct {
 	// seconds. RateLimit's t= is not jittered. Between 0 and 1. Default: 0.
 	Jitter float64 `json:"jitter,omitempty"`
 
+	// Group client IPs by network prefix wherever the client IP is in the
+	// key (the default key, the fallback of a key that renders empty, and
+	// {client_ip} in a template): [IPv4 bits, IPv6 bits], e.g. [24, 64], so
+	// one host with many addresses shares one bucket. IPv4-mapped IPv6
+	// counts as IPv4, zones are dropped, and a client address that is no IP
+	// is used as it is. 0 bits is an error (every client would share one
+	// bucket). Default: [32, 128] (every address on its own).
+	IPPrefix []int `json:"ip_prefix,omitempty"`
+
 	// How the admin API (admin.api.redisdlm) names this handler: its
 	// quotas are at /redisdlm/limits/<name>/<key>. Letters, digits, `-`,
 	// `_` and `.`, not all digits; unique among the redis_ratelimit
@@ -324,6 +333,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.keyTmpl, err = parseKeyTemplate(keyRaw); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
+	if len(h.IPPrefix) == 2 {
+		h.keyTmpl.ip = ipPrefix{v4: h.IPPrefix[0], v6: h.IPPrefix[1]}
+	}
 	for i, result := range rateLimitResults {
 		h.counters[i] = rateLimitTotal.WithLabelValues(result)
 	}
@@ -387,6 +399,9 @@ func (h *RedisRateLimit) Validate() error {
 	}
 	if h.Jitter < 0 || h.Jitter > 1 {
 		return fmt.Errorf("redis_ratelimit: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
+	}
+	if err := checkIPPrefix(h.IPPrefix); err != nil {
+		return fmt.Errorf("redis_ratelimit: ip_prefix: %w", err)
 	}
 	if h.Wait < 0 {
 		return fmt.Errorf("redis_ratelimit: wait: must not be negative, got %s", time.Duration(h.Wait))
