@@ -216,6 +216,7 @@ type RedisRateLimit struct {
 
 	// runtime state
 	logger     *zap.Logger
+	label      string // the name, else a short hash of the JSON config
 	keyTmpl    *keyTemplate
 	keyHead    string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
 	static     plan   // the plan of every request without placeholders; the templates otherwise
@@ -261,6 +262,7 @@ func (RedisRateLimit) CaddyModule() caddy.ModuleInfo {
 // Provision sets defaults, checks the config and gets the shared Redis
 // client. It never dials Redis.
 func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
+	h.label = handlerLabel("rl", h.Name, h)
 	h.logger = ctx.Logger()
 	h.warn = newWarnings(failWarnEvery)
 	h.settleWarn = newWarnings(failWarnEvery)
@@ -481,7 +483,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		retry = retryAfterSeconds(jittered(d.wait, h.Jitter))
 	}
 	if h.sendHdrs {
-		h.setHeaders(w.Header(), p, d)
+		h.setHeaders(r, w.Header(), p, d)
 	}
 	repl.Set("http.redis_ratelimit.remaining", d.remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
@@ -541,8 +543,14 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 }
 
 // setHeaders sets the RateLimit-Policy and RateLimit fields of an answer.
-func (h *RedisRateLimit) setHeaders(hdr http.Header, p *plan, d decision) {
+func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d decision) {
 	s := p.rates[d.tight]
+	defer caddyhttp.SetVar(r.Context(), stackVar, h)
+	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
+		rl := s.name + strconv.FormatInt(d.remaining, 10) + ";t=" + strconv.FormatInt(ceilSeconds(min(d.reset, s.window)), 10)
+		stackHeaders(hdr, prev.label, h.label, p.policy, rl)
+		return
+	}
 	// Both fields in one allocation, under their canonical names (as
 	// Header.Set would store them). The quota grows within the window.
 	var buf [64]byte

@@ -155,7 +155,11 @@ func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next
 	h.counters[resultError].Inc()
 	h.warnFail(err)
 	if h.sendHdrs {
-		w.Header().Set(HeaderRateLimitPolicy, p.policy)
+		if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
+			stackHeaders(w.Header(), prev.label, h.label, p.policy, "")
+		} else {
+			w.Header().Set(HeaderRateLimitPolicy, p.policy)
+		}
 	}
 	if h.FailClosed {
 		// The breaker probes Redis about once a second.
