@@ -130,7 +130,7 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 			var calls atomic.Int64
 			ended := make(chan error, 1)
 			started := make(chan struct{}, 1)
-			h := provisionLock(t, lockCfg(r.Addr, replayCfg+tc.cfg+`,"prefix":"bound:`+tc.name+`:"`))
+			h := provisionLock(t, lockCfg(r.Addr, replayCfg+tc.cfg+`,"timeout":"5s","prefix":"bound:`+tc.name+`:"`))
 			srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 				if calls.Add(1) == 1 {
 					started <- struct{}{}
@@ -145,12 +145,23 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 			req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/p", strings.NewReader("x"))
 			req.Header.Set("X-User", "u")
 			req.Header.Set("Idempotency-Key", "k")
+			answered := make(chan string, 1)
 			go func() {
-				if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp, err := http.DefaultClient.Do(req)
+				if err == nil {
 					resp.Body.Close()
+					answered <- resp.Status
+				} else {
+					answered <- err.Error()
 				}
 			}()
-			<-started
+			select {
+			case <-started:
+			case a := <-answered:
+				t.Fatalf("the first request was answered %s before its route ran", a)
+			case <-time.After(15 * time.Second):
+				t.Fatal("the first request's route never ran")
+			}
 			cancel()
 			select {
 			case cause := <-ended:

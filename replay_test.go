@@ -218,7 +218,7 @@ func TestReplayNotStored(t *testing.T) {
 		// replayed the whole answer.
 		var calls atomic.Int64
 		started := make(chan struct{}, 4)
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:gone:"`))
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"5s","prefix":"ns:gone:"`))
 		clients := make(chan context.Context, 4) // the client's own context, seen before the lock
 		srv := handlerServer(t, seeClient{h, clients}, func(w http.ResponseWriter, req *http.Request) error {
 			if calls.Add(1) == 1 {
@@ -244,13 +244,23 @@ func TestReplayNotStored(t *testing.T) {
 		req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/g", strings.NewReader("x"))
 		req.Header.Set("X-User", "u")
 		req.Header.Set("Idempotency-Key", "k")
+		answered := make(chan string, 1)
 		go func() {
 			resp, err := http.DefaultClient.Do(req)
 			if err == nil {
 				resp.Body.Close()
+				answered <- resp.Status
+			} else {
+				answered <- err.Error()
 			}
 		}()
-		<-started
+		select {
+		case <-started:
+		case a := <-answered:
+			t.Fatalf("the holder was answered %s before its route ran", a)
+		case <-time.After(15 * time.Second):
+			t.Fatal("the holder's route never ran")
+		}
 		waiter := make(chan string, 1)
 		go func() {
 			_, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
