@@ -285,5 +285,8 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	}
 	h.logger.Warn("lock force-released through the admin API",
 		zap.String("key", key), zap.String("handler", out.Handler), zap.Int64("holders_removed", total), zap.Int("servers_failed", failed))
+	h.events.emit(EventLockForced, func() map[string]any { // through the target handler's own context
+		return map[string]any{"handler": h.label, "key": eventKey(key), "reason": "force-released through the admin API", "holders_removed": total}
+	})
 	return writeJSON(w, out)
 }

@@ -210,6 +210,8 @@ type RedisLock struct {
 	RedisConfig
 
 	logger   *zap.Logger
+	label    string // the name, else a short hash of the JSON config
+	events   emitter
 	keyTmpls []*keyTemplate
 	locker   *locker
 	holds    *holdTimes
@@ -228,7 +230,9 @@ func (RedisLock) CaddyModule() caddy.ModuleInfo {
 // Provision sets defaults, then takes the shared Redis clients. It never
 // dials Redis: connections are made by the first request.
 func (h *RedisLock) Provision(ctx caddy.Context) error {
+	h.label = handlerLabel("lock", h.Name, h)
 	h.logger = ctx.Logger()
+	h.events = newEmitter(ctx)
 	h.warn = newWarnings(time.Second)
 	h.holds = new(holdTimes)
 	if err := registerMetrics(ctx); err != nil {
@@ -524,8 +528,11 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	onLost := func(cause error) {
 		lost.Store(true)
 		lockLostTotal.Inc()
-		h.logger.Error("lock lease lost while the request ran",
+		h.logger.Error("lock lease lost while the request ran", zap.String("handler", h.label),
 			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.fence), zap.Error(cause))
+		h.events.emit(EventLockLost, func() map[string]any {
+			return map[string]any{"handler": h.label, "key": eventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
+		})
 		if h.OnLost == "cancel" {
 			// A response not started yet never starts: the next handler's
 			// writes are dropped, and the client gets 503.

@@ -217,6 +217,7 @@ type RedisRateLimit struct {
 	// runtime state
 	logger     *zap.Logger
 	label      string // the name, else a short hash of the JSON config
+	events     emitter
 	keyTmpl    *keyTemplate
 	keyHead    string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
 	static     plan   // the plan of every request without placeholders; the templates otherwise
@@ -264,6 +265,7 @@ func (RedisRateLimit) CaddyModule() caddy.ModuleInfo {
 func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.label = handlerLabel("rl", h.Name, h)
 	h.logger = ctx.Logger()
+	h.events = newEmitter(ctx)
 	h.warn = newWarnings(failWarnEvery)
 	h.settleWarn = newWarnings(failWarnEvery)
 	if h.now == nil {
@@ -491,9 +493,15 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		h.counters[resultAllowed].Inc()
 	} else {
 		h.counters[resultDenied].Inc()
+		if !d.cached { // at most once per key per deny-cache period
+			h.events.emit(EventRateLimitExceeded, func() map[string]any {
+				return map[string]any{"handler": h.label, "key": id, "reason": "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.tight].name, `"`), `";r=`) + " exceeded",
+					"retry_after": retry, "dry_run": h.DryRun}
+			})
+		}
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
-		c.Write(zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),
+		c.Write(zap.String("handler", h.label), zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),
 			zap.Int64("retry_after", retry), zap.Duration("hold", d.hold), zap.Int64("cost", p.cost),
 			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.cached))
 	}

@@ -1,0 +1,58 @@
+package redisdlm
+
+// Caddy events (the events app): redis_lock_lost, redis_lock_forced,
+// rate_limit_exceeded. Any handler module of Caddy's events.handlers
+// namespace receives them, e.g. `events { on redis_lock_lost exec ... }`.
+// Handlers run synchronously on the emitting goroutine, so an event is
+// built only when something subscribes, and a rejection is announced at
+// most once per key per deny-cache period. Events emitted while a config
+// unloads may be lost.
+
+import (
+	"strings"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
+)
+
+// Event names.
+const (
+	EventLockLost          = "redis_lock_lost"
+	EventLockForced        = "redis_lock_forced"
+	EventRateLimitExceeded = "rate_limit_exceeded"
+)
+
+// emitter emits a handler's events through the handler's own context, so
+// their origin is the handler's module.
+type emitter struct {
+	ctx caddy.Context
+	app *caddyevents.App // nil: no events app (a module provisioned alone)
+}
+
+// newEmitter finds the events app of the handler's config.
+func newEmitter(ctx caddy.Context) emitter {
+	if a, err := ctx.App("events"); err == nil {
+		if app, ok := a.(*caddyevents.App); ok {
+			return emitter{ctx: ctx, app: app}
+		}
+	}
+	return emitter{}
+}
+
+// emit sends the event when something can observe it; data is built only
+// then.
+func (e emitter) emit(name string, data func() map[string]any) {
+	if e.app == nil || !e.app.ShouldEmit(name) {
+		return
+	}
+	e.app.Emit(e.ctx, name, data())
+}
+
+// eventKey is a rendered key as events carry it: hashed when the key is
+// stored hashed (long, or with braces), as in Redis.
+func eventKey(rendered string) string {
+	if len(rendered) > maxKeyLen || strings.ContainsAny(rendered, "{}") || strings.HasPrefix(rendered, "sha256:") {
+		return keyHash(rendered)
+	}
+	return rendered
+}
