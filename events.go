@@ -29,9 +29,18 @@ type emitter struct {
 	app *caddyevents.App // nil: no events app (a module provisioned alone)
 }
 
-// newEmitter finds the events app of the handler's config.
-func newEmitter(ctx caddy.Context) emitter {
-	if a, err := ctx.App("events"); err == nil {
+// newEmitter finds the events app of the handler's config; without one
+// configured nothing subscribes, and nothing is emitted.
+func newEmitter(ctx caddy.Context) (e emitter) {
+	// A module provisioned outside a loaded config (from Go code, as the
+	// tests do) has a Context without a config, on which looking up an app
+	// panics: it then has no events app.
+	defer func() {
+		if recover() != nil {
+			e = emitter{}
+		}
+	}()
+	if a, err := ctx.AppIfConfigured("events"); err == nil {
 		if app, ok := a.(*caddyevents.App); ok {
 			return emitter{ctx: ctx, app: app}
 		}

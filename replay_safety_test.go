@@ -122,7 +122,7 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	for _, tc := range []struct{ name, cfg string }{
-		{"ttl", `,"ttl":"600ms"`},
+		{"ttl", `,"ttl":"2s"`},
 		{"max_hold", `,"ttl":"30s","max_hold":"900ms","on_lost":"continue"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
