@@ -204,8 +204,39 @@ func runningHandlers() []*adminEntry {
 			out = append(out, e)
 		}
 	}
-	slices.SortStableFunc(out, func(a, b *adminEntry) int { return strings.Compare(a.server, b.server) })
+	slices.SortStableFunc(out, func(a, b *adminEntry) int { return naturalCompare(a.server, b.server) })
 	return out
+}
+
+// naturalCompare orders names with their numbers by value: srv2 before
+// srv10, as the servers of an adapted Caddyfile are numbered.
+func naturalCompare(a, b string) int {
+	ta, na := splitNumber(a)
+	tb, nb := splitNumber(b)
+	if c := strings.Compare(ta, tb); c != 0 || na == nb {
+		if c == 0 {
+			return strings.Compare(a, b)
+		}
+		return c
+	}
+	if na < nb {
+		return -1
+	}
+	return 1
+}
+
+// splitNumber splits a name into its text and the number that ends it
+// (-1 when none does).
+func splitNumber(s string) (string, int) {
+	i := len(s)
+	for i > 0 && s[i-1] >= '0' && s[i-1] <= '9' {
+		i--
+	}
+	if i == len(s) || len(s)-i > 9 {
+		return s, -1
+	}
+	n, _ := strconv.Atoi(s[i:])
+	return s[:i], n
 }
 
 // checkHandlerName accepts letters, digits, '-', '_' and '.', not all

@@ -757,3 +757,14 @@ func TestAdminInspectAcrossUnregister(t *testing.T) {
 		panic("a bug in one call")
 	})
 }
+
+// TestAdminServerNaturalOrder: handler positions follow the servers in
+// natural order (srv2 before srv10), as SPEC §8 says.
+func TestAdminServerNaturalOrder(t *testing.T) {
+	t.Parallel()
+	names := []string{"srv10", "srv2", "srv1", "api", "srv0", "srv"}
+	slices.SortStableFunc(names, naturalCompare)
+	if got := strings.Join(names, " "); got != "api srv srv0 srv1 srv2 srv10" {
+		t.Fatalf("order %q", got)
+	}
+}
