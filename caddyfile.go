@@ -163,12 +163,6 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: fencing_header: %q is not a valid header name", dir, v)
 			}
 			h.FencingHeader = v
-		case "status":
-			n, err := parseStatus(d, dir)
-			if err != nil {
-				return err
-			}
-			h.Status = n
 		case "on_lost":
 			v, err := oneArg(d, dir)
 			if err != nil {
@@ -189,15 +183,6 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.SyncReplicas = n
-		case "prefix":
-			v, err := oneArg(d, dir)
-			if err != nil {
-				return err
-			}
-			if strings.ContainsAny(v, "{}") {
-				return d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", dir, v)
-			}
-			h.Prefix = v
 		case "replay":
 			v, err := parsePositiveDuration(d, dir)
 			if err != nil {
@@ -240,24 +225,8 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: credential_cookies: want one or more cookie names", dir)
 			}
 			h.CredentialCookies = append(h.CredentialCookies, args...)
-		case "jitter":
-			v, err := oneArg(d, dir)
-			if err != nil {
-				return err
-			}
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil || f < 0 || f > 1 {
-				return d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
-			}
-			h.Jitter = f
-		case "name":
-			v, err := parseName(d, dir)
-			if err != nil {
-				return err
-			}
-			h.Name = v
 		default:
-			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
+			ok, err := parseSharedOption(d, dir, sharedOptions{&h.Status, &h.Prefix, &h.Name, &h.Jitter, &h.RedisConfig})
 			if err != nil {
 				return err
 			}
@@ -448,12 +417,6 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Burst = n
 			burstErr = d.Errf("%s: burst: only valid with algorithm gcra", dir)
-		case "status":
-			n, err := parseStatus(d, dir)
-			if err != nil {
-				return err
-			}
-			h.Status = n
 		case "headers":
 			on, err := parseOnOff(d, dir)
 			if err != nil {
@@ -469,25 +432,6 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			} else {
 				h.FailClosed = true
 			}
-		case "prefix":
-			v, err := oneArg(d, dir)
-			if err != nil {
-				return err
-			}
-			if strings.ContainsAny(v, "{}") {
-				return d.Errf("%s: prefix: must not contain { or } (the handler adds the hash tag), got %q", dir, v)
-			}
-			h.Prefix = v
-		case "jitter":
-			v, err := oneArg(d, dir)
-			if err != nil {
-				return err
-			}
-			f, err := strconv.ParseFloat(v, 64)
-			if err != nil || f < 0 || f > 1 {
-				return d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
-			}
-			h.Jitter = f
 		case "ip_prefix":
 			args := d.RemainingArgs()
 			if len(args) != 2 {
@@ -499,14 +443,8 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: ip_prefix: want <IPv4 bits 1-32> <IPv6 bits 1-128>, got %q %q", dir, args[0], args[1])
 			}
 			h.IPPrefix = []int{v4, v6}
-		case "name":
-			v, err := parseName(d, dir)
-			if err != nil {
-				return err
-			}
-			h.Name = v
 		default:
-			ok, err := parseRedisOption(d, dir, &h.RedisConfig)
+			ok, err := parseSharedOption(d, dir, sharedOptions{&h.Status, &h.Prefix, &h.Name, &h.Jitter, &h.RedisConfig})
 			if err != nil {
 				return err
 			}
@@ -528,6 +466,51 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return burstErr
 	}
 	return slidingErr
+}
+
+// sharedOptions points at the fields of the subdirectives both directives
+// take with the same syntax and meaning.
+type sharedOptions struct {
+	status *int
+	prefix *string
+	name   *string
+	jitter *float64
+	redis  *RedisConfig
+}
+
+// parseSharedOption handles a subdirective both directives take: status,
+// prefix, name, jitter and the connection options. It reports whether
+// d.Val() was one of them.
+func parseSharedOption(d *caddyfile.Dispenser, dir string, o sharedOptions) (bool, error) {
+	switch sub := d.Val(); sub {
+	case "status":
+		n, err := parseStatus(d, dir)
+		*o.status = n
+		return true, err
+	case "prefix":
+		v, err := oneArg(d, dir)
+		if err == nil && strings.ContainsAny(v, "{}") {
+			err = d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag; the handler adds it)", dir, v)
+		}
+		*o.prefix = v
+		return true, err
+	case "name":
+		v, err := parseName(d, dir)
+		*o.name = v
+		return true, err
+	case "jitter":
+		v, err := oneArg(d, dir)
+		if err != nil {
+			return true, err
+		}
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil || f < 0 || f > 1 {
+			return true, d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
+		}
+		*o.jitter = f
+		return true, nil
+	}
+	return parseRedisOption(d, dir, o.redis)
 }
 
 // parseRedisOption handles the connection subdirectives shared by both
