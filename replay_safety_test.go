@@ -141,28 +141,8 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 				_, _ = io.WriteString(w, "second")
 				return nil
 			})
-			ctx, cancel := context.WithCancel(context.Background())
-			req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/p", strings.NewReader("x"))
-			req.Header.Set("X-User", "u")
-			req.Header.Set("Idempotency-Key", "k")
-			answered := make(chan string, 1)
-			go func() {
-				resp, err := http.DefaultClient.Do(req)
-				if err == nil {
-					resp.Body.Close()
-					answered <- resp.Status
-				} else {
-					answered <- err.Error()
-				}
-			}()
-			select {
-			case <-started:
-			case a := <-answered:
-				t.Fatalf("the first request was answered %s before its route ran", a)
-			case <-time.After(15 * time.Second):
-				t.Fatal("the first request's route never ran")
-			}
-			cancel()
+			leave := startImpatient(t, srv.URL+"/p", started)
+			leave()
 			select {
 			case cause := <-ended:
 				if cause != errDetachedRunOver {
@@ -177,6 +157,37 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 			}
 		})
 	}
+}
+
+// startImpatient posts the idempotent request (user u, key k) to url and
+// returns once its route started (started receives); calling the returned
+// function makes the client go away.
+func startImpatient(t *testing.T, url string, started <-chan struct{}) (leave func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	req, _ := http.NewRequestWithContext(ctx, "POST", url, strings.NewReader("x"))
+	req.Header.Set("X-User", "u")
+	req.Header.Set("Idempotency-Key", "k")
+	answered := make(chan string, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			answered <- err.Error()
+			return
+		}
+		resp.Body.Close()
+		answered <- resp.Status
+	}()
+	select {
+	case <-started:
+	case a := <-answered:
+		cancel()
+		t.Fatalf("the request was answered %s before its route ran", a)
+	case <-time.After(15 * time.Second):
+		cancel()
+		t.Fatal("the request's route never ran")
+	}
+	return cancel
 }
 
 // answerUpstream answers each request as its query says: ?status=,

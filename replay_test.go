@@ -240,33 +240,13 @@ func TestReplayNotStored(t *testing.T) {
 			_, _ = io.WriteString(w, "second")
 			return nil
 		})
-		ctx, cancel := context.WithCancel(context.Background())
-		req, _ := http.NewRequestWithContext(ctx, "POST", srv.URL+"/g", strings.NewReader("x"))
-		req.Header.Set("X-User", "u")
-		req.Header.Set("Idempotency-Key", "k")
-		answered := make(chan string, 1)
-		go func() {
-			resp, err := http.DefaultClient.Do(req)
-			if err == nil {
-				resp.Body.Close()
-				answered <- resp.Status
-			} else {
-				answered <- err.Error()
-			}
-		}()
-		select {
-		case <-started:
-		case a := <-answered:
-			t.Fatalf("the holder was answered %s before its route ran", a)
-		case <-time.After(15 * time.Second):
-			t.Fatal("the holder's route never ran")
-		}
+		leave := startImpatient(t, srv.URL+"/g", started)
 		waiter := make(chan string, 1)
 		go func() {
 			_, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
 			waiter <- body + "|" + hdr.Get(HeaderIdempotentReplayed)
 		}()
-		cancel()
+		leave()
 		select {
 		case got := <-waiter:
 			if got != "first and more and more and more |true" {
