@@ -23,6 +23,81 @@ func init() {
 	httpcaddyfile.RegisterHandlerDirective("redis_ratelimit", parseRateLimitCaddyfile)
 	// After authentication, so {http.auth.user.id} is known.
 	httpcaddyfile.RegisterDirectiveOrder("redis_ratelimit", httpcaddyfile.After, "forward_auth")
+	// Right before the upstream handlers (after redis_lock, which sets the
+	// token on a one-tier route).
+	httpcaddyfile.RegisterHandlerDirective("redis_fence", parseFenceCaddyfile)
+	httpcaddyfile.RegisterDirectiveOrder("redis_fence", httpcaddyfile.Before, "push")
+}
+
+func parseFenceCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	f := new(RedisFence)
+	err := f.UnmarshalCaddyfile(h.Dispenser)
+	return f, err
+}
+
+// UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
+//
+//	redis_fence [<matcher>] {
+//		key    <template>   # the lock's key; default {http.request.uri.path}
+//		token  <template>   # default {http.request.header.Lock-Fencing-Token}
+//		status <code>       # stale or missing token; default 409
+//		retain <duration>   # how long the highest token is kept; default 24h
+//		prefix <string>     # default caddy:fence:
+//		name   <string>
+//		redis | cluster | sentinel ... and the other connection options
+//	}
+func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	const dir = "redis_fence"
+	d.Next() // directive name
+	if d.NextArg() {
+		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
+	}
+	seen := subdirectives{repeatable: []string{"cluster"}}
+	var jitter float64 // not an option of redis_fence
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		if err := seen.check(d, dir); err != nil {
+			return err
+		}
+		switch sub {
+		case "key", "token":
+			v, err := oneArg(d, dir)
+			if err != nil {
+				return err
+			}
+			check, field := checkKeyTemplate, &h.Key
+			if sub == "token" {
+				check, field = checkTemplate, &h.Token
+			}
+			if err := check(v); err != nil {
+				return d.Errf("%s: %s: %v", dir, sub, err)
+			}
+			*field = v
+		case "retain":
+			v, err := parsePositiveDuration(d, dir)
+			if err != nil {
+				return err
+			}
+			if v < time.Second {
+				return d.Errf("%s: retain: want at least 1s, got %s", dir, v)
+			}
+			h.Retain = caddy.Duration(v)
+		case "jitter":
+			return d.Errf("%s: unknown subdirective %q", dir, sub)
+		default:
+			ok, err := parseSharedOption(d, dir, sharedOptions{&h.Status, &h.Prefix, &h.Name, &jitter, &h.RedisConfig})
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return d.Errf("%s: unknown subdirective %q", dir, sub)
+			}
+			if sub == "redis" && len(h.Addresses) > 1 {
+				return d.Errf("%s: redis: takes exactly one address (one logical Redis; use cluster or sentinel for more), got %d", dir, len(h.Addresses))
+			}
+		}
+	}
+	return nil
 }
 
 func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
@@ -764,6 +839,7 @@ func expandShorthands(s string) string {
 
 // Interface guards
 var (
+	_ caddyfile.Unmarshaler = (*RedisFence)(nil)
 	_ caddyfile.Unmarshaler = (*RedisLock)(nil)
 	_ caddyfile.Unmarshaler = (*RedisRateLimit)(nil)
 )

@@ -41,8 +41,28 @@ const (
 	resultBadRequest
 )
 
+// Outcomes of a redis_fence check (caddy_redis_fence_writes_total).
+const (
+	fenceAdmitted = iota
+	fenceStale
+	fenceMalformed
+	fenceError
+)
+
+var (
+	fenceWritesVec *prometheus.CounterVec
+	fenceWrites    [4]prometheus.Counter
+)
+
 func initMetrics() {
 	metricsOnce.Do(func() {
+		fenceWritesVec = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "caddy_redis_fence_writes_total",
+			Help: "Writes checked by redis_fence: admitted, stale (a later holder wrote), malformed (missing, malformed or future token), error (Redis could not be asked: 503).",
+		}, []string{"result"})
+		for i, r := range []string{"admitted", "stale", "malformed", "error"} {
+			fenceWrites[i] = fenceWritesVec.WithLabelValues(r)
+		}
 		lockAcquireSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "caddy_redis_lock_acquire_duration_seconds",
 			Help:    "Time from the start of a redis_lock acquisition to its outcome.",
@@ -101,7 +121,7 @@ func registerMetrics(ctx caddy.Context) error {
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers} {
+	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers, fenceWritesVec} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

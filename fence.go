@@ -1,0 +1,233 @@
+package redisdlm
+
+import (
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+func init() {
+	caddy.RegisterModule(RedisFence{})
+}
+
+// Defaults of redis_fence.
+const (
+	DefaultFenceStatus = http.StatusConflict
+	DefaultFencePrefix = "caddy:fence:"
+	DefaultFenceRetain = 24 * time.Hour
+	DefaultFenceToken  = "{http.request.header." + DefaultFencingHeader + "}"
+)
+
+// maxTokenLead is how far ahead of Redis TIME a token may be: tokens are
+// Redis TIME in µs plus one per acquisition, so a token an hour ahead is
+// no token of a lock; admitted, it would fence every real holder out.
+const maxTokenLead = time.Hour
+
+var (
+	//go:embed scripts/fence_admit.lua
+	fenceAdmitLua    string
+	fenceAdmitScript = newScript(fenceAdmitLua)
+)
+
+// Errors of redis_fence.
+var (
+	ErrStaleToken   = errors.New("redisdlm: stale fencing token: a later holder of the lock has written")
+	ErrBadToken     = errors.New("redisdlm: missing or malformed fencing token")
+	ErrFutureToken  = errors.New("redisdlm: fencing token from the future (no lock issued it)")
+	errFenceUnknown = errors.New("redisdlm: fence could not ask redis")
+)
+
+// RedisFence admits a write only when its fencing token is at least the
+// highest token admitted so far for its key, checked and recorded
+// atomically in Redis; a lower token — a holder whose lease passed on to
+// another — gets `status` and never reaches the upstream. Put it in front
+// of the storage (its own Caddy, or the writing route of a second tier),
+// behind the redis_lock that issued the token: fencing then protects the
+// data without code in the upstream. The guarantee is "stale when it
+// reaches the fence": a write delayed after the fence is the storage's own
+// check. The lock needs `permits 1` (holders of several permits hold
+// different tokens).
+type RedisFence struct {
+	// The lock's key, as a template rendered per request with the lock's
+	// key-hashing rules. A key that renders empty, or with a placeholder
+	// unknown at request time, is answered 400.
+	// Default: `{http.request.uri.path}`.
+	Key string `json:"key,omitempty"`
+
+	// Where the write's fencing token comes from, a template.
+	// Default: `{http.request.header.Lock-Fencing-Token}`.
+	Token string `json:"token,omitempty"`
+
+	// HTTP status for a stale, missing or malformed token. Default: 409.
+	Status int `json:"status,omitempty"`
+
+	// How long the highest token of a key is kept after its last admitted
+	// write. A token older than Redis TIME − retain is refused as stale
+	// even without a record, since tokens carry a Redis-TIME floor in µs:
+	// so no hold may outlast retain (set `max_hold` on the lock).
+	// Default: 24h.
+	Retain caddy.Duration `json:"retain,omitempty"`
+
+	// Namespace of the Redis keys (never the lock's own counter).
+	// Default: "caddy:fence:".
+	Prefix string `json:"prefix,omitempty"`
+
+	// How logs and metrics name this handler. Default: none (a short hash
+	// of the config).
+	Name string `json:"name,omitempty"`
+
+	// Redis connection settings: one logical Redis (a server, a Cluster or
+	// a Sentinel), the lock's or any.
+	RedisConfig
+
+	logger    *zap.Logger
+	label     string
+	keyTmpl   *keyTemplate
+	client    *pooledClient
+	clientKey string
+	timeout   time.Duration
+	warn      *warnings
+}
+
+// CaddyModule returns the Caddy module information.
+func (RedisFence) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{ID: "http.handlers.redis_fence", New: func() caddy.Module { return new(RedisFence) }}
+}
+
+// Provision sets defaults, then takes the shared Redis client; it never
+// dials.
+func (h *RedisFence) Provision(ctx caddy.Context) error {
+	h.label = handlerLabel("fence", h.Name, h)
+	h.logger = ctx.Logger()
+	h.warn = newWarnings(time.Second)
+	if h.Key == "" {
+		h.Key = DefaultLockKey
+	}
+	if h.Token == "" {
+		h.Token = DefaultFenceToken
+	}
+	if h.Status == 0 {
+		h.Status = DefaultFenceStatus
+	}
+	if h.Retain == 0 {
+		h.Retain = caddy.Duration(DefaultFenceRetain)
+	}
+	if h.Prefix == "" {
+		h.Prefix = DefaultFencePrefix
+	}
+	if err := h.Validate(); err != nil {
+		return err
+	}
+	if err := registerMetrics(ctx); err != nil {
+		return fmt.Errorf("registering metrics: %w", err)
+	}
+	var err error
+	if h.keyTmpl, err = parseKeyTemplate(h.Key); err != nil {
+		return fmt.Errorf("redis_fence: key: %w", err)
+	}
+	servers, err := h.RedisConfig.resolve()
+	if err != nil {
+		return fmt.Errorf("redis_fence: %w", err)
+	}
+	if len(servers) != 1 {
+		return fmt.Errorf("redis_fence: redis: %d servers given, but this handler takes exactly one logical Redis", len(servers))
+	}
+	if h.client, h.clientKey, err = acquireClient(servers[0]); err != nil {
+		return fmt.Errorf("redis_fence: loading redis client: %w", err)
+	}
+	h.timeout = servers[0].Timeout
+	return nil
+}
+
+// Validate checks the configuration; it is pure.
+func (h *RedisFence) Validate() error {
+	if err := h.RedisConfig.validate(false); err != nil {
+		return fmt.Errorf("redis_fence: %w", err)
+	}
+	if h.Key != "" {
+		if err := checkKeyTemplate(h.Key); err != nil {
+			return fmt.Errorf("redis_fence: key: %w", err)
+		}
+	}
+	if err := checkTemplate(h.Token); err != nil {
+		return fmt.Errorf("redis_fence: token: %w", err)
+	}
+	switch {
+	case h.Status != 0 && (h.Status < 400 || h.Status > 599):
+		return fmt.Errorf("redis_fence: status: want an HTTP status code in 400-599, got %d", h.Status)
+	case h.Retain < 0 || h.Retain > 0 && time.Duration(h.Retain) < time.Second:
+		return fmt.Errorf("redis_fence: retain: want at least 1s, got %s", time.Duration(h.Retain))
+	case strings.ContainsAny(h.Prefix, "{}"):
+		return fmt.Errorf("redis_fence: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", h.Prefix)
+	}
+	return nil
+}
+
+// Cleanup gives back the shared client.
+func (h *RedisFence) Cleanup() error {
+	releaseClient(h.clientKey)
+	h.clientKey = ""
+	return nil
+}
+
+// ServeHTTP admits the write to the next handler, or answers `status`
+// (stale, missing or malformed token), 400 (a key that cannot render) or
+// 503 (Redis could not be asked: a fence that admits blindly is no fence).
+func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	key, err := h.keyTmpl.render(repl)
+	if err != nil {
+		return caddyhttp.Error(http.StatusBadRequest, fmt.Errorf("rendering fence key %q: %w", h.keyTmpl.raw, err))
+	}
+	raw := repl.ReplaceAll(h.Token, "")
+	token, err := strconv.ParseUint(raw, 10, 63)
+	if err != nil || raw == "" || raw[0] == '+' {
+		fenceWrites[fenceMalformed].Inc()
+		return caddyhttp.Error(h.Status, fmt.Errorf("%w: %q", ErrBadToken, raw))
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
+	defer cancel()
+	h.client.lock.use()
+	n, err := fenceAdmitScript.Run(ctx, h.client.client, []string{storedKey(h.Prefix, key)},
+		strconv.FormatUint(token, 10), time.Duration(h.Retain).Milliseconds(), maxTokenLead.Microseconds()).Int64()
+	h.client.lock.unuse()
+	if err != nil {
+		fenceWrites[fenceError].Inc()
+		if due, k := h.warn.due(); due {
+			h.logger.Warn("redis unreachable for the fence; answering 503", zap.String("handler", h.label), zap.Error(err), zap.Int64("requests_since_last_warning", k))
+		}
+		w.Header().Set("Retry-After", "1")
+		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", errFenceUnknown, err))
+	}
+	switch n {
+	case 1:
+		fenceWrites[fenceAdmitted].Inc()
+		return next.ServeHTTP(w, r)
+	case -1:
+		fenceWrites[fenceMalformed].Inc()
+		return caddyhttp.Error(h.Status, fmt.Errorf("%w: %d", ErrFutureToken, token))
+	}
+	fenceWrites[fenceStale].Inc()
+	if c := h.logger.Check(zapcore.DebugLevel, "fence: stale token refused"); c != nil {
+		c.Write(zap.String("handler", h.label), zap.String("key", key), zap.Uint64("token", token))
+	}
+	return caddyhttp.Error(h.Status, fmt.Errorf("%w (token %d)", ErrStaleToken, token))
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner           = (*RedisFence)(nil)
+	_ caddy.Validator             = (*RedisFence)(nil)
+	_ caddy.CleanerUpper          = (*RedisFence)(nil)
+	_ caddyhttp.MiddlewareHandler = (*RedisFence)(nil)
+)

@@ -1,0 +1,209 @@
+package redisdlm
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	dto "github.com/prometheus/client_model/go"
+)
+
+// storage records the fencing token of every write that reaches it.
+type storage struct {
+	mu     sync.Mutex
+	writes []int64
+}
+
+func (s *storage) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	tok, _ := strconv.ParseInt(r.Header.Get(DefaultFencingHeader), 10, 64)
+	s.mu.Lock()
+	s.writes = append(s.writes, tok)
+	s.mu.Unlock()
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (s *storage) seen() []int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]int64(nil), s.writes...)
+}
+
+// TestFenceRefusesAStaleHolder (issue 23 item 3, SPEC §3b): two tiers —
+// redis_lock in front of an app, redis_fence in front of the storage. The
+// first holder stalls past its ttl (no extension: a pause), a rival takes
+// the lock and writes; when the stalled holder's write arrives the fence
+// answers 409 and the storage never sees it. The lock uses on_lost
+// continue, so the stale holder really sends its write: fencing protects
+// the data, not just the order of the tokens.
+func TestFenceRefusesAStaleHolder(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	store := new(storage)
+	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"key":"{http.request.uri.path}"}`, r.Addr))
+	fenceSrv := handlerServer(t, fence, store.ServeHTTP)
+
+	lock := provisionLock(t, lockCfg(r.Addr, `"ttl":"1s","auto_extend":false,"on_lost":"continue","wait":"10s","timeout":"5s"`))
+	stall := make(chan struct{})
+	first := true
+	var mu sync.Mutex
+	app := func(w http.ResponseWriter, req *http.Request) error {
+		mu.Lock()
+		stale := first
+		first = false
+		mu.Unlock()
+		if stale {
+			<-stall // paused past its lease
+		}
+		out, _ := http.NewRequest("PUT", fenceSrv.URL+req.URL.Path, nil)
+		out.Header.Set(DefaultFencingHeader, req.Header.Get(DefaultFencingHeader))
+		resp, err := http.DefaultClient.Do(out)
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		w.WriteHeader(resp.StatusCode)
+		return nil
+	}
+	lockSrv := handlerServer(t, lock, app)
+
+	staleAnswer := goFetch(context.Background(), lockSrv.URL+"/accounts/7")
+	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(lock.Prefix, "/accounts/7")) == 1 }) {
+		t.Fatal("the first holder never held the lock")
+	}
+	before := fenceCount(fenceStale)
+	// The rival waits for the lease to run out (1 s), takes the lock, writes.
+	if resp, _ := get(t, lockSrv.URL+"/accounts/7"); resp == nil || resp.StatusCode != http.StatusNoContent {
+		t.Fatalf("the rival's write: %v, want 204 from the storage", resp)
+	}
+	close(stall)
+	res := await(t, staleAnswer, 20*time.Second, "the stale holder")
+	if res.status != http.StatusConflict {
+		t.Fatalf("the stale holder's write: %d, want 409 from the fence", res.status)
+	}
+	writes := store.seen()
+	if len(writes) != 1 {
+		t.Fatalf("the storage saw %d writes (%v), want only the rival's", len(writes), writes)
+	}
+	if got := fenceCount(fenceStale) - before; got < 1 {
+		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v, want at least 1", got)
+	}
+}
+
+// fenceCount reads caddy_redis_fence_writes_total for one result.
+func fenceCount(result int) float64 {
+	initMetrics()
+	var m dto.Metric
+	_ = fenceWrites[result].Write(&m)
+	return m.GetCounter().GetValue()
+}
+
+func provisionFence(t *testing.T, cfg string) *RedisFence {
+	t.Helper()
+	h := new(RedisFence)
+	provisionJSON(t, cfg, h)
+	h.logger = quietLogger()
+	return h
+}
+
+// TestFenceAnswers: the fence's answers one by one. The same token again is
+// admitted (one holder writing twice), a lower one is 409; a missing or
+// malformed token is 409 and reaches nothing; a token older than
+// TIME − retain is stale without a record, one from the future is refused
+// (it would fence every real holder out); Redis unreachable is 503.
+func TestFenceAnswers(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	store := new(storage)
+	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"retain":"10s","timeout":"1s"}`, r.Addr))
+	srv := handlerServer(t, h, store.ServeHTTP)
+	now := time.Now().UnixMicro()
+	put := func(path, token string) int {
+		t.Helper()
+		req, _ := http.NewRequest("PUT", srv.URL+path, nil)
+		if token != "" {
+			req.Header.Set(DefaultFencingHeader, token)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	tok := func(d time.Duration) string { return strconv.FormatInt(now+d.Microseconds(), 10) }
+	for _, tc := range []struct {
+		name, path, token string
+		want              int
+	}{
+		{"first token", "/x", tok(0), 204},
+		{"same token again", "/x", tok(0), 204},
+		{"higher token", "/x", tok(time.Millisecond), 204},
+		{"lower token", "/x", tok(0), 409},
+		{"another key", "/y", tok(0), 204},
+		{"missing token", "/x", "", 409},
+		{"malformed token", "/x", "12a", 409},
+		{"signed token", "/x", "+" + tok(2*time.Millisecond), 409},
+		{"negative token", "/x", "-5", 409},
+		{"older than retain, no record", "/z", tok(-time.Minute), 409},
+		{"from the future", "/w", tok(2 * time.Hour), 409},
+	} {
+		if got := put(tc.path, tc.token); got != tc.want {
+			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
+		}
+	}
+	if n := len(store.seen()); n != 4 {
+		t.Errorf("the storage saw %d writes, want the 4 admitted", n)
+	}
+	if ttl := r.Client().PTTL(context.Background(), storedKey(DefaultFencePrefix, "/x")).Val(); ttl <= 0 || ttl > 10*time.Second {
+		t.Errorf("the record of /x expires in %v, want within retain (10s)", ttl)
+	}
+	r.Kill()
+	if got := put("/x", tok(time.Second)); got != http.StatusServiceUnavailable {
+		t.Errorf("Redis down: %d, want 503", got)
+	}
+	if n := len(store.seen()); n != 4 {
+		t.Errorf("with Redis down the storage saw a write")
+	}
+}
+
+// TestFenceCaddyfile: the syntax, its errors with the line, and the
+// directive order (redis_fence runs after redis_lock on one route).
+func TestFenceCaddyfile(t *testing.T) {
+	t.Parallel()
+	h := new(RedisFence)
+	err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_fence {\n\tkey {http.request.header.X-Account}\n\ttoken {http.request.header.X-Token}\n\tstatus 412\n\tretain 1h\n\tprefix f:\n\tredis 127.0.0.1:6379\n}"))
+	if err != nil || h.Key != "{http.request.header.X-Account}" || h.Status != 412 || time.Duration(h.Retain) != time.Hour || h.Prefix != "f:" {
+		t.Fatalf("parse: %v %+v", err, h)
+	}
+	for _, tc := range []struct{ block, want string }{
+		{"retain 10ms", "retain: want at least 1s"},
+		{"status 200", "status"},
+		{"token {http.request.heder.X}", "does not exist"},
+		{"redis 127.0.0.1:1 127.0.0.1:2", "exactly one"},
+		{"jitter 0.1", "unknown subdirective"},
+		{"retain 1h\n\tretain 2h", "given twice"},
+	} {
+		err := new(RedisFence).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_fence {\n\t" + tc.block + "\n}"))
+		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "redis_fence") {
+			t.Errorf("%q: %v, want an error with %q", tc.block, err, tc.want)
+		}
+	}
+	raw, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(":8080 {\n\tredis_fence\n\tredis_lock\n\treverse_proxy 127.0.0.1:1\n}\n"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := string(raw)
+	if l, f := strings.Index(cfg, `"redis_lock"`), strings.Index(cfg, `"redis_fence"`); l < 0 || f < 0 || f < l {
+		t.Fatalf("adapted order: redis_lock at %d, redis_fence at %d; want the lock first", l, f)
+	}
+}
