@@ -34,9 +34,10 @@ var (
 	onlyCost        = flag.Bool("only-cost", false, "run the cost-goal parts only (lock cost, rate-limit cost) and print the \"Cost goals (same-run ratios)\" table")
 	costClients     = flag.Int("cost-clients", 64, "cost goals: concurrent keep-alive clients (and go-redis callers of the references)")
 	costKeys        = flag.Int("cost-keys", 1000, "cost goals: keys the clients spread over")
-	costRounds      = flag.Int("cost-rounds", 4, "cost goals: rounds (each runs every load once, order rotated)")
+	costRounds      = flag.Int("cost-rounds", 4, "cost goals, lock part: rounds (each runs every load once, order rotated)")
+	costRLRounds    = flag.Int("cost-rl-rounds", 6, "cost goals, rate-limit part: rounds (each runs every load once, order rotated)")
 	costLockMeasure = flag.Duration("cost-lock-measure", 3*time.Second, "cost goals: measured time per load and round, lock part")
-	costRLMeasure   = flag.Duration("cost-rl-measure", 2*time.Second, "cost goals: measured time per load and round, rate-limit part")
+	costRLMeasure   = flag.Duration("cost-rl-measure", 1500*time.Millisecond, "cost goals: measured time per load and round, rate-limit part")
 	costWarm        = flag.Duration("cost-warm", 300*time.Millisecond, "cost goals: unmeasured warm-up before each measured load")
 )
 
@@ -233,8 +234,8 @@ func printCostGoals(p func(string, ...any), res *costResult) {
 	if len(la) > 3 {
 		la = la[:3]
 	}
-	p("%s · nproc %d · load average before the part %s · %d clients over %d keys · %d rounds, loads alternated, order rotated per round (lock %s, rate limit %s per load and round after %s warm-up); each figure is the median of its per-round ratios.",
-		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLMeasure, *costWarm)
+	p("%s · nproc %d · load average before the part %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios.",
+		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLRounds, *costRLMeasure, *costWarm)
 	p("")
 	p("| figure | measured | reference (divided by) | goal | met? |")
 	p("|---|---|---|---|---|")
@@ -424,7 +425,7 @@ func runCostGoals(step func(string, ...any)) *costResult {
 		return floorScript.Run(ctx, rlRC, ks).Err()
 	}}
 	rlLoads := []*costLoad{plainR, swL, gcraL, envoyL, exactL}
-	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor; %d clients)", clients), rlLoads, *costRounds, clients, *costRLMeasure, pid, rlInfo)
+	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor; %d clients)", clients), rlLoads, *costRLRounds, clients, *costRLMeasure, pid, rlInfo)
 
 	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
 	for _, l := range append(lockLoads, rlLoads...) {
