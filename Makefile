@@ -85,6 +85,8 @@ bin/caddy-ceiling: $(CEILING_SOURCES)
 
 # Benchmark (SPEC §7), its own Go module: starts redis-servers, an upstream and
 # Caddy processes on loopback ports, prints a Markdown table, stops them all.
+# The library-level Redlock figure first, so that the bench's last table,
+# "Cost goals (same-run ratios)", ends the output.
 bench: caddy bin/caddy-ceiling redis-server
-	cd bench && go run ./cmd/bench -caddy ../bin/caddy -caddy-ceiling ../bin/caddy-ceiling
 	@tools/bench-redlock.sh
+	cd bench && go run ./cmd/bench -caddy ../bin/caddy -caddy-ceiling ../bin/caddy-ceiling

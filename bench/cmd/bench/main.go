@@ -915,6 +915,10 @@ func run() error {
 		printRedlockProxy(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runRedlockProxy(step, *seqN))
 		return nil
 	}
+	if *onlyCost { // the cost goals alone: lock cost and rate-limit cost, same-run ratios
+		printCostGoals(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runCostGoals(step))
+		return nil
+	}
 	if *onlyRL { // development: the rate-limit part alone
 		rl := runRateLimit(step)
 		printRateLimit(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, rl)
@@ -1144,6 +1148,8 @@ func run() error {
 	rp := runReplay(step, 50)
 	// 8. Redlock behind latency proxies: its own Caddy and redis-servers.
 	rlp := runRedlockProxy(step, *seqN)
+	// 9. The cost goals as same-run ratios: its own Caddy and redis-servers.
+	cg := runCostGoals(step)
 	step("done; stopping")
 
 	printReport(e, hot, cmdRows, seq, rl, time.Since(begin))
@@ -1151,6 +1157,7 @@ func run() error {
 	printLockCost(printf, costs, *clients)
 	printRedlockProxy(printf, rlp)
 	printReplay(printf, rp)
+	printCostGoals(printf, cg)
 	return nil
 }
 

@@ -1,0 +1,543 @@
+package main
+
+// The cost goals of SPEC §7 ("Cost per rate-limit decision", "Cost per
+// uncontended locked request", the uncontended latency goal), every figure
+// a ratio to a reference measured in the same run, on the same Redis: the
+// absolute µs on this shared 2-core machine move 3× between days, a ratio
+// of two loads measured one right after the other does not.
+//
+// The part starts its own processes: one Caddy (a `respond` site, a
+// `redis_lock` + `respond` site, two `redis_ratelimit` + `respond` sites),
+// one redis-server for the lock and one for the rate limiter. Each round
+// runs every load once, the order rotated from round to round; a ratio is
+// taken within a round and the figure is the median of the rounds' ratios.
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"runtime"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+var (
+	onlyCost        = flag.Bool("only-cost", false, "run the cost-goal parts only (lock cost, rate-limit cost) and print the \"Cost goals (same-run ratios)\" table")
+	costClients     = flag.Int("cost-clients", 64, "cost goals: concurrent keep-alive clients (and go-redis callers of the references)")
+	costKeys        = flag.Int("cost-keys", 1000, "cost goals: keys the clients spread over")
+	costRounds      = flag.Int("cost-rounds", 4, "cost goals, lock part: rounds (each runs every load once, order rotated)")
+	costRLRounds    = flag.Int("cost-rl-rounds", 6, "cost goals, rate-limit part: rounds (each runs every load once, order rotated)")
+	costLockMeasure = flag.Duration("cost-lock-measure", 3*time.Second, "cost goals: measured time per load and round, lock part")
+	costRLMeasure   = flag.Duration("cost-rl-measure", 1500*time.Millisecond, "cost goals: measured time per load and round, rate-limit part")
+	costWarm        = flag.Duration("cost-warm", 300*time.Millisecond, "cost goals: unmeasured warm-up before each measured load")
+)
+
+// ---- one measured load ------------------------------------------------------------
+
+// costSample is one load measured once: what was done, over which time,
+// and the CPU and connection counters' growth over exactly that time.
+type costSample struct {
+	ops      int64         // requests (or reference operations) that succeeded
+	dur      time.Duration // measured time
+	caddyCPU float64       // seconds
+	redisCPU float64       // seconds
+	conns    int64         // total_connections_received growth
+	errs     int64
+}
+
+func (s costSample) rate() float64 { return float64(s.ops) / max(s.dur.Seconds(), 1e-9) }
+
+// per is x (seconds) per operation, in µs.
+func (s costSample) per(x float64) float64 {
+	if s.ops <= 0 {
+		return 0
+	}
+	return x / float64(s.ops) * 1e6
+}
+
+// costLoad is one load of a cost round.
+type costLoad struct {
+	name    string
+	perCall int64 // operations per successful call of do (default 1)
+	do      func(ctx context.Context, c, i int) error
+	samples []costSample // one per round
+	lastErr atomic.Pointer[string]
+}
+
+// redisInfoInt is one integer field of an INFO section.
+func redisInfoInt(c *redis.Client, section, field string) int64 {
+	info, err := c.Info(context.Background(), section).Result()
+	if err != nil {
+		return -1
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
+			n, _ := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			return n
+		}
+	}
+	return -1
+}
+
+// measureLoad runs clients goroutines closed-loop over l.do for warm (not
+// measured), then for measure, and reads the counters right before and
+// right after the measured part (after every call in it has returned). A
+// call that fails is counted and the goroutine goes on after 10 ms.
+func measureLoad(l *costLoad, clients int, warm, measure time.Duration, caddyPid int, info *redis.Client) costSample {
+	loop := func(d time.Duration) (ok, bad int64) {
+		stop := time.Now().Add(d)
+		var okN, badN atomic.Int64
+		var wg sync.WaitGroup
+		ctx, cancel := context.WithDeadline(context.Background(), stop.Add(5*time.Second))
+		defer cancel()
+		for c := 0; c < clients; c++ {
+			wg.Add(1)
+			go func(c int) {
+				defer wg.Done()
+				for i := 0; time.Now().Before(stop); i++ {
+					if err := l.do(ctx, c, i); err != nil {
+						badN.Add(1)
+						s := oneLine(err)
+						l.lastErr.Store(&s)
+						time.Sleep(10 * time.Millisecond)
+						continue
+					}
+					okN.Add(1)
+				}
+			}(c)
+		}
+		wg.Wait()
+		return okN.Load(), badN.Load()
+	}
+	if warm > 0 {
+		loop(warm)
+	}
+	var s costSample
+	caddy := func() float64 {
+		if caddyPid <= 0 {
+			return 0
+		}
+		return cpuSeconds(caddyPid)
+	}
+	c0, r0, n0, t0 := caddy(), redisCPU(info), redisInfoInt(info, "stats", "total_connections_received"), time.Now()
+	ok, bad := loop(measure)
+	s.dur = time.Since(t0)
+	s.caddyCPU, s.redisCPU = caddy()-c0, redisCPU(info)-r0
+	s.conns = redisInfoInt(info, "stats", "total_connections_received") - n0
+	s.ops, s.errs = ok*max(l.perCall, 1), bad
+	return s
+}
+
+// runCostRounds runs rounds rounds of every load, the order rotated per round.
+func runCostRounds(step func(string, ...any), what string, loads []*costLoad, rounds, clients int, measure time.Duration, caddyPid int, info *redis.Client) {
+	for _, l := range loads { // scripts loaded, pools and keep-alive connections open
+		measureLoad(l, clients, *costWarm, 0, caddyPid, info)
+	}
+	for r := 0; r < rounds; r++ {
+		step("cost goals, %s: round %d of %d (%d loads × (%s warm-up + %s))", what, r+1, rounds, len(loads), *costWarm, measure)
+		got := make([]costSample, len(loads))
+		for k := range loads {
+			i := (k + r) % len(loads)
+			got[i] = measureLoad(loads[i], clients, *costWarm, measure, caddyPid, info)
+		}
+		for i, l := range loads {
+			l.samples = append(l.samples, got[i])
+		}
+	}
+}
+
+// median of per-round values (the mean of the middle two for an even count).
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	n := len(s)
+	if n%2 == 1 {
+		return s[n/2]
+	}
+	return (s[n/2-1] + s[n/2]) / 2
+}
+
+// perRound applies f to the samples of two loads round by round.
+func perRound(a, b *costLoad, f func(a, b costSample) float64) []float64 {
+	var out []float64
+	for r := 0; r < len(a.samples) && r < len(b.samples); r++ {
+		out = append(out, f(a.samples[r], b.samples[r]))
+	}
+	return out
+}
+
+// perLoad applies f to each round's sample of one load.
+func perLoad(a *costLoad, f func(costSample) float64) []float64 {
+	var out []float64
+	for _, s := range a.samples {
+		out = append(out, f(s))
+	}
+	return out
+}
+
+func roundsText(xs []float64, format string) string {
+	var parts []string
+	for _, x := range xs {
+		parts = append(parts, fmt.Sprintf(format, x))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// ---- the summary rows -------------------------------------------------------------
+
+// costGoal is one row of the summary table.
+type costGoal struct {
+	figure    string
+	measured  string // the ratio (and what it divides)
+	reference string // what it was divided by, with its own value
+	goal      string
+	met       bool
+	err       error
+}
+
+// ratioGoal builds a row whose figure is the median of per-round ratios.
+func ratioGoal(figure string, rounds []float64, measuredAbs, reference string, atMost bool, limit float64) costGoal {
+	g := costGoal{figure: figure, reference: reference}
+	if len(rounds) == 0 {
+		g.err = fmt.Errorf("no round measured")
+		return g
+	}
+	m := median(rounds)
+	g.measured = fmt.Sprintf("**%.2f** (%s; rounds %s)", m, measuredAbs, roundsText(rounds, "%.2f"))
+	if atMost {
+		g.goal, g.met = fmt.Sprintf("≤ %.1f", limit), m <= limit
+	} else {
+		g.goal, g.met = fmt.Sprintf("≥ %.1f", limit), m >= limit
+	}
+	return g
+}
+
+func printCostGoals(p func(string, ...any), res *costResult) {
+	p("### Cost goals (same-run ratios)")
+	p("")
+	if res == nil {
+		return
+	}
+	la := strings.Fields(string(res.loadAvg))
+	if len(la) > 3 {
+		la = la[:3]
+	}
+	p("%s · nproc %d · load average before the part %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios.",
+		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLRounds, *costRLMeasure, *costWarm)
+	p("")
+	p("| figure | measured | reference (divided by) | goal | met? |")
+	p("|---|---|---|---|---|")
+	for _, g := range res.goals {
+		if g.err != nil {
+			p("| %s | — (error: %s) | %s | %s | no |", g.figure, oneLine(g.err), orDash(g.reference), orDash(g.goal))
+			continue
+		}
+		met := "no"
+		if g.met {
+			met = "yes"
+		}
+		p("| %s | %s | %s | %s | %s |", g.figure, g.measured, g.reference, g.goal, met)
+	}
+	p("")
+	for _, n := range res.notes {
+		p("- %s", n)
+	}
+	if len(res.notes) > 0 {
+		p("")
+	}
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "—"
+	}
+	return s
+}
+
+// ---- the run ----------------------------------------------------------------------
+
+type costResult struct {
+	at      time.Time
+	nproc   int
+	loadAvg []byte
+	goals   []costGoal
+	notes   []string
+}
+
+// costSites: `respond` only, `redis_lock` (key = the path) + `respond`, and
+// `redis_ratelimit` (key = the X-Key header, limits that never reject)
+// sliding_window and gcra + `respond`.
+func costSites(plain, lock, sw, gcra int, lockAddr, rlAddr string) string {
+	rl := func(port int, opts string) string {
+		return fmt.Sprintf("\nhttp://127.0.0.1:%d {\n\tredis_ratelimit {\n\t\tkey {http.request.header.X-Key}\n%s\t\tredis %s\n\t}\n\trespond \"ok\" 200\n}\n", port, opts, rlAddr)
+	}
+	return respondSite(plain) + lockRespondSite(lock, lockAddr) +
+		rl(sw, "\t\trate 100000 1s\n") + rl(gcra, "\t\trate 1000000 1s\n\t\talgorithm gcra\n")
+}
+
+// lockKey gives client c its own keys out of n (c, c+clients, c+2·clients,
+// … below n), so that no two clients ever ask for the same key: the lock is
+// uncontended, as the goal is stated.
+func lockKey(c, i, clients, n int) int {
+	per := (n - c + clients - 1) / clients // how many of the n keys are c's
+	if per <= 0 {
+		return c
+	}
+	return c + clients*(i%per)
+}
+
+// delIfOwner is the owner-checked release of the lock floor.
+var delIfOwner = redis.NewScript(`
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+	return redis.call('DEL', KEYS[1])
+end
+return 0
+`)
+
+func runCostGoals(step func(string, ...any)) *costResult {
+	res := &costResult{at: time.Now(), nproc: runtime.NumCPU()}
+	res.loadAvg, _ = os.ReadFile("/proc/loadavg")
+	fail := func(err error) *costResult {
+		for _, f := range costFigures {
+			res.goals = append(res.goals, costGoal{figure: f, err: err})
+		}
+		return res
+	}
+	step("cost goals: starting redis-server ×2 and caddy (respond, redis_lock, redis_ratelimit ×2)")
+	rLock, err := startRedis("redisCostLock")
+	if err != nil {
+		return fail(err)
+	}
+	rRL, err := startRedis("redisCostRL")
+	if err != nil {
+		return fail(err)
+	}
+	var plainP, lockP, swP, gcraP int
+	for _, q := range []*int{&plainP, &lockP, &swP, &gcraP} {
+		if *q, err = freePort(); err != nil {
+			return fail(err)
+		}
+	}
+	cp, err := startCaddy("caddyCost", globalOpts("cost")+costSites(plainP, lockP, swP, gcraP, rLock.addr(), rRL.addr()), plainP, lockP, swP, gcraP)
+	if err != nil {
+		return fail(err)
+	}
+	pid := cp.cmd.Process.Pid
+	clients, keys := *costClients, *costKeys
+	url := func(port int) string { return fmt.Sprintf("http://127.0.0.1:%d", port) }
+	tag := strconv.FormatInt(time.Now().UnixNano()%1e6, 36)
+
+	// HTTP loads. A lock request's path is its key: client c cycles
+	// through its own keys. A rate-limit request's X-Key spreads the
+	// clients over the same keys, shared (nothing is ever rejected).
+	httpDo := func(base string, limited bool) func(ctx context.Context, c, i int) error {
+		return func(ctx context.Context, c, i int) error {
+			var req *http.Request
+			if limited {
+				req, _ = http.NewRequestWithContext(ctx, http.MethodGet, base+"/", nil)
+				req.Header.Set("X-Key", fmt.Sprintf("rl-%s-%d", tag, (c*7919+i)%keys))
+			} else {
+				req, _ = http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("%s/lk-%s-%d", base, tag, lockKey(c, i, clients, keys)), nil)
+			}
+			resp, err := httpClient.Do(req)
+			if err != nil {
+				return err
+			}
+			io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				return fmt.Errorf("status %d", resp.StatusCode)
+			}
+			if limited && resp.Header.Get("RateLimit") == "" {
+				return fmt.Errorf("200 without a RateLimit field: not decided by Redis")
+			}
+			return nil
+		}
+	}
+
+	// ---- lock ----
+	lockInfo := redis.NewClient(&redis.Options{Addr: rLock.addr(), PoolSize: 1})
+	defer lockInfo.Close()
+	lockRC := redis.NewClient(&redis.Options{Addr: rLock.addr(), PoolSize: clients, MinIdleConns: clients})
+	defer lockRC.Close()
+	plainL := &costLoad{name: "plain (lock rounds)", do: httpDo(url(plainP), false)}
+	lockedL := &costLoad{name: "locked", do: httpDo(url(lockP), false)}
+	floorL := &costLoad{name: "lock floor", do: func(ctx context.Context, c, i int) error {
+		key := fmt.Sprintf("floor-%s-%d", tag, lockKey(c, i, clients, keys))
+		token := fmt.Sprintf("%d-%d", c, i)
+		ok, err := lockRC.Do(ctx, "SET", key, token, "NX", "PX", 8000).Result()
+		if err != nil {
+			return err
+		}
+		if ok != "OK" {
+			return fmt.Errorf("floor: SET NX refused (%v)", ok)
+		}
+		return delIfOwner.Run(ctx, lockRC, []string{key}, token).Err()
+	}}
+	lockLoads := []*costLoad{plainL, lockedL, floorL}
+	runCostRounds(step, fmt.Sprintf("lock (plain, locked, SET NX PX + DEL script floor; %d clients)", clients), lockLoads, *costRounds, clients, *costLockMeasure, pid, lockInfo)
+
+	// Sequential latency, sampled round-robin: plain, locked, one PING.
+	step("cost goals, lock: sequential latency, %d requests each, interleaved: respond, redis_lock, one PING", *seqN)
+	pinger := redis.NewClient(&redis.Options{Addr: rLock.addr(), PoolSize: 1})
+	defer pinger.Close()
+	seq := interleaved([]latTarget{
+		{name: "plain", base: url(plainP)},
+		{name: "locked", base: url(lockP)},
+		{name: "ping", do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }},
+	}, *seqN, 30*time.Second)
+
+	// ---- rate limit ----
+	rlInfo := redis.NewClient(&redis.Options{Addr: rRL.addr(), PoolSize: 1})
+	defer rlInfo.Close()
+	rlRC := redis.NewClient(&redis.Options{Addr: rRL.addr(), PoolSize: clients, MinIdleConns: clients})
+	defer rlRC.Close()
+	plainR := &costLoad{name: "plain (rate-limit rounds)", do: httpDo(url(plainP), false)} // `respond` only: no RateLimit field to expect
+	swL := &costLoad{name: "sliding_window", do: httpDo(url(swP), true)}
+	gcraL := &costLoad{name: "gcra", do: httpDo(url(gcraP), true)}
+	envoyL := &costLoad{name: "envoy", do: func(ctx context.Context, c, i int) error {
+		key := fmt.Sprintf("envoy-%s-%d", tag, (c*7919+i)%keys)
+		_, err := rlRC.Pipelined(ctx, func(p redis.Pipeliner) error {
+			p.IncrBy(ctx, key, 1)
+			p.PExpire(ctx, key, time.Second)
+			return nil
+		})
+		return err
+	}}
+	const floorBatch = 25
+	exactL := &costLoad{name: "exact floor", perCall: floorBatch, do: func(ctx context.Context, c, i int) error {
+		ks := make([]string, floorBatch)
+		for j := range ks {
+			ks[j] = fmt.Sprintf("exact-%s-%d", tag, (c*7919+i*floorBatch+j)%keys)
+		}
+		return floorScript.Run(ctx, rlRC, ks).Err()
+	}}
+	rlLoads := []*costLoad{plainR, swL, gcraL, envoyL, exactL}
+	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor; %d clients)", clients), rlLoads, *costRLRounds, clients, *costRLMeasure, pid, rlInfo)
+
+	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
+	for _, l := range append(lockLoads, rlLoads...) {
+		var errs int64
+		for _, s := range l.samples {
+			errs += s.errs
+		}
+		if errs > 0 {
+			last := ""
+			if e := l.lastErr.Load(); e != nil {
+				last = " (last: " + *e + ")"
+			}
+			res.notes = append(res.notes, fmt.Sprintf("✘ %s: %d failed calls in the measured rounds%s", l.name, errs, last))
+		}
+	}
+	res.notes = append(res.notes,
+		"CPU: Caddy's from /proc (user + system, 10 ms ticks), Redis's from its `INFO cpu` delta (used_cpu_user + used_cpu_sys, its network system calls included), each read right before and right after every measured load (after its last call returned) ÷ the calls that succeeded in it. Caddy CPU added = (per request of the load − per `respond` request of the same round) ÷ per `respond` request.",
+		fmt.Sprintf("Lock: `redis_lock { key {http.request.uri.path} redis … }` + `respond`, defaults otherwise; each client cycles through its own of the %d keys (no two clients share a key: uncontended). Lock floor: the same clients' keys, `SET key token NX PX 8000` then an `EVALSHA` of `if GET == token then DEL`, go-redis, %d callers, on the lock's redis-server. New connections: `total_connections_received` of the lock's redis-server over every measured load of the lock rounds (plain, locked and floor; all pools opened in the warm-up before).", keys, clients),
+		fmt.Sprintf("Rate limit: `redis_ratelimit { key {http.request.header.X-Key} rate … }` + `respond`, limits that never reject (sliding_window `rate 100000 1s`, gcra `rate 1000000 1s`), the %d clients over %d keys; Envoy-style: a go-redis pipeline of `INCRBY` + `PEXPIRE` per decision, %d callers; exact floor: one `EVALSHA` per %d decisions doing only `GET` + `SET … PX 1000` on each of its %d keys, %d callers; both on the rate limiter's redis-server.", clients, keys, clients, floorBatch, floorBatch, clients),
+		"Load generator, Caddy and both redis-servers share the machine's cores: a ratio compares two loads under the same conditions; the absolute values beside it are for orientation only.")
+	return res
+}
+
+// costFigures names the rows, in order (also for a part that failed).
+var costFigures = []string{
+	"Lock: throughput locked ÷ plain",
+	"Lock: Caddy CPU added per request ÷ plain request's Caddy CPU",
+	"Lock: Redis CPU per locked request ÷ floor (SET NX PX + owner-checked DEL script)",
+	"Lock: new Redis connections during steady load",
+	"Lock: locked − plain p50, sequential, ÷ one Redis PING",
+	"Rate limit sliding_window: Redis CPU per decision ÷ Envoy-style pipeline",
+	"Rate limit sliding_window: Redis CPU per decision ÷ exact floor",
+	"Rate limit sliding_window: Caddy CPU added ÷ plain request's",
+	"Rate limit sliding_window: throughput limited ÷ plain",
+	"Rate limit gcra: Redis CPU per decision ÷ Envoy-style pipeline",
+	"Rate limit gcra: Redis CPU per decision ÷ exact floor",
+	"Rate limit gcra: Caddy CPU added ÷ plain request's",
+	"Rate limit gcra: throughput limited ÷ plain",
+}
+
+// costGoalsFrom turns the measured loads into the summary rows.
+func costGoalsFrom(plainL, lockedL, floorL *costLoad, seq []seqResult, plainR, swL, gcraL, envoyL, exactL *costLoad) []costGoal {
+	tput := func(a, b costSample) float64 { return a.rate() / max(b.rate(), 1e-9) }
+	caddyAdded := func(a, b costSample) float64 {
+		base := b.per(b.caddyCPU)
+		return (a.per(a.caddyCPU) - base) / max(base, 1e-9)
+	}
+	redisRatio := func(a, b costSample) float64 { return a.per(a.redisCPU) / max(b.per(b.redisCPU), 1e-9) }
+	med := func(l *costLoad, f func(costSample) float64) float64 { return median(perLoad(l, f)) }
+	reqps := func(s costSample) float64 { return s.rate() }
+	caddyUs := func(s costSample) float64 { return s.per(s.caddyCPU) }
+	redisUs := func(s costSample) float64 { return s.per(s.redisCPU) }
+
+	var goals []costGoal
+	goals = append(goals, ratioGoal(costFigures[0], perRound(lockedL, plainL, tput),
+		fmt.Sprintf("locked %.0f req/s", med(lockedL, reqps)),
+		fmt.Sprintf("`respond` only: %.0f req/s", med(plainL, reqps)), false, 0.5))
+	goals = append(goals, ratioGoal(costFigures[1], perRound(lockedL, plainL, caddyAdded),
+		fmt.Sprintf("locked %.1f µs per request", med(lockedL, caddyUs)),
+		fmt.Sprintf("`respond` only: %.1f µs Caddy CPU per request", med(plainL, caddyUs)), true, 1.0))
+	goals = append(goals, ratioGoal(costFigures[2], perRound(lockedL, floorL, redisRatio),
+		fmt.Sprintf("%.1f µs per locked request", med(lockedL, redisUs)),
+		fmt.Sprintf("floor: %.1f µs Redis CPU per SET NX PX + DEL script (%.0f pairs/s)", med(floorL, redisUs), med(floorL, reqps)), true, 2.0))
+	{
+		g := costGoal{figure: costFigures[3], goal: "0", reference: "— (a count)"}
+		var total, locked int64
+		var per []string
+		for r := range lockedL.samples {
+			n := plainL.samples[r].conns + lockedL.samples[r].conns + floorL.samples[r].conns
+			total += n
+			locked += lockedL.samples[r].conns
+			per = append(per, strconv.FormatInt(n, 10))
+		}
+		if len(lockedL.samples) == 0 {
+			g.err = fmt.Errorf("no round measured")
+		} else {
+			g.measured = fmt.Sprintf("**%d** (%d during the locked loads; rounds %s)", total, locked, strings.Join(per, ", "))
+			g.met = total == 0
+		}
+		goals = append(goals, g)
+	}
+	{
+		g := costGoal{figure: costFigures[4], goal: "≤ 1.6"}
+		if len(seq) != 3 || seq[0].err != nil || seq[1].err != nil || seq[2].err != nil {
+			g.err = fmt.Errorf("latency run failed")
+			for _, s := range seq {
+				if s.err != nil {
+					g.err = fmt.Errorf("%s: %v", s.name, s.err)
+				}
+			}
+		} else {
+			x := float64(seq[1].median-seq[0].median) / float64(max(seq[2].median, 1))
+			g.measured = fmt.Sprintf("**%.2f** (locked %s − `respond` %s = %s; n %d)", x, ms(seq[1].median), ms(seq[0].median), ms(seq[1].median-seq[0].median), seq[1].n)
+			g.reference = fmt.Sprintf("one PING (go-redis, same Redis, sampled in the same rounds): p50 %s", ms(seq[2].median))
+			g.met = x <= 1.6
+		}
+		goals = append(goals, g)
+	}
+	for k, l := range []*costLoad{swL, gcraL} {
+		f := costFigures[5+4*k:]
+		goals = append(goals, ratioGoal(f[0], perRound(l, envoyL, redisRatio),
+			fmt.Sprintf("%.1f µs per decision", med(l, redisUs)),
+			fmt.Sprintf("Envoy-style INCRBY + PEXPIRE pipeline: %.1f µs Redis CPU per decision", med(envoyL, redisUs)), true, 1.0))
+		goals = append(goals, ratioGoal(f[1], perRound(l, exactL, redisRatio),
+			fmt.Sprintf("%.1f µs per decision", med(l, redisUs)),
+			fmt.Sprintf("exact floor, 25 decisions per script: %.1f µs Redis CPU per decision", med(exactL, redisUs)), true, 2.0))
+		goals = append(goals, ratioGoal(f[2], perRound(l, plainR, caddyAdded),
+			fmt.Sprintf("limited %.1f µs per request", med(l, caddyUs)),
+			fmt.Sprintf("`respond` only: %.1f µs Caddy CPU per request", med(plainR, caddyUs)), true, 0.4))
+		goals = append(goals, ratioGoal(f[3], perRound(l, plainR, tput),
+			fmt.Sprintf("limited %.0f req/s", med(l, reqps)),
+			fmt.Sprintf("`respond` only: %.0f req/s", med(plainR, reqps)), false, 0.7))
+	}
+	return goals
+}

@@ -1,0 +1,103 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestMedian(t *testing.T) {
+	for _, c := range []struct {
+		in   []float64
+		want float64
+	}{
+		{nil, 0},
+		{[]float64{3}, 3},
+		{[]float64{3, 1, 2}, 2},
+		{[]float64{4, 1, 3, 2}, 2.5},
+	} {
+		if got := median(c.in); got != c.want {
+			t.Errorf("median(%v) = %v, want %v", c.in, got, c.want)
+		}
+	}
+}
+
+// Every client gets its own keys, and together they use all n keys.
+func TestLockKeyDisjointAndComplete(t *testing.T) {
+	for _, tc := range []struct{ clients, n int }{{64, 1000}, {16, 1000}, {64, 64}, {3, 10}} {
+		owner := map[int]int{}
+		for c := 0; c < tc.clients; c++ {
+			for i := 0; i < 3*tc.n; i++ {
+				k := lockKey(c, i, tc.clients, tc.n)
+				if k < 0 || k >= tc.n {
+					t.Fatalf("%+v: client %d got key %d, outside [0, %d)", tc, c, k, tc.n)
+				}
+				if o, ok := owner[k]; ok && o != c {
+					t.Fatalf("%+v: key %d used by clients %d and %d", tc, k, o, c)
+				}
+				owner[k] = c
+			}
+		}
+		if len(owner) != tc.n {
+			t.Errorf("%+v: %d keys used, want %d", tc, len(owner), tc.n)
+		}
+	}
+}
+
+func TestRatioGoalVerdict(t *testing.T) {
+	g := ratioGoal("x", []float64{0.4, 0.6, 0.55}, "a", "b", false, 0.5)
+	if !g.met || g.goal != "≥ 0.5" || !strings.HasPrefix(g.measured, "**0.55**") {
+		t.Errorf("at least: %+v", g)
+	}
+	g = ratioGoal("x", []float64{2.1, 1.9, 2.5}, "a", "b", true, 2.0)
+	if g.met || g.goal != "≤ 2.0" {
+		t.Errorf("at most: %+v", g)
+	}
+	if g := ratioGoal("x", nil, "a", "b", true, 1); g.err == nil || g.met {
+		t.Errorf("no rounds: %+v", g)
+	}
+}
+
+// The rows computed from synthetic rounds: per-round ratios, their median.
+func TestCostGoalsFrom(t *testing.T) {
+	s := func(ops int64, caddy, redis float64, conns int64) costSample {
+		return costSample{ops: ops, dur: time.Second, caddyCPU: caddy, redisCPU: redis, conns: conns}
+	}
+	load := func(xs ...costSample) *costLoad { return &costLoad{samples: xs} }
+	plainL := load(s(1000, 0.05, 0, 0), s(2000, 0.10, 0, 0))
+	lockedL := load(s(600, 0.06, 0.060, 0), s(1000, 0.10, 0.100, 0)) // Caddy 100 µs vs 50: +1.0; Redis 100 µs
+	floorL := load(s(2000, 0, 0.100, 0), s(2000, 0, 0.100, 0))      // 50 µs: ratio 2.0
+	seq := []seqResult{
+		{name: "plain", median: 400 * time.Microsecond, n: 10},
+		{name: "locked", median: 700 * time.Microsecond, n: 10},
+		{name: "ping", median: 200 * time.Microsecond, n: 10},
+	}
+	plainR := load(s(1000, 0.05, 0, 0), s(1000, 0.05, 0, 0))
+	lim := load(s(800, 0.048, 0.008, 0), s(600, 0.036, 0.006, 0)) // Caddy +0.2, Redis 10 µs, 0.8 and 0.6
+	envoy := load(s(1000, 0, 0.010, 0), s(1000, 0, 0.020, 0))     // 10 and 20 µs: 1.0 and 0.5
+	exact := load(s(1000, 0, 0.004, 0), s(1000, 0, 0.004, 0))     // 4 µs: 2.5
+	goals := costGoalsFrom(plainL, lockedL, floorL, seq, plainR, lim, lim, envoy, exact)
+	if len(goals) != len(costFigures) {
+		t.Fatalf("%d rows, want %d", len(goals), len(costFigures))
+	}
+	want := []struct {
+		lead string
+		met  bool
+	}{
+		{"**0.55**", true},  // (0.6 + 0.5) / 2
+		{"**1.00**", true},  // Caddy added ÷ plain
+		{"**2.00**", true},  // Redis ÷ floor
+		{"**0**", true},     // connections
+		{"**1.50**", true},  // (0.7 − 0.4) / 0.2
+		{"**0.75**", true},  // ÷ Envoy: (1.0 + 0.5) / 2
+		{"**2.50**", false}, // ÷ exact floor
+		{"**0.20**", true},  // Caddy added
+		{"**0.70**", true},  // throughput
+	}
+	for i, w := range want {
+		g := goals[i]
+		if g.err != nil || !strings.HasPrefix(g.measured, w.lead) || g.met != w.met {
+			t.Errorf("row %d (%s): measured %q met %v err %v; want %s, met %v", i, g.figure, g.measured, g.met, g.err, w.lead, w.met)
+		}
+	}
+}
