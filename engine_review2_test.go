@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -325,7 +326,7 @@ func TestReleaserSurvivesPanic(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: r.Addr})
 	defer c.Close()
 	var arm atomic.Bool
-	s := newServer("test", c, time.Second, func() *zap.Logger {
+	s := newServer("test", redisconn.NewConn(c, time.Second), func() *zap.Logger {
 		if arm.CompareAndSwap(true, false) {
 			panic("logger exploded")
 		}

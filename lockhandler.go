@@ -288,7 +288,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	for _, s := range settings {
 		pc, key, err := acquireClient(s)
 		if err != nil {
-			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.display(), err)
+			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.Display(), err)
 		}
 		h.poolKeys = append(h.poolKeys, key)
 		servers = append(servers, pc.lock)

@@ -2,10 +2,13 @@ package redisdlm
 
 import (
 	"errors"
+	"log/slog"
 	"sync"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 )
 
 // Collectors are created once per process and registered with each config
@@ -117,4 +120,36 @@ func registerMetrics(ctx caddy.Context) error {
 func countReleaseFailure() {
 	initMetrics()
 	lockReleaseFailures.Inc()
+}
+
+// newServerCheck makes the server checks of one client (failover names a
+// Sentinel group's master), reporting evicting servers to the gauge.
+func newServerCheck(logger func() *zap.Logger, failover string) *serverCheck {
+	slogger := func() *slog.Logger { return slogFor(logger()) }
+	return redisconn.NewCheck(redisconn.CheckOptions{Logger: slogger, Failover: failover, OnEvicting: markEvicting})
+}
+
+// evicting counts, per server address, the clients that found it with an
+// evicting policy; the gauge is the number of such servers.
+var evicting = struct {
+	sync.Mutex
+	by map[string]map[*serverCheck]bool
+}{by: map[string]map[*serverCheck]bool{}}
+
+func markEvicting(sc *serverCheck, addr string, on bool) {
+	initMetrics()
+	evicting.Lock()
+	defer evicting.Unlock()
+	if on {
+		if evicting.by[addr] == nil {
+			evicting.by[addr] = map[*serverCheck]bool{}
+		}
+		evicting.by[addr][sc] = true
+	} else if m := evicting.by[addr]; m != nil {
+		delete(m, sc)
+		if len(m) == 0 {
+			delete(evicting.by, addr)
+		}
+	}
+	evictingServers.Set(float64(len(evicting.by)))
 }

@@ -19,6 +19,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"go.uber.org/zap"
 )
 
@@ -34,11 +35,11 @@ var (
 	//go:embed scripts/lock_renew.lua
 	renewLua string
 
-	acquireScript    = newScript(acquireLua)
-	extendScript     = newScript(extendLua)
-	releaseScript    = newScript(releaseLua)
-	fenceRaiseScript = newScript(fenceRaiseLua)
-	renewScript      = newScript(renewLua)
+	acquireScript    = redisconn.NewScript(acquireLua)
+	extendScript     = redisconn.NewScript(extendLua)
+	releaseScript    = redisconn.NewScript(releaseLua)
+	fenceRaiseScript = redisconn.NewScript(fenceRaiseLua)
+	renewScript      = redisconn.NewScript(renewLua)
 )
 
 // Sentinel errors of the lock engine; compare with errors.Is.
@@ -176,13 +177,13 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 
 func (l *locker) useServers() {
 	for _, s := range l.servers {
-		s.use()
+		s.conn.Use()
 	}
 }
 
 func (l *locker) unuseServers() {
 	for _, s := range l.servers {
-		s.unuse()
+		s.conn.Unuse()
 	}
 }
 

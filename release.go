@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -41,7 +42,7 @@ type releaseJob struct {
 
 // releaseStoreScript is the release script without allow-oom, for a
 // release that stores an answer for replay: that one can grow memory.
-var releaseStoreScript = newScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
+var releaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
 
 // isOOM reports whether Redis refused a call for being over maxmemory.
 func isOOM(err error) bool {
@@ -237,7 +238,7 @@ func (r *releaser) retry(job releaseJob, err error) {
 	}
 	if !r.running {
 		r.running = true
-		r.s.use() // the client stays open while releases are owed
+		r.s.conn.Use() // the client stays open while releases are owed
 		go r.run()
 	}
 }
@@ -259,7 +260,7 @@ func (r *releaser) pendingCount() int {
 // releases still owed keep their runner (no lock is held while it
 // recovers).
 func (r *releaser) run() {
-	defer r.s.unuse()
+	defer r.s.conn.Unuse()
 	wait := releaseRetryMin
 	for r.round(&wait) {
 		time.Sleep(wait)
