@@ -35,6 +35,29 @@ func freePort(t testing.TB) int {
 	return testredis.FreePort(t)
 }
 
+// startSentinels starts n sentinels that monitor master as "mymaster"
+// (testredis.StartSentinels).
+func startSentinels(t *testing.T, master *testRedis, n, quorum, replicas int, downAfter time.Duration) []string {
+	t.Helper()
+	return testredis.StartSentinels(t, master, testredis.SentinelOptions{Count: n, Quorum: quorum, Replicas: replicas, DownAfter: downAfter})
+}
+
+// startReplica starts a replica of master and waits until its link is up.
+func startReplica(t *testing.T, master *testRedis) *testRedis {
+	t.Helper()
+	return testredis.StartReplica(t, master)
+}
+
+// startClusterNodes starts a Redis Cluster of masters masters with
+// replicas replicas each (testredis.StartCluster).
+func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
+	t.Helper()
+	return testredis.StartCluster(t, masters, replicas)
+}
+
+// startClusterNode starts one redis-server in cluster mode, on its own.
+func startClusterNode(t *testing.T) *testRedis { return testredis.StartClusterNode(t) }
+
 // redisZ is a sorted-set member scored as a lease end in ms (the lock
 // scripts' format).
 func redisZ(until time.Time, member string) redis.Z {
