@@ -304,8 +304,8 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
 		Replay:       time.Duration(h.Replay),
-		Handler:      h.Name,
-	}, h.logger)
+		Handler:      handlerRef(h.Name),
+	}, slogFor(h.logger))
 	return adminRegister(ctx, h)
 }
 

@@ -115,6 +115,15 @@ func registerMetrics(ctx caddy.Context) error {
 	return nil
 }
 
+// newLockServer makes the lock engine's server of a pooled client: its
+// log lines go to Caddy's logger of the moment, its failed releases to
+// caddy_redis_lock_release_failures_total.
+func newLockServer(id string, conn *redisconn.Conn) *server {
+	s := newServer(id, conn, engineLogger)
+	s.onReleaseFailure = countReleaseFailure
+	return s
+}
+
 // countReleaseFailure counts a failed release of a lease that was held, or
 // whose acquire outcome is unknown.
 func countReleaseFailure() {

@@ -331,7 +331,7 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 			return nil, err
 		}
 		conn := redisconn.NewConn(c, s.Timeout)
-		return &pooledClient{settings: s, client: c, conn: conn, lock: newServer(key, conn, logger), check: check}, nil
+		return &pooledClient{settings: s, client: c, conn: conn, lock: newLockServer(key, conn), check: check}, nil
 	})
 	if err != nil {
 		return nil, "", err

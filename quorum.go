@@ -8,13 +8,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // server is one Redis server, or one Cluster or Sentinel group, as the
@@ -30,12 +31,15 @@ type server struct {
 	timeout time.Duration         // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
-	logger  func() *zap.Logger
+	logger  func() *slog.Logger
+	// onReleaseFailure, if set, counts a failed release of a lease that
+	// was held, or whose acquire outcome is unknown.
+	onReleaseFailure func()
 }
 
 // newServer wraps a shared client; nothing is dialed until the first call.
 // logger returns the logger of the moment (the server outlives configs).
-func newServer(id string, conn *redisconn.Conn, logger func() *zap.Logger) *server {
+func newServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *server {
 	c := conn.Client
 	s := &server{id: id, name: redisconn.ClientName(c), conn: conn, client: c, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
 	s.rel.s = s
@@ -200,6 +204,6 @@ func (l *locker) recoverPanic(what string) {
 
 func (l *locker) logPanic(what string, r any) {
 	if l.logger != nil {
-		l.logger.Error("panic in the lock engine; recovered", zap.String("while", what), zap.Any("panic", r), zap.Stack("stack"))
+		l.logger.Error("panic in the lock engine; recovered", slog.String("while", what), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
 	}
 }

@@ -15,12 +15,12 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
-	"go.uber.org/zap"
 )
 
 var (
@@ -82,7 +82,7 @@ type lockOptions struct {
 	// (kept this long) when there is one (one server, one key).
 	Replay time.Duration
 	// Handler names the handler in the log lines of the releases it
-	// leaves to a server's background releaser ("" for unnamed).
+	// leaves to a server's background releaser.
 	Handler string
 }
 
@@ -98,7 +98,7 @@ type locker struct {
 	quorum  int
 	opts    lockOptions
 	dom     *domain
-	logger  *zap.Logger
+	logger  *slog.Logger
 }
 
 // newLocker builds a locker over servers (1, 3, 5 or 7). It does not dial.
@@ -107,7 +107,7 @@ type locker struct {
 // servers and the options a hand-off passes on (ttl, permits,
 // sync_replicas): a lease is only ever handed to a waiter that would have
 // taken the same lease itself.
-func newLocker(servers []*server, opts lockOptions, logger *zap.Logger) *locker {
+func newLocker(servers []*server, opts lockOptions, logger *slog.Logger) *locker {
 	ids := make([]string, len(servers))
 	for i, s := range servers {
 		ids[i] = s.id

@@ -9,6 +9,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,8 +18,6 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // releaseJob is one owner-checked release of one key on one server.
@@ -212,16 +212,16 @@ type releaseState struct {
 // the handler, the server and the key's hash; the key itself at debug).
 func (r *releaser) retry(job releaseJob, err error) {
 	if err != nil {
-		countReleaseFailure()
+		if r.s.onReleaseFailure != nil {
+			r.s.onReleaseFailure()
+		}
 		lg := r.s.logger()
 		if due, n := r.warn.due(); due && lg != nil {
 			lg.Warn("releasing a lock failed; retrying in the background until redis answers",
-				append(r.jobFields(job), zap.Error(err), zap.Int64("failures_since_last_warning", n))...)
+				append(r.jobFields(job), slog.Any("error", err), slog.Int64("failures_since_last_warning", n))...)
 		}
-		if lg != nil {
-			if c := lg.Check(zapcore.DebugLevel, "releasing a lock failed"); c != nil {
-				c.Write(append(r.jobFields(job), zap.String("key", job.key), zap.Error(err))...)
-			}
+		if lg != nil && lg.Enabled(context.Background(), slog.LevelDebug) {
+			lg.Debug("releasing a lock failed", append(r.jobFields(job), slog.String("key", job.key), slog.Any("error", err))...)
 		}
 	}
 	r.mu.Lock()
@@ -244,8 +244,8 @@ func (r *releaser) retry(job releaseJob, err error) {
 }
 
 // jobFields name a job's handler, server and key (hashed) in a log line.
-func (r *releaser) jobFields(job releaseJob) []zap.Field {
-	return []zap.Field{zap.String("handler", handlerRef(job.handler)), zap.String("server", r.s.name), zap.String("key_hash", wakeID(job.key))}
+func (r *releaser) jobFields(job releaseJob) []any {
+	return []any{slog.String("handler", job.handler), slog.String("server", r.s.name), slog.String("key_hash", wakeID(job.key))}
 }
 
 // pendingCount is how many releases are owed (for tests and the admin API).
@@ -336,7 +336,7 @@ func (r *releaser) owedLocked() bool {
 func (r *releaser) logPanic(p any) {
 	defer func() { _ = recover() }()
 	if lg := r.s.logger(); lg != nil {
-		lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
+		lg.Error("panic in the lock releaser; recovered", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
 	}
 }
 

@@ -267,7 +267,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"1500ms"}`, r.Addr))
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
-	h.locker.logger = h.logger
+	h.locker.logger = slogFor(h.logger)
 	srv, release, held := holdOverLimit(t, h, "")
 	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
