@@ -269,7 +269,7 @@ func displayServer(s serverSettings) string {
 	for i, a := range s.Addrs {
 		c.Addrs[i] = withoutUserinfo(a)
 	}
-	return c.display()
+	return c.Display()
 }
 
 // withoutUserinfo drops the user info and query of a redis URL; a

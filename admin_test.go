@@ -573,21 +573,21 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if d.allowed != (i <= 4) {
-					t.Fatalf("request %d: allowed %v", i, d.allowed)
+				if d.Allowed != (i <= 4) {
+					t.Fatalf("request %d: allowed %v", i, d.Allowed)
 				}
-				h.deny.forget("u")       // ask Redis every time
+				h.deny.Forget("u")       // ask Redis every time
 				for j := 0; j < 2; j++ { // a second read sees the same: reading counts nothing
 					v, found, err := h.peekQuota(ctx, "u")
 					if err != nil || !found || len(v) != 1 {
 						t.Fatalf("request %d: peek %v %v %v", i, v, found, err)
 					}
 					q := v[0]
-					if q.Remaining != d.remaining || q.Used != 4-d.remaining {
-						t.Errorf("request %d: peek used %d remaining %d, the script said remaining %d", i, q.Used, q.Remaining, d.remaining)
+					if q.Remaining != d.Remaining || q.Used != 4-d.Remaining {
+						t.Errorf("request %d: peek used %d remaining %d, the script said remaining %d", i, q.Used, q.Remaining, d.Remaining)
 					}
-					if diff := time.Duration(q.ResetMs)*time.Millisecond - d.reset; diff < -time.Second || diff > time.Second {
-						t.Errorf("request %d: peek reset %dms, the script said %s", i, q.ResetMs, d.reset)
+					if diff := time.Duration(q.ResetMs)*time.Millisecond - d.Reset; diff < -time.Second || diff > time.Second {
+						t.Errorf("request %d: peek reset %dms, the script said %s", i, q.ResetMs, d.Reset)
 					}
 				}
 			}

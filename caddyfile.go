@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -312,8 +313,8 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				for len(addrLines) < len(h.Addresses) {
 					addrLines = append(addrLines, d.Line())
 				}
-				if i, j := sameServer(h.Addresses); j >= 0 {
-					err := duplicateServerError(h.Addresses[i], h.Addresses[j])
+				if i, j := redisconn.SameServer(h.Addresses); j >= 0 {
+					err := redisconn.DuplicateServerError(h.Addresses[i], h.Addresses[j])
 					if addrLines[i] != addrLines[j] {
 						return d.Errf("%s: %v (the first is at line %d)", dir, err, addrLines[i])
 					}
@@ -452,7 +453,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err := checkTemplate(v); err != nil {
 				return d.Errf("%s: cost: %v", dir, err)
 			}
-			if !hasPlaceholder(v) {
+			if !redisconn.HasPlaceholder(v) {
 				n, err := strconv.ParseInt(v, 10, 64)
 				if err != nil || n < 1 {
 					return d.Errf("%s: cost: want a whole number >= 1 or a placeholder, got %q", dir, v)
@@ -609,7 +610,7 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 			return true, d.Errf("%s: %s: needs at least one address", dir, sub)
 		}
 		for _, a := range args {
-			if err := validateAddress(a); err != nil {
+			if err := redisconn.ValidateAddress(a); err != nil {
 				return true, d.Errf("%s: %s: %v", dir, sub, err)
 			}
 		}
@@ -617,7 +618,7 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 			c.Addresses = append(c.Addresses, args...)
 		} else {
 			c.Cluster = append(c.Cluster, args...)
-			if _, _, err := splitSeeds("cluster", c.Cluster); err != nil {
+			if _, _, err := redisconn.SplitSeeds("cluster", c.Cluster); err != nil {
 				return true, d.Errf("%s: %v", dir, err)
 			}
 		}
@@ -627,12 +628,12 @@ func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 			return true, d.Errf("%s: sentinel: needs a master name and at least one sentinel address", dir)
 		}
 		for _, a := range args[1:] {
-			if err := validateAddress(a); err != nil {
+			if err := redisconn.ValidateAddress(a); err != nil {
 				return true, d.Errf("%s: sentinel: %v", dir, err)
 			}
 		}
 		c.SentinelMaster, c.Sentinels = args[0], append(c.Sentinels, args[1:]...)
-		if _, _, err := splitSeeds("sentinel", c.Sentinels); err != nil {
+		if _, _, err := redisconn.SplitSeeds("sentinel", c.Sentinels); err != nil {
 			return true, d.Errf("%s: %v", dir, err)
 		}
 	case "username", "password":

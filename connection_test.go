@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
@@ -109,38 +110,6 @@ func TestAddressFormsAgree(t *testing.T) {
 	}
 }
 
-// TestRedactURL: every rendering of a server hides the password, valid URL
-// or not.
-func TestRedactURL(t *testing.T) {
-	t.Parallel()
-	for _, s := range []string{
-		"redis://:" + secretPW + "@h:1", "rediss://u:" + secretPW + "@h:1/2", "redis//:" + secretPW + "@h:1",
-		"redis://u:" + secretPW + "@h:1x", secretPW + "@h:1", "redis://:" + secretPW + "@[::1]:1",
-	} {
-		for _, mode := range []string{"single", "cluster", "sentinel"} {
-			d := serverSettings{Mode: mode, Addrs: []string{s, "127.0.0.1:1"}, Master: "m", Password: secretPW}.display()
-			if strings.Contains(d, secretPW) || !strings.Contains(d, "127.0.0.1:1") {
-				t.Errorf("display of %q (%s) = %q", s, mode, d)
-			}
-		}
-	}
-	if got := redactURL("rediss://alice:" + secretPW + "@h:1/2"); got != "rediss://alice:xxxxx@h:1/2" {
-		t.Errorf("redactURL kept too little or too much: %q", got)
-	}
-	// A password with a "/" whose start url.Parse reads as host and port.
-	for _, slashed := range []string{
-		"redis://:8123/Zk9" + secretPW + "@redis.internal:6379", // the start read as host and port
-		"redis://u:p@a/b7" + secretPW + "@redis.internal:6379",  // an "@" in it too: the end read as the path
-	} {
-		if got := redactURL(slashed); strings.Contains(got, secretPW) || !strings.Contains(got, "@redis.internal:6379") {
-			t.Errorf("redactURL(%q) = %q", slashed, got)
-		}
-		if err := validateAddress(slashed); err != nil && strings.Contains(err.Error(), secretPW) {
-			t.Errorf("the config error of %q: %v, want one that does not show the password", slashed, err)
-		}
-	}
-}
-
 // TestPoolKeyFollowsTLSFiles: a client is shared only while the TLS files'
 // contents are the same: a reload after a certificate was replaced at the
 // same path gets a new client (with the new files), not the old one.
@@ -157,7 +126,7 @@ func TestPoolKeyFollowsTLSFiles(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return ss[0].poolKey()
+		return ss[0].PoolKey()
 	}
 	before := key()
 	if key() != before {
@@ -213,13 +182,13 @@ func connectedClients(t *testing.T, c *redis.Client) int {
 }
 
 // TestPoolShrinksAfterSlowRedis: while Redis is paused, every request holds
-// a connection of its own; once those were idle for connMaxIdle (shortened
+// a connection of its own; once those were idle for redisconn.ConnMaxIdle (shortened
 // here), the next requests close them, so the connections come back to
-// about what the traffic needs. Not parallel: it shortens connMaxIdle for
+// about what the traffic needs. Not parallel: it shortens redisconn.ConnMaxIdle for
 // the clients made meanwhile.
 func TestPoolShrinksAfterSlowRedis(t *testing.T) {
-	defer func(d time.Duration) { connMaxIdle = d }(connMaxIdle)
-	connMaxIdle = 500 * time.Millisecond
+	defer func(d time.Duration) { redisconn.ConnMaxIdle = d }(redisconn.ConnMaxIdle)
+	redisconn.ConnMaxIdle = 500 * time.Millisecond
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
 	srv := handlerServer(t, h, okHandler)
@@ -244,7 +213,7 @@ func TestPoolShrinksAfterSlowRedis(t *testing.T) {
 		}
 	}
 	after := connectedClients(t, rc)
-	time.Sleep(connMaxIdle + 200*time.Millisecond)
+	time.Sleep(redisconn.ConnMaxIdle + 200*time.Millisecond)
 	for i := 0; i < 30; i++ { // each call closes up to three expired connections
 		if resp, _ := get(t, fmt.Sprintf("%s/q%d", srv.URL, i)); resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("after the quiet spell: %v", resp)
@@ -254,7 +223,7 @@ func TestPoolShrinksAfterSlowRedis(t *testing.T) {
 	// one: the burst's connections cost about a third as many fresh ones,
 	// which the traffic then keeps.
 	if c := connectedClients(t, rc); c > base+(after-base+2)/3+1 {
-		t.Errorf("%d connections after a quiet spell longer than connMaxIdle (%d before the burst, %d after it); the expired idle ones were not closed", c, base, after)
+		t.Errorf("%d connections after a quiet spell longer than redisconn.ConnMaxIdle (%d before the burst, %d after it); the expired idle ones were not closed", c, base, after)
 	}
 	t.Logf("connections: %d before, %d after %d requests met a paused Redis, %d after a quiet spell", base, after, n, connectedClients(t, rc))
 }
@@ -293,35 +262,6 @@ func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
 	round(20, 60)
 	if d := infoInt(t, rc, "stats", "total_connections_received") - before; d != 0 {
 		t.Fatalf("%d new Redis connections during 3840 lock-release rounds of 64 callers after a warm-up; want 0", d)
-	}
-}
-
-// TestServerID: the entries of a Redlock list that name one Redis server,
-// whatever their spelling, and those that do not.
-func TestServerID(t *testing.T) {
-	t.Parallel()
-	for _, c := range []struct {
-		a, b string
-		same bool
-	}{
-		{"127.0.0.1:6379", "127.0.0.1:6379", true},
-		{"127.0.0.1:6379", "redis://127.0.0.1:6379/0", true},
-		{"127.0.0.1:6379", "redis://127.0.0.1", true},
-		{"127.0.0.1:6379", "redis://127.0.0.1:6379/1", true}, // another db, the same server
-		{"127.0.0.1:6379", "rediss://u:" + secretPW + "@127.0.0.1:6379/2", true},
-		{"Redis-1.Internal:6379", "redis-1.internal.:6379", true},
-		{"127.0.0.1:06379", "127.0.0.1:6379", true},
-		{"[::1]:6379", "[0:0:0:0:0:0:0:1]:6379", true},
-		{"[::1]:6379", "redis://[::1]", true},
-		{"127.0.0.1:6379", "127.0.0.1:6380", false},
-		{"127.0.0.1:6379", "127.0.0.2:6379", false},
-		{"localhost:6379", "127.0.0.1:6379", false}, // names are not resolved
-		{"{env.A}", "{env.A}", false},               // checked once replaced
-	} {
-		_, j := sameServer([]string{c.a, c.b})
-		if got := j >= 0; got != c.same {
-			t.Errorf("%q and %q: same server %v, want %v", c.a, c.b, got, c.same)
-		}
 	}
 }
 

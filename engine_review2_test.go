@@ -6,12 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -234,7 +236,7 @@ func TestLeaveWaitqRecoversPanic(t *testing.T) {
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"wait":"0s"`))
 	core, logs := observer.New(zapcore.ErrorLevel)
-	h.locker.logger = zap.New(core)
+	h.locker.logger = slogFor(zap.New(core))
 	key := storedKey(h.Prefix, "/waitq-panic")
 	r.Client().ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "other-instance"))
 	h.locker.servers[0].client.AddHook(panicOn{name: "zrem"})
@@ -326,11 +328,11 @@ func TestReleaserSurvivesPanic(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: r.Addr})
 	defer c.Close()
 	var arm atomic.Bool
-	s := newServer("test", c, time.Second, func() *zap.Logger {
+	s := newServer("test", redisconn.NewConn(c, time.Second), func() *slog.Logger {
 		if arm.CompareAndSwap(true, false) {
 			panic("logger exploded")
 		}
-		return zap.NewNop()
+		return slogFor(zap.NewNop())
 	})
 	key := "caddy:lock:{panic}"
 	rc.ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "T"))
@@ -439,7 +441,7 @@ func TestReleaseFailureLogNamesServerAndHandler(t *testing.T) {
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"300ms","name":"payments"`))
 	core, logs := observer.New(zapcore.DebugLevel)
-	h.locker.servers[0].logger = func() *zap.Logger { return zap.New(core) }
+	h.locker.servers[0].logger = func() *slog.Logger { return slogFor(zap.New(core)) }
 	key := storedKey(h.Prefix, "/secret-key")
 	ls, err := h.locker.Acquire(context.Background(), []string{key})
 	if err != nil {

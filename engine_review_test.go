@@ -3,6 +3,7 @@ package redisdlm
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -122,7 +123,7 @@ func TestWakeListenerRestartsAfterPanic(t *testing.T) {
 	core, logs := observer.New(zapcore.ErrorLevel)
 	c := redis.NewClient(&redis.Options{Addr: r.Addr})
 	defer c.Close()
-	wl := newWakeListener(c, func() *zap.Logger { return zap.New(core) })
+	wl := newWakeListener(c, func() *slog.Logger { return slogFor(zap.New(core)) })
 	defer wl.stop()
 	got := make(chan string, 10)
 	wl.dispatch = func(p string) {
@@ -182,7 +183,7 @@ func TestQuorumFanOutRecoversPanic(t *testing.T) {
 	_, addrs := startRedlock(t, 3)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":%s,"wait":"2s"}`, addrs))
 	core, logs := observer.New(zapcore.ErrorLevel)
-	h.locker.logger = zap.New(core)
+	h.locker.logger = slogFor(zap.New(core))
 	h.locker.servers[1].client.AddHook(panicHook{})
 	keys := []string{storedKey(h.Prefix, "/panic")}
 	for i := 0; i < 3; i++ {

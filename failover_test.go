@@ -5,77 +5,14 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 )
-
-// startSentinels starts n sentinels that monitor master as "mymaster" with
-// the given quorum, declare it down after downAfter, and know each other
-// and the master's replicas before it returns.
-func startSentinels(t *testing.T, master *testRedis, n, quorum, replicas int, downAfter time.Duration) []string {
-	t.Helper()
-	var addrs []string
-	for i := 0; i < n; i++ {
-		dir := t.TempDir()
-		port := freePort(t)
-		cfg := fmt.Sprintf("port %d\nbind 127.0.0.1\ndir %s\nlogfile %s\n"+
-			"sentinel monitor mymaster 127.0.0.1 %d %d\n"+
-			"sentinel down-after-milliseconds mymaster %d\nsentinel failover-timeout mymaster 5000\nsentinel parallel-syncs mymaster 1\n",
-			port, dir, filepath.Join(dir, "sentinel.log"), master.Port, quorum, downAfter.Milliseconds())
-		conf := filepath.Join(dir, "sentinel.conf")
-		if err := os.WriteFile(conf, []byte(cfg), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		cmd := exec.Command("redis-server", conf, "--sentinel")
-		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-		if err := cmd.Start(); err != nil {
-			t.Fatalf("starting sentinel: %v", err)
-		}
-		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
-		addrs = append(addrs, fmt.Sprintf("127.0.0.1:%d", port))
-	}
-	deadline := time.Now().Add(40 * time.Second)
-	for _, a := range addrs {
-		c := redis.NewSentinelClient(&redis.Options{Addr: a, DialTimeout: time.Second, ReadTimeout: time.Second})
-		for {
-			m, err := c.GetMasterAddrByName(context.Background(), "mymaster").Result()
-			reps, _ := c.Replicas(context.Background(), "mymaster").Result()
-			peers, _ := c.Sentinels(context.Background(), "mymaster").Result()
-			if err == nil && len(m) == 2 && len(reps) >= replicas && len(peers) >= n-1 {
-				break
-			}
-			if time.Now().After(deadline) {
-				c.Close()
-				t.Fatalf("sentinel %s knows %d replicas and %d other sentinels; want %d and %d", a, len(reps), len(peers), replicas, n-1)
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-		c.Close()
-	}
-	return addrs
-}
-
-// startReplica starts a replica of master and waits until its link is up.
-func startReplica(t *testing.T, master *testRedis) *testRedis {
-	t.Helper()
-	r := startRedis(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.Port))
-	if !waitFor(20*time.Second, func() bool {
-		info, _ := r.Client().Info(context.Background(), "replication").Result()
-		return strings.Contains(info, "master_link_status:up")
-	}) {
-		t.Fatal("replica did not sync with the master")
-	}
-	return r
-}
 
 // holderCounter is an upstream that counts holders per key at once and the
 // answers by status; it never sleeps long, so a holder is gone well before
@@ -271,70 +208,6 @@ func TestSentinelFailoverDuringTraffic(t *testing.T) {
 		t.Fatal("the sentinels did not promote the replica within 40s")
 	}
 	tr.check(t, "sentinel failover", killed, promoted, up, replica)
-}
-
-// startClusterNodes starts a Redis Cluster of masters masters with
-// replicas replicas each, on free loopback ports, and waits until every
-// node sees it whole and ok (or a client may meet CLUSTERDOWN at first).
-// It joins the nodes itself (slots, epochs, MEET, REPLICATE), as
-// redis-cli --cluster create does, but polls instead of sleeping seconds.
-func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
-	t.Helper()
-	ctx := context.Background()
-	var rs []*testRedis
-	for i := 0; i < masters*(1+replicas); i++ {
-		rs = append(rs, startClusterNode(t))
-	}
-	do := func(r *testRedis, args ...any) {
-		t.Helper()
-		if err := r.Client().Do(ctx, args...).Err(); err != nil {
-			t.Fatalf("%v on %s: %v", args, r, err)
-		}
-	}
-	ids := make([]string, len(rs))
-	for i, r := range rs {
-		id, err := r.Client().Do(ctx, "CLUSTER", "MYID").Text()
-		if err != nil {
-			t.Fatalf("CLUSTER MYID on %s: %v", r, err)
-		}
-		ids[i] = id
-		do(r, "CLUSTER", "SET-CONFIG-EPOCH", i+1)
-		if i < masters {
-			do(r, "CLUSTER", "ADDSLOTSRANGE", i*16384/masters, (i+1)*16384/masters-1)
-		}
-	}
-	for _, r := range rs[1:] {
-		do(rs[0], "CLUSTER", "MEET", "127.0.0.1", r.Port)
-	}
-	known := fmt.Sprintf("cluster_known_nodes:%d", len(rs))
-	waitInfo := func(r *testRedis, want ...string) {
-		t.Helper()
-		c := r.Client()
-		if !waitFor(40*time.Second, func() bool {
-			info, _ := c.ClusterInfo(ctx).Result()
-			for _, w := range want {
-				if !strings.Contains(info, w) {
-					return false
-				}
-			}
-			return true
-		}) {
-			t.Fatalf("cluster node %s: CLUSTER INFO never showed %v", r.Addr, want)
-		}
-	}
-	for i, r := range rs[masters:] {
-		waitInfo(r, known) // it knows its master's id
-		do(r, "CLUSTER", "REPLICATE", ids[i%masters])
-	}
-	for _, r := range rs {
-		waitInfo(r, "cluster_state:ok", known)
-	}
-	return rs
-}
-
-// startClusterNode starts one redis-server in cluster mode, on its own.
-func startClusterNode(t *testing.T) *testRedis {
-	return startRedis(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
 }
 
 // clusterHotKey provisions a lock and a fail_closed rate limiter on the

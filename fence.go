@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -36,7 +37,7 @@ const maxTokenLead = time.Hour
 var (
 	//go:embed scripts/fence_admit.lua
 	fenceAdmitLua    string
-	fenceAdmitScript = newScript(fenceAdmitLua)
+	fenceAdmitScript = redisconn.NewScript(fenceAdmitLua)
 )
 
 // Errors of redis_fence.
@@ -197,10 +198,10 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
-	h.client.lock.use()
+	h.client.conn.Use()
 	n, err := fenceAdmitScript.Run(ctx, h.client.client, []string{storedKey(h.Prefix, key)},
 		strconv.FormatUint(token, 10), time.Duration(h.Retain).Milliseconds(), maxTokenLead.Microseconds()).Int64()
-	h.client.lock.unuse()
+	h.client.conn.Unuse()
 	if err != nil {
 		fenceWrites[fenceError].Inc()
 		if due, k := h.warn.due(); due {

@@ -272,24 +272,6 @@ func storedKey(prefix, rendered string) string {
 	return prefix + "{" + rendered + "}"
 }
 
-// fenceKey is the fencing counter of a lock key; waitqKey the list of
-// instances waiting for it. Both share the lock key's hash tag.
-func fenceKey(lockKey string) string  { return lockKey + ":fence" }
-func replayKey(lockKey string) string { return lockKey + ":replay" }
-func waitqKey(lockKey string) string  { return lockKey + ":waitq" }
-
-// deadKey holds the tokens of attempts given up while their outcome was
-// unknown: the acquire script never grants them (see lock_acquire.lua).
-func deadKey(lockKey string) string { return lockKey + ":dead" }
-
-// wakeID is how a wake-up names a lock key on the Pub/Sub channel: an
-// opaque digest, so a client of a shared Redis that subscribes learns
-// nothing of the keys (user ids, paths) being locked.
-func wakeID(lockKey string) string {
-	sum := sha256.Sum256([]byte(lockKey))
-	return hex.EncodeToString(sum[:16])
-}
-
 // sortKeys deduplicates and sorts keys.
 func sortKeys(keys []string) []string {
 	sort.Strings(keys)

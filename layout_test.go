@@ -3,17 +3,48 @@ package redisdlm
 import (
 	"go/parser"
 	"go/token"
+	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
 )
 
-// engineFiles are the lock engine: they must know nothing of HTTP or Caddy,
-// so the engine can be read, tested and changed on its own.
-var engineFiles = []string{"redlock.go", "attempt.go", "quorum.go", "lease.go", "release.go", "queue.go", "wake.go", "script.go"}
+// TestEnginesImportNoHTTPOrCaddy fails when a package under internal/
+// depends, directly or not, on net/http or any Caddy package: the engines
+// must be readable, testable and changeable without them. The test helper
+// (internal/testredis) may depend on what tests need, but not on Caddy.
+func TestEnginesImportNoHTTPOrCaddy(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "./internal/...").Output()
+	if err != nil {
+		t.Fatalf("go list ./internal/...: %v", err)
+	}
+	pkgs := strings.Fields(string(out))
+	if len(pkgs) < 2 {
+		t.Fatalf("go list ./internal/... found %v, want the engine packages", pkgs)
+	}
+	for _, pkg := range pkgs {
+		helper := strings.HasSuffix(pkg, "/internal/testredis")
+		out, err := exec.Command("go", "list", "-deps", pkg).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", pkg, err)
+		}
+		for _, dep := range strings.Fields(string(out)) {
+			caddy := strings.HasPrefix(dep, "github.com/caddyserver/")
+			http := dep == "net/http" || strings.HasPrefix(dep, "net/http/")
+			if caddy || http && !helper {
+				t.Errorf("%s depends on %s; the engines under internal/ must not depend on HTTP or Caddy", pkg, dep)
+			}
+		}
+	}
+}
 
-// TestEngineImportsNoHTTPOrCaddy fails when an engine file imports net/http
-// or any Caddy package.
+// engineFiles are the parts of the lock engine still at the root: they
+// must know nothing of HTTP or Caddy either.
+var engineFiles = []string{"redlock.go", "attempt.go", "quorum.go", "lease.go", "release.go", "queue.go", "wake.go", "lockkeys.go"}
+
+// TestEngineImportsNoHTTPOrCaddy fails when an engine file imports net/http,
+// any Caddy package or zap.
 func TestEngineImportsNoHTTPOrCaddy(t *testing.T) {
 	t.Parallel()
 	fset := token.NewFileSet()
@@ -24,8 +55,8 @@ func TestEngineImportsNoHTTPOrCaddy(t *testing.T) {
 		}
 		for _, imp := range f.Imports {
 			path, _ := strconv.Unquote(imp.Path.Value)
-			if strings.HasPrefix(path, "net/http") || strings.HasPrefix(path, "github.com/caddyserver/") {
-				t.Errorf("%s imports %s; the lock engine must not depend on HTTP or Caddy", name, path)
+			if strings.HasPrefix(path, "net/http") || strings.HasPrefix(path, "github.com/caddyserver/") || strings.HasPrefix(path, "go.uber.org/zap") {
+				t.Errorf("%s imports %s; the lock engine must not depend on HTTP, Caddy or zap (which imports net/http)", name, path)
 			}
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -25,8 +26,8 @@ var (
 	//go:embed scripts/admin_lock_release.lua
 	adminLockReleaseLua string
 
-	adminLockInspectScript = newScript(adminLockInspectLua)
-	adminLockReleaseScript = newScript(adminLockReleaseLua)
+	adminLockInspectScript = redisconn.NewScript(adminLockInspectLua)
+	adminLockReleaseScript = redisconn.NewScript(adminLockReleaseLua)
 )
 
 // adminWakeFrom is the sender of the wake-up a force release publishes: no

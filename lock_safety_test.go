@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -413,14 +414,14 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 	if !waitFor(destructGrace+5*time.Second, func() bool { return client.Ping(context.Background()).Err() != nil }) {
 		t.Fatal("the old client was not closed after the grace")
 	}
-	if _, err := rl.client.rateLimit(context.Background(), &rlCall{script: slidingScript}, rl.logger); !errors.Is(err, errBatcherDone) {
-		t.Fatalf("a call on a closed client: %v, want errBatcherDone", err)
+	if _, err := rl.client.rateLimit(context.Background(), &ratelimit.Call{Script: ratelimit.SlidingScript}, (*breakerLog)(rl)); !errors.Is(err, ratelimit.ErrBatcherDone) {
+		t.Fatalf("a call on a closed client: %v, want ratelimit.ErrBatcherDone", err)
 	}
 	if b := rl.client.batcher(); b == nil {
 		t.Fatal("no batcher: the limiter's calls did not run")
 	} else {
 		select {
-		case <-b.stop:
+		case <-b.Stopped():
 		default:
 			t.Fatal("the batcher of a closed client still runs")
 		}

@@ -298,7 +298,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	for _, s := range settings {
 		pc, key, err := acquireClient(s)
 		if err != nil {
-			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.display(), err)
+			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.Display(), err)
 		}
 		h.poolKeys = append(h.poolKeys, key)
 		servers = append(servers, pc.lock)
@@ -314,8 +314,8 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
 		Replay:       time.Duration(h.Replay),
-		Handler:      h.Name,
-	}, h.logger)
+		Handler:      handlerRef(h.Name),
+	}, slogFor(h.logger))
 	return adminRegister(ctx, h)
 }
 

@@ -2,10 +2,13 @@ package redisdlm
 
 import (
 	"errors"
+	"log/slog"
 	"sync"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
 )
 
 // Collectors are created once per process and registered with each config
@@ -132,9 +135,50 @@ func registerMetrics(ctx caddy.Context) error {
 	return nil
 }
 
+// newLockServer makes the lock engine's server of a pooled client: its
+// log lines go to Caddy's logger of the moment, its failed releases to
+// caddy_redis_lock_release_failures_total.
+func newLockServer(id string, conn *redisconn.Conn) *server {
+	s := newServer(id, conn, engineLogger)
+	s.onReleaseFailure = countReleaseFailure
+	return s
+}
+
 // countReleaseFailure counts a failed release of a lease that was held, or
 // whose acquire outcome is unknown.
 func countReleaseFailure() {
 	initMetrics()
 	lockReleaseFailures.Inc()
+}
+
+// newServerCheck makes the server checks of one client (failover names a
+// Sentinel group's master), reporting evicting servers to the gauge.
+func newServerCheck(logger func() *zap.Logger, failover string) *serverCheck {
+	slogger := func() *slog.Logger { return slogFor(logger()) }
+	return redisconn.NewCheck(redisconn.CheckOptions{Logger: slogger, Failover: failover, OnEvicting: markEvicting})
+}
+
+// evicting counts, per server address, the clients that found it with an
+// evicting policy; the gauge is the number of such servers.
+var evicting = struct {
+	sync.Mutex
+	by map[string]map[*serverCheck]bool
+}{by: map[string]map[*serverCheck]bool{}}
+
+func markEvicting(sc *serverCheck, addr string, on bool) {
+	initMetrics()
+	evicting.Lock()
+	defer evicting.Unlock()
+	if on {
+		if evicting.by[addr] == nil {
+			evicting.by[addr] = map[*serverCheck]bool{}
+		}
+		evicting.by[addr][sc] = true
+	} else if m := evicting.by[addr]; m != nil {
+		delete(m, sc)
+		if len(m) == 0 {
+			delete(evicting.by, addr)
+		}
+	}
+	evictingServers.Set(float64(len(evicting.by)))
 }

@@ -9,29 +9,22 @@
 // The files and what each holds are described once, in docs/design.md
 // ("Code layout"); the user documentation starts at README.md.
 //
-// This file holds what both handlers share: the Redis connection settings and
-// the pool of clients (one per identical settings, shared across handlers and
-// config reloads).
+// This file holds what both handlers share: the Redis connection settings
+// (resolved into internal/redisconn's) and the pool of clients (one per
+// identical settings, shared across handlers and config reloads).
 package redisdlm
 
 import (
 	"context"
-	"crypto/sha256"
-	"crypto/tls"
-	"crypto/x509"
-	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
-	"net"
-	"net/url"
-	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -103,313 +96,6 @@ type RedisConfig struct {
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 }
 
-// serverSettings is the resolved connection of one logical Redis (one
-// server, one cluster or one sentinel group). Its JSON form is the pool key.
-type serverSettings struct {
-	Mode     string   `json:"mode"` // "single", "cluster" or "sentinel"
-	Addrs    []string `json:"addrs"`
-	Master   string   `json:"master,omitempty"`
-	Username string   `json:"username,omitempty"`
-	Password string   `json:"password,omitempty"`
-	DB       int      `json:"db,omitempty"`
-	TLS      bool     `json:"tls,omitempty"`
-	CAFile   string   `json:"ca_file,omitempty"`
-	CertFile string   `json:"cert_file,omitempty"`
-	KeyFile  string   `json:"key_file,omitempty"`
-	// TLSFiles is a digest of the TLS files' contents: a reload after the
-	// files were replaced at the same paths gets a new client.
-	TLSFiles string        `json:"tls_files,omitempty"`
-	Timeout  time.Duration `json:"timeout"`
-	// ClientName comes from the URLs of a cluster or sentinel list (a
-	// single server's URL is read in newClient).
-	ClientName string `json:"client_name,omitempty"`
-}
-
-// poolKey identifies identical settings; the password only enters as a hash.
-func (s serverSettings) poolKey() string {
-	b, _ := json.Marshal(s)
-	sum := sha256.Sum256(b)
-	return "redisdlm:" + hex.EncodeToString(sum[:])
-}
-
-// display names the server in logs and errors, never with a password.
-func (s serverSettings) display() string {
-	addrs := make([]string, len(s.Addrs))
-	for i, a := range s.Addrs {
-		addrs[i] = redactURL(a)
-	}
-	switch s.Mode {
-	case "sentinel":
-		return "sentinel " + s.Master + "@" + strings.Join(addrs, ",")
-	case "cluster":
-		return "cluster " + strings.Join(addrs, ",")
-	}
-	return strings.Join(addrs, ",")
-}
-
-// hasPlaceholder reports whether a value still needs the replacer.
-func hasPlaceholder(s string) bool {
-	return strings.Contains(s, "{") && strings.Contains(s, "}")
-}
-
-// validateAddress checks one `host:port` or redis URL without dialing it.
-// Its errors keep their reason and never contain a password.
-func validateAddress(addr string) error {
-	if hasPlaceholder(addr) {
-		return nil
-	}
-	shown := redactURL(addr)
-	if strings.Contains(addr, "://") {
-		u, err := url.Parse(addr)
-		if err != nil {
-			var ue *url.Error
-			if errors.As(err, &ue) {
-				err = ue.Err // the url.Error repeats the URL, password included
-			}
-			return fmt.Errorf("invalid redis URL %q: %s", shown, strings.ReplaceAll(err.Error(), addr, shown))
-		}
-		if u.Scheme != "redis" && u.Scheme != "rediss" {
-			return fmt.Errorf("invalid redis URL %q: scheme must be redis:// or rediss://", shown)
-		}
-		if h := u.Hostname(); h != "" {
-			if err := checkHost(h); err != nil {
-				return fmt.Errorf("invalid redis URL %q: %v", shown, err)
-			}
-		}
-		if p := u.Port(); p != "" {
-			if err := checkPort(p); err != nil {
-				return fmt.Errorf("invalid redis URL %q: %v", shown, err)
-			}
-		}
-		if _, err := redis.ParseURL(addr); err != nil {
-			if strings.Contains(addr, "@") {
-				// go-redis may repeat part of the credentials in its message.
-				return fmt.Errorf("invalid redis URL %q: want redis://[user:password@]host[:port][/db]", shown)
-			}
-			return fmt.Errorf("invalid redis URL %q: %s", shown, strings.ReplaceAll(err.Error(), addr, shown))
-		}
-		return nil
-	}
-	const want = "want host:port or a redis:// or rediss:// URL"
-	if strings.ContainsAny(addr, "/@") {
-		return fmt.Errorf("invalid redis address %q: %s (is the \"://\" of a URL mistyped?)", shown, want)
-	}
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		var ae *net.AddrError
-		if errors.As(err, &ae) {
-			return fmt.Errorf("invalid redis address %q: %s; %s", shown, ae.Err, want)
-		}
-		return fmt.Errorf("invalid redis address %q: %s", shown, want)
-	}
-	if host == "" {
-		return fmt.Errorf("invalid redis address %q: missing host; %s", shown, want)
-	}
-	if err := checkHost(host); err != nil {
-		return fmt.Errorf("invalid redis address %q: %v", shown, err)
-	}
-	if err := checkPort(port); err != nil {
-		return fmt.Errorf("invalid redis address %q: %v", shown, err)
-	}
-	return nil
-}
-
-// checkHost accepts an IP address or a DNS name (letters, digits, '-',
-// '_' and '.').
-func checkHost(h string) error {
-	if net.ParseIP(h) != nil {
-		return nil
-	}
-	for _, r := range h {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '-' || r == '_' || r == '.') {
-			return fmt.Errorf("host %q is neither an IP address nor a DNS name", h)
-		}
-	}
-	return nil
-}
-
-// checkPort accepts a TCP port number in 1-65535.
-func checkPort(p string) error {
-	n, err := strconv.Atoi(p)
-	if err != nil {
-		return fmt.Errorf("port %q is not a number", p)
-	}
-	if n < 1 || n > 65535 {
-		return fmt.Errorf("port %d is out of range 1-65535", n)
-	}
-	return nil
-}
-
-// redactURL hides the password of a redis URL. Of something that is not a
-// valid URL but holds an '@', it hides everything before the last '@'.
-func redactURL(s string) string {
-	// A password with a "/" can make url.Parse read its start as the host
-	// (redis://:8123/secret@host) or its end as the path (with an "@" too:
-	// redis://u:p@a/b@host): then the last "@" rule below applies.
-	_, rest, isURL := strings.Cut(s, "://")
-	if u, err := url.Parse(s); err == nil && isURL && (u.User != nil && strings.Count(rest, "@") == 1 || !strings.Contains(rest, "@")) {
-		if _, ok := u.User.Password(); ok {
-			u.User = url.UserPassword(u.User.Username(), "xxxxx")
-			return u.String()
-		}
-		if u.User == nil || u.User.Username() == "" {
-			return s
-		}
-		return u.String()
-	}
-	i := strings.LastIndex(s, "@")
-	if i < 0 {
-		return s
-	}
-	j := 0
-	if k := strings.Index(s, "//"); k >= 0 && k < i {
-		j = k + 2
-	}
-	return s[:j] + "xxxxx" + s[i:]
-}
-
-// serverID names the Redis server that addr points at, so that two
-// entries of a Redlock list can be told to be one server: the host
-// lowercased (an IP in its canonical form, a DNS name without a trailing
-// dot) and the port, 6379 when a URL gives none. Scheme, credentials and
-// db do not count: two databases of one server fail together. Names are
-// compared, never resolved (localhost and 127.0.0.1 stay apart). ok is
-// false for an address that holds a placeholder or is invalid
-// (validateAddress reports the latter).
-func serverID(addr string) (id string, ok bool) {
-	if hasPlaceholder(addr) {
-		return "", false
-	}
-	hostport := addr
-	if strings.Contains(addr, "://") {
-		o, err := redis.ParseURL(addr)
-		if err != nil {
-			return "", false
-		}
-		hostport = o.Addr
-	}
-	host, port, err := net.SplitHostPort(hostport)
-	if err != nil {
-		return "", false
-	}
-	p, err := strconv.Atoi(port)
-	if err != nil {
-		return "", false
-	}
-	if ip := net.ParseIP(host); ip != nil {
-		host = ip.String()
-	} else {
-		host = strings.TrimSuffix(strings.ToLower(host), ".")
-	}
-	return net.JoinHostPort(host, strconv.Itoa(p)), true
-}
-
-// sameServer returns the indexes i < j of the first two entries of addrs
-// that name one Redis server (serverID), or -1, -1.
-func sameServer(addrs []string) (int, int) {
-	seen := make(map[string]int, len(addrs))
-	for j, a := range addrs {
-		id, ok := serverID(a)
-		if !ok {
-			continue
-		}
-		if i, dup := seen[id]; dup {
-			return i, j
-		}
-		seen[id] = j
-	}
-	return -1, -1
-}
-
-// duplicateServerError says why a list of independent servers may not
-// name one server twice. It never shows a password.
-func duplicateServerError(a, b string) error {
-	const why = "a Redlock quorum needs independent servers, and a server listed twice would get two votes"
-	id, _ := serverID(b)
-	if a == b {
-		return fmt.Errorf("redis: %q is listed twice; %s", redactURL(a), why)
-	}
-	return fmt.Errorf("redis: %q and %q are the same Redis server %s (only host and port count, not the db); %s", redactURL(a), redactURL(b), id, why)
-}
-
-// seedURLs is what the URLs of a `cluster` or `sentinel` list carry
-// besides their addresses; one list names one logical Redis, so its URLs
-// must agree on it.
-type seedURLs struct {
-	username, password, clientName string
-	db                             int
-	tls                            bool
-	urls                           int // how many entries were URLs
-}
-
-// splitSeeds turns the entries of a `cluster` or `sentinel` list (sub
-// names it) into host:port addresses and returns what their URLs carry:
-// user, password, db, client name and TLS (rediss://). Entries that still
-// hold a placeholder are returned as they are and do not count. Its errors
-// never show a password.
-func splitSeeds(sub string, addrs []string) ([]string, seedURLs, error) {
-	var got seedURLs
-	first := ""
-	out := make([]string, len(addrs))
-	for i, a := range addrs {
-		out[i] = a
-		if hasPlaceholder(a) || !strings.Contains(a, "://") {
-			continue
-		}
-		o, err := redis.ParseURL(a)
-		if err != nil {
-			return nil, seedURLs{}, fmt.Errorf("%s: invalid redis URL %q", sub, redactURL(a))
-		}
-		out[i] = o.Addr
-		this := seedURLs{username: o.Username, password: o.Password, clientName: o.ClientName, db: o.DB, tls: o.TLSConfig != nil}
-		if got.urls == 0 {
-			got, first = this, a
-		} else if what := seedDiff(got, this); what != "" {
-			return nil, seedURLs{}, fmt.Errorf("%s: the URLs %q and %q differ in their %s; the URLs of one %s must carry the same user, password, db, client name and scheme", sub, redactURL(first), redactURL(a), what, sub)
-		}
-		got.urls++
-	}
-	if sub == "cluster" && got.db != 0 {
-		return nil, seedURLs{}, fmt.Errorf("cluster: %q names db %d, but Redis Cluster supports only database 0", redactURL(first), got.db)
-	}
-	return out, got, nil
-}
-
-// seedDiff names what two URLs of one list disagree on, or "".
-func seedDiff(a, b seedURLs) string {
-	switch {
-	case a.tls != b.tls:
-		return "scheme (redis:// or rediss://)"
-	case a.username != b.username:
-		return "user"
-	case a.password != b.password:
-		return "password"
-	case a.db != b.db:
-		return "db"
-	case a.clientName != b.clientName:
-		return "client name"
-	}
-	return ""
-}
-
-// apply puts what the URLs carry into s: their user and password win over
-// the directive's, so does a db other than 0, and rediss:// turns TLS on.
-func (u seedURLs) apply(s *serverSettings) {
-	if u.username != "" {
-		s.Username = u.username
-	}
-	if u.password != "" {
-		s.Password = u.password
-	}
-	if u.db != 0 {
-		s.DB = u.db
-	}
-	if u.tls {
-		s.TLS = true
-	}
-	s.ClientName = u.clientName
-}
-
 // validate checks the settings without dialing. allowRedlock accepts
 // several independent `redis` servers (redis_lock); otherwise exactly one
 // logical Redis is accepted (redis_ratelimit).
@@ -434,23 +120,23 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 	if !allowRedlock && n > 1 {
 		return fmt.Errorf("redis: %d servers given, but this handler takes exactly one logical Redis (one address, a cluster or a sentinel)", n)
 	}
-	if i, j := sameServer(c.Addresses); j >= 0 {
-		return duplicateServerError(c.Addresses[i], c.Addresses[j])
+	if i, j := redisconn.SameServer(c.Addresses); j >= 0 {
+		return redisconn.DuplicateServerError(c.Addresses[i], c.Addresses[j])
 	}
 	if n > 1 && (n%2 == 0 || n > 7) {
 		return fmt.Errorf("redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority and adds no fault tolerance over one server fewer", n)
 	}
 	for _, list := range [][]string{c.Addresses, c.Cluster, c.Sentinels} {
 		for _, a := range list {
-			if err := validateAddress(a); err != nil {
+			if err := redisconn.ValidateAddress(a); err != nil {
 				return err
 			}
 		}
 	}
-	if _, _, err := splitSeeds("cluster", c.Cluster); err != nil {
+	if _, _, err := redisconn.SplitSeeds("cluster", c.Cluster); err != nil {
 		return err
 	}
-	if _, _, err := splitSeeds("sentinel", c.Sentinels); err != nil {
+	if _, _, err := redisconn.SplitSeeds("sentinel", c.Sentinels); err != nil {
 		return err
 	}
 	if c.DB < 0 {
@@ -468,25 +154,13 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 	return nil
 }
 
-// filesDigest is the SHA-256 of the named files' contents ("" for none; a
-// file that cannot be read counts as empty: tlsConfig reports it).
-func filesDigest(names ...string) string {
-	sum := sha256.New()
-	named := false
-	for _, n := range names {
-		if n == "" {
-			continue
-		}
-		named = true
-		b, _ := os.ReadFile(n)
-		fmt.Fprintf(sum, "%s\x00%d\x00", n, len(b))
-		sum.Write(b)
-	}
-	if !named {
-		return ""
-	}
-	return hex.EncodeToString(sum.Sum(nil))
-}
+// serverSettings is the resolved connection of one logical Redis (one
+// server, one cluster or one sentinel group); its JSON form is the pool key.
+type serverSettings = redisconn.Settings
+
+// serverCheck checks each server one client connects to (version,
+// maxmemory-policy).
+type serverCheck = redisconn.Check
 
 // resolve replaces placeholders ({env.*} and other global ones) and returns
 // one serverSettings per logical Redis: several for a Redlock quorum, one
@@ -507,7 +181,7 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		KeyFile:  repl.ReplaceAll(c.TLSClientKeyFile, ""),
 		Timeout:  timeout,
 	}
-	base.TLSFiles = filesDigest(base.CAFile, base.CertFile, base.KeyFile)
+	base.TLSFiles = redisconn.FilesDigest(base.CAFile, base.CertFile, base.KeyFile)
 	replAll := func(in []string) ([]string, error) {
 		out := make([]string, len(in))
 		for i, a := range in {
@@ -515,7 +189,7 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 			if out[i] == "" {
 				return nil, fmt.Errorf("redis address %q renders empty", a)
 			}
-			if err := validateAddress(out[i]); err != nil {
+			if err := redisconn.ValidateAddress(out[i]); err != nil {
 				return nil, err
 			}
 		}
@@ -527,26 +201,26 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		if err != nil {
 			return nil, err
 		}
-		hostports, urls, err := splitSeeds("cluster", addrs)
+		hostports, urls, err := redisconn.SplitSeeds("cluster", addrs)
 		if err != nil {
 			return nil, err
 		}
 		s := base
 		s.Mode, s.Addrs = "cluster", hostports
-		urls.apply(&s)
+		urls.Apply(&s)
 		return []serverSettings{s}, nil
 	case len(c.Sentinels) > 0:
 		addrs, err := replAll(c.Sentinels)
 		if err != nil {
 			return nil, err
 		}
-		hostports, urls, err := splitSeeds("sentinel", addrs)
+		hostports, urls, err := redisconn.SplitSeeds("sentinel", addrs)
 		if err != nil {
 			return nil, err
 		}
 		s := base
 		s.Mode, s.Addrs, s.Master = "sentinel", hostports, repl.ReplaceAll(c.SentinelMaster, "")
-		urls.apply(&s)
+		urls.Apply(&s)
 		return []serverSettings{s}, nil
 	}
 	list := c.Addresses
@@ -557,9 +231,9 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 	if err != nil {
 		return nil, err
 	}
-	if i, j := sameServer(addrs); j >= 0 {
+	if i, j := redisconn.SameServer(addrs); j >= 0 {
 		// Only placeholders can get here: validate saw the literal ones.
-		return nil, fmt.Errorf("%w (once placeholders were replaced)", duplicateServerError(addrs[i], addrs[j]))
+		return nil, fmt.Errorf("%w (once placeholders were replaced)", redisconn.DuplicateServerError(addrs[i], addrs[j]))
 	}
 	out := make([]serverSettings, len(addrs))
 	for i, a := range addrs {
@@ -568,117 +242,6 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		out[i] = s
 	}
 	return out, nil
-}
-
-// tlsConfig reads the CA and client certificate files of s; nil when TLS
-// is off (a rediss:// URL turns it on by itself in newClient).
-func (s serverSettings) tlsConfig() (*tls.Config, error) {
-	if !s.TLS && s.CAFile == "" && s.CertFile == "" {
-		return nil, nil
-	}
-	conf := &tls.Config{MinVersion: tls.VersionTLS12}
-	if s.CAFile != "" {
-		pem, err := os.ReadFile(s.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("tls: reading the CA file: %w", err)
-		}
-		pool := x509.NewCertPool()
-		if !pool.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("tls: CA file %s holds no PEM certificate", s.CAFile)
-		}
-		conf.RootCAs = pool
-	}
-	if s.CertFile != "" || s.KeyFile != "" {
-		cert, err := tls.LoadX509KeyPair(s.CertFile, s.KeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("tls_client_cert: loading %s and %s: %w", s.CertFile, s.KeyFile, err)
-		}
-		conf.Certificates = []tls.Certificate{cert}
-	}
-	return conf, nil
-}
-
-// Each client's pool per Redis server: up to poolSize connections in use
-// at once, and as many kept idle, so steady load dials nothing new (with a
-// smaller idle cap, every connection handed back beyond it was closed and
-// the next call dialled again: a handshake, HELLO and the server check per
-// request once more requests were in flight than the cap). The pool
-// shrinks after a burst or a slow Redis by time instead: a connection idle
-// for connMaxIdle, or older than connMaxLifetime (± connLifetimeJitter, so
-// a burst's connections do not all go at once), is closed when the pool
-// next looks at it. go-redis has no background reaper: a call closes up to
-// three expired connections before it dials, and the pool hands out its
-// oldest idle connection first (FIFO), so the surplus of a burst reaches
-// its lifetime and is closed without a new dial while other idle
-// connections remain.
-const poolSize = 64
-
-var (
-	// vars only so that a test can shorten them
-	connMaxIdle        = time.Minute
-	connMaxLifetime    = 10 * time.Minute
-	connLifetimeJitter = time.Minute
-)
-
-// newClient builds (but does not dial) the go-redis client for s; check
-// runs on every new connection.
-func (s serverSettings) newClient(check *serverCheck) (redis.UniversalClient, error) {
-	tlsConf, err := s.tlsConfig()
-	if err != nil {
-		return nil, err
-	}
-	// The same settings in every mode.
-	u := &redis.UniversalOptions{
-		Addrs: s.Addrs, MasterName: s.Master, Username: s.Username, Password: s.Password,
-		DB: s.DB, TLSConfig: tlsConf, ClientName: s.ClientName,
-		DialTimeout: s.Timeout, ReadTimeout: s.Timeout, WriteTimeout: s.Timeout, PoolTimeout: s.Timeout,
-		// Lock and limit scripts are not idempotent: never resend one.
-		MaxRetries: -1,
-		// One dial per attempt: go-redis's default retries a failed dial 5
-		// times, 100ms apart, which turns a refused connection into a
-		// timeout of the call.
-		DialerRetries:         1,
-		ContextTimeoutEnabled: true,
-		DisableIdentity:       true,
-		PoolSize:              poolSize, MaxIdleConns: poolSize, PoolFIFO: true,
-		ConnMaxIdleTime: connMaxIdle, ConnMaxLifetime: connMaxLifetime, ConnMaxLifetimeJitter: connLifetimeJitter,
-		Protocol:  2, // no RESP3 feature is used: skip the push-notification checks per reply
-		OnConnect: check.onConnect,
-	}
-	switch s.Mode {
-	case "cluster":
-		return redis.NewClusterClient(u.Cluster()), nil
-	case "sentinel":
-		return redis.NewFailoverClient(u.Failover()), nil
-	}
-	if addr := s.Addrs[0]; strings.Contains(addr, "://") {
-		// The URL's address, credentials, database, TLS and client name;
-		// the directive's where the URL has none. The other settings are
-		// the plugin's, whatever the URL's query says.
-		o, err := redis.ParseURL(addr)
-		if err != nil {
-			return nil, fmt.Errorf("invalid redis URL %q", redactURL(addr))
-		}
-		u.Addrs, u.ClientName = []string{o.Addr}, o.ClientName
-		if o.Username != "" {
-			u.Username = o.Username
-		}
-		if o.Password != "" {
-			u.Password = o.Password
-		}
-		if o.DB != 0 {
-			u.DB = o.DB
-		}
-		if o.TLSConfig != nil {
-			if tlsConf != nil {
-				// rediss:// with `tls <ca>` or a client certificate: keep
-				// the URL's server name, add the files.
-				o.TLSConfig.RootCAs, o.TLSConfig.Certificates = tlsConf.RootCAs, tlsConf.Certificates
-			}
-			u.TLSConfig = o.TLSConfig
-		}
-	}
-	return redis.NewClient(u.Simple()), nil
 }
 
 // clientPool shares one client per identical settings across handlers and
@@ -691,12 +254,13 @@ var clientPool = caddy.NewUsagePool()
 type pooledClient struct {
 	settings serverSettings
 	client   redis.UniversalClient
+	conn     *redisconn.Conn // the client's users, shared by both engines
 	lock     *server
 	check    *serverCheck // version and maxmemory-policy, per server
 
 	mu     sync.Mutex
-	rl     *rlBatcher // made by the first rate-limit call
-	closed bool       // no new batcher: the client is closed
+	rl     *ratelimit.Batcher // made by the first rate-limit call
+	closed bool               // no new batcher: the client is closed
 }
 
 // destructGrace is how long a client whose last handler went away stays
@@ -720,9 +284,9 @@ func (p *pooledClient) Destruct() error {
 			rl := p.rl
 			p.mu.Unlock()
 			if rl != nil {
-				rl.close()
+				rl.Close()
 			}
-			p.check.close()
+			p.check.Close()
 			_ = p.client.Close()
 		})
 	})
@@ -731,26 +295,26 @@ func (p *pooledClient) Destruct() error {
 
 // rateLimit runs one rate-limit script call: batched with concurrent calls
 // into one pipeline, answered within the client's timeout (or when ctx
-// ends), and refused at once while the breaker is open. logger is the
+// ends), and refused at once while the breaker is open. obs is the
 // calling handler's: the batcher outlives configs, its log lines do not.
-func (p *pooledClient) rateLimit(ctx context.Context, c *rlCall, logger *zap.Logger) ([]int64, error) {
+func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs ratelimit.Observer) ([]int64, error) {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		return nil, errBatcherDone
+		return nil, ratelimit.ErrBatcherDone
 	}
 	if p.rl == nil {
-		p.rl = newBatcher(p.client, batchWorkers)
+		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Workers, engineLogger)
 	}
 	b := p.rl
 	p.mu.Unlock()
-	p.lock.use() // the client stays open until the call (a settle too) is over
-	defer p.lock.unuse()
-	return b.do(ctx, c, p.settings.Timeout, logger)
+	p.conn.Use() // the client stays open until the call (a settle too) is over
+	defer p.conn.Unuse()
+	return b.Do(ctx, c, p.settings.Timeout, obs)
 }
 
 // batcher returns the rate-limit batcher if one was made (for tests).
-func (p *pooledClient) batcher() *rlBatcher {
+func (p *pooledClient) batcher() *ratelimit.Batcher {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.rl
@@ -759,15 +323,16 @@ func (p *pooledClient) batcher() *rlBatcher {
 // acquireClient returns the shared client for s, creating it when needed.
 // The caller must call releaseClient with the same key in Cleanup.
 func acquireClient(s serverSettings) (*pooledClient, string, error) {
-	key := s.poolKey()
+	key := s.PoolKey()
 	val, _, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
-		check := newServerCheck(logger, s.display()) // names a Sentinel group's master
-		c, err := s.newClient(check)
+		check := newServerCheck(logger, s.Display()) // names a Sentinel group's master
+		c, err := s.NewClient(check)
 		if err != nil {
 			return nil, err
 		}
-		return &pooledClient{settings: s, client: c, lock: newServer(key, c, s.Timeout, logger), check: check}, nil
+		conn := redisconn.NewConn(c, s.Timeout)
+		return &pooledClient{settings: s, client: c, conn: conn, lock: newLockServer(key, conn), check: check}, nil
 	})
 	if err != nil {
 		return nil, "", err
@@ -775,25 +340,14 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 	return val.(*pooledClient), key, nil
 }
 
+// engineLogger is the logger of the engines' own log lines (a panic
+// recovered, a background release): Caddy's of the moment.
+func engineLogger() *slog.Logger { return slogFor(caddy.Log().Named("redisdlm")) }
+
 func releaseClient(key string) {
 	if key != "" {
 		_, _ = clientPool.Delete(key)
 	}
-}
-
-// isRedisDown reports whether err means Redis could not be reached or did
-// not answer in time (as opposed to a script's answer).
-func isRedisDown(err error) bool {
-	if err == nil {
-		return false
-	}
-	var re redis.Error
-	if errors.As(err, &re) {
-		// An error reply from a live server: still a fault, but Redis answered.
-		return strings.HasPrefix(re.Error(), "LOADING") || strings.HasPrefix(re.Error(), "CLUSTERDOWN") ||
-			strings.HasPrefix(re.Error(), "MASTERDOWN") || strings.HasPrefix(re.Error(), "TRYAGAIN")
-	}
-	return true
 }
 
 // retryAfterSeconds renders a wait as a Retry-After value: whole seconds,

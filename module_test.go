@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/redis/go-redis/v9"
@@ -213,7 +214,7 @@ func TestWholeCaddyReloadSharesClient(t *testing.T) {
 func poolRefs(t *testing.T, addr string) int {
 	t.Helper()
 	s := serverSettings{Mode: "single", Addrs: []string{addr}, Timeout: DefaultTimeout}
-	refs, ok := clientPool.References(s.poolKey())
+	refs, ok := clientPool.References(s.PoolKey())
 	if !ok {
 		return 0
 	}
@@ -228,7 +229,7 @@ func TestClientOptions(t *testing.T) {
 	check := newServerCheck(func() *zap.Logger { return zap.NewNop() }, "")
 	build := func(s serverSettings) redis.UniversalClient {
 		t.Helper()
-		c, err := s.newClient(check)
+		c, err := s.NewClient(check)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -238,7 +239,7 @@ func TestClientOptions(t *testing.T) {
 	const timeout = 250 * time.Millisecond
 	plugin := func(t *testing.T, what string, pool, maxRetries int, dial, read time.Duration, fifo bool, proto int) {
 		t.Helper()
-		if pool != poolSize || maxRetries > 0 || dial != timeout || read != timeout || !fifo || proto != 2 {
+		if pool != redisconn.PoolSize || maxRetries > 0 || dial != timeout || read != timeout || !fifo || proto != 2 {
 			t.Errorf("%s: pool %d, retries %d, dial %v, read %v, fifo %v, protocol %d; want the plugin's settings", what, pool, maxRetries, dial, read, fifo, proto)
 		}
 	}
@@ -250,8 +251,8 @@ func TestClientOptions(t *testing.T) {
 	if o.Addr != "127.0.0.1:6390" || o.Username != "u" || o.Password != "pw" || o.DB != 3 || o.ClientName != "x" {
 		t.Errorf("URL: addr %q user %q password %q db %d name %q; want the URL's", o.Addr, o.Username, o.Password, o.DB, o.ClientName)
 	}
-	if o.PoolSize != poolSize || o.DialerRetries != 1 || o.MaxIdleConns != poolSize || o.ConnMaxLifetime != connMaxLifetime {
-		t.Errorf("URL: pool %d, dial retries %d, idle %d, lifetime %v; want %d, 1, %d, %v", o.PoolSize, o.DialerRetries, o.MaxIdleConns, o.ConnMaxLifetime, poolSize, poolSize, connMaxLifetime)
+	if o.PoolSize != redisconn.PoolSize || o.DialerRetries != 1 || o.MaxIdleConns != redisconn.PoolSize || o.ConnMaxLifetime != redisconn.ConnMaxLifetime {
+		t.Errorf("URL: pool %d, dial retries %d, idle %d, lifetime %v; want %d, 1, %d, %v", o.PoolSize, o.DialerRetries, o.MaxIdleConns, o.ConnMaxLifetime, redisconn.PoolSize, redisconn.PoolSize, redisconn.ConnMaxLifetime)
 	}
 
 	o = simple(serverSettings{Mode: "single", Addrs: []string{"redis://127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
@@ -270,13 +271,13 @@ func TestClientOptions(t *testing.T) {
 
 	co := build(serverSettings{Mode: "cluster", Addrs: []string{"127.0.0.1:7001", "127.0.0.1:7002"}, Password: "pw", Timeout: timeout}).(*redis.ClusterClient).Options()
 	plugin(t, "cluster", co.PoolSize, co.MaxRetries, co.DialTimeout, co.ReadTimeout, co.PoolFIFO, co.Protocol)
-	if len(co.Addrs) != 2 || co.Password != "pw" || co.PoolSize != poolSize || co.DialerRetries != 1 {
+	if len(co.Addrs) != 2 || co.Password != "pw" || co.PoolSize != redisconn.PoolSize || co.DialerRetries != 1 {
 		t.Errorf("cluster: addrs %v password %q pool %d dial retries %d", co.Addrs, co.Password, co.PoolSize, co.DialerRetries)
 	}
 
 	fo := simple(serverSettings{Mode: "sentinel", Addrs: []string{"127.0.0.1:26390"}, Master: "m", Password: "pw", DB: 2, Timeout: timeout})
 	plugin(t, "sentinel", fo.PoolSize, fo.MaxRetries, fo.DialTimeout, fo.ReadTimeout, fo.PoolFIFO, fo.Protocol)
-	if fo.Password != "pw" || fo.DB != 2 || fo.PoolSize != poolSize {
+	if fo.Password != "pw" || fo.DB != 2 || fo.PoolSize != redisconn.PoolSize {
 		t.Errorf("sentinel: password %q db %d pool %d", fo.Password, fo.DB, fo.PoolSize)
 	}
 }

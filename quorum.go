@@ -1,105 +1,56 @@
 package redisdlm
 
-// The servers of a lock and the fan-out to them: a server's client, its
-// wake-up listener and its users (so a client outlives the locks that use
-// it); one call to every server in parallel, decided as soon as a majority
-// answered either way.
+// The servers of a lock and the fan-out to them: a server's client and its
+// wake-up listener; one call to every server in parallel, decided as soon
+// as a majority answered either way.
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // server is one Redis server, or one Cluster or Sentinel group, as the
 // engine sees it: a stable id (identical connection settings give the same
-// id), the client, the server's Pub/Sub wake-up listener, and the releases
-// it still owes (retried in the background).
-//
-// A server counts its users (requests holding or waiting for a lock on it,
-// background releases): when its owner closes it, the client stays open
-// until the last user is done, so a config reload never cuts off the
-// release of a lock that an old request still holds.
+// id), the shared client (whose users keep it open, see redisconn.Conn),
+// the server's Pub/Sub wake-up listener, and the releases it still owes
+// (retried in the background).
 type server struct {
 	id      string
 	name    string // for log lines: the address (never a password)
-	client  redis.UniversalClient
-	timeout time.Duration // bound of one call
+	conn    *redisconn.Conn
+	client  redis.UniversalClient // conn's
+	timeout time.Duration         // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
-	logger  func() *zap.Logger
-
-	mu      sync.Mutex
-	users   int
-	closing bool
-	onIdle  func()
+	logger  func() *slog.Logger
+	// onReleaseFailure, if set, counts a failed release of a lease that
+	// was held, or whose acquire outcome is unknown.
+	onReleaseFailure func()
 }
 
-// newServer wraps a client; nothing is dialed until the first call.
+// newServer wraps a shared client; nothing is dialed until the first call.
 // logger returns the logger of the moment (the server outlives configs).
-func newServer(id string, c redis.UniversalClient, timeout time.Duration, logger func() *zap.Logger) *server {
-	s := &server{id: id, name: clientName(c), client: c, timeout: timeout, wake: newWakeListener(c, logger), logger: logger}
+func newServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *server {
+	c := conn.Client
+	s := &server{id: id, name: redisconn.ClientName(c), conn: conn, client: c, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
 	s.rel.s = s
 	s.rel.warn = newWarnings(10 * time.Second)
 	return s
 }
 
-// clientName names a client's server in log lines: its address, the
-// addresses of a Cluster, or "sentinel" for a Sentinel group.
-func clientName(c redis.UniversalClient) string {
-	switch c := c.(type) {
-	case *redis.Client:
-		if a := c.Options().Addr; a != "FailoverClient" {
-			return a
-		}
-		return "sentinel"
-	case *redis.ClusterClient:
-		return "cluster " + strings.Join(c.Options().Addrs, ",")
-	}
-	return ""
-}
-
-// use and unuse count a user of the server.
-func (s *server) use() {
-	s.mu.Lock()
-	s.users++
-	s.mu.Unlock()
-}
-
-func (s *server) unuse() {
-	s.mu.Lock()
-	s.users--
-	idle := s.closing && s.users == 0
-	f := s.onIdle
-	s.mu.Unlock()
-	if idle && f != nil {
-		go f()
-	}
-}
-
 // closeWhenIdle stops the wake-up listener and runs closeClient once no
-// user is left (at once when none is).
+// user of the client is left (at once when none is).
 func (s *server) closeWhenIdle(closeClient func()) {
-	s.mu.Lock()
-	if s.closing {
-		s.mu.Unlock()
-		return
-	}
-	s.closing = true
-	once := new(sync.Once)
-	s.onIdle = func() { once.Do(func() { s.wake.stop(); closeClient() }) }
-	idle := s.users == 0
-	f := s.onIdle
-	s.mu.Unlock()
-	if idle {
-		f()
-	}
+	s.conn.CloseWhenIdle(func() { s.wake.stop(); closeClient() })
 }
 
 // tally counts granted (script returned 1), busy (0) and failed calls.
@@ -253,6 +204,6 @@ func (l *locker) recoverPanic(what string) {
 
 func (l *locker) logPanic(what string, r any) {
 	if l.logger != nil {
-		l.logger.Error("panic in the lock engine; recovered", zap.String("while", what), zap.Any("panic", r), zap.Stack("stack"))
+		l.logger.Error("panic in the lock engine; recovered", slog.String("while", what), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
 	}
 }

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -52,22 +54,6 @@ const (
 	denyCacheSize = 10000
 	// failWarnEvery rate-limits the warning about decisions made without Redis.
 	failWarnEvery = 10 * time.Second
-)
-
-var (
-	//go:embed scripts/ratelimit_sliding.lua
-	slidingLua string
-	//go:embed scripts/ratelimit_gcra.lua
-	gcraLua string
-	//go:embed scripts/ratelimit_sliding_return.lua
-	slidingReturnLua string
-	//go:embed scripts/ratelimit_gcra_return.lua
-	gcraReturnLua string
-
-	slidingScript       = newScript(slidingLua)
-	gcraScript          = newScript(gcraLua)
-	slidingReturnScript = newScript(slidingReturnLua)
-	gcraReturnScript    = newScript(gcraReturnLua)
 )
 
 // ErrRateLimited is the error a rejected request returns to Caddy (with the
@@ -224,8 +210,8 @@ type RedisRateLimit struct {
 	dynamic    bool   // some rate's n or window is a placeholder
 	costTmpl   string
 	counts     *statusSet // nil: every answer counts
-	script     *luaScript
-	giveBack   *luaScript // returns an admission
+	script     *redisconn.Script
+	giveBack   *redisconn.Script // returns an admission
 	algo       string
 	status     int
 	sendHdrs   bool
@@ -234,7 +220,7 @@ type RedisRateLimit struct {
 	timeout    time.Duration
 	client     *pooledClient
 	clientKey  string
-	deny       *denyCache
+	deny       *ratelimit.DenyCache
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
 	settleWarn *warnings
@@ -308,9 +294,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.client, h.clientKey = pc, key
 	h.timeout = servers[0].Timeout
 
-	h.script, h.giveBack = slidingScript, slidingReturnScript
+	h.script, h.giveBack = ratelimit.SlidingScript, ratelimit.SlidingReturnScript
 	if h.algo == algoGCRA {
-		h.script, h.giveBack = gcraScript, gcraReturnScript
+		h.script, h.giveBack = ratelimit.GCRAScript, ratelimit.GCRAReturnScript
 	}
 	h.static = plan{cost: 1, rates: make([]rateSpec, len(h.Rates))}
 	for i, r := range h.Rates {
@@ -326,7 +312,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		h.dynamic = h.dynamic || s.nTmpl != "" || s.wTmpl != ""
 		h.static.rates[i] = s
 	}
-	if c := string(h.Cost); hasPlaceholder(c) {
+	if c := string(h.Cost); redisconn.HasPlaceholder(c) {
 		h.costTmpl = expandShorthands(c)
 	} else if c != "" {
 		h.static.cost, _ = strconv.ParseInt(c, 10, 64) // checked by Validate
@@ -345,7 +331,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	}
 	h.waited = rateLimitWaitedSeconds
 	if h.counts == nil {
-		h.deny = newDenyCache(denyCacheSize)
+		h.deny = ratelimit.NewDenyCache(denyCacheSize)
 	}
 	return adminRegister(ctx, h)
 }
@@ -393,7 +379,7 @@ func (h *RedisRateLimit) Validate() error {
 	if err := checkTemplate(string(h.Cost)); err != nil {
 		return fmt.Errorf("redis_ratelimit: cost: %w", err)
 	}
-	if c := string(h.Cost); c != "" && !hasPlaceholder(c) {
+	if c := string(h.Cost); c != "" && !redisconn.HasPlaceholder(c) {
 		if n, err := strconv.ParseInt(c, 10, 64); err != nil || n < 1 {
 			return fmt.Errorf("redis_ratelimit: cost: want a whole number >= 1 or a placeholder, got %q", c)
 		}
@@ -468,8 +454,8 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		// An admission may be returned when the request ends (count, a
 		// held client that leaves): the client stays open until then,
 		// also across a reload.
-		h.client.lock.use()
-		defer h.client.lock.unuse()
+		h.client.conn.Use()
+		defer h.client.conn.Unuse()
 	}
 	d, err := h.decide(r.Context(), id, p)
 	if err != nil {
@@ -481,42 +467,42 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	}
 
 	retry := int64(0)
-	if !d.allowed && d.wait > 0 {
-		retry = retryAfterSeconds(jittered(d.wait, h.Jitter))
+	if !d.Allowed && d.Wait > 0 {
+		retry = retryAfterSeconds(jittered(d.Wait, h.Jitter))
 	}
 	if h.sendHdrs {
 		h.setHeaders(r, w.Header(), p, d)
 	}
-	repl.Set("http.redis_ratelimit.remaining", d.remaining)
+	repl.Set("http.redis_ratelimit.remaining", d.Remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
-	if d.allowed {
+	if d.Allowed {
 		h.counters[resultAllowed].Inc()
 	} else {
 		h.counters[resultDenied].Inc()
-		if !d.cached { // at most once per key per deny-cache period
+		if !d.Cached { // at most once per key per deny-cache period
 			h.events.emit(EventRateLimitExceeded, func() map[string]any {
-				return map[string]any{"handler": h.label, "key": id, "reason": "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.tight].name, `"`), `";r=`) + " exceeded",
+				return map[string]any{"handler": h.label, "key": id, "reason": "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded",
 					"retry_after": retry, "dry_run": h.DryRun}
 			})
 		}
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
-		c.Write(zap.String("handler", h.label), zap.String("key", id), zap.Bool("allowed", d.allowed), zap.Int64("remaining", d.remaining),
-			zap.Int64("retry_after", retry), zap.Duration("hold", d.hold), zap.Int64("cost", p.cost),
-			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.cached))
+		c.Write(zap.String("handler", h.label), zap.String("key", id), zap.Bool("allowed", d.Allowed), zap.Int64("remaining", d.Remaining),
+			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.cost),
+			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.Cached))
 	}
-	if !d.allowed && !h.DryRun {
+	if !d.Allowed && !h.DryRun {
 		if retry > 0 {
 			w.Header().Set(HeaderRetryAfter, strconv.FormatInt(retry, 10))
 		}
 		return caddyhttp.Error(h.status, ErrRateLimited)
 	}
-	if !d.allowed { // dry run: nothing recorded, nothing to settle
+	if !d.Allowed { // dry run: nothing recorded, nothing to settle
 		return next.ServeHTTP(w, r)
 	}
 	if h.Wait > 0 && !h.DryRun {
-		if d.hold > 0 {
-			t := time.NewTimer(d.hold)
+		if d.Hold > 0 {
+			t := time.NewTimer(d.Hold)
 			select {
 			case <-t.C:
 			case <-r.Context().Done():
@@ -525,7 +511,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 				return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while held for its rate-limit slot: %w", r.Context().Err()))
 			}
 		}
-		h.waited.Observe(d.hold.Seconds())
+		h.waited.Observe(d.Hold.Seconds())
 	}
 	if h.counts == nil {
 		return next.ServeHTTP(w, r)
@@ -552,10 +538,10 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 
 // setHeaders sets the RateLimit-Policy and RateLimit fields of an answer.
 func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d decision) {
-	s := p.rates[d.tight]
+	s := p.rates[d.Tight]
 	defer caddyhttp.SetVar(r.Context(), stackVar, h)
 	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
-		rl := s.name + strconv.FormatInt(d.remaining, 10) + ";t=" + strconv.FormatInt(ceilSeconds(min(d.reset, s.window)), 10)
+		rl := s.name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(ceilSeconds(min(d.Reset, s.window)), 10)
 		stackHeaders(hdr, prev.label, h.label, p.policy, rl)
 		return
 	}
@@ -563,9 +549,9 @@ func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d
 	// Header.Set would store them). The quota grows within the window.
 	var buf [64]byte
 	f := append(buf[:0], s.name...)
-	f = strconv.AppendInt(f, d.remaining, 10)
+	f = strconv.AppendInt(f, d.Remaining, 10)
 	f = append(f, ";t="...)
-	f = strconv.AppendInt(f, ceilSeconds(min(d.reset, s.window)), 10)
+	f = strconv.AppendInt(f, ceilSeconds(min(d.Reset, s.window)), 10)
 	vals := []string{p.policy, string(f)}
 	hdr[canonRateLimitPolicy] = vals[0:1:1]
 	hdr[canonRateLimit] = vals[1:2:2]

@@ -81,7 +81,7 @@ func BenchmarkRateLimitDecide(b *testing.B) {
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
 			d, err := h.decide(context.Background(), fmt.Sprintf("10.0.%d.1", n.Add(1)%200), &h.static)
-			if err != nil || !d.allowed {
+			if err != nil || !d.Allowed {
 				b.Errorf("%v %v", d, err)
 				return
 			}

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -90,7 +91,7 @@ func TestRateLimitErrorCauses(t *testing.T) {
 				h.Timeout = caddy.Duration(DefaultTimeout)
 			})
 			h.logger = zap.New(core)
-			for i := 0; i < breakerThreshold; i++ {
+			for i := 0; i < ratelimit.BreakerThreshold; i++ {
 				a := serveRL(h, "192.0.2.90", nil)
 				if a.status != http.StatusServiceUnavailable || a.retryAfter() != 1 {
 					t.Fatalf("request %d: status %d Retry-After %q, want 503 with Retry-After 1", i, a.status, a.header.Get(HeaderRetryAfter))
@@ -99,7 +100,7 @@ func TestRateLimitErrorCauses(t *testing.T) {
 					t.Fatalf("request %d took %s: a fast failure was made to wait", i, a.elapsed)
 				}
 			}
-			if !h.client.batcher().breaker.open.Load() {
+			if !h.client.batcher().BreakerOpen() {
 				t.Error("breaker not open after repeated failures")
 			}
 			var before int64

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -74,7 +75,7 @@ func TestRateLimitRedisDown(t *testing.T) {
 					}(i)
 				}
 				wg.Wait()
-				if !h.client.batcher().breaker.open.Load() {
+				if !h.client.batcher().BreakerOpen() {
 					t.Fatal("breaker not open after repeated failures")
 				}
 				if n := logs.FilterMessageSnippet("redis unavailable").Len(); n != 1 {
@@ -100,40 +101,11 @@ func TestRateLimitRedisDown(t *testing.T) {
 					}
 					time.Sleep(100 * time.Millisecond)
 				}
-				if h.client.batcher().breaker.open.Load() {
+				if h.client.batcher().BreakerOpen() {
 					t.Fatal("breaker still open after recovery")
 				}
 			})
 		}
-	}
-}
-
-// TestRateLimitBreakerProbes: an open breaker answers without Redis and
-// lets about one call a second through.
-func TestRateLimitBreakerProbes(t *testing.T) {
-	t.Parallel()
-	var b breaker
-	nop := zap.NewNop()
-	now := time.Now()
-	for i := 0; i < breakerThreshold-1; i++ {
-		b.failure(now, nop)
-	}
-	if !b.allow(now) {
-		t.Fatal("breaker opened before the threshold")
-	}
-	b.failure(now, nop)
-	if b.allow(now) || b.allow(now.Add(999*time.Millisecond)) {
-		t.Fatal("open breaker let a call through before a second passed")
-	}
-	if !b.allow(now.Add(time.Second)) {
-		t.Fatal("no probe after a second")
-	}
-	if b.allow(now.Add(time.Second + time.Millisecond)) {
-		t.Fatal("two probes in the same second")
-	}
-	b.success(nop)
-	if !b.allow(now.Add(time.Second + 2*time.Millisecond)) {
-		t.Fatal("breaker did not close after a success")
 	}
 }
 
@@ -161,7 +133,7 @@ func TestRateLimitBatcherLogsThroughCurrentConfig(t *testing.T) {
 	}
 	_ = old.Cleanup()
 	r.Kill()
-	for i := 0; i < breakerThreshold+1; i++ {
+	for i := 0; i < ratelimit.BreakerThreshold+1; i++ {
 		serveRL(cur, "192.0.2.2", nil)
 	}
 	if curLogs.FilterMessageSnippet("redis unreachable").Len() != 1 {

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -108,7 +109,7 @@ func FuzzRateLimitHeaders(f *testing.F) {
 		if wait < int64(time.Millisecond) || wait > int64(1000*time.Hour) {
 			wait = int64(time.Millisecond)
 		}
-		h.deny.put("k", denyEntry{until: now.Add(time.Duration(wait)), retryAt: now.Add(time.Duration(wait)), tight: 0}, now)
+		h.deny.Put("k", ratelimit.DenyEntry{Until: now.Add(time.Duration(wait)), RetryAt: now.Add(time.Duration(wait)), Tight: 0}, now)
 		req := httptest.NewRequest("GET", "/", nil)
 		req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer()))
 		w := httptest.NewRecorder()

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -30,7 +31,7 @@ type gcraAdm struct{ at, tat, sum int64 }
 
 func (k *gcraKey) admit() (gcraAdm, bool) {
 	k.t.Helper()
-	res, err := decideOnce(context.Background(), k.c, gcraScript, []string{k.key}, 1, k.hold, k.n, k.w, k.n).Result()
+	res, err := decideOnce(context.Background(), k.c, ratelimit.GCRAScript, []string{k.key}, 1, k.hold, k.n, k.w, k.n).Result()
 	if err != nil || len(res) != 6 {
 		k.t.Fatalf("decision: %v %v", res, err)
 	}
@@ -48,7 +49,7 @@ func (k *gcraKey) mustAdmit() gcraAdm {
 
 func (k *gcraKey) giveBack(a gcraAdm) {
 	k.t.Helper()
-	if err := gcraReturnScript.Run(context.Background(), k.c, []string{k.key}, 1, k.n, k.w, k.n, a.tat, a.sum).Err(); err != nil {
+	if err := ratelimit.GCRAReturnScript.Run(context.Background(), k.c, []string{k.key}, 1, k.n, k.w, k.n, a.tat, a.sum).Err(); err != nil {
 		k.t.Fatal(err)
 	}
 }
@@ -306,7 +307,7 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 		for _, v := range rates {
 			argv = append(argv, v)
 		}
-		res, err := decideOnce(ctx, c, gcraScript, keys, argv...).Result()
+		res, err := decideOnce(ctx, c, ratelimit.GCRAScript, keys, argv...).Result()
 		if err != nil || res[0] < 0 {
 			t.Fatalf("decision: %v %v", res, err)
 		}
@@ -318,7 +319,7 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 	for i := 0; i < 2; i++ {
 		argv = append(argv, rates[3*i], rates[3*i+1], rates[3*i+2], rr[4+4*i], rr[5+4*i])
 	}
-	if err := gcraReturnScript.Run(ctx, c, keys, argv...).Err(); err != nil {
+	if err := ratelimit.GCRAReturnScript.Run(ctx, c, keys, argv...).Err(); err != nil {
 		t.Fatal(err)
 	}
 	for n := 0; n < 8; n++ {

@@ -13,13 +13,14 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"go.uber.org/zap"
 )
 
 var (
 	//go:embed scripts/admin_ratelimit_peek.lua
 	adminRateLimitPeekLua    string
-	adminRateLimitPeekScript = newScript(adminRateLimitPeekLua)
+	adminRateLimitPeekScript = redisconn.NewScript(adminRateLimitPeekLua)
 )
 
 // quotaView is one rate of a key's quota.
@@ -113,10 +114,11 @@ func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quot
 	return views, found, nil
 }
 
-// peekSliding reads a sliding_window log (see scripts/ratelimit_sliding.lua:
-// a 24-byte header {pos, lo, last}, then a ring of n 8-byte admission times
-// in µs) as the script would count it at now: the admissions within the
-// window, and µs until the oldest of them leaves it.
+// peekSliding reads a sliding_window log (see
+// internal/ratelimit/scripts/ratelimit_sliding.lua: a 24-byte header {pos,
+// lo, last}, then a ring of n 8-byte admission times in µs) as the script
+// would count it at now: the admissions within the window, and µs until
+// the oldest of them leaves it.
 func peekSliding(raw string, now float64, s rateSpec) (used, remaining int64, reset float64) {
 	const hdr = 24
 	remaining = s.n
@@ -148,8 +150,9 @@ func peekSliding(raw string, now float64, s rateSpec) (used, remaining int64, re
 }
 
 // peekGCRA reads a gcra theoretical arrival time (see
-// scripts/ratelimit_gcra.lua) as the script would report it at now without
-// admitting: requests that may pass now, and µs until one more may.
+// internal/ratelimit/scripts/ratelimit_gcra.lua) as the script would report
+// it at now without admitting: requests that may pass now, and µs until one
+// more may.
 func peekGCRA(raw string, now float64, s rateSpec) (used, remaining int64, reset float64) {
 	burst := s.burst
 	if raw == "" {
@@ -172,18 +175,6 @@ func peekGCRA(raw string, now float64, s rateSpec) (used, remaining int64, reset
 		reset = max(1, math.Ceil(debt-tau+float64(rem+1)*T))
 	}
 	return burst - rem, rem, reset
-}
-
-// forget drops a key from the deny cache, under every plan.
-func (c *denyCache) forget(id string) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	delete(c.m, id)
-	for k := range c.m {
-		if strings.HasPrefix(k, id+"\x00") {
-			delete(c.m, k)
-		}
-	}
 }
 
 // quotaAnswer is GET and DELETE /redisdlm/limits/<handler>/<key>.
@@ -235,7 +226,7 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	n, err := h.client.client.Del(ctx, keys...).Result()
 	for _, o := range copies {
 		if o.deny != nil {
-			o.deny.forget(id)
+			o.deny.Forget(id)
 		}
 	}
 	if err != nil {

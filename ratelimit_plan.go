@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -49,7 +50,7 @@ type Rate struct {
 // placeholder each), as the Caddyfile `rate <n> <window>` gives them.
 func RateOf(n, window string) (Rate, error) {
 	var r Rate
-	if hasPlaceholder(n) {
+	if redisconn.HasPlaceholder(n) {
 		r.requestsTmpl = n
 	} else {
 		v, err := strconv.Atoi(n)
@@ -58,7 +59,7 @@ func RateOf(n, window string) (Rate, error) {
 		}
 		r.Requests = v
 	}
-	if hasPlaceholder(window) {
+	if redisconn.HasPlaceholder(window) {
 		r.windowTmpl = window
 	} else {
 		d, err := caddy.ParseDuration(window)
@@ -119,7 +120,7 @@ func (r *Rate) UnmarshalJSON(b []byte) error {
 		if err := json.Unmarshal(raw.Window, &s); err != nil {
 			return err
 		}
-		if hasPlaceholder(s) {
+		if redisconn.HasPlaceholder(s) {
 			r.windowTmpl = s
 			return nil
 		}

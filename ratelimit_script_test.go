@@ -9,12 +9,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/redis/go-redis/v9"
 )
 
 // slidingReferenceLua is the first sliding_window script, which reads the log
 // 8 or 24 bytes at a time and always writes with SETRANGE: the reference
-// that scripts/ratelimit_sliding.lua (which reads a prefix of the log at once
+// that internal/ratelimit/scripts/ratelimit_sliding.lua (which reads a prefix of the log at once
 // and writes a short log with one SET) must agree with.
 var slidingReferenceLua = redis.NewScript(`
 local t = redis.call('TIME')
@@ -213,7 +214,7 @@ func TestRateLimitSlidingScriptMatchesReference(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The script takes cost 1 and no hold first.
-		res, err := decideOnce(ctx, c, slidingScript, keysB, append([]any{1, 0}, args...)...).Result()
+		res, err := decideOnce(ctx, c, ratelimit.SlidingScript, keysB, append([]any{1, 0}, args...)...).Result()
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -283,7 +284,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 					t.Fatalf("request %d past the per-second rate admitted", i)
 				}
 			}
-			h.deny = newDenyCache(denyCacheSize) // ask Redis, not memory, below
+			h.deny = ratelimit.NewDenyCache(denyCacheSize) // ask Redis, not memory, below
 			for i := 0; i < 3; i++ {
 				if a := serveRL(h, "192.0.2.3", nil); a.passed {
 					t.Fatalf("request %d past the per-second rate admitted", i)
@@ -296,7 +297,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 			// Both rates count only the 2 admitted requests: after a second
 			// the per-minute rate (3) has room for exactly one more.
 			time.Sleep(1100 * time.Millisecond)
-			h.deny = newDenyCache(denyCacheSize)
+			h.deny = ratelimit.NewDenyCache(denyCacheSize)
 			if a := serveRL(h, "192.0.2.3", nil); !a.passed {
 				t.Fatalf("third request after the per-second window: want admitted by both rates, got %d (RateLimit %q)", a.status, a.header.Get(HeaderRateLimit))
 			}
@@ -475,43 +476,6 @@ func TestRateLimitDenyCacheNoRedis(t *testing.T) {
 	}
 	if got := r.CommandCalls("evalsha") + r.CommandCalls("eval"); got != calls+1 {
 		t.Fatalf("other key: %d script calls, want 1", got-calls)
-	}
-}
-
-// TestRateLimitDenyCacheBounded: the cache never holds more than its cap and
-// never answers past its entry's moment.
-func TestRateLimitDenyCacheBounded(t *testing.T) {
-	t.Parallel()
-	c := newDenyCache(100)
-	now := time.Now()
-	for i := 0; i < 1000; i++ {
-		c.put(fmt.Sprint(i), denyEntry{until: now.Add(time.Duration(i%7+1) * time.Second)}, now)
-		if c.len() > 100 {
-			t.Fatalf("cache holds %d entries, cap 100", c.len())
-		}
-	}
-	c.put("x", denyEntry{until: now.Add(time.Second), cost: 1}, now)
-	if _, ok := c.get("x", now.Add(999*time.Millisecond), 1); !ok {
-		t.Fatal("entry missing before its moment")
-	}
-	// Another cost asks Redis: a cheaper request may pass, a costlier one
-	// passes later than the entry's Retry-After.
-	for _, cost := range []int64{2, 0} {
-		if _, ok := c.get("x", now.Add(500*time.Millisecond), cost); ok {
-			t.Fatalf("an entry for cost 1 answered a request of cost %d", cost)
-		}
-	}
-	if _, ok := c.get("x", now.Add(time.Second), 1); ok {
-		t.Fatal("entry answered at its moment")
-	}
-	later := now.Add(time.Minute)
-	c.put("y", denyEntry{until: later.Add(time.Second)}, later)
-	if c.len() > 100 {
-		t.Fatalf("cache holds %d entries", c.len())
-	}
-	c.put("z", denyEntry{until: now}, now) // already over: not stored
-	if _, ok := c.get("z", now.Add(-time.Second), 1); ok {
-		t.Fatal("expired entry stored")
 	}
 }
 
@@ -700,7 +664,7 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	}
 	cleanup1()
 	select {
-	case <-b.stop:
+	case <-b.Stopped():
 		t.Fatal("batcher stopped while a handler still uses it")
 	default:
 	}
@@ -711,12 +675,12 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	// It serves requests of the old config still on their way for
 	// destructGrace, then stops.
 	select {
-	case <-b.stop:
+	case <-b.Stopped():
 		t.Fatal("batcher stopped at once: a request of the old config on its way would fail")
 	default:
 	}
 	select {
-	case <-b.stop:
+	case <-b.Stopped():
 	case <-time.After(destructGrace + 5*time.Second):
 		t.Fatal("batcher still running after the last Cleanup and the grace")
 	}

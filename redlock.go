@@ -15,11 +15,12 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"time"
 
-	"go.uber.org/zap"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 )
 
 var (
@@ -34,11 +35,11 @@ var (
 	//go:embed scripts/lock_renew.lua
 	renewLua string
 
-	acquireScript    = newScript(acquireLua)
-	extendScript     = newScript(extendLua)
-	releaseScript    = newScript(releaseLua)
-	fenceRaiseScript = newScript(fenceRaiseLua)
-	renewScript      = newScript(renewLua)
+	acquireScript    = redisconn.NewScript(acquireLua)
+	extendScript     = redisconn.NewScript(extendLua)
+	releaseScript    = redisconn.NewScript(releaseLua)
+	fenceRaiseScript = redisconn.NewScript(fenceRaiseLua)
+	renewScript      = redisconn.NewScript(renewLua)
 )
 
 // Sentinel errors of the lock engine; compare with errors.Is.
@@ -81,7 +82,7 @@ type lockOptions struct {
 	// (kept this long) when there is one (one server, one key).
 	Replay time.Duration
 	// Handler names the handler in the log lines of the releases it
-	// leaves to a server's background releaser ("" for unnamed).
+	// leaves to a server's background releaser.
 	Handler string
 }
 
@@ -97,7 +98,7 @@ type locker struct {
 	quorum  int
 	opts    lockOptions
 	dom     *domain
-	logger  *zap.Logger
+	logger  *slog.Logger
 }
 
 // newLocker builds a locker over servers (1, 3, 5 or 7). It does not dial.
@@ -106,7 +107,7 @@ type locker struct {
 // servers and the options a hand-off passes on (ttl, permits,
 // sync_replicas): a lease is only ever handed to a waiter that would have
 // taken the same lease itself.
-func newLocker(servers []*server, opts lockOptions, logger *zap.Logger) *locker {
+func newLocker(servers []*server, opts lockOptions, logger *slog.Logger) *locker {
 	ids := make([]string, len(servers))
 	for i, s := range servers {
 		ids[i] = s.id
@@ -176,13 +177,13 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 
 func (l *locker) useServers() {
 	for _, s := range l.servers {
-		s.use()
+		s.conn.Use()
 	}
 }
 
 func (l *locker) unuseServers() {
 	for _, s := range l.servers {
-		s.unuse()
+		s.conn.Unuse()
 	}
 }
 

@@ -9,14 +9,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // releaseJob is one owner-checked release of one key on one server.
@@ -41,7 +42,7 @@ type releaseJob struct {
 
 // releaseStoreScript is the release script without allow-oom, for a
 // release that stores an answer for replay: that one can grow memory.
-var releaseStoreScript = newScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
+var releaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
 
 // isOOM reports whether Redis refused a call for being over maxmemory.
 func isOOM(err error) bool {
@@ -211,16 +212,16 @@ type releaseState struct {
 // the handler, the server and the key's hash; the key itself at debug).
 func (r *releaser) retry(job releaseJob, err error) {
 	if err != nil {
-		countReleaseFailure()
+		if r.s.onReleaseFailure != nil {
+			r.s.onReleaseFailure()
+		}
 		lg := r.s.logger()
 		if due, n := r.warn.due(); due && lg != nil {
 			lg.Warn("releasing a lock failed; retrying in the background until redis answers",
-				append(r.jobFields(job), zap.Error(err), zap.Int64("failures_since_last_warning", n))...)
+				append(r.jobFields(job), slog.Any("error", err), slog.Int64("failures_since_last_warning", n))...)
 		}
-		if lg != nil {
-			if c := lg.Check(zapcore.DebugLevel, "releasing a lock failed"); c != nil {
-				c.Write(append(r.jobFields(job), zap.String("key", job.key), zap.Error(err))...)
-			}
+		if lg != nil && lg.Enabled(context.Background(), slog.LevelDebug) {
+			lg.Debug("releasing a lock failed", append(r.jobFields(job), slog.String("key", job.key), slog.Any("error", err))...)
 		}
 	}
 	r.mu.Lock()
@@ -237,14 +238,14 @@ func (r *releaser) retry(job releaseJob, err error) {
 	}
 	if !r.running {
 		r.running = true
-		r.s.use() // the client stays open while releases are owed
+		r.s.conn.Use() // the client stays open while releases are owed
 		go r.run()
 	}
 }
 
 // jobFields name a job's handler, server and key (hashed) in a log line.
-func (r *releaser) jobFields(job releaseJob) []zap.Field {
-	return []zap.Field{zap.String("handler", handlerRef(job.handler)), zap.String("server", r.s.name), zap.String("key_hash", wakeID(job.key))}
+func (r *releaser) jobFields(job releaseJob) []any {
+	return []any{slog.String("handler", job.handler), slog.String("server", r.s.name), slog.String("key_hash", wakeID(job.key))}
 }
 
 // pendingCount is how many releases are owed (for tests and the admin API).
@@ -259,7 +260,7 @@ func (r *releaser) pendingCount() int {
 // releases still owed keep their runner (no lock is held while it
 // recovers).
 func (r *releaser) run() {
-	defer r.s.unuse()
+	defer r.s.conn.Unuse()
 	wait := releaseRetryMin
 	for r.round(&wait) {
 		time.Sleep(wait)
@@ -335,7 +336,7 @@ func (r *releaser) owedLocked() bool {
 func (r *releaser) logPanic(p any) {
 	defer func() { _ = recover() }()
 	if lg := r.s.logger(); lg != nil {
-		lg.Error("panic in the lock releaser; recovered", zap.Any("panic", p), zap.Stack("stack"))
+		lg.Error("panic in the lock releaser; recovered", slog.Any("panic", p), slog.String("stack", string(debug.Stack())))
 	}
 }
 

@@ -7,12 +7,13 @@ package redisdlm
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // wakeChannel is the one Pub/Sub channel per Redis server on which releases
@@ -48,7 +49,7 @@ func dispatchWake(payload string) {
 // server.
 type wakeListener struct {
 	client   redis.UniversalClient
-	logger   func() *zap.Logger
+	logger   func() *slog.Logger
 	dispatch func(payload string) // dispatchWake; tests replace it
 
 	mu      sync.Mutex
@@ -60,7 +61,7 @@ type wakeListener struct {
 	ps      *redis.PubSub
 }
 
-func newWakeListener(c redis.UniversalClient, logger func() *zap.Logger) *wakeListener {
+func newWakeListener(c redis.UniversalClient, logger func() *slog.Logger) *wakeListener {
 	return &wakeListener{client: c, logger: logger, dispatch: dispatchWake, ready: make(chan struct{})}
 }
 
@@ -135,7 +136,7 @@ func (wl *wakeListener) run(ctx context.Context) (panicked bool) {
 			wl.setActive(false)
 			panicked = true
 			if lg := wl.logger(); lg != nil {
-				lg.Error("panic in the redis_lock wake-up listener; restarting it", zap.Any("panic", r), zap.Stack("stack"))
+				lg.Error("panic in the redis_lock wake-up listener; restarting it", slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
 			}
 		}
 	}()

@@ -66,7 +66,7 @@ func TestCostGoalsFrom(t *testing.T) {
 	load := func(xs ...costSample) *costLoad { return &costLoad{samples: xs} }
 	plainL := load(s(1000, 0.05, 0, 0), s(2000, 0.10, 0, 0))
 	lockedL := load(s(600, 0.06, 0.060, 0), s(1000, 0.10, 0.100, 0)) // Caddy 100 µs vs 50: +1.0; Redis 100 µs
-	floorL := load(s(2000, 0, 0.100, 0), s(2000, 0, 0.100, 0))      // 50 µs: ratio 2.0
+	floorL := load(s(2000, 0, 0.100, 0), s(2000, 0, 0.100, 0))       // 50 µs: ratio 2.0
 	seq := []seqResult{
 		{name: "plain", median: 400 * time.Microsecond, n: 10},
 		{name: "locked", median: 700 * time.Microsecond, n: 10},

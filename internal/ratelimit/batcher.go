@@ -1,9 +1,10 @@
-package redisdlm
+package ratelimit
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"runtime/debug"
 	"strings"
@@ -11,57 +12,59 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // Batching of rate-limit decisions: the requests of one Redis client hand
 // their script call to a worker, which sends whatever is waiting as one
-// pipeline (its decisions as one script call, see ratelimit_multi.go). An
+// pipeline (its decisions as one script call, see multi.go). An
 // idle worker sends at once; while a pipeline is in flight, new calls
 // accumulate and leave together.
 
 const (
-	// Pipelines in flight at once, per Redis client. One: under load each
-	// then carries all that arrived during the last round trip (one write,
-	// one read and one script call for all of them, on Caddy's side and on
-	// Redis's; with 2, each carried half as many for the same latency), and
-	// an idle worker still sends at once.
-	batchWorkers = 1
-	batchMax     = 128 // script calls per pipeline
-	batchQueue   = 1024
+	// Workers is the pipelines in flight at once, per Redis client. One:
+	// under load each then carries all that arrived during the last round
+	// trip (one write, one read and one script call for all of them, on
+	// Caddy's side and on Redis's; with 2, each carried half as many for
+	// the same latency), and an idle worker still sends at once.
+	Workers    = 1
+	batchMax   = 128 // script calls per pipeline
+	batchQueue = 1024
 
-	breakerThreshold = 3           // consecutive failures that open the breaker
+	// BreakerThreshold is the consecutive failures that open the breaker.
+	BreakerThreshold = 3
 	breakerProbe     = time.Second // how often an open breaker lets one call try Redis
 )
 
+// The batcher's own failures (besides Redis's errors and ErrFailedRun).
 var (
-	errRedisTimeout = errors.New("redisdlm: redis did not answer within the timeout")
-	errBreakerOpen  = errors.New("redisdlm: redis unreachable (circuit breaker open)")
-	errBatcherDone  = errors.New("redisdlm: redis client closed")
+	ErrRedisTimeout = errors.New("redisdlm: redis did not answer within the timeout")
+	ErrBreakerOpen  = errors.New("redisdlm: redis unreachable (circuit breaker open)")
+	ErrBatcherDone  = errors.New("redisdlm: redis client closed")
 )
 
-// rlBatcher sends the script calls of one Redis client in pipelines, and
+// Batcher sends the script calls of one Redis client in pipelines, and
 // keeps the breaker of that client.
-type rlBatcher struct {
+type Batcher struct {
 	client  redis.UniversalClient
-	cluster bool // group batches per hash slot
-	queue   chan *rlCall
+	logger  func() *slog.Logger // for a panic of a worker
+	cluster bool                // group batches per hash slot
+	queue   chan *Call
 	stop    chan struct{}
 	once    sync.Once
 	breaker breaker
 }
 
-// rlCall is one request's script call.
-type rlCall struct {
-	script   *luaScript
-	keys     []string
-	argv     []any        // a decision: its parameter set (shared by the calls of one plan)
+// Call is one request's script call.
+type Call struct {
+	Script   *redisconn.Script
+	Keys     []string
+	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
-	res      []int64      // a decision's answer (see the decision scripts)
-	err      error
+	Res      []int64      // a decision's answer (see the decision scripts)
+	Err      error
 	done     chan struct{} // closed by the worker that took the call
 	finished bool          // done is closed (the worker's own record)
 }
@@ -72,12 +75,16 @@ const (
 	callAbandoned
 )
 
-func newBatcher(c redis.UniversalClient, workers int) *rlBatcher {
+// NewBatcher starts workers (pipelines in flight at once; Workers in
+// production, 0 for a test that sends by hand) for client c; logger
+// returns the logger of the moment, for a worker's panic.
+func NewBatcher(c redis.UniversalClient, workers int, logger func() *slog.Logger) *Batcher {
 	_, cluster := c.(*redis.ClusterClient)
-	b := &rlBatcher{
+	b := &Batcher{
 		client:  c,
+		logger:  logger,
 		cluster: cluster,
-		queue:   make(chan *rlCall, batchQueue),
+		queue:   make(chan *Call, batchQueue),
 		stop:    make(chan struct{}),
 	}
 	for i := 0; i < workers; i++ {
@@ -86,27 +93,37 @@ func newBatcher(c redis.UniversalClient, workers int) *rlBatcher {
 	return b
 }
 
-// close stops the workers (the last handler using this client is gone).
-// Waiting callers get errBatcherDone.
-func (b *rlBatcher) close() {
+// Close stops the workers (the last handler using this client is gone).
+// Waiting callers get ErrBatcherDone.
+func (b *Batcher) Close() {
 	b.once.Do(func() { close(b.stop) })
 }
 
-// do runs one call through the breaker and the pipeline: refused at once
+// Observer is told when the breaker opens and closes (the calling
+// handler logs it: the batcher outlives configs, its log lines do not).
+type Observer interface {
+	// BreakerOpened: Redis failed consecutiveFailures times in a row;
+	// calls are refused without Redis, probed about once per second.
+	BreakerOpened(consecutiveFailures int)
+	// BreakerClosed: a call succeeded while the breaker was open.
+	BreakerClosed()
+}
+
+// Do runs one call through the breaker and the pipeline: refused at once
 // while the breaker is open; otherwise its outcome (a Redis failure or an
-// answer) is what the breaker counts. logger gets the breaker's changes.
-func (b *rlBatcher) do(ctx context.Context, c *rlCall, timeout time.Duration, logger *zap.Logger) ([]int64, error) {
+// answer) is what the breaker counts. obs is told of the breaker's changes.
+func (b *Batcher) Do(ctx context.Context, c *Call, timeout time.Duration, obs Observer) ([]int64, error) {
 	if !b.breaker.allow(time.Now()) {
-		return nil, errBreakerOpen
+		return nil, ErrBreakerOpen
 	}
 	res, err := b.call(ctx, c, timeout)
 	switch {
 	case err == nil:
-		b.breaker.success(logger)
+		b.breaker.success(obs)
 	case ctx.Err() != nil:
 		// The client went away: says nothing about Redis.
-	case errors.Is(err, errRedisTimeout) || isRedisDown(err) || isAuthFailure(err):
-		b.breaker.failure(time.Now(), logger)
+	case errors.Is(err, ErrRedisTimeout) || redisconn.IsRedisDown(err) || isAuthFailure(err):
+		b.breaker.failure(time.Now(), obs)
 	}
 	return res, err
 }
@@ -136,7 +153,7 @@ func isAuthFailure(err error) bool {
 // No timer per call: the worker that takes a call answers it by its
 // deadline (a call taken too late is not sent; a pipeline's context ends at
 // the earliest deadline in it). Only a full queue waits with a timer.
-func (b *rlBatcher) call(ctx context.Context, c *rlCall, timeout time.Duration) ([]int64, error) {
+func (b *Batcher) call(ctx context.Context, c *Call, timeout time.Duration) ([]int64, error) {
 	c.deadline = time.Now().Add(timeout)
 	c.done = make(chan struct{})
 	select {
@@ -148,19 +165,19 @@ func (b *rlBatcher) call(ctx context.Context, c *rlCall, timeout time.Duration) 
 	}
 	select {
 	case <-c.done:
-		return c.res, c.err
+		return c.Res, c.Err
 	case <-ctx.Done():
 		// If a worker took it already, it ends by the call's deadline.
 		c.state.CompareAndSwap(callPending, callAbandoned)
 		return nil, ctx.Err()
 	case <-b.stop:
 		if c.state.CompareAndSwap(callPending, callAbandoned) {
-			return nil, errBatcherDone
+			return nil, ErrBatcherDone
 		}
 		// Taken: the worker answers it by the deadline.
 		select {
 		case <-c.done:
-			return c.res, c.err
+			return c.Res, c.Err
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		}
@@ -168,25 +185,25 @@ func (b *rlBatcher) call(ctx context.Context, c *rlCall, timeout time.Duration) 
 }
 
 // enqueueSlow waits for room in a full queue, at most timeout.
-func (b *rlBatcher) enqueueSlow(ctx context.Context, c *rlCall, timeout time.Duration) error {
+func (b *Batcher) enqueueSlow(ctx context.Context, c *Call, timeout time.Duration) error {
 	timer := time.NewTimer(timeout)
 	defer timer.Stop()
 	select {
 	case b.queue <- c:
 		return nil
 	case <-b.stop:
-		return errBatcherDone
+		return ErrBatcherDone
 	case <-ctx.Done():
 		return ctx.Err()
 	case <-timer.C:
-		return errRedisTimeout
+		return ErrRedisTimeout
 	}
 }
 
 // work is one worker: it takes a call, adds whatever else waits, and sends
 // them as one pipeline.
-func (b *rlBatcher) work() {
-	batch := make([]*rlCall, 0, batchMax)
+func (b *Batcher) work() {
+	batch := make([]*Call, 0, batchMax)
 	for {
 		batch = batch[:0]
 		select {
@@ -211,7 +228,7 @@ func (b *rlBatcher) work() {
 }
 
 // fill adds to batch whatever waits in the queue, up to batchMax.
-func (b *rlBatcher) fill(batch []*rlCall) []*rlCall {
+func (b *Batcher) fill(batch []*Call) []*Call {
 	for len(batch) < batchMax {
 		select {
 		case c := <-b.queue:
@@ -225,22 +242,22 @@ func (b *rlBatcher) fill(batch []*rlCall) []*rlCall {
 
 // take adds c to batch unless its caller gave up, or its deadline passed
 // while it waited in the queue (then it is answered at once, unsent).
-func (b *rlBatcher) take(batch []*rlCall, c *rlCall) []*rlCall {
+func (b *Batcher) take(batch []*Call, c *Call) []*Call {
 	if !c.state.CompareAndSwap(callPending, callTaken) {
 		return batch
 	}
 	if !time.Now().Before(c.deadline) {
-		c.finish(errRedisTimeout)
+		c.finish(ErrRedisTimeout)
 		return batch
 	}
 	return append(batch, c)
 }
 
 // send runs one pipeline; every call in batch is answered, also on panic.
-func (b *rlBatcher) send(batch []*rlCall) {
+func (b *Batcher) send(batch []*Call) {
 	defer func() {
 		if r := recover(); r != nil {
-			caddy.Log().Named("redisdlm").Error("panic in the redis_ratelimit batcher; recovered", zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+			b.logger().Error("panic in the redis_ratelimit batcher; recovered", slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
 			for _, c := range batch {
 				c.finish(fmt.Errorf("redisdlm: panic in batcher: %v", r))
 			}
@@ -251,7 +268,7 @@ func (b *rlBatcher) send(batch []*rlCall) {
 
 // sendUnits sends the units as one pipeline, within the earliest deadline of
 // their calls, and answers every call.
-func (b *rlBatcher) sendUnits(us []*rlUnit) {
+func (b *Batcher) sendUnits(us []*rlUnit) {
 	deadline := us[0].calls[0].deadline
 	for _, u := range us {
 		for _, c := range u.calls {
@@ -286,30 +303,30 @@ func (b *rlBatcher) sendUnits(us []*rlUnit) {
 	var alone []*rlUnit // decisions of a batch that failed before writing
 	for i, u := range us {
 		err := cmds[i].Err()
-		if err != nil && ctx.Err() != nil && isRedisDown(err) {
+		if err != nil && ctx.Err() != nil && redisconn.IsRedisDown(err) {
 			// The deadline of the first call in the pipeline passed.
-			err = fmt.Errorf("%w (%v)", errRedisTimeout, err)
+			err = fmt.Errorf("%w (%v)", ErrRedisTimeout, err)
 		}
 		if err == nil && execErr != nil && unanswered(cmds[i]) {
 			// The pipeline failed before this call got an answer (e.g. the
 			// connection's AUTH was refused): that failure is its answer.
 			err = execErr
 		}
-		if err == nil && u.batch && !u.answer(cmds[i].(noRetryInts).Val()) {
+		if err == nil && u.batch && !u.answer(cmds[i].(redisconn.NoRetryInts).Val()) {
 			err = answerError(fmt.Sprintf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls)))
 		}
 		for _, c := range u.calls {
 			switch {
 			case err != nil || !u.batch:
 				c.finish(err)
-			case len(u.calls) > 1 && c.res[0] == failedRead:
+			case len(u.calls) > 1 && c.Res[0] == failedRead:
 				// Nothing of it was written: alone, it fails with Redis's
 				// own error (or, if its key changed meanwhile, is decided).
-				c.res = nil
-				alone = append(alone, &rlUnit{calls: []*rlCall{c}, batch: true})
-			case c.res[0] == failedRun:
-				c.res = nil
-				c.finish(errFailedRun)
+				c.Res = nil
+				alone = append(alone, &rlUnit{calls: []*Call{c}, batch: true})
+			case c.Res[0] == failedRun:
+				c.Res = nil
+				c.finish(ErrFailedRun)
 			default:
 				c.finish(nil)
 			}
@@ -320,10 +337,10 @@ func (b *rlBatcher) sendUnits(us []*rlUnit) {
 	}
 }
 
-// errFailedRun answers a decision of a batch that failed once it had begun
+// ErrFailedRun answers a decision of a batch that failed once it had begun
 // recording (Redis refused a write, e.g. out of memory): it is not sent
 // again, so nothing is counted twice.
-var errFailedRun = answerError("redis_ratelimit: the decision failed while recording it (Redis refused a write, e.g. out of memory); not sent again")
+var ErrFailedRun = answerError("redis_ratelimit: the decision failed while recording it (Redis refused a write, e.g. out of memory); not sent again")
 
 // answerError is an answer from Redis that makes no sense as a decision: a
 // fault, but not one of reaching Redis (the breaker does not count it).
@@ -335,21 +352,21 @@ func (e answerError) Error() string { return string(e) }
 func (e answerError) RedisError() {}
 
 // finish answers c (once).
-func (c *rlCall) finish(err error) {
+func (c *Call) finish(err error) {
 	if c.finished {
 		return
 	}
 	c.finished = true
-	c.err = err
+	c.Err = err
 	close(c.done)
 }
 
 // unanswered reports whether cmd got no answer at all.
 func unanswered(cmd redis.Cmder) bool {
 	switch c := cmd.(type) {
-	case noRetryInts:
+	case redisconn.NoRetryInts:
 		return c.Val() == nil
-	case noRetry:
+	case redisconn.NoRetry:
 		return c.Val() == nil
 	}
 	return false
@@ -361,7 +378,7 @@ func unanswered(cmd redis.Cmder) bool {
 // whose answers were lost, which would count its decisions twice, or return
 // an admission twice); a MOVED or ASK answer, which means the command did
 // not run, is still followed.
-func (b *rlBatcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.Cmder, error) {
+func (b *Batcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.Cmder, error) {
 	cmds := make([]redis.Cmder, len(us))
 	pipe := b.client.Pipeline()
 	for i, u := range us {
@@ -375,9 +392,9 @@ func (b *rlBatcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.
 // cmd is the unit's command, never resent by go-redis.
 func (u *rlUnit) cmd(ctx context.Context, eval bool) redis.Cmder {
 	if u.batch {
-		return noRetryInts{redis.NewIntSliceCmd(ctx, u.command(eval)...)}
+		return redisconn.NoRetryInts{IntSliceCmd: redis.NewIntSliceCmd(ctx, u.command(eval)...)}
 	}
-	return noRetry{redis.NewCmd(ctx, u.command(eval)...)}
+	return redisconn.NoRetry{Cmd: redis.NewCmd(ctx, u.command(eval)...)}
 }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;
@@ -404,24 +421,44 @@ func (b *breaker) allow(now time.Time) bool {
 	return true
 }
 
-func (b *breaker) success(logger *zap.Logger) {
+func (b *breaker) success(obs Observer) {
 	if b.fails.Load() != 0 || b.open.Load() {
 		b.fails.Store(0)
 		if b.open.Swap(false) {
-			logger.Info("redis reachable again; rate limiting resumes")
+			obs.BreakerClosed()
 		}
 	}
 }
 
-func (b *breaker) failure(now time.Time, logger *zap.Logger) {
-	if b.fails.Add(1) >= breakerThreshold && !b.open.Load() {
+func (b *breaker) failure(now time.Time, obs Observer) {
+	if b.fails.Add(1) >= BreakerThreshold && !b.open.Load() {
 		b.mu.Lock()
 		b.nextProbe = now.Add(breakerProbe)
 		opened := !b.open.Swap(true)
 		b.mu.Unlock()
 		if opened {
-			logger.Warn("redis unreachable: rate-limit decisions follow the fail policy without calling redis; probing it every second",
-				zap.Int("consecutive_failures", breakerThreshold))
+			obs.BreakerOpened(BreakerThreshold)
 		}
 	}
 }
+
+// BreakerOpen reports whether the breaker is open now.
+func (b *Batcher) BreakerOpen() bool { return b.breaker.open.Load() }
+
+// SendNow sends calls as one pipeline at once, as a worker would, and
+// answers each (Done, Res, Err). For tests, on a batcher without workers.
+func (b *Batcher) SendNow(calls []*Call) {
+	for _, c := range calls {
+		c.deadline = time.Now().Add(5 * time.Second)
+		c.done = make(chan struct{})
+		c.finished = false
+		c.state.Store(callTaken)
+	}
+	b.send(calls)
+}
+
+// Stopped is closed once Close stopped the workers.
+func (b *Batcher) Stopped() <-chan struct{} { return b.stop }
+
+// Done is closed once the call is answered (Res, Err).
+func (c *Call) Done() <-chan struct{} { return c.done }

@@ -1,8 +1,10 @@
-package redisdlm
+package ratelimit
 
 import (
 	"slices"
 	"strings"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 )
 
 // Many decisions in one script call: the decision scripts
@@ -16,15 +18,10 @@ import (
 // instead of once per decision. The answer is one flat array of integers,
 // read without a value per element on either side.
 
-// decisionScripts take a batch; other scripts (returning an admission) are
-// always sent alone. The value is how many integers a decision's answer
-// has per rate (after its first two).
-var decisionScripts = map[*luaScript]int{slidingScript: 2, gcraScript: 4}
-
 // The codes of a decision in a batch that failed (e.g. on a key of another
 // type): failedRead when nothing of it was written (it is sent again alone,
 // so that it gets Redis's own error), failedRun when it failed after writing
-// part of it (it gets errFailedRun).
+// part of it (it gets ErrFailedRun).
 const (
 	failedRead = -1 << 62
 	failedRun  = -1 << 61
@@ -32,7 +29,7 @@ const (
 
 // rlUnit is one command of a pipeline: a decision batch, or a call alone.
 type rlUnit struct {
-	calls []*rlCall
+	calls []*Call
 	batch bool // a decision batch (its answer is split among its calls)
 }
 
@@ -43,26 +40,26 @@ type rlUnit struct {
 func (u *rlUnit) command(eval bool) []any {
 	c0 := u.calls[0]
 	if !u.batch {
-		return append(c0.script.head(eval, c0.keys, len(c0.argv)), c0.argv...)
+		return append(c0.Script.Head(eval, c0.Keys, len(c0.Argv)), c0.Argv...)
 	}
-	keys := make([]string, 0, len(u.calls)*len(c0.keys))
+	keys := make([]string, 0, len(u.calls)*len(c0.Keys))
 	for _, c := range u.calls {
-		keys = append(keys, c.keys...)
+		keys = append(keys, c.Keys...)
 	}
-	args := c0.script.head(eval, keys, 2+len(u.calls)+2*(1+len(c0.argv)))
+	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(1+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets [][]any
 	var idx []int
 	for _, c := range u.calls {
 		i := 0
-		for i < len(sets) && !sameArgs(sets[i], c.argv) {
+		for i < len(sets) && !sameArgs(sets[i], c.Argv) {
 			i++
 		}
 		if i == len(sets) {
-			sets = append(sets, c.argv)
-			args = append(args, len(c.keys))
-			args = append(args, c.argv...)
+			sets = append(sets, c.Argv)
+			args = append(args, len(c.Keys))
+			args = append(args, c.Argv...)
 		}
 		idx = append(idx, i+1)
 	}
@@ -73,6 +70,14 @@ func (u *rlUnit) command(eval bool) []any {
 		}
 	}
 	return args
+}
+
+// BatchOfOne is the command of one decision sent alone, as a batch of one,
+// as the batcher sends it: with EVALSHA, and with EVAL and the script's
+// text (for tests and tools that run one decision).
+func BatchOfOne(c *Call) (evalsha, eval []any) {
+	u := &rlUnit{calls: []*Call{c}, batch: true}
+	return u.command(false), u.command(true)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same
@@ -90,14 +95,14 @@ func sameArgs(a, b []any) bool {
 func (u *rlUnit) answer(vals []int64) bool {
 	n := 0
 	for _, c := range u.calls {
-		n += 2 + decisionScripts[c.script]*len(c.keys)
+		n += 2 + decisionScripts[c.Script]*len(c.Keys)
 	}
 	if len(vals) != n {
 		return false
 	}
 	for _, c := range u.calls {
-		w := 2 + decisionScripts[c.script]*len(c.keys)
-		c.res, vals = vals[:w:w], vals[w:]
+		w := 2 + decisionScripts[c.Script]*len(c.Keys)
+		c.Res, vals = vals[:w:w], vals[w:]
 	}
 	return true
 }
@@ -105,26 +110,26 @@ func (u *rlUnit) answer(vals []int64) bool {
 // units groups a pipeline's calls: the decisions of one script (on a
 // Cluster: of one hash slot as well) become one batch; any other call goes
 // alone.
-func units(batch []*rlCall, cluster bool) []*rlUnit {
+func units(batch []*Call, cluster bool) []*rlUnit {
 	type group struct {
-		script *luaScript
+		script *redisconn.Script
 		slot   int
 	}
 	idx := make(map[group]int, 4)
 	out := make([]*rlUnit, 0, 4)
 	for _, c := range batch {
-		if decisionScripts[c.script] == 0 {
-			out = append(out, &rlUnit{calls: []*rlCall{c}})
+		if decisionScripts[c.Script] == 0 {
+			out = append(out, &rlUnit{calls: []*Call{c}})
 			continue
 		}
-		g := group{script: c.script}
+		g := group{script: c.Script}
 		if cluster {
-			g.slot = keySlot(c.keys[0])
+			g.slot = keySlot(c.Keys[0])
 		}
 		i, ok := idx[g]
 		if !ok {
 			idx[g] = len(out)
-			out = append(out, &rlUnit{calls: make([]*rlCall, 0, len(batch)), batch: true})
+			out = append(out, &rlUnit{calls: make([]*Call, 0, len(batch)), batch: true})
 			i = len(out) - 1
 		}
 		out[i].calls = append(out[i].calls, c)

@@ -1,4 +1,4 @@
-package redisdlm
+package redisconn
 
 // The per-server checks, run on the first connection to each
 // Redis server (never in Provision): the server's version must be at least
@@ -8,13 +8,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // minRedisVersion is the oldest Redis the plugin runs on: the lock scripts
@@ -36,11 +36,12 @@ func (e *tooOldError) Error() string { return e.msg }
 // errHelloUnparsed: HELLO answered without a version (e.g. a proxy).
 var errHelloUnparsed = errors.New("redisdlm: HELLO answer without a version")
 
-// serverCheck checks each server one client connects to, once per server
+// Check checks each server one client connects to, once per server
 // (not per connection): go-redis calls onConnect for every new connection.
-type serverCheck struct {
+type Check struct {
 	mu         sync.Mutex
-	logger     func() *zap.Logger
+	logger     func() *slog.Logger
+	onEvicting func(c *Check, addr string, on bool)
 	minVersion [2]int
 	servers    map[string]*serverState // by address
 	// failover names the master of a Sentinel group, whose connections do
@@ -57,20 +58,40 @@ type serverState struct {
 	configDenied bool // INFO was refused; warned once
 }
 
-// newServerCheck makes the checks of one client; failover names its
-// Sentinel group's master (the client's redacted display name).
-func newServerCheck(logger func() *zap.Logger, failover string) *serverCheck {
-	return &serverCheck{logger: logger, minVersion: minRedisVersion, servers: map[string]*serverState{}, failover: failover}
+// CheckOptions configure the checks of one client.
+type CheckOptions struct {
+	// Logger returns the logger of the moment (the client outlives configs).
+	Logger func() *slog.Logger
+	// Failover names the client's Sentinel group's master (the client's
+	// redacted display name).
+	Failover string
+	// OnEvicting, if set, is told when a server of this client is found
+	// with an evicting maxmemory-policy (on) and when that ends (off: the
+	// policy changed, or Close).
+	OnEvicting func(c *Check, addr string, on bool)
 }
 
-// setLogger replaces the logger (tests observe the checks' log lines).
-func (sc *serverCheck) setLogger(l *zap.Logger) {
+// NewCheck makes the checks of one client.
+func NewCheck(o CheckOptions) *Check {
+	return &Check{logger: o.Logger, onEvicting: o.OnEvicting, minVersion: minRedisVersion, servers: map[string]*serverState{}, failover: o.Failover}
+}
+
+// SetLogger replaces the logger (tests observe the checks' log lines).
+func (sc *Check) SetLogger(l *slog.Logger) {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
-	sc.logger = func() *zap.Logger { return l }
+	sc.logger = func() *slog.Logger { return l }
 }
 
-func (sc *serverCheck) log() *zap.Logger {
+// SetMinVersion replaces the oldest version accepted (tests refuse a
+// server as too old).
+func (sc *Check) SetMinVersion(v [2]int) {
+	sc.mu.Lock()
+	defer sc.mu.Unlock()
+	sc.minVersion = v
+}
+
+func (sc *Check) log() *slog.Logger {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	return sc.logger()
@@ -80,7 +101,7 @@ func (sc *serverCheck) log() *zap.Logger {
 // unless it was checked less than recheckEvery ago, and refuses the
 // connection when the server is unusable. Concurrent first connections to
 // one server wait for one check.
-func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
+func (sc *Check) onConnect(ctx context.Context, cn *redis.Conn) error {
 	addr := connAddr(cn)
 	if addr == "FailoverClient" {
 		addr = sc.failover
@@ -134,7 +155,7 @@ func (sc *serverCheck) onConnect(ctx context.Context, cn *redis.Conn) error {
 // checkVersion judges the server's version from its HELLO answer (HELLO
 // is in the minimal ACL; Redis before 6.0 does not know the command) and
 // sets st.err when it is too old.
-func (sc *serverCheck) checkVersion(version string, err error, addr string, st *serverState, minVersion [2]int) {
+func (sc *Check) checkVersion(version string, err error, addr string, st *serverState, minVersion [2]int) {
 	var re redis.Error
 	switch {
 	case err != nil && errors.As(err, &re) && strings.HasPrefix(strings.ToUpper(re.Error()), "ERR UNKNOWN COMMAND"):
@@ -142,7 +163,7 @@ func (sc *serverCheck) checkVersion(version string, err error, addr string, st *
 	case err != nil:
 		// Refused (e.g. NOPERM) or an odd answer: the version is unknown; go on.
 		sc.log().Warn("cannot read the redis version; make sure the server runs Redis "+versionString(minVersion)+" or newer",
-			zap.String("server", addr), zap.Error(err))
+			slog.String("server", addr), slog.Any("error", err))
 		st.err = nil
 		return
 	}
@@ -153,20 +174,20 @@ func (sc *serverCheck) checkVersion(version string, err error, addr string, st *
 	st.err = &tooOldError{fmt.Sprintf("redisdlm: redis at %s is version %s; redisdlm needs Redis %s or newer (its lock scripts use script flags)",
 		addr, version, versionString(minVersion))}
 	sc.log().Error("redis server too old; calls to it fail until it is upgraded",
-		zap.String("server", addr), zap.String("redis_version", version),
-		zap.String("required", versionString(minVersion)+" or newer"))
+		slog.String("server", addr), slog.String("redis_version", version),
+		slog.String("required", versionString(minVersion)+" or newer"))
 }
 
 // checkPolicy judges maxmemory-policy from the INFO memory answer: an
 // evicting policy can drop a held lock and its fencing counter and let two
 // holders in.
-func (sc *serverCheck) checkPolicy(info string, err error, addr string, st *serverState) {
+func (sc *Check) checkPolicy(info string, err error, addr string, st *serverState) {
 	if err != nil {
 		// Refused by ACL, or INFO renamed or disabled (managed Redis).
 		if !st.configDenied {
 			st.configDenied = true
 			sc.log().Warn("cannot read maxmemory-policy (INFO refused); locks need maxmemory-policy noeviction",
-				zap.String("server", addr), zap.Error(err))
+				slog.String("server", addr), slog.Any("error", err))
 		}
 		return
 	}
@@ -179,51 +200,33 @@ func (sc *serverCheck) checkPolicy(info string, err error, addr string, st *serv
 	evicting := strings.HasPrefix(policy, "allkeys-") || strings.HasPrefix(policy, "volatile-")
 	if evicting {
 		sc.log().Error("redis server evicts keys: it can drop a held lock and its fencing counter and let two holders in; set maxmemory-policy noeviction",
-			zap.String("server", addr), zap.String("maxmemory_policy", policy))
+			slog.String("server", addr), slog.String("maxmemory_policy", policy))
 	}
 	if evicting != st.evicting {
 		st.evicting = evicting
-		markEvicting(sc, addr, evicting)
+		sc.markEvicting(addr, evicting)
 	}
 }
 
-// close withdraws this client's servers from the evicting-servers gauge.
-func (sc *serverCheck) close() {
+// Close withdraws this client's servers from the evicting ones (OnEvicting
+// off for each).
+func (sc *Check) Close() {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	for addr, st := range sc.servers {
 		st.mu.Lock()
 		if st.evicting {
 			st.evicting = false
-			markEvicting(sc, addr, false)
+			sc.markEvicting(addr, false)
 		}
 		st.mu.Unlock()
 	}
 }
 
-// evicting counts, per server address, the clients that found it with an
-// evicting policy; the gauge is the number of such servers.
-var evicting = struct {
-	sync.Mutex
-	by map[string]map[*serverCheck]bool
-}{by: map[string]map[*serverCheck]bool{}}
-
-func markEvicting(sc *serverCheck, addr string, on bool) {
-	initMetrics()
-	evicting.Lock()
-	defer evicting.Unlock()
-	if on {
-		if evicting.by[addr] == nil {
-			evicting.by[addr] = map[*serverCheck]bool{}
-		}
-		evicting.by[addr][sc] = true
-	} else if m := evicting.by[addr]; m != nil {
-		delete(m, sc)
-		if len(m) == 0 {
-			delete(evicting.by, addr)
-		}
+func (sc *Check) markEvicting(addr string, on bool) {
+	if sc.onEvicting != nil {
+		sc.onEvicting(sc, addr, on)
 	}
-	evictingServers.Set(float64(len(evicting.by)))
 }
 
 // parseHello reads the version and mode ("standalone", "cluster" or

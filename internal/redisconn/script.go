@@ -1,4 +1,4 @@
-package redisdlm
+package redisconn
 
 import (
 	"context"
@@ -6,31 +6,35 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// luaScript is one of the plugin's Lua scripts. Its calls are never resent
+// Script is one of the plugin's Lua scripts. Its calls are never resent
 // by go-redis after a transport error: a lock or limit script whose answer
 // was lost may have run, and none of them may run twice (a Cluster client
 // otherwise resends such a command, whatever MaxRetries says). A MOVED or
 // ASK answer, which means the command did not run, is still followed.
 // It has no other way to be called (go-redis's own Script methods would
 // send commands that may be resent).
-type luaScript struct {
+type Script struct {
 	hash, src string
 }
 
-func newScript(src string) *luaScript { return &luaScript{hash: redis.NewScript(src).Hash(), src: src} }
+// NewScript prepares src; nothing is sent until a call.
+func NewScript(src string) *Script { return &Script{hash: redis.NewScript(src).Hash(), src: src} }
 
 // Hash is the script's SHA1, the name EVALSHA calls it by.
-func (s *luaScript) Hash() string { return s.hash }
+func (s *Script) Hash() string { return s.hash }
 
-// processor is a client or a pipeline.
-type processor interface {
+// Source is the script's text.
+func (s *Script) Source() string { return s.src }
+
+// Processor is a client or a pipeline.
+type Processor interface {
 	Process(ctx context.Context, cmd redis.Cmder) error
 }
 
 // Run is Script.Run without resends: EVALSHA, then EVAL when Redis does not
 // know the script (after a restart or SCRIPT FLUSH; NOSCRIPT means it did
 // not run).
-func (s *luaScript) Run(ctx context.Context, p processor, keys []string, args ...any) *redis.Cmd {
+func (s *Script) Run(ctx context.Context, p Processor, keys []string, args ...any) *redis.Cmd {
 	cmd := s.call(ctx, p, false, keys, args)
 	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
 		cmd = s.call(ctx, p, true, keys, args)
@@ -39,22 +43,22 @@ func (s *luaScript) Run(ctx context.Context, p processor, keys []string, args ..
 }
 
 // Eval sends (or, on a pipeline, queues) EVAL with the script's text.
-func (s *luaScript) Eval(ctx context.Context, p processor, keys []string, args ...any) *redis.Cmd {
+func (s *Script) Eval(ctx context.Context, p Processor, keys []string, args ...any) *redis.Cmd {
 	return s.call(ctx, p, true, keys, args)
 }
 
-func (s *luaScript) call(ctx context.Context, p processor, eval bool, keys []string, args []any) *redis.Cmd {
-	cmd := redis.NewCmd(ctx, append(s.head(eval, keys, len(args)), args...)...)
+func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string, args []any) *redis.Cmd {
+	cmd := redis.NewCmd(ctx, append(s.Head(eval, keys, len(args)), args...)...)
 	if len(keys) > 0 {
 		cmd.SetFirstKeyPos(3)
 	}
-	_ = p.Process(ctx, noRetry{cmd})
+	_ = p.Process(ctx, NoRetry{cmd})
 	return cmd
 }
 
-// head starts a call of the script: "evalsha", its SHA1 (or "eval", its
+// Head starts a call of the script: "evalsha", its SHA1 (or "eval", its
 // text), the number of keys and the keys, with room for more arguments.
-func (s *luaScript) head(eval bool, keys []string, more int) []any {
+func (s *Script) Head(eval bool, keys []string, more int) []any {
 	name, script := "evalsha", s.hash
 	if eval {
 		name, script = "eval", s.src
@@ -67,11 +71,14 @@ func (s *luaScript) head(eval bool, keys []string, more int) []any {
 	return a
 }
 
-// noRetry and noRetryInts are commands go-redis must not resend.
+// NoRetry and NoRetryInts are commands go-redis must not resend.
 type (
-	noRetry     struct{ *redis.Cmd }
-	noRetryInts struct{ *redis.IntSliceCmd }
+	NoRetry     struct{ *redis.Cmd }
+	NoRetryInts struct{ *redis.IntSliceCmd }
 )
 
-func (noRetry) NoRetry() bool     { return true }
-func (noRetryInts) NoRetry() bool { return true }
+// NoRetry tells go-redis never to resend the command.
+func (NoRetry) NoRetry() bool { return true }
+
+// NoRetry tells go-redis never to resend the command.
+func (NoRetryInts) NoRetry() bool { return true }

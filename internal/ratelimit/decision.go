@@ -1,0 +1,54 @@
+package ratelimit
+
+import (
+	"fmt"
+	"time"
+)
+
+// Decision is the outcome for one request.
+type Decision struct {
+	Allowed   bool
+	Hold      time.Duration // admitted: how long to hold the request until its slot
+	Wait      time.Duration // rejected: until the request would be admitted (0 = never)
+	At        int64         // admitted: the time (µs, Redis TIME) it was recorded at
+	Tight     int           // the rate reported in the RateLimit field
+	Remaining int64         // of rate tight
+	Reset     time.Duration // until rate tight's quota grows (0 = full)
+	Cached    bool          // answered from the deny cache
+	Ans       []int64       // the script's answer (settle reads what gcra wrote)
+}
+
+// ParseDecision reads one decision's answer: {hold when admitted (>= 0), else
+// minus the wait; time recorded; then per rate remaining, reset and, with
+// per = 4 (gcra), the TAT written and the key's sum of returns}.
+func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
+	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun {
+		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
+	}
+	d := Decision{Allowed: vals[0] >= 0, Tight: -1, Ans: vals}
+	if d.Allowed {
+		d.Hold, d.At = time.Duration(vals[0])*time.Microsecond, vals[1]
+	} else {
+		d.Wait = time.Duration(-vals[0]) * time.Microsecond
+	}
+	// The tightest rate: the least remaining, then the longest until it
+	// grows; of a rejected request, among the rates that reject it (their
+	// remaining comes as -(remaining+1)).
+	for i := 0; i < nrates; i++ {
+		rem, reset := vals[2+per*i], time.Duration(vals[3+per*i])*time.Microsecond
+		rejects := rem < 0
+		if rejects {
+			rem = -rem - 1
+		}
+		if !d.Allowed && !rejects {
+			continue
+		}
+		if d.Tight < 0 || rem < d.Remaining || rem == d.Remaining && reset > d.Reset {
+			d.Tight, d.Remaining, d.Reset = i, rem, reset
+		}
+	}
+	if d.Tight < 0 {
+		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v (rejected by no rate)", vals)
+	}
+	return d, nil
+}

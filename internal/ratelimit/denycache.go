@@ -1,0 +1,101 @@
+package ratelimit
+
+import (
+	"strings"
+	"sync"
+	"time"
+)
+
+// DenyCache remembers keys rejected until a moment, so they are answered
+// without Redis until then. It holds at most max entries: when full, it
+// drops expired entries (at most once a second), else an arbitrary one.
+type DenyCache struct {
+	mu        sync.Mutex
+	max       int
+	m         map[string]DenyEntry
+	lastSweep time.Time
+}
+
+// DenyEntry is one rejection remembered.
+type DenyEntry struct {
+	Until   time.Time // answer from memory before this (a little early)
+	RetryAt time.Time // Retry-After points here (a little late)
+	Tight   int       // the rate that rejects
+	Left    int64     // its remaining quota when Redis rejected (less than cost)
+	Cost    int64     // the rejected cost: only a request of this cost is answered here
+}
+
+// NewDenyCache makes a cache of at most max entries.
+func NewDenyCache(max int) *DenyCache {
+	return &DenyCache{max: max, m: make(map[string]DenyEntry)}
+}
+
+// Get returns the entry of id if it still rejects a request of cost. Only
+// the same cost: a cheaper request may pass, and a costlier one passes
+// later than RetryAt, so both ask Redis.
+func (c *DenyCache) Get(id string, now time.Time, cost int64) (DenyEntry, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.m[id]
+	if !ok {
+		return e, false
+	}
+	if !now.Before(e.Until) {
+		delete(c.m, id)
+		return e, false
+	}
+	return e, cost == e.Cost
+}
+
+// Put remembers a rejection of id until e.Until (nothing once it is past).
+func (c *DenyCache) Put(id string, e DenyEntry, now time.Time) {
+	if !now.Before(e.Until) {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if _, ok := c.m[id]; !ok && len(c.m) >= c.max {
+		if now.Sub(c.lastSweep) >= time.Second {
+			c.lastSweep = now
+			for k, v := range c.m {
+				if !now.Before(v.Until) {
+					delete(c.m, k)
+				}
+			}
+		}
+		// Still full: drop some entry; it only costs a Redis call later.
+		for k := range c.m {
+			if len(c.m) < c.max {
+				break
+			}
+			delete(c.m, k)
+		}
+	}
+	c.m[id] = e
+}
+
+// Drop forgets id (its quota was given back).
+func (c *DenyCache) Drop(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.m, id)
+}
+
+// Len is the number of entries held.
+func (c *DenyCache) Len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.m)
+}
+
+// Forget drops a key from the deny cache, under every plan.
+func (c *DenyCache) Forget(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	delete(c.m, id)
+	for k := range c.m {
+		if strings.HasPrefix(k, id+"\x00") {
+			delete(c.m, k)
+		}
+	}
+}
