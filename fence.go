@@ -136,18 +136,8 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	if h.keyTmpl, err = parseKeyTemplate(h.Key); err != nil {
 		return fmt.Errorf("redis_fence: key: %w", err)
 	}
-	servers, err := h.RedisConfig.resolve()
-	if err != nil {
-		return fmt.Errorf("redis_fence: %w", err)
-	}
-	if len(servers) != 1 {
-		return fmt.Errorf("redis_fence: redis: %d servers given, but this handler takes exactly one logical Redis", len(servers))
-	}
-	if h.client, h.clientKey, err = acquireClient(servers[0]); err != nil {
-		return fmt.Errorf("redis_fence: loading redis client: %w", err)
-	}
-	h.timeout = servers[0].Timeout
-	return nil
+	h.client, h.clientKey, h.timeout, err = h.RedisConfig.acquireOne("redis_fence")
+	return err
 }
 
 // Validate checks the configuration; it is pure.

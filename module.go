@@ -344,6 +344,25 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 // recovered, a background release): Caddy's of the moment.
 func engineLogger() *slog.Logger { return slogFor(caddy.Log().Named("redisdlm")) }
 
+// acquireOne takes the shared client of a handler that uses one logical
+// Redis (a server, a Cluster or a Sentinel); dir names the directive in
+// errors. The caller gives the key back with releaseClient.
+func (c *RedisConfig) acquireOne(dir string) (*pooledClient, string, time.Duration, error) {
+	servers, err := c.resolve()
+	if err != nil {
+		return nil, "", 0, fmt.Errorf("%s: %w", dir, err)
+	}
+	if len(servers) != 1 {
+		return nil, "", 0, fmt.Errorf("%s: redis: %d servers given, but this handler takes exactly one logical Redis", dir, len(servers))
+	}
+	pc, key, err := acquireClient(servers[0])
+	if err != nil {
+		return nil, "", 0, fmt.Errorf("%s: loading redis client: %w", dir, err)
+	}
+	return pc, key, servers[0].Timeout, nil
+}
+
+// releaseClient gives back a client taken with acquireClient.
 func releaseClient(key string) {
 	if key != "" {
 		_, _ = clientPool.Delete(key)

@@ -280,19 +280,10 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
 
-	servers, err := h.RedisConfig.resolve()
-	if err != nil {
-		return fmt.Errorf("redis_ratelimit: %w", err)
+	var err error
+	if h.client, h.clientKey, h.timeout, err = h.RedisConfig.acquireOne("redis_ratelimit"); err != nil {
+		return err
 	}
-	if len(servers) != 1 {
-		return fmt.Errorf("redis_ratelimit: redis: %d servers given, but this handler takes exactly one logical Redis", len(servers))
-	}
-	pc, key, err := acquireClient(servers[0])
-	if err != nil {
-		return fmt.Errorf("redis_ratelimit: loading redis client: %w", err)
-	}
-	h.client, h.clientKey = pc, key
-	h.timeout = servers[0].Timeout
 
 	h.script, h.giveBack = ratelimit.SlidingScript, ratelimit.SlidingReturnScript
 	if h.algo == algoGCRA {

@@ -50,9 +50,15 @@ func (u *orderUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error 
 // post sends one POST with headers (name, value pairs) and returns status,
 // headers and body; it never touches testing.T (safe in goroutines).
 func post(url, body string, hdr ...string) (int, http.Header, string, error) {
-	req, _ := http.NewRequest("POST", url, strings.NewReader(body))
+	return sendBody("POST", url, body, hdr...)
+}
+
+// sendBody sends one request with a body and headers (name, value pairs,
+// added: a name may repeat).
+func sendBody(method, url, body string, hdr ...string) (int, http.Header, string, error) {
+	req, _ := http.NewRequest(method, url, strings.NewReader(body))
 	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Set(hdr[i], hdr[i+1])
+		req.Header.Add(hdr[i], hdr[i+1])
 	}
 	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
 	if err != nil {
