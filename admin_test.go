@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -634,10 +635,10 @@ func TestAdminOnCluster(t *testing.T) {
 		if status != 200 || !strings.Contains(body, `"holders_removed": 1`) {
 			t.Errorf("release %s on a cluster: %d %s", key, status, body)
 		}
-		if err := h.locker.extend(ctx, ls); !errors.Is(err, ErrLeaseLost) {
+		if err := h.locker.Extend(ctx, ls); !errors.Is(err, ErrLeaseLost) {
 			t.Errorf("extending a force-released lease: %v, want ErrLeaseLost", err)
 		}
-		ls.release()
+		ls.Release()
 	}
 
 	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
@@ -712,11 +713,11 @@ func TestAdminLockReplayView(t *testing.T) {
 		t.Errorf("the lock view shows the stored response: %s", body)
 	}
 	// A value the plugin did not write is reported by its Redis type.
-	r.Client().HSet(t.Context(), replayKey(storedKey(h.Prefix, "odd")), "x", "y")
+	r.Client().HSet(t.Context(), lock.ReplayKey(storedKey(h.Prefix, "odd")), "x", "y")
 	if sv, body := inspect("odd"); sv["replay"] == nil || sv["replay"].(map[string]any)["format"] != "hash" || sv["replay"].(map[string]any)["status"] != nil {
 		t.Errorf("a hash under :replay: %s", body)
 	}
-	r.Client().Set(t.Context(), fenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
+	r.Client().Set(t.Context(), lock.FenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
 	if sv, body := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
 		t.Errorf("no replay: %s, want replay null and fencing counter 7", body)
 	}
@@ -736,7 +737,7 @@ func TestAdminInspectAcrossUnregister(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ls.release()
+	defer ls.Release()
 	var e *adminEntry // what findHandler found, just before the Cleanup
 	adminRegistry.mu.Lock()
 	for _, x := range adminRegistry.entries {

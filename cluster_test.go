@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -98,7 +99,7 @@ func TestSentinelLock(t *testing.T) {
 	}
 	wg.Wait()
 	up.check(t)
-	if v, _ := master.Client().Get(context.Background(), fenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
+	if v, _ := master.Client().Get(context.Background(), lock.FenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
 		t.Errorf("fencing counter on the master is %d; the lock did not go through the sentinel's master", v)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -205,7 +206,7 @@ func TestPoolShrinksAfterSlowRedis(t *testing.T) {
 	}
 	// Every request waits on a connection of its own: wait until Redis
 	// has accepted them all (the kernel completes the handshakes).
-	waitFor(5*time.Second, func() bool { return int(h.locker.servers[0].client.PoolStats().TotalConns) >= n/2 })
+	waitFor(5*time.Second, func() bool { return int(h.locker.Servers()[0].Client().PoolStats().TotalConns) >= n/2 })
 	r.Resume()
 	for i, ch := range done {
 		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
@@ -250,7 +251,7 @@ func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
 						t.Error(err)
 						return
 					}
-					ls.releaseWith("", false)
+					ls.Release()
 				}
 			}()
 		}
@@ -322,7 +323,7 @@ func TestRedlockDuplicateServers(t *testing.T) {
 
 	// Three distinct servers are a quorum (the third need not run: nothing dials).
 	ok := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,"127.0.0.1:%d"]}`, a.Addr, "redis://"+b.Addr+"/1", freePort(t)))
-	if n := len(ok.locker.servers); n != 3 {
+	if n := len(ok.locker.Servers()); n != 3 {
 		t.Errorf("a quorum of three distinct servers has %d servers", n)
 	}
 
@@ -494,7 +495,7 @@ func TestSentinelURL(t *testing.T) {
 	}
 	c := redis.NewClient(&redis.Options{Addr: master.Addr, Password: secretPW, DB: 2})
 	defer c.Close()
-	if v, _ := c.Get(ctx, fenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
+	if v, _ := c.Get(ctx, lock.FenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
 		t.Errorf("fencing counter in db 2 of the master is %d; the lock did not go there", v)
 	}
 }

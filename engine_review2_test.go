@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -148,7 +148,7 @@ func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
 	ka, kb := storedKey(prefix, "a"), storedKey(prefix, "b")
 	// The third server loses the answer to a's acquire; the other two
 	// answer b a little late (known answers, after a's loss is known).
-	p3 := startGateProxy(t, rs[2].Addr, true, []byte(acquireScript.Hash()), []byte(ka))
+	p3 := startGateProxy(t, rs[2].Addr, true, []byte(lock.AcquireScript.Hash()), []byte(ka))
 	p1 := startDelayProxy(t, rs[0].Addr, []byte(kb), 150*time.Millisecond)
 	p2 := startDelayProxy(t, rs[1].Addr, []byte(kb), 150*time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":"1s","wait":"0s","ttl":"20s"}`, p1.addr, p2.addr, p3.addr))
@@ -157,7 +157,7 @@ func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	warm.release()
+	warm.Release()
 	for _, r := range rs { // a rival holds b everywhere
 		r.Client().ZAdd(context.Background(), kb, redisZ(time.Now().Add(time.Minute), "rival"))
 	}
@@ -214,15 +214,15 @@ func TestWaiterLeavesWaitqBeforeClientCloses(t *testing.T) {
 	key := storedKey(h.Prefix, "/waitq")
 	rc := r.Client()
 	rc.ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "other-instance"))
-	s := h.locker.servers[0]
-	s.client.AddHook(delayHook{name: "zrem", delay: 300 * time.Millisecond})
+	s := h.locker.Servers()[0]
+	s.Client().AddHook(delayHook{name: "zrem", delay: 300 * time.Millisecond})
 	if _, err := h.locker.Acquire(context.Background(), []string{key}); !errors.Is(err, ErrNotObtained) {
 		t.Fatalf("key held elsewhere: %v, want ErrNotObtained", err)
 	}
 	// The reload's grace ends right now: the client closes once idle.
-	s.closeWhenIdle(func() { _ = s.client.Close() })
+	s.CloseWhenIdle(func() { _ = s.Client().Close() })
 	gone := waitFor(3*time.Second, func() bool {
-		return rc.ZScore(context.Background(), waitqKey(key), h.locker.dom.id).Err() == redis.Nil
+		return rc.ZScore(context.Background(), lock.WaitqKey(key), h.locker.InstanceID()).Err() == redis.Nil
 	})
 	if !gone {
 		t.Fatal("this instance is still in the key's wait list after its last waiter gave up (the ZREM met a closed client)")
@@ -236,10 +236,10 @@ func TestLeaveWaitqRecoversPanic(t *testing.T) {
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"wait":"0s"`))
 	core, logs := observer.New(zapcore.ErrorLevel)
-	h.locker.logger = slogFor(zap.New(core))
+	h.locker.SetLogger(slogFor(zap.New(core)))
 	key := storedKey(h.Prefix, "/waitq-panic")
 	r.Client().ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "other-instance"))
-	h.locker.servers[0].client.AddHook(panicOn{name: "zrem"})
+	h.locker.Servers()[0].Client().AddHook(panicOn{name: "zrem"})
 	if _, err := h.locker.Acquire(context.Background(), []string{key}); !errors.Is(err, ErrNotObtained) {
 		t.Fatalf("key held elsewhere: %v, want ErrNotObtained", err)
 	}
@@ -281,7 +281,7 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			rs, _ := startRedlock(t, 3)
-			p := startGateProxy(t, rs[2].Addr, tc.lost, []byte(extendScript.Hash()))
+			p := startGateProxy(t, rs[2].Addr, tc.lost, []byte(lock.ExtendScript.Hash()))
 			// A ttl that leaves a loaded machine room: the extensions come every ttl/3.
 			h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":%q,"ttl":"6s"}`, rs[0].Addr, rs[1].Addr, p.addr, tc.timeout))
 			keys := []string{storedKey(h.Prefix, "a"), storedKey(h.Prefix, "b")}
@@ -291,18 +291,18 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 			}
 			rs[2].Restart() // the third member lost its state
 			c := rs[2].Client()
-			for _, src := range []string{extendLua, releaseLua} {
+			for _, src := range []string{lock.ExtendScript.Source(), lock.ReleaseScript.Source()} {
 				c.ScriptLoad(context.Background(), src) // so the late EVALSHA finds its script
 			}
 			p.armed.Store(true)
-			k := ls.keep(true, 0, func(err error) { t.Errorf("lease lost: %v", err) })
+			k := ls.Keep(lock.KeepOptions{Extend: true, OnLost: func(err error) { t.Errorf("lease lost: %v", err) }})
 			if !waitFor(15*time.Second, func() bool { return p.held.Load() >= 2 }) {
 				t.Fatalf("%d extensions held back on the third member, want 2 (one per key)", p.held.Load())
 			}
-			k.stop()
+			k.Stop()
 			held := int(p.held.Load())
 			before := rs[2].CommandCalls("evalsha")
-			ls.release()
+			ls.Release()
 			// The release has reached the third member (before the extensions).
 			if !waitFor(5*time.Second, func() bool { return rs[2].CommandCalls("evalsha") >= before+2 }) {
 				t.Fatal("the release did not reach the third member")
@@ -315,47 +315,6 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 				}
 			}
 		})
-	}
-}
-
-// TestReleaserSurvivesPanic: a panic in the release runner, also one
-// raised while it holds its lock, neither deadlocks the releaser nor
-// leaves its pending releases without a runner: they still run.
-func TestReleaserSurvivesPanic(t *testing.T) {
-	t.Parallel()
-	r := startRedis(t)
-	rc := r.Client()
-	c := redis.NewClient(&redis.Options{Addr: r.Addr})
-	defer c.Close()
-	var arm atomic.Bool
-	s := newServer("test", redisconn.NewConn(c, time.Second), func() *slog.Logger {
-		if arm.CompareAndSwap(true, false) {
-			panic("logger exploded")
-		}
-		return slogFor(zap.NewNop())
-	})
-	key := "caddy:lock:{panic}"
-	rc.ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "T"))
-	// A release given up already: the runner logs that, and the log panics.
-	s.rel.mu.Lock()
-	s.rel.pending = map[releaseJob]*releaseState{{key: "caddy:lock:{gone}", token: "x", ttlMs: 1000}: {giveUp: time.Now().Add(-time.Second)}}
-	s.rel.mu.Unlock()
-	arm.Store(true)
-	s.rel.retry(releaseJob{key: key, token: "T", ttlMs: 60000}, nil)
-	if !waitFor(5*time.Second, func() bool { return heldBy(r, key) == 0 }) {
-		t.Error("a pending release did not run after a panic in the release runner")
-	}
-	// pendingCount takes the releaser's lock: it never answers if the
-	// lock is still held.
-	drained := make(chan bool, 1)
-	go func() { drained <- waitFor(5*time.Second, func() bool { return s.rel.pendingCount() == 0 }) }()
-	select {
-	case ok := <-drained:
-		if !ok {
-			t.Errorf("%d releases still pending", s.rel.pendingCount())
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("the releaser is deadlocked: its lock is still held after the panic")
 	}
 }
 
@@ -405,8 +364,8 @@ func TestRefusedAcquiresCountNoReleaseFailure(t *testing.T) {
 			if n := releaseFailures() - before; n != 0 {
 				t.Errorf("64 refused acquires counted %v release failures, want 0", n)
 			}
-			for i, s := range h.locker.servers {
-				if n := s.rel.pendingCount(); n != 0 {
+			for i, s := range h.locker.Servers() {
+				if n := s.PendingReleases(); n != 0 {
 					t.Errorf("server %d: %d releases pending for acquires that held nothing", i, n)
 				}
 			}
@@ -423,7 +382,7 @@ func TestScriptErrorAfterWritesIsUndone(t *testing.T) {
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"wait":"0s"`))
 	key := storedKey(h.Prefix, "/wrongtype")
-	r.Client().HSet(context.Background(), fenceKey(key), "not", "a counter")
+	r.Client().HSet(context.Background(), lock.FenceKey(key), "not", "a counter")
 	_, err := h.locker.Acquire(context.Background(), []string{key})
 	if err == nil || !strings.Contains(err.Error(), "WRONGTYPE") {
 		t.Fatalf("acquire with a fencing counter of the wrong type: %v, want the WRONGTYPE error", err)
@@ -441,14 +400,14 @@ func TestReleaseFailureLogNamesServerAndHandler(t *testing.T) {
 	r := startRedis(t)
 	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"300ms","name":"payments"`))
 	core, logs := observer.New(zapcore.DebugLevel)
-	h.locker.servers[0].logger = func() *slog.Logger { return slogFor(zap.New(core)) }
+	h.locker.Servers()[0].SetLogger(func() *slog.Logger { return slogFor(zap.New(core)) })
 	key := storedKey(h.Prefix, "/secret-key")
 	ls, err := h.locker.Acquire(context.Background(), []string{key})
 	if err != nil {
 		t.Fatal(err)
 	}
 	r.Pause()
-	ls.release()
+	ls.Release()
 	r.Resume()
 	if !freeWithin(5*time.Second, key, r) {
 		t.Fatal("the release was not retried")
@@ -466,8 +425,8 @@ func TestReleaseFailureLogNamesServerAndHandler(t *testing.T) {
 			t.Errorf("the warning names the key in %s at warn level", name)
 		}
 	}
-	if f["key_hash"] != wakeID(key) {
-		t.Errorf("the warning's key_hash is %v, want %s", f["key_hash"], wakeID(key))
+	if f["key_hash"] != lock.WakeID(key) {
+		t.Errorf("the warning's key_hash is %v, want %s", f["key_hash"], lock.WakeID(key))
 	}
 	debug := logs.FilterLevelExact(zapcore.DebugLevel).FilterField(zap.String("key", key))
 	if debug.Len() == 0 {

@@ -194,7 +194,7 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	h.client.conn.Unuse()
 	if err != nil {
 		fenceWrites[fenceError].Inc()
-		if due, k := h.warn.due(); due {
+		if due, k := h.warn.Due(); due {
 			h.logger.Warn("redis unreachable for the fence; answering 503", zap.String("handler", h.label), zap.Error(err), zap.Int64("requests_since_last_warning", k))
 		}
 		w.Header().Set("Retry-After", "1")

@@ -55,7 +55,7 @@ func provisionJSON(t testing.TB, cfg string, h provisionable) {
 // module provisioned without a config (as in these tests) by quietLogger.
 func quietLock(h *RedisLock) {
 	h.logger = quietLogger()
-	h.locker.logger = slogFor(h.logger)
+	h.locker.SetLogger(slogFor(h.logger))
 }
 
 func quietRateLimit(h *RedisRateLimit) { h.logger = quietLogger() }

@@ -293,7 +293,7 @@ func (h *RedisLock) renderKeys(repl *caddy.Replacer) ([]string, string, error) {
 	for _, t := range h.keyTmpls {
 		k, err := t.render(repl)
 		if err != nil {
-			if errors.Is(err, errKeyUnknown) && h.warn.first(t.raw) {
+			if errors.Is(err, errKeyUnknown) && h.warn.First(t.raw) {
 				h.logger.Warn("lock key uses a placeholder unknown for this request; answering 400",
 					zap.String("template", t.raw), zap.Error(err))
 			} else if c := h.logger.Check(zapcore.DebugLevel, "lock key has an empty placeholder; answering 400"); c != nil {
@@ -317,7 +317,7 @@ func (h *RedisLock) renderKeys(repl *caddy.Replacer) ([]string, string, error) {
 func (h *RedisRateLimit) limitID(r *http.Request, repl *caddy.Replacer) string {
 	key, err := h.keyTmpl.render(repl)
 	if err != nil {
-		if h.warn.first(h.keyTmpl.raw) {
+		if h.warn.First(h.keyTmpl.raw) {
 			h.logger.Warn("rate limit key has a placeholder unknown or empty for this request; limiting by client IP instead (logged once)",
 				zap.String("key_template", h.keyTmpl.raw), zap.Error(err))
 		}

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -37,39 +38,17 @@ const adminWakeFrom = "admin"
 // The lock engine, read through these accessors only (it changes often).
 
 // lockClients returns the clients of the lock's servers, in config order.
-func lockClients(h *RedisLock) []redis.UniversalClient {
-	out := make([]redis.UniversalClient, len(h.locker.servers))
-	for i, s := range h.locker.servers {
-		out[i] = s.client
-	}
-	return out
-}
+func lockClients(h *RedisLock) []redis.UniversalClient { return h.locker.Clients() }
 
 // lockInstanceID is this instance's id in the lock's Redis wait lists.
-func lockInstanceID(h *RedisLock) string { return h.locker.dom.id }
+func lockInstanceID(h *RedisLock) string { return h.locker.InstanceID() }
 
 // lockLocal counts this instance's waiters and holders of a Redis lock key,
 // over every local queue that involves it (a key set holding it).
-func lockLocal(h *RedisLock, redisKey string) (waiters, held int) {
-	d := h.locker.dom
-	d.mu.Lock()
-	w := wakeID(redisKey)
-	qs := make([]*keyQueue, 0, len(d.byWake[w]))
-	for q := range d.byWake[w] {
-		qs = append(qs, q)
-	}
-	d.mu.Unlock()
-	for _, q := range qs {
-		q.mu.Lock()
-		waiters += len(q.waiters)
-		held += q.held
-		q.mu.Unlock()
-	}
-	return waiters, held
-}
+func lockLocal(h *RedisLock, redisKey string) (waiters, held int) { return h.locker.Local(redisKey) }
 
 // lockWakeLocal wakes this instance's waiters of a Redis lock key.
-func lockWakeLocal(h *RedisLock, redisKey string) { h.locker.dom.wakeKeys([]string{redisKey}) }
+func lockWakeLocal(h *RedisLock, redisKey string) { h.locker.WakeLocal(redisKey) }
 
 // lockServerView is one server's state of a lock key.
 type lockServerView struct {
@@ -157,7 +136,7 @@ func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
 		sv := lockServerView{Server: e.serverName(i), Holders: []holderView{}}
 		res, err := adminLockInspectScript.Run(ctx, c,
-			[]string{rk, fenceKey(rk), waitqKey(rk), replayKey(rk)}, lockInstanceID(h)).Slice()
+			[]string{rk, lock.FenceKey(rk), lock.WaitqKey(rk), lock.ReplayKey(rk)}, lockInstanceID(h)).Slice()
 		if err == nil {
 			err = sv.fill(res)
 		}
@@ -251,7 +230,7 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	removed := make([]int64, len(clients))
 	errs := make([]string, len(clients))
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		n, err := adminLockReleaseScript.Run(ctx, c, []string{rk}, wakeChannel, adminWakeFrom+" "+wakeID(rk)).Int64()
+		n, err := adminLockReleaseScript.Run(ctx, c, []string{rk}, lock.WakeChannel, adminWakeFrom+" "+lock.WakeID(rk)).Int64()
 		removed[i] = n
 		if err != nil {
 			errs[i] = err.Error()

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -46,22 +47,22 @@ func TestPausedHolderIsNotRevived(t *testing.T) {
 		if err != nil {
 			t.Fatalf("rival: %v", err)
 		}
-		other.release()
-		err = h.locker.extend(context.Background(), ls)
+		other.Release()
+		err = h.locker.Extend(context.Background(), ls)
 		if !errors.Is(err, ErrLeaseLost) {
 			t.Fatalf("extension after the lease ran out: %v, want ErrLeaseLost", err)
 		}
 		for _, r := range rs {
 			// The rival's release may still be on its way to a minority;
 			// what must not be there is the lapsed lease's own token.
-			if _, err := r.Client().ZScore(context.Background(), keys[0], ls.token).Result(); err != redis.Nil {
+			if _, err := r.Client().ZScore(context.Background(), keys[0], ls.Token()).Result(); err != redis.Nil {
 				t.Errorf("%s holds the lapsed lease again (%v)", r, err)
 			}
 		}
 		// The keeper reports it through on_lost.
 		lost := make(chan error, 1)
-		k := ls.keep(true, 0, func(err error) { lost <- err })
-		defer k.stop()
+		k := ls.Keep(lock.KeepOptions{Extend: true, OnLost: func(err error) { lost <- err }})
+		defer k.Stop()
 		select {
 		case err := <-lost:
 			if !errors.Is(err, ErrLeaseLost) {
@@ -138,7 +139,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		warm.release()
+		warm.Release()
 		r.Pause()
 		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 		_, err = h.locker.Acquire(ctx, []string{key})
@@ -162,7 +163,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		}
 		before := releaseFailures()
 		r.Pause()
-		ls.release()
+		ls.Release()
 		time.Sleep(500 * time.Millisecond)
 		r.Resume()
 		if !freeWithin(3*time.Second, key, r) {
@@ -189,22 +190,22 @@ func TestFencingTokensSurviveRestartAndExpiry(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", what, err)
 		}
-		if ls.fence <= last {
-			t.Fatalf("%s: token %d after %d", what, ls.fence, last)
+		if ls.Fence() <= last {
+			t.Fatalf("%s: token %d after %d", what, ls.Fence(), last)
 		}
-		last = ls.fence
-		ls.release()
+		last = ls.Fence()
+		ls.Release()
 	}
 	for i := 0; i < 3; i++ {
 		take("before the restart")
 	}
-	if pttl, _ := r.Client().PTTL(context.Background(), fenceKey(key)).Result(); pttl <= 0 {
+	if pttl, _ := r.Client().PTTL(context.Background(), lock.FenceKey(key)).Result(); pttl <= 0 {
 		t.Fatalf("fencing counter has no expiry (PTTL %s)", pttl)
 	}
 	r.Restart()
 	take("after a restart empty")
 	if !waitFor(5*time.Second, func() bool {
-		n, _ := r.Client().Exists(context.Background(), fenceKey(key)).Result()
+		n, _ := r.Client().Exists(context.Background(), lock.FenceKey(key)).Result()
 		return n == 0
 	}) {
 		t.Fatal("fencing counter of an idle lock did not expire")
@@ -224,9 +225,9 @@ func TestReloadKeepsClientForRelease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client := h.locker.servers[0].client
+	client := h.locker.Servers()[0].Client()
 	cleanup() // the old config goes away
-	ls.release()
+	ls.Release()
 	if heldBy(r, key) != 0 {
 		t.Fatal("the release of a request of the old config did not reach Redis")
 	}
@@ -247,10 +248,10 @@ func TestRedlockRestartedMemberRecreatedAtOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ls.release()
+	defer ls.Release()
 	rs[0].Restart()
 	ctx, cancel := context.WithCancel(context.Background())
-	if err := h.locker.extend(ctx, ls); err != nil {
+	if err := h.locker.Extend(ctx, ls); err != nil {
 		t.Fatalf("extend: %v", err)
 	}
 	cancel() // as the keeper does after each round
@@ -264,7 +265,7 @@ func TestRedlockRestartedMemberRecreatedAtOnce(t *testing.T) {
 func TestWakeMessagesAreOpaque(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	sub := r.Client().Subscribe(context.Background(), wakeChannel)
+	sub := r.Client().Subscribe(context.Background(), lock.WakeChannel)
 	defer sub.Close()
 	if _, err := sub.Receive(context.Background()); err != nil {
 		t.Fatal(err)
@@ -291,7 +292,7 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 	waiter := goFetch(context.Background(), sb.URL+"/secret-alice")
 	// Release once the waiter's instance is on the key's wait list (a
 	// fixed sleep lost that race on a loaded machine).
-	wq := waitqKey(storedKey(a.Prefix, "/secret-alice"))
+	wq := lock.WaitqKey(storedKey(a.Prefix, "/secret-alice"))
 	if !waitFor(10*time.Second, func() bool { return r.Client().ZCard(context.Background(), wq).Val() > 0 }) {
 		t.Fatal("the waiter's instance never joined the wait list")
 	}
@@ -389,7 +390,7 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 		rl.Rates, rl.Count = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, []string{"401"}
 		rl.Timeout = caddy.Duration(456 * time.Millisecond) // the lock's client
 	})
-	if rl.client.lock != h.locker.servers[0] {
+	if rl.client.lock != h.locker.Servers()[0] {
 		t.Fatal("the lock and the limiter with the same settings do not share a client")
 	}
 	cleanup()                     // the old config goes away ...
@@ -399,7 +400,7 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 	if err != nil {
 		t.Fatalf("a lock request of the old config after Cleanup: %v", err)
 	}
-	ls.release()
+	ls.Release()
 	ok := func(status int) caddyhttp.HandlerFunc {
 		return func(w http.ResponseWriter, r *http.Request) error { w.WriteHeader(status); return nil }
 	}

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -304,7 +305,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		servers = append(servers, pc.lock)
 	}
 	timeout := settings[0].Timeout
-	h.locker = newLocker(servers, lockOptions{
+	h.locker = lock.New(servers, lockOptions{
 		TTL:          time.Duration(h.TTL),
 		Wait:         time.Duration(*h.Wait),
 		BackoffMin:   time.Duration(h.BackoffMin),
@@ -393,7 +394,7 @@ func (h *RedisLock) Validate() error {
 func (h *RedisLock) Cleanup() error {
 	adminUnregister(h)
 	if h.locker != nil {
-		h.locker.close()
+		h.locker.Close()
 	}
 	for _, k := range h.poolKeys {
 		releaseClient(k)
@@ -432,7 +433,7 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	if err != nil {
 		var rp *replayed
 		if errors.As(err, &rp) {
-			a, why, err := h.mayServe(r, id, rp.answer)
+			a, why, err := h.mayServe(r, id, rp.Answer())
 			switch {
 			case err != nil:
 				return caddyhttp.Error(http.StatusInternalServerError, err)
@@ -476,7 +477,7 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 
 // warnRedis logs a Redis fault at most once a second per handler.
 func (h *RedisLock) warnRedis(msg string, err error) {
-	if due, n := h.warn.due(); due {
+	if due, n := h.warn.Due(); due {
 		h.logger.Warn(msg, zap.Error(err), zap.Int64("requests_since_last_warning", n))
 	}
 }
@@ -497,11 +498,11 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 // With replay, the response is recorded on its way to the client and, if it
 // can be replayed, stored by the release.
 func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration, id identity) (err error) {
-	fence := strconv.FormatInt(lease.fence, 10)
+	fence := strconv.FormatInt(lease.Fence(), 10)
 	repl.Set("http.redis_lock.fencing_token", fence)
 	h.setFencingHeader(r, fence)
 	if c := h.logger.Check(zapcore.DebugLevel, "lock acquired"); c != nil {
-		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence), zap.Duration("waited", waited))
+		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence()), zap.Duration("waited", waited))
 	}
 
 	// The header as handlers before the lock left it: what a replay stores
@@ -529,7 +530,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		lost.Store(true)
 		lockLostTotal.Inc()
 		h.logger.Error("lock lease lost while the request ran", zap.String("handler", h.label),
-			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.fence), zap.Error(cause))
+			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.Fence()), zap.Error(cause))
 		h.events.emit(EventLockLost, func() map[string]any {
 			return map[string]any{"handler": h.label, "key": eventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
 		})
@@ -540,22 +541,22 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 			cancel(cause)
 		}
 	}
-	keep := lease.keep(*h.AutoExtend, time.Duration(h.MaxHold), onLost)
+	keep := lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: onLost})
 	completed := false // next returned (did not panic)
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
-		keep.stop()
+		keep.Stop()
 		cancel(nil)
 		if rec != nil {
 			h.releaseReplay(lease, rec, r, id, display, err, !completed || lost.Load())
 		} else {
-			lease.releaseWith("", true) // the answer does not wait for Redis
+			lease.ReleaseInBackground("") // the answer does not wait for Redis
 		}
-		held := time.Since(lease.start)
+		held := time.Since(lease.Granted())
 		lockHeldSeconds.Observe(held.Seconds())
 		h.holds.add(held)
 		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
-			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.fence))
+			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence()))
 		}
 		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 			rw.restoreHeader()
@@ -590,7 +591,7 @@ func (h *RedisLock) detach(client context.Context, ls *lease) (ctx context.Conte
 		}
 		bound := time.Duration(h.TTL)
 		if h.MaxHold > 0 {
-			bound = time.Until(ls.start.Add(time.Duration(h.MaxHold)))
+			bound = time.Until(ls.Granted().Add(time.Duration(h.MaxHold)))
 		}
 		t := time.NewTimer(max(bound, 0))
 		defer t.Stop()
@@ -706,11 +707,11 @@ func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, r *http.Request, id 
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
 			c.Write(zap.String("key", display), zap.String("reason", why))
 		}
-		ls.releaseWith("", true)
+		ls.ReleaseInBackground("")
 		return
 	}
 	replayStored.Inc()
-	ls.releaseWith(ans, true)
+	ls.ReleaseInBackground(ans)
 }
 
 // estimateFree estimates when a busy lock will be free for this request:
@@ -721,11 +722,11 @@ func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, r *http.Request, id 
 func (h *RedisLock) estimateFree(b *busyError) time.Duration {
 	med, ok := h.holds.median()
 	if !ok {
-		return b.leaseLeft
+		return b.LeaseLeft()
 	}
-	est := med * time.Duration(b.ahead+1)
-	if b.leaseLeft > 0 && est > b.leaseLeft {
-		est = b.leaseLeft
+	est := med * time.Duration(b.Ahead()+1)
+	if b.LeaseLeft() > 0 && est > b.LeaseLeft() {
+		est = b.LeaseLeft()
 	}
 	return est
 }

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -89,7 +90,7 @@ func TestLockMutualExclusionTwoInstances(t *testing.T) {
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"2s","wait":"60s"}`, r.Addr))
 	b := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"3s","wait":"60s"}`, r.Addr))
-	if a.locker.dom == b.locker.dom {
+	if a.locker.SharesQueues(b.locker) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -327,16 +328,7 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 
 // lockWaitersFor counts local waiters queued for one rendered key.
 func lockWaitersFor(h *RedisLock, rendered string) int {
-	d := h.locker.dom
-	d.mu.Lock()
-	q := d.queues[storedKey(h.Prefix, rendered)]
-	d.mu.Unlock()
-	if q == nil {
-		return 0
-	}
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return len(q.waiters)
+	return h.locker.WaitersFor(storedKey(h.Prefix, rendered))
 }
 
 // TestLockMultiKeyOppositeOrder: requests naming the same two keys in
@@ -505,7 +497,7 @@ func assertFree(t *testing.T, h *RedisLock, keys []string) {
 	if err != nil {
 		t.Fatalf("lock still held: %v", err)
 	}
-	l.release()
+	l.Release()
 }
 
 type nopWriter struct {
@@ -757,11 +749,11 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	subs, _ := rc.PubSubNumSub(ctx, wakeChannel).Result()
+	subs, _ := rc.PubSubNumSub(ctx, lock.WakeChannel).Result()
 	close(release)
 	wg.Wait()
-	if len(chans) != 1 || chans[0] != wakeChannel || subs[wakeChannel] != 1 {
-		t.Fatalf("20 keys waited on: channels %v, subscribers %v; want one channel %s with one subscriber", chans, subs, wakeChannel)
+	if len(chans) != 1 || chans[0] != lock.WakeChannel || subs[lock.WakeChannel] != 1 {
+		t.Fatalf("20 keys waited on: channels %v, subscribers %v; want one channel %s with one subscriber", chans, subs, lock.WakeChannel)
 	}
 }
 
@@ -805,11 +797,11 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 	}
 	await(t, second, 20*time.Second, "second job")
 
-	b := &busyError{err: ErrNotObtained, leaseLeft: 4 * time.Second, ahead: 5}
+	b := lock.NewBusyError(ErrNotObtained, 4*time.Second, 5)
 	if est := h.estimateFree(b); est != 4*time.Second {
 		t.Errorf("6 holds of ~1.5s queued, lease 4s left: estimate %s, want the lease's 4s", est)
 	}
-	b = &busyError{err: ErrNotObtained, leaseLeft: 60 * time.Second, ahead: 2}
+	b = lock.NewBusyError(ErrNotObtained, 60*time.Second, 2)
 	if est := h.estimateFree(b); est < 4*time.Second || est > 7*time.Second {
 		t.Errorf("2 queued ahead of ~1.5s holds: estimate %s, want about 4.5s", est)
 	}

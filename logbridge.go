@@ -3,7 +3,9 @@ package redisdlm
 import (
 	"context"
 	"log/slog"
+	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/throttle"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -91,6 +93,11 @@ func appendField(fields []zapcore.Field, prefix string, a slog.Attr) []zapcore.F
 	}
 	return append(fields, zap.Any(key, v.Any()))
 }
+
+// warnings keeps repeated warnings out of the logs (internal/throttle).
+type warnings = throttle.Warnings
+
+func newWarnings(every time.Duration) *warnings { return throttle.New(every) }
 
 // zapLevel maps a slog level to zap's.
 func zapLevel(l slog.Level) zapcore.Level {

@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 )
 
 // delayProxy forwards TCP to a Redis; while armed, a chunk from the client
@@ -70,7 +72,7 @@ func (p *delayProxy) warmThenArm(t *testing.T, h *RedisLock, key string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	warm.release()
+	warm.Release()
 	p.armed.Store(true)
 }
 
@@ -85,7 +87,7 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 		t.Run(delay.String(), func(t *testing.T) {
 			t.Parallel()
 			r := startRedis(t)
-			p := startDelayProxy(t, r.Addr, []byte(acquireScript.Hash()), delay)
+			p := startDelayProxy(t, r.Addr, []byte(lock.AcquireScript.Hash()), delay)
 			h := provisionLock(t, fmt.Sprintf(`{"redis":[%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, p.addr))
 			key := storedKey(h.Prefix, "/pay")
 			p.warmThenArm(t, h, key)
@@ -98,16 +100,16 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 				pttl, _ := r.Client().PTTL(context.Background(), key).Result()
 				t.Fatalf("held back %v: the key is held by a lost acquisition nobody owns (PTTL %v)", delay, pttl)
 			}
-			dead := r.Client().PTTL(context.Background(), deadKey(key)).Val()
-			if dead <= 0 || dead > 2*20*time.Second+releaseGiveUpExtra {
-				t.Errorf("the dead-token set's PTTL is %v, want an expiry of at most 2 × ttl + %v", dead, releaseGiveUpExtra)
+			dead := r.Client().PTTL(context.Background(), lock.DeadKey(key)).Val()
+			if dead <= 0 || dead > 2*20*time.Second+lock.ReleaseGiveUpExtra {
+				t.Errorf("the dead-token set's PTTL is %v, want an expiry of at most 2 × ttl + %v", dead, lock.ReleaseGiveUpExtra)
 			}
 			// The key is usable at once by a new attempt.
 			ls, err := h.locker.Acquire(context.Background(), []string{key})
 			if err != nil {
 				t.Fatalf("after the lost acquisition: %v", err)
 			}
-			ls.release()
+			ls.Release()
 		})
 	}
 }
@@ -121,18 +123,18 @@ func TestDeadTokensOutliveShorterUndos(t *testing.T) {
 	ctx := context.Background()
 	c := r.Client()
 	key := "caddy:lock:{x}"
-	keys := []string{key, fenceKey(key), replayKey(key), waitqKey(key), deadKey(key)}
+	keys := []string{key, lock.FenceKey(key), lock.ReplayKey(key), lock.WaitqKey(key), lock.DeadKey(key)}
 	for _, undo := range []struct {
 		token string
 		ttlMs int64
 	}{{"A", 300000}, {"B", 1000}} { // ttl 5m, then 1s
-		if err := releaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+releaseGiveUpExtra.Milliseconds()).Err(); err != nil {
+		if err := lock.ReleaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+lock.ReleaseGiveUpExtra.Milliseconds()).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
-	until := c.ZScore(ctx, deadKey(key), "A").Val()
+	until := c.ZScore(ctx, lock.DeadKey(key), "A").Val()
 	left := time.Duration(int64(until)-c.Time(ctx).Val().UnixMilli()) * time.Millisecond
-	if pttl := c.PTTL(ctx, deadKey(key)).Val(); pttl < left-time.Second {
+	if pttl := c.PTTL(ctx, lock.DeadKey(key)).Val(); pttl < left-time.Second {
 		t.Fatalf("token A must stay dead %v more, but the set expires in %v", left.Round(time.Second), pttl.Round(time.Second))
 	}
 }
@@ -145,7 +147,7 @@ func TestDeadTokensOutliveShorterUndos(t *testing.T) {
 func TestNoOrphanOnRedlockMinority(t *testing.T) {
 	t.Parallel()
 	a, b, c := startRedis(t), startRedis(t), startRedis(t)
-	p := startDelayProxy(t, c.Addr, []byte(acquireScript.Hash()), 1500*time.Millisecond)
+	p := startDelayProxy(t, c.Addr, []byte(lock.AcquireScript.Hash()), 1500*time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, a.Addr, b.Addr, p.addr))
 	key := storedKey(h.Prefix, "/pay")
 	p.warmThenArm(t, h, key)
@@ -154,7 +156,7 @@ func TestNoOrphanOnRedlockMinority(t *testing.T) {
 		t.Fatalf("two of three servers answer: %v", err)
 	}
 	time.Sleep(500 * time.Millisecond) // the third server's call has timed out, the lease is held
-	ls.release()
+	ls.Release()
 	p.armed.Store(false)
 	time.Sleep(1500 * time.Millisecond) // the held-back acquire has reached the third server
 	if !freeWithin(time.Second, key, a, b, c) {

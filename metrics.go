@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"sync"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
@@ -139,8 +140,8 @@ func registerMetrics(ctx caddy.Context) error {
 // log lines go to Caddy's logger of the moment, its failed releases to
 // caddy_redis_lock_release_failures_total.
 func newLockServer(id string, conn *redisconn.Conn) *server {
-	s := newServer(id, conn, engineLogger)
-	s.onReleaseFailure = countReleaseFailure
+	s := lock.NewServer(id, conn, engineLogger)
+	s.OnReleaseFailure(countReleaseFailure)
 	return s
 }
 

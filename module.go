@@ -278,7 +278,7 @@ var destructGrace = 10 * time.Second
 // of the old config, still in an earlier handler or holding a lock.
 func (p *pooledClient) Destruct() error {
 	time.AfterFunc(destructGrace, func() {
-		p.lock.closeWhenIdle(func() {
+		p.lock.CloseWhenIdle(func() {
 			p.mu.Lock()
 			p.closed = true
 			rl := p.rl

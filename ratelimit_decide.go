@@ -98,7 +98,7 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*h.timeout)
 	defer cancel()
 	if _, err := h.client.rateLimit(ctx, c, (*breakerLog)(h)); err != nil {
-		if due, n := h.settleWarn.due(); due {
+		if due, n := h.settleWarn.Due(); due {
 			h.logger.Warn("returning a rate-limit admission failed; it ages out with its window",
 				zap.String("redis", h.client.settings.Display()), zap.Error(err), zap.Int64("failures_since_last_warning", n))
 		}
@@ -140,7 +140,7 @@ func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next
 
 // warnFail logs decisions made without Redis at most every failWarnEvery.
 func (h *RedisRateLimit) warnFail(err error) {
-	due, n := h.warn.due()
+	due, n := h.warn.Due()
 	if !due {
 		return
 	}

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
@@ -220,8 +221,8 @@ func TestScriptCallsNeverResent(t *testing.T) {
 		sent = append(sent, c)
 		return nil
 	})
-	acquireScript.Run(ctx, capture, []string{"k"}, "token")
-	acquireScript.Eval(ctx, capture, []string{"k"}, "token")
+	lock.AcquireScript.Run(ctx, capture, []string{"k"}, "token")
+	lock.AcquireScript.Eval(ctx, capture, []string{"k"}, "token")
 	if len(sent) != 2 {
 		t.Fatalf("%d commands, want 2", len(sent))
 	}

@@ -338,7 +338,7 @@ func (h *RedisRateLimit) renderDuration(repl *caddy.Replacer, whole, part string
 // the error of the 400 that answers it: the subdirective, its template,
 // the start of what it rendered and why that is unusable.
 func (h *RedisRateLimit) badRender(sub, tmpl, got string, cause error) error {
-	if h.warn.first("render:" + tmpl) {
+	if h.warn.First("render:" + tmpl) {
 		answer := "answering 400"
 		if h.DryRun {
 			answer = "passing the request (dry_run)"

@@ -33,7 +33,7 @@ func BenchmarkLockAcquireRelease(b *testing.B) {
 				if err != nil {
 					b.Fatal(err)
 				}
-				ls.release()
+				ls.Release()
 				lat = append(lat, time.Since(start))
 			}
 			b.StopTimer()

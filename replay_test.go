@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -447,7 +448,7 @@ func BenchmarkReplayMemory(b *testing.B) {
 		var n int64
 		var err error
 		waitFor(5*time.Second, func() bool {
-			n, err = r.Client().MemoryUsage(context.Background(), replayKey(storedKey(h.Prefix, key)), 0).Result()
+			n, err = r.Client().MemoryUsage(context.Background(), lock.ReplayKey(storedKey(h.Prefix, key)), 0).Result()
 			return err == nil
 		})
 		if err != nil {

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
@@ -267,7 +268,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"1500ms"}`, r.Addr))
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
-	h.locker.logger = slogFor(h.logger)
+	h.locker.SetLogger(slogFor(h.logger))
 	srv, release, held := holdOverLimit(t, h, "")
 	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
@@ -320,7 +321,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 // (the answer can be replay_max large; a plain release runs over the limit).
 func TestReplayNotStoredOverMaxmemory(t *testing.T) {
 	t.Parallel()
-	if releaseStoreScript.Hash() == releaseScript.Hash() {
+	if lock.ReleaseStoreScript.Hash() == lock.ReleaseScript.Hash() {
 		t.Fatal("the storing release script still carries allow-oom")
 	}
 	r := startRedis(t, "--maxmemory-policy", "noeviction")
@@ -341,7 +342,7 @@ func TestReplayNotStoredOverMaxmemory(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	if n := rc.Exists(context.Background(), replayKey(key)).Val(); n != 0 {
+	if n := rc.Exists(context.Background(), lock.ReplayKey(key)).Val(); n != 0 {
 		t.Errorf("a 200 KiB replay answer was stored over maxmemory (used_memory %d → %d, maxmemory %d)", before, usedMemory(t, rc), maxmemory)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -138,7 +139,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 		var holders, queued int64
 		if !waitFor(2*time.Second, func() bool {
 			holders, _ = m.ZCard(ctx, k).Result()
-			queued, _ = m.ZCard(ctx, waitqKey(k)).Result()
+			queued, _ = m.ZCard(ctx, lock.WaitqKey(k)).Result()
 			return holders == 0 && queued == 0
 		}) {
 			ttl, _ := m.PTTL(ctx, k).Result()

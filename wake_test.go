@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -101,11 +102,11 @@ func waitFor(d time.Duration, cond func() bool) bool {
 
 // wakeSubscribers counts the Pub/Sub subscribers of the wake-up channel.
 func wakeSubscribers(c *redis.Client) int64 {
-	m, err := c.PubSubNumSub(context.Background(), wakeChannel).Result()
+	m, err := c.PubSubNumSub(context.Background(), lock.WakeChannel).Result()
 	if err != nil {
 		return -1
 	}
-	return m[wakeChannel]
+	return m[lock.WakeChannel]
 }
 
 // lockCfg builds a redis_lock JSON config on one Redis server.
@@ -183,7 +184,7 @@ func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string)
 		t.Fatal("waiter never queued in instance B")
 	}
 	if !waitFor(10*time.Second, func() bool { return wakeSubscribers(rc) >= 1 }) {
-		t.Fatalf("no subscriber on %s while B waits", wakeChannel)
+		t.Fatalf("no subscriber on %s while B waits", lock.WakeChannel)
 	}
 	return waiter
 }
@@ -232,7 +233,7 @@ func TestWakeCrossInstanceWithoutBackoff(t *testing.T) {
 	up := newHoldUpstream()
 	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
 	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
-	if a.locker.dom == b.locker.dom {
+	if a.locker.SharesQueues(b.locker) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -486,7 +487,7 @@ func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","wait":"30s"`))
 	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","wait":"30s"`))
-	if a.locker.dom == b.locker.dom {
+	if a.locker.SharesQueues(b.locker) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	srv := [2]string{handlerServer(t, a, up.ServeHTTP).URL, handlerServer(t, b, up.ServeHTTP).URL}
@@ -747,7 +748,7 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 		t.Errorf("the split waiter kept its part of the lock on the member that lost the key (%d holders)", heldBy(rs[0], key))
 	}
 	start := time.Now()
-	ls.release()
+	ls.Release()
 	if res := await(t, waiter, 20*time.Second, "split waiter"); res.status != 200 {
 		t.Fatalf("split waiter: %d %v", res.status, res.err)
 	}

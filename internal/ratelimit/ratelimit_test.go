@@ -3,9 +3,11 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -151,6 +153,19 @@ func TestBatcherCallsNeverResent(t *testing.T) {
 	for _, c := range sent {
 		if !c.NoRetry() {
 			t.Fatalf("%v may be resent by go-redis", c.Args()[:3])
+		}
+	}
+}
+
+// TestFailureCodesAgreeWithScripts: the codes of a failed decision in a
+// batch are named once in Go (failedRead, failedRun); the decision scripts
+// answer exactly those numbers.
+func TestFailureCodesAgreeWithScripts(t *testing.T) {
+	t.Parallel()
+	want := fmt.Sprintf("wrote and %d or %d, 0", failedRun, failedRead)
+	for _, s := range []*redisconn.Script{SlidingScript, GCRAScript} {
+		if !strings.Contains(s.Source(), want) {
+			t.Errorf("a decision script does not answer failedRun/failedRead as %q", want)
 		}
 	}
 }

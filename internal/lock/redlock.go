@@ -1,11 +1,11 @@
-package redisdlm
+package lock
 
 // The lock engine: one Redis server or a Redlock quorum of 3, 5 or 7,
 // acquire (waiting in the local queue, woken on release, polling with
 // backoff as the fallback), extend and release, with fencing tokens.
 //
 // It knows nothing of HTTP or Caddy (a test keeps it so): the handler gives
-// it sorted Redis keys and gets a *lease back. attempt.go holds one attempt
+// it sorted Redis keys and gets a *Lease back. attempt.go holds one attempt
 // on every key and server, lease.go what a held lease does (hand-off,
 // renewal, the keeper), queue.go the per-key local queues, wake.go the
 // Pub/Sub listener.
@@ -35,9 +35,9 @@ var (
 	//go:embed scripts/lock_renew.lua
 	renewLua string
 
-	acquireScript    = redisconn.NewScript(acquireLua)
-	extendScript     = redisconn.NewScript(extendLua)
-	releaseScript    = redisconn.NewScript(releaseLua)
+	AcquireScript    = redisconn.NewScript(acquireLua)
+	ExtendScript     = redisconn.NewScript(extendLua)
+	ReleaseScript    = redisconn.NewScript(releaseLua)
 	fenceRaiseScript = redisconn.NewScript(fenceRaiseLua)
 	renewScript      = redisconn.NewScript(renewLua)
 )
@@ -54,21 +54,21 @@ var (
 	ErrLeaseLost = errors.New("redisdlm: lease lost")
 )
 
-// busyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
+// BusyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
 // the lock could not be taken in time. leaseLeft is the time until the
 // holder's lease ends (0 when unknown), ahead the requests of this instance
 // that queued before this one: the handler estimates Retry-After from them.
-type busyError struct {
+type BusyError struct {
 	err       error
 	leaseLeft time.Duration
 	ahead     int
 }
 
-func (e *busyError) Error() string { return e.err.Error() }
-func (e *busyError) Unwrap() error { return e.err }
+func (e *BusyError) Error() string { return e.err.Error() }
+func (e *BusyError) Unwrap() error { return e.err }
 
-// lockOptions configures a locker.
-type lockOptions struct {
+// Options configures a locker.
+type Options struct {
 	TTL        time.Duration
 	Wait       time.Duration
 	BackoffMin time.Duration
@@ -86,34 +86,34 @@ type lockOptions struct {
 	Handler string
 }
 
-// replayed is what Acquire returns when an earlier holder's answer is
+// Replayed is what Acquire returns when an earlier holder's answer is
 // stored for the key: the request is answered with it, no lock is taken.
-type replayed struct{ answer string }
+type Replayed struct{ answer string }
 
-func (r *replayed) Error() string { return "redisdlm: answered from a stored response" }
+func (r *Replayed) Error() string { return "redisdlm: answered from a stored response" }
 
-// locker takes locks on one Redis server or a Redlock quorum of servers.
-type locker struct {
-	servers []*server
+// Locker takes locks on one Redis server or a Redlock quorum of servers.
+type Locker struct {
+	servers []*Server
 	quorum  int
-	opts    lockOptions
+	opts    Options
 	dom     *domain
 	logger  *slog.Logger
 }
 
-// newLocker builds a locker over servers (1, 3, 5 or 7). It does not dial.
+// New builds a locker over servers (1, 3, 5 or 7). It does not dial.
 //
 // Lockers share a domain (one local queue per key) when they use the same
 // servers and the options a hand-off passes on (ttl, permits,
 // sync_replicas): a lease is only ever handed to a waiter that would have
 // taken the same lease itself.
-func newLocker(servers []*server, opts lockOptions, logger *slog.Logger) *locker {
+func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	ids := make([]string, len(servers))
 	for i, s := range servers {
 		ids[i] = s.id
 	}
 	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas)
-	return &locker{
+	return &Locker{
 		servers: servers,
 		quorum:  len(servers)/2 + 1,
 		opts:    opts,
@@ -123,24 +123,24 @@ func newLocker(servers []*server, opts lockOptions, logger *slog.Logger) *locker
 }
 
 // close drops this locker's reference to its shared queue domain.
-func (l *locker) close() { releaseDomain(l.dom) }
+func (l *Locker) close() { releaseDomain(l.dom) }
 
 // Acquire takes the lock on all keys (sorted, deduplicated Redis keys) or
-// none, waiting up to opts.Wait. Errors: *busyError (ErrNotObtained,
+// none, waiting up to opts.Wait. Errors: *BusyError (ErrNotObtained,
 // ErrTooManyWaiters), ErrUnavailable, or the context's error.
 //
 // The returned lease holds a reference to the key's local queue until it
 // is released, so waiters that arrive while it is held queue behind it.
-func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
+func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	q := l.dom.queue(keys)
 	w, ok := q.enqueue(l.opts.MaxWaiters)
 	if !ok {
 		l.dom.putQueue(q)
-		return nil, &busyError{err: ErrTooManyWaiters, leaseLeft: q.retryHint(), ahead: q.waiting()}
+		return nil, &BusyError{err: ErrTooManyWaiters, leaseLeft: q.retryHint(), ahead: q.waiting()}
 	}
 	l.useServers()
 	ls, err := l.wait(ctx, q, w, keys)
-	var busy *busyError
+	var busy *BusyError
 	if errors.As(err, &busy) {
 		busy.ahead = q.position(w)
 	}
@@ -150,7 +150,7 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 		if ls == nil && ctx.Err() == nil {
 			ls, err = extra, nil
 		} else {
-			extra.release()
+			extra.Release()
 		}
 	}
 	if ls == nil {
@@ -175,20 +175,20 @@ func (l *locker) Acquire(ctx context.Context, keys []string) (*lease, error) {
 	return ls, nil
 }
 
-func (l *locker) useServers() {
+func (l *Locker) useServers() {
 	for _, s := range l.servers {
 		s.conn.Use()
 	}
 }
 
-func (l *locker) unuseServers() {
+func (l *Locker) unuseServers() {
 	for _, s := range l.servers {
 		s.conn.Unuse()
 	}
 }
 
 // wait runs one waiter's turn: queue, attempts, wake-ups and polls.
-func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*lease, error) {
+func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*Lease, error) {
 	var deadline <-chan time.Time
 	if l.opts.Wait > 0 {
 		t := time.NewTimer(l.opts.Wait)
@@ -201,7 +201,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 	// Wait for this waiter's turn: first come, first served.
 	if !w.head() {
 		if l.opts.Wait <= 0 {
-			return nil, &busyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
+			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 		select {
 		case <-w.turn:
@@ -210,7 +210,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-deadline:
-			return nil, &busyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
+			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 	}
 
@@ -256,7 +256,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				return a.lease, nil
 			}
 			if a.answer != "" {
-				return nil, &replayed{answer: a.answer}
+				return nil, &Replayed{answer: a.answer}
 			}
 			retryAfter, busyKey, split = a.retryAfter, a.busyKey, a.split
 			q.setRetryHint(retryAfter)
@@ -264,7 +264,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				return nil, ctx.Err()
 			}
 			if l.opts.Wait <= 0 {
-				return nil, &busyError{err: ErrNotObtained, leaseLeft: retryAfter}
+				return nil, &BusyError{err: ErrNotObtained, leaseLeft: retryAfter}
 			}
 			if !subscribed {
 				// Subscribe, then try once more: a release between the failed
@@ -275,7 +275,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				}
 			}
 		} else if l.opts.Wait <= 0 {
-			return nil, &busyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
+			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 		d := l.backoff(n)
 		if local {
@@ -309,7 +309,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				return nil, ctx.Err()
 			case <-deadline:
 				t.Stop()
-				return nil, &busyError{err: ErrNotObtained, leaseLeft: retryAfter}
+				return nil, &BusyError{err: ErrNotObtained, leaseLeft: retryAfter}
 			}
 		}
 		t.Stop()
@@ -318,7 +318,7 @@ func (l *locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 
 // backoff returns the next poll delay with full jitter: uniform in
 // [min, min(max, min·2^n)].
-func (l *locker) backoff(n int) time.Duration {
+func (l *Locker) backoff(n int) time.Duration {
 	lo, hi := l.opts.BackoffMin, l.opts.BackoffMin
 	for i := 0; i < n && hi < l.opts.BackoffMax; i++ {
 		hi *= 2
@@ -334,7 +334,7 @@ func (l *locker) backoff(n int) time.Duration {
 
 // chainSize is how many fencing tokens an acquisition reserves: one per
 // holder it may serve by local hand-off (single key, one permit only).
-func (l *locker) chainSize(q *keyQueue, keys []string) int {
+func (l *Locker) chainSize(q *keyQueue, keys []string) int {
 	if len(keys) != 1 || l.opts.Permits != 1 {
 		return 1
 	}
@@ -350,7 +350,7 @@ func (l *locker) chainSize(q *keyQueue, keys []string) int {
 
 // subscribe makes sure every server's wake-up listener runs, and reports
 // whether a subscription became active just now (so the caller tries again).
-func (l *locker) subscribe(ctx context.Context) bool {
+func (l *Locker) subscribe(ctx context.Context) bool {
 	fresh := false
 	for _, s := range l.servers {
 		if s.wake.ensure(ctx, l.opts.Timeout) {
@@ -364,7 +364,7 @@ func (l *locker) subscribe(ctx context.Context) bool {
 // lasts without a new attempt (a waiter asks at least every backoff_max).
 // The list tells a release whether another instance waits (only then is a
 // wake-up published) and, where instances take turns, who goes next.
-func (l *locker) waitqLife() time.Duration {
+func (l *Locker) waitqLife() time.Duration {
 	return 2*l.opts.BackoffMax + time.Second
 }
 
@@ -372,11 +372,11 @@ func (l *locker) waitqLife() time.Duration {
 // key on one server. With Redlock, or several keys, the wait lists of
 // different servers or keys could each favour another instance and nobody
 // would win.
-func (l *locker) turns(keys int) bool {
+func (l *Locker) turns(keys int) bool {
 	return len(l.servers) == 1 && keys == 1
 }
 
-func (l *locker) turnsFlag(keys int) string {
+func (l *Locker) turnsFlag(keys int) string {
 	if l.turns(keys) {
 		return "1"
 	}
@@ -385,15 +385,15 @@ func (l *locker) turnsFlag(keys int) string {
 
 // leaveWaitq removes this instance from the keys' Redis wait lists on
 // every server at once, then gives back the servers that Acquire took.
-func (l *locker) leaveWaitq(keys []string) {
+func (l *Locker) leaveWaitq(keys []string) {
 	defer l.unuseServers()
 	defer l.recoverPanic("leaving the wait list")
-	l.callAll(context.Background(), func(ctx context.Context, _ int, s *server) (any, error) {
+	l.callAll(context.Background(), func(ctx context.Context, _ int, s *Server) (any, error) {
 		cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 		defer cancel()
 		var err error
 		for _, k := range keys {
-			if e := s.client.ZRem(cctx, waitqKey(k), l.dom.id).Err(); e != nil {
+			if e := s.client.ZRem(cctx, WaitqKey(k), l.dom.id).Err(); e != nil {
 				err = e
 			}
 		}

@@ -1,4 +1,4 @@
-package redisdlm
+package lock
 
 // Releasing: the owner-checked release fan-out, and the releases a server
 // did not answer, retried in the background until it does, so a lost
@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/throttle"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -40,9 +41,9 @@ type releaseJob struct {
 	unknown bool
 }
 
-// releaseStoreScript is the release script without allow-oom, for a
+// ReleaseStoreScript is the release script without allow-oom, for a
 // release that stores an answer for replay: that one can grow memory.
-var releaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
+var ReleaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
 
 // isOOM reports whether Redis refused a call for being over maxmemory.
 func isOOM(err error) bool {
@@ -53,10 +54,10 @@ func isOOM(err error) bool {
 // run sends the release; it reports whether the token was removed. A
 // release that stores an answer for replay (up to replay_max) is refused
 // over maxmemory, and then releases without storing it.
-func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
-	script := releaseScript
+func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
+	script := ReleaseScript
 	if j.answer != "" {
-		script = releaseStoreScript
+		script = ReleaseStoreScript
 	}
 	dead := int64(0)
 	if j.unknown {
@@ -64,8 +65,8 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 		// delayed on its way to Redis is refused until then.
 		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
 	}
-	n, err := script.Run(ctx, s.client, []string{j.key, fenceKey(j.key), replayKey(j.key), waitqKey(j.key), deadKey(j.key)},
-		j.token, wakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead).Int64()
+	n, err := script.Run(ctx, s.client, []string{j.key, FenceKey(j.key), ReplayKey(j.key), WaitqKey(j.key), DeadKey(j.key)},
+		j.token, WakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead).Int64()
 	if j.answer != "" && isOOM(err) {
 		j.answer = ""
 		return j.run(ctx, s)
@@ -81,13 +82,13 @@ func (j releaseJob) run(ctx context.Context, s *server) (bool, error) {
 // answers that it removed the token. unknown marks the undo of an
 // acquisition whose outcome is not known; answer (one key only) is stored
 // for replay.
-func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
+func (l *Locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
 	jobs := make([]releaseJob, len(keys))
 	for i, k := range keys {
 		jobs[i] = l.releaseJob(k, token)
 		jobs[i].raise, jobs[i].unknown, jobs[i].answer = raise, unknown, answer
 		if wake {
-			jobs[i].msg = l.dom.id + " " + wakeID(k)
+			jobs[i].msg = l.dom.id + " " + WakeID(k)
 		}
 	}
 	l.releaseJobs(jobs, nil, removed)
@@ -95,7 +96,7 @@ func (l *locker) releaseKeys(keys []string, token string, raise int64, removed *
 
 // releaseJob is the release of token on key k, with nothing to write back,
 // announce or store.
-func (l *locker) releaseJob(k, token string) releaseJob {
+func (l *Locker) releaseJob(k, token string) releaseJob {
 	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(),
 		self: l.dom.id, handler: l.opts.Handler}
 }
@@ -106,9 +107,9 @@ type notAsked struct{}
 // releaseJobs runs jobs (one per key) on every server, in parallel, as
 // releaseKeys says; bit i of skip[j] (skip may be nil) spares server i
 // the release of jobs[j]: it is known to hold nothing of it.
-func (l *locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
+func (l *Locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
 	one := func(job releaseJob, skip uint64) {
-		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *server) (any, error) {
+		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *Server) (any, error) {
 			if skip&(1<<i) != 0 {
 				return notAsked{}, nil
 			}
@@ -151,7 +152,7 @@ func (l *locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.U
 // settleRelease queues job again on server i when its answer r needs it:
 // a failure, or "not held" for an outcome nobody knows (confirmed again a
 // little later).
-func (l *locker) settleRelease(i int, job releaseJob, r result) {
+func (l *Locker) settleRelease(i int, job releaseJob, r result) {
 	if _, skipped := r.v.(notAsked); skipped {
 		return
 	}
@@ -164,7 +165,7 @@ func (l *locker) settleRelease(i int, job releaseJob, r result) {
 
 // releaseOn releases token on one key of server i (a late grant, or a
 // late answer that was lost): in the background until the server answers.
-func (l *locker) releaseOn(i int, k, token string, unknown bool) {
+func (l *Locker) releaseOn(i int, k, token string, unknown bool) {
 	job := l.releaseJob(k, token)
 	job.unknown = unknown
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
@@ -193,8 +194,8 @@ const (
 // unless the server was frozen that long (then it holds it for at most one
 // more ttl after it thaws).
 type releaser struct {
-	s    *server
-	warn *warnings
+	s    *Server
+	warn *throttle.Warnings
 
 	mu      sync.Mutex
 	pending map[releaseJob]*releaseState
@@ -216,7 +217,7 @@ func (r *releaser) retry(job releaseJob, err error) {
 			r.s.onReleaseFailure()
 		}
 		lg := r.s.logger()
-		if due, n := r.warn.due(); due && lg != nil {
+		if due, n := r.warn.Due(); due && lg != nil {
 			lg.Warn("releasing a lock failed; retrying in the background until redis answers",
 				append(r.jobFields(job), slog.Any("error", err), slog.Int64("failures_since_last_warning", n))...)
 		}
@@ -245,7 +246,7 @@ func (r *releaser) retry(job releaseJob, err error) {
 
 // jobFields name a job's handler, server and key (hashed) in a log line.
 func (r *releaser) jobFields(job releaseJob) []any {
-	return []any{slog.String("handler", job.handler), slog.String("server", r.s.name), slog.String("key_hash", wakeID(job.key))}
+	return []any{slog.String("handler", job.handler), slog.String("server", r.s.name), slog.String("key_hash", WakeID(job.key))}
 }
 
 // pendingCount is how many releases are owed (for tests and the admin API).

@@ -1,4 +1,4 @@
-package redisdlm
+package lock
 
 // A held lease: handing it on to the next local waiter, renewing its block
 // of fencing tokens, keeping it alive while its request runs, releasing it.
@@ -18,9 +18,9 @@ import (
 // instances get their turn.
 const maxChain = 16
 
-// lease is one held acquisition of a set of keys.
-type lease struct {
-	l     *locker
+// Lease is one held acquisition of a set of keys.
+type Lease struct {
+	l     *Locker
 	keys  []string // sorted Redis lock keys
 	token string
 	fence int64     // fencing token: strictly increases per key with every acquisition
@@ -61,31 +61,31 @@ type lease struct {
 }
 
 // Valid reports the remaining validity of the lease.
-func (ls *lease) Valid() time.Duration {
+func (ls *Lease) Valid() time.Duration {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	return time.Until(ls.until)
 }
 
-func (ls *lease) validUntil() time.Time {
+func (ls *Lease) validUntil() time.Time {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	return ls.until
 }
 
-func (ls *lease) setUntil(t time.Time) {
+func (ls *Lease) setUntil(t time.Time) {
 	ls.mu.Lock()
 	ls.until = t
 	ls.mu.Unlock()
 }
 
 // markLost records that the lease is gone, so it is not handed on.
-func (ls *lease) markLost() { ls.lost.Store(true) }
+func (ls *Lease) markLost() { ls.lost.Store(true) }
 
-// release gives the lease back on every server and wakes the next local
+// Release gives the lease back on every server and wakes the next local
 // waiter — or hands it on to that waiter without a Redis call. It is safe
 // to call more than once.
-func (ls *lease) release() { ls.releaseWith("", false) }
+func (ls *Lease) Release() { ls.releaseWith("", false) }
 
 // releaseWith releases the lease; a non-empty answer is stored for replay
 // in the same script (and then the lease is never handed on locally: the
@@ -97,7 +97,7 @@ func (ls *lease) release() { ls.releaseWith("", false) }
 // for the keys meanwhile waits for the release before its first attempt
 // (keyQueue.releaseDone), so a client's next request never finds its own
 // previous one still holding the lock.
-func (ls *lease) releaseWith(answer string, background bool) {
+func (ls *Lease) releaseWith(answer string, background bool) {
 	ls.mu.Lock()
 	if ls.done {
 		ls.mu.Unlock()
@@ -128,7 +128,7 @@ func (ls *lease) releaseWith(answer string, background bool) {
 // releaseInRedis runs the release on every server, then tells the local
 // queue and wakes its head (also after a panic, or the queue's next
 // waiters would each wait a timeout for a release that never ends).
-func (ls *lease) releaseInRedis(answer string) {
+func (ls *Lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
@@ -138,13 +138,13 @@ func (ls *lease) releaseInRedis(answer string) {
 // outcomeUnknown reports whether some server may hold the lease in a way
 // nobody knows: an acquire or extension whose answer was lost, or an
 // extension still on its way. Its release then marks the token dead.
-func (ls *lease) outcomeUnknown() bool {
+func (ls *Lease) outcomeUnknown() bool {
 	return (ls.extending != nil && ls.extending.Load() > 0) || (ls.unknown != nil && ls.unknown.Load())
 }
 
 // releaseEnded tells the local queue that the release in Redis is over and
 // wakes its head.
-func (ls *lease) releaseEnded() {
+func (ls *Lease) releaseEnded() {
 	if ls.q == nil {
 		ls.l.dom.wakeKeys(ls.keys)
 		return
@@ -154,7 +154,7 @@ func (ls *lease) releaseEnded() {
 }
 
 // dropRefs gives back the lease's references to its queue and servers.
-func (ls *lease) dropRefs() {
+func (ls *Lease) dropRefs() {
 	if ls.owned {
 		ls.owned = false
 		ls.l.dom.putQueue(ls.q)
@@ -167,7 +167,7 @@ func (ls *lease) dropRefs() {
 // Redis call. It reports false when the lease must be released in Redis
 // instead (no tokens left and no renewal, lost, too little validity left,
 // nobody waiting, or a waiter of another local queue sharing a key).
-func (ls *lease) handOff() bool {
+func (ls *Lease) handOff() bool {
 	if ls.lost.Load() || ls.q == nil {
 		return false
 	}
@@ -205,7 +205,7 @@ func (ls *lease) handOff() bool {
 	ls.mu.Lock()
 	until := ls.until
 	ls.mu.Unlock()
-	next := &lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
+	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
 		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, extending: ls.extending, chainLeft: left - 1, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
@@ -237,7 +237,7 @@ type renewal struct {
 }
 
 // renew asks Redis, in the background, to extend ls and reserve n tokens.
-func (l *locker) renew(ls *lease, n int) *renewal {
+func (l *Locker) renew(ls *Lease, n int) *renewal {
 	r := &renewal{done: make(chan struct{}), n: n}
 	go func() {
 		defer close(r.done)
@@ -246,7 +246,7 @@ func (l *locker) renew(ls *lease, n int) *renewal {
 		defer cancel()
 		start := time.Now()
 		k := ls.keys[0]
-		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, fenceKey(k), waitqKey(k)},
+		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, FenceKey(k), WaitqKey(k)},
 			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n).Int64Slice()
 		if err == nil && len(v) == 2 && v[0] == 1 {
 			r.ok, r.fence, r.until = true, v[1], start.Add(l.opts.TTL)
@@ -267,7 +267,7 @@ func (l *locker) renew(ls *lease, n int) *renewal {
 // call may still be on its way when the lease is released, or its answer
 // may be lost: both mark the lease's outcome unknown for its release (see
 // lease.extending).
-func (l *locker) extend(ctx context.Context, ls *lease) error {
+func (l *Locker) extend(ctx context.Context, ls *Lease) error {
 	start := time.Now()
 	prev := ls.validUntil()
 	if !start.Before(prev) {
@@ -282,13 +282,13 @@ func (l *locker) extend(ctx context.Context, ls *lease) error {
 		if track {
 			ls.extending.Add(int32(len(l.servers)))
 		}
-		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+		results := l.callAll(ctx, func(ctx context.Context, _ int, s *Server) (any, error) {
 			if track {
 				defer ls.extending.Add(-1) // after unknown is stored
 			}
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
 			defer cancel()
-			v, err := extendScript.Run(cctx, s.client, []string{k, fenceKey(k), deadKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+			v, err := ExtendScript.Run(cctx, s.client, []string{k, FenceKey(k), DeadKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
 			if track && unknownOutcome(err) {
 				ls.unknown.Store(true)
 			}
@@ -343,7 +343,7 @@ func (l *locker) extend(ctx context.Context, ls *lease) error {
 // timer, not a goroutine of its own, so a request that ends before the
 // first extension costs no goroutine start or join on the hand-off path.
 type keeper struct {
-	ls      *lease
+	ls      *Lease
 	extend  bool          // auto_extend
 	maxHold time.Duration // stop extending after this long (0: never)
 	onLost  func(error)
@@ -359,7 +359,7 @@ type keeper struct {
 // keep starts keeping the lease: with extend, it is extended every ttl/3
 // (owner-checked) until stop or maxHold; a lease that is not extended (any
 // more) is reported lost when its validity ends. onLost runs at most once.
-func (ls *lease) keep(extend bool, maxHold time.Duration, onLost func(error)) *keeper {
+func (ls *Lease) keep(extend bool, maxHold time.Duration, onLost func(error)) *keeper {
 	k := &keeper{ls: ls, extend: extend, maxHold: maxHold, onLost: onLost, done: make(chan struct{})}
 	k.mu.Lock()
 	k.t = time.AfterFunc(k.next(), k.fire)

@@ -1,4 +1,4 @@
-package redisdlm
+package lock
 
 // The servers of a lock and the fan-out to them: a server's client and its
 // wake-up listener; one call to every server in parallel, decided as soon
@@ -15,15 +15,16 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/throttle"
 	"github.com/redis/go-redis/v9"
 )
 
-// server is one Redis server, or one Cluster or Sentinel group, as the
+// Server is one Redis server, or one Cluster or Sentinel group, as the
 // engine sees it: a stable id (identical connection settings give the same
 // id), the shared client (whose users keep it open, see redisconn.Conn),
 // the server's Pub/Sub wake-up listener, and the releases it still owes
 // (retried in the background).
-type server struct {
+type Server struct {
 	id      string
 	name    string // for log lines: the address (never a password)
 	conn    *redisconn.Conn
@@ -37,19 +38,19 @@ type server struct {
 	onReleaseFailure func()
 }
 
-// newServer wraps a shared client; nothing is dialed until the first call.
+// NewServer wraps a shared client; nothing is dialed until the first call.
 // logger returns the logger of the moment (the server outlives configs).
-func newServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *server {
+func NewServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *Server {
 	c := conn.Client
-	s := &server{id: id, name: redisconn.ClientName(c), conn: conn, client: c, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
+	s := &Server{id: id, name: redisconn.ClientName(c), conn: conn, client: c, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
 	s.rel.s = s
-	s.rel.warn = newWarnings(10 * time.Second)
+	s.rel.warn = throttle.New(10 * time.Second)
 	return s
 }
 
 // closeWhenIdle stops the wake-up listener and runs closeClient once no
 // user of the client is left (at once when none is).
-func (s *server) closeWhenIdle(closeClient func()) {
+func (s *Server) closeWhenIdle(closeClient func()) {
 	s.conn.CloseWhenIdle(func() { s.wake.stop(); closeClient() })
 }
 
@@ -110,7 +111,7 @@ func anyUnknown(res []result) bool {
 }
 
 // majorityAnswered ends a fan-out once a majority answered without error.
-func (l *locker) majorityAnswered(res []result, _ int) bool {
+func (l *Locker) majorityAnswered(res []result, _ int) bool {
 	ok := 0
 	for _, r := range res {
 		if r.done && r.err == nil {
@@ -128,14 +129,14 @@ type result struct {
 }
 
 // callAll runs f on every server in parallel and returns the results in
-// server order; decide is called after each result and may end the wait
+// Server order; decide is called after each result and may end the wait
 // early (a majority decided) by returning true. Results that arrive after
 // that go to late (if not nil) instead, so the caller can undo them. When
 // ctx ends first, callAll returns what it has (the rest go to late).
 //
 // A panic in f becomes that server's error (logged with its stack), never
 // a crash of the process.
-func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, i int, s *server) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
+func (l *Locker) callAll(ctx context.Context, f func(ctx context.Context, i int, s *Server) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
 	res := make([]result, len(l.servers))
 	safe := func(i int) (v any, err error) {
 		defer func() {
@@ -196,13 +197,13 @@ func (l *locker) callAll(ctx context.Context, f func(ctx context.Context, i int,
 
 // recoverPanic, deferred in a background goroutine, logs a panic with its
 // stack and lets the process go on.
-func (l *locker) recoverPanic(what string) {
+func (l *Locker) recoverPanic(what string) {
 	if r := recover(); r != nil {
 		l.logPanic(what, r)
 	}
 }
 
-func (l *locker) logPanic(what string, r any) {
+func (l *Locker) logPanic(what string, r any) {
 	if l.logger != nil {
 		l.logger.Error("panic in the lock engine; recovered", slog.String("while", what), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
 	}

@@ -1,4 +1,4 @@
-package redisdlm
+package lock
 
 // Local queues: the waiters of one key set in this Caddy instance, first
 // come first served, and the domains that share them across handlers and
@@ -22,7 +22,7 @@ type domain struct {
 
 	mu     sync.Mutex
 	queues map[string]*keyQueue              // by joined key set
-	byWake map[string]map[*keyQueue]struct{} // by the wakeID of each key
+	byWake map[string]map[*keyQueue]struct{} // by the WakeID of each key
 }
 
 var (
@@ -74,7 +74,7 @@ func (d *domain) queue(keys []string) *keyQueue {
 		q = &keyQueue{id: id, keys: keys, wakeIDs: make([]string, len(keys))}
 		d.queues[id] = q
 		for i, k := range keys {
-			w := wakeID(k)
+			w := WakeID(k)
 			q.wakeIDs[i] = w
 			m := d.byWake[w]
 			if m == nil {
@@ -130,7 +130,7 @@ func (d *domain) othersWaiting(q *keyQueue) bool {
 func (d *domain) wakeKeys(keys []string) {
 	ids := make([]string, len(keys))
 	for i, k := range keys {
-		ids[i] = wakeID(k)
+		ids[i] = WakeID(k)
 	}
 	d.wake(ids)
 }
@@ -188,7 +188,7 @@ type waiter struct {
 	q     *keyQueue
 	turn  chan struct{} // closed when this waiter becomes head
 	wake  chan struct{} // buffered: a release happened
-	grant chan *lease   // buffered: a lease handed on by the previous holder
+	grant chan *Lease   // buffered: a lease handed on by the previous holder
 }
 
 func (w *waiter) head() bool {
@@ -207,7 +207,7 @@ func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	if maxWaiters > 0 && len(q.waiters) >= maxWaiters {
 		return nil, false
 	}
-	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1), grant: make(chan *lease, 1)}
+	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1), grant: make(chan *Lease, 1)}
 	q.waiters = append(q.waiters, w)
 	if len(q.waiters) == 1 {
 		close(w.turn)
@@ -217,7 +217,7 @@ func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 
 // leave removes w; if it was the head, the next waiter's turn begins. It
 // returns a lease handed to w that w has not taken yet.
-func (q *keyQueue) leave(w *waiter) *lease {
+func (q *keyQueue) leave(w *waiter) *Lease {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for i, x := range q.waiters {

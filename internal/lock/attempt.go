@@ -1,4 +1,4 @@
-package redisdlm
+package lock
 
 // One acquisition attempt of the lock engine: the acquire script on every
 // key (sorted) and every server at once, decided by a majority, with WAIT
@@ -17,7 +17,7 @@ import (
 
 // attempt is the outcome of one acquisition attempt.
 type attempt struct {
-	lease      *lease
+	lease      *Lease
 	retryAfter time.Duration // when not acquired: until the earliest lease ends
 	busyKey    int           // when not acquired: index of the busy key
 	// split: the attempt took part of what it needed (some servers or some
@@ -35,7 +35,7 @@ type attempt struct {
 // first is the index of the key that was busy last time: it is asked
 // first, so a request for several keys does not take and give back its free
 // keys again and again while one of them stays busy.
-func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int) attempt {
+func (l *Locker) tryAcquire(ctx context.Context, keys []string, chain, first int) attempt {
 	token := uuid.NewString()
 	start := time.Now()
 	ttlMs := l.opts.TTL.Milliseconds()
@@ -105,9 +105,9 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 	}
 	for i, k := range order {
 		// Ask every server at once; stop as soon as the outcome is decided.
-		results := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+		results := l.callAll(ctx, func(ctx context.Context, _ int, s *Server) (any, error) {
 			c := s.client
-			keys := []string{k, fenceKey(k), waitqKey(k), replayKey(k), deadKey(k)}
+			keys := []string{k, FenceKey(k), WaitqKey(k), ReplayKey(k), DeadKey(k)}
 			var v []int64
 			var ans string
 			var err error
@@ -116,7 +116,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 			} else {
 				cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 				defer cancel()
-				v, ans, err = acquireReply(acquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), l.turnsFlag(len(keys))))
+				v, ans, err = acquireReply(AcquireScript.Run(cctx, c, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), l.turnsFlag(len(keys))))
 			}
 			if ans != "" {
 				answer.Store(&ans)
@@ -214,7 +214,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 		undo(len(order), true)
 		return attempt{retryAfter: 0}
 	}
-	return attempt{lease: &lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
+	return attempt{lease: &Lease{l: l, keys: keys, token: token, fence: fence - int64(chain) + 1, start: start,
 		until: start.Add(validity), released: released, removed: removed, unknown: unknown, extending: new(atomic.Int32), chainLeft: chain - 1, raise: raise}}
 }
 
@@ -226,7 +226,7 @@ func (l *locker) tryAcquire(ctx context.Context, keys []string, chain, first int
 // A grant that too few replicas acknowledged is an error: the caller's
 // undo releases it, owner-checked, at once. A stored answer (replay) grants
 // nothing, so it needs no acknowledgement.
-func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int, turns string) ([]int64, string, error) {
+func (l *Locker) acquireSynced(ctx context.Context, c redis.UniversalClient, keys []string, token string, ttlMs, life int64, chain int, turns string) ([]int64, string, error) {
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	node := c
@@ -239,7 +239,7 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 	}
 	waitMs := max((l.opts.Timeout / 2).Milliseconds(), 1) // 0 would block for ever
 	pipe := node.Pipeline()
-	acq := acquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), turns)
+	acq := AcquireScript.Eval(cctx, pipe, keys, token, ttlMs, l.opts.Permits, l.dom.id, life, chain, l.replayFlag(), turns)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, waitMs)
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)
@@ -266,7 +266,7 @@ func (l *locker) acquireSynced(ctx context.Context, c redis.UniversalClient, key
 }
 
 // replayFlag tells the acquire script to look for a stored answer.
-func (l *locker) replayFlag() string {
+func (l *Locker) replayFlag() string {
 	if l.opts.Replay > 0 {
 		return "1"
 	}
@@ -297,16 +297,16 @@ func acquireReply(cmd *redis.Cmd) ([]int64, string, error) {
 }
 
 // drift is the clock-drift allowance of a Redlock lease: 1% of ttl + 2ms.
-func (l *locker) drift() time.Duration { return l.opts.TTL/100 + 2*time.Millisecond }
+func (l *Locker) drift() time.Duration { return l.opts.TTL/100 + 2*time.Millisecond }
 
 // raiseFences raises every key's fencing counter to fence on every server;
 // each key needs a majority.
-func (l *locker) raiseFences(ctx context.Context, keys []string, fence int64) error {
+func (l *Locker) raiseFences(ctx context.Context, keys []string, fence int64) error {
 	for _, k := range keys {
-		res := l.callAll(ctx, func(ctx context.Context, _ int, s *server) (any, error) {
+		res := l.callAll(ctx, func(ctx context.Context, _ int, s *Server) (any, error) {
 			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 			defer cancel()
-			return fenceRaiseScript.Run(cctx, s.client, []string{fenceKey(k)}, fence, 2*l.opts.TTL.Milliseconds()).Int64()
+			return fenceRaiseScript.Run(cctx, s.client, []string{FenceKey(k)}, fence, 2*l.opts.TTL.Milliseconds()).Int64()
 		}, l.majorityAnswered, nil)
 		ok := 0
 		for _, r := range res {

@@ -1,4 +1,4 @@
-package redisdlm
+package lock
 
 // Wake-ups across instances: one Pub/Sub subscription per Redis server and
 // process, on one channel, whatever the number of keys; a release announces
@@ -16,9 +16,9 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// wakeChannel is the one Pub/Sub channel per Redis server on which releases
-// are announced; the message is "<domain id> <wakeID of the lock key>".
-const wakeChannel = "redisdlm:wake"
+// WakeChannel is the one Pub/Sub channel per Redis server on which releases
+// are announced; the message is "<domain id> <WakeID of the lock key>".
+const WakeChannel = "redisdlm:wake"
 
 // dispatchWake delivers a release announced on Redis to the local queues of
 // that key in every domain but the one that announced it (which woke its own
@@ -129,7 +129,7 @@ func (wl *wakeListener) supervise(ctx context.Context) {
 
 // run listens until ctx ends (false) or a panic (true: run again).
 func (wl *wakeListener) run(ctx context.Context) (panicked bool) {
-	ps := wl.client.Subscribe(ctx, wakeChannel)
+	ps := wl.client.Subscribe(ctx, WakeChannel)
 	defer ps.Close()
 	defer func() {
 		if r := recover(); r != nil {

@@ -1,0 +1,13 @@
+// Package lock is the lock engine under redis_lock, on one Redis server
+// (or Cluster, or Sentinel group) or a Redlock quorum of independent
+// servers: Acquire fans an attempt out to every server and decides by
+// majority, waits in a local FIFO queue per key set (woken through Pub/Sub
+// when a holder elsewhere releases), and returns a Lease that renews its
+// fencing tokens, is extended while kept, and is released (handed to the
+// next local waiter, or released on every server, retried in the
+// background when an answer is lost).
+//
+// It knows nothing of Caddy or HTTP: the handler (package redisdlm)
+// renders the keys, logs through the *slog.Logger it hands in, and counts
+// failed releases through Server.OnReleaseFailure.
+package lock
