@@ -221,7 +221,7 @@ func TestRedlockEvenCountRejected(t *testing.T) {
 // restarts one after the other do not erode the lock: it stays exclusive
 // and its holder is not told it lost it.
 func TestRedlockExtensionRecreatesOnRestartedServer(t *testing.T) {
-	t.Parallel()
+	// Not parallel: its 900 ms lease must be extended in time, which a machine busy with 15 other tests cannot promise.
 	rs, addrs := startRedlock(t, 3)
 	entered := make(chan struct{})
 	finish := make(chan struct{})

@@ -482,7 +482,7 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 // times, the upstream never sees two holders, and fencing tokens strictly
 // increase in the order the upstream sees them.
 func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
-	t.Parallel()
+	// Not parallel: it counts how often each client is served in 3 s, which a machine busy with 15 other tests cannot promise.
 	r := startRedis(t)
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","wait":"30s"`))
