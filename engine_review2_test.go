@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"strings"
@@ -41,49 +40,19 @@ type gateProxy struct {
 
 func startGateProxy(t *testing.T, target string, lost bool, match ...[]byte) *gateProxy {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	p := &gateProxy{addr: ln.Addr().String(), target: target, lost: lost, gate: make(chan struct{}), landed: make(chan string, 16)}
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			t.Cleanup(func() { c.Close(); s.Close() })
-			go func() { io.Copy(c, s); c.Close() }()
-			go func() {
-				buf := make([]byte, 64<<10)
-				for {
-					n, err := c.Read(buf)
-					if n > 0 && p.armed.Load() && containsAll(buf[:n], match) {
-						if p.lost {
-							c.Close()
-							s.Close()
-						}
-						go p.land(t, append([]byte(nil), buf[:n]...))
-						p.held.Add(1)
-						return // a hanging connection gets nothing more
-					}
-					if n > 0 {
-						s.Write(buf[:n])
-					}
-					if err != nil {
-						s.Close()
-						return
-					}
-				}
-			}()
+	p := &gateProxy{target: target, lost: lost, gate: make(chan struct{}), landed: make(chan string, 16)}
+	p.addr = startInterceptProxy(t, target, func(chunk []byte, c, s net.Conn) bool {
+		if !p.armed.Load() || !containsAll(chunk, match) {
+			return true
 		}
-	}()
+		if p.lost {
+			c.Close()
+			s.Close()
+		}
+		go p.land(t, append([]byte(nil), chunk...))
+		p.held.Add(1)
+		return false // a hanging connection gets nothing more
+	})
 	return p
 }
 

@@ -23,12 +23,27 @@ type delayProxy struct {
 
 func startDelayProxy(t *testing.T, target string, match []byte, delay time.Duration) *delayProxy {
 	t.Helper()
+	p := new(delayProxy)
+	p.addr = startInterceptProxy(t, target, func(chunk []byte, _, _ net.Conn) bool {
+		if p.armed.Load() && bytes.Contains(chunk, match) {
+			time.Sleep(delay)
+		}
+		return true
+	})
+	return p
+}
+
+// startInterceptProxy forwards TCP connections to target; every chunk a
+// client sends goes through intercept first, which may hold it, act on the
+// two connections, and says whether the chunk is forwarded (false: the
+// connection forwards nothing more). It returns the proxy's address.
+func startInterceptProxy(t *testing.T, target string, intercept func(chunk []byte, client, server net.Conn) bool) string {
+	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
-	p := &delayProxy{addr: ln.Addr().String()}
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -47,8 +62,8 @@ func startDelayProxy(t *testing.T, target string, match []byte, delay time.Durat
 				for {
 					n, err := c.Read(buf)
 					if n > 0 {
-						if p.armed.Load() && bytes.Contains(buf[:n], match) {
-							time.Sleep(delay)
+						if !intercept(buf[:n], c, s) {
+							return
 						}
 						s.Write(buf[:n])
 					}
@@ -60,7 +75,7 @@ func startDelayProxy(t *testing.T, target string, match []byte, delay time.Durat
 			}()
 		}
 	}()
-	return p
+	return ln.Addr().String()
 }
 
 // warmThenArm takes and releases key once through h (the connections and
