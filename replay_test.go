@@ -589,6 +589,14 @@ func (o outerHeader) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	return o.mw.ServeHTTP(w, r, next)
 }
 
+// serverHeader sets Server before the lock, as Caddy's server does.
+type serverHeader struct{ mw caddyhttp.MiddlewareHandler }
+
+func (s serverHeader) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	w.Header().Set("Server", "Caddy")
+	return s.mw.ServeHTTP(w, r, next)
+}
+
 // TestReplayAnswersAsTheRouteWrote: a replayed answer is the route's, whichever
 // way the route wrote it, and leaves alone what handlers before the lock
 // set for the duplicate. Before: a body written with io.Copy (ReadFrom, as
@@ -646,6 +654,24 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 		}
 		if ids[0] != "req-1" || ids[1] != "req-2" {
 			t.Fatalf("request ids %v, want each request's own (req-1, req-2)", ids)
+		}
+	})
+	t.Run("headers the route removed", func(t *testing.T) {
+		t.Parallel()
+		// A header set before the lock (Caddy sets Server) that the route
+		// removes is not in the replay either: before, a replayed answer
+		// carried the Server header the original did not.
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"removed:"`))
+		srv := handlerServer(t, serverHeader{h}, func(w http.ResponseWriter, req *http.Request) error {
+			w.Header().Del("Server")
+			_, _ = io.WriteString(w, receipt)
+			return nil
+		})
+		for i := 0; i < 2; i++ {
+			_, hdr, body, _ := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+			if body != receipt || hdr.Get("Server") != "" || (hdr.Get(HeaderIdempotentReplayed) == "true") != (i == 1) {
+				t.Fatalf("request %d: %q Server %q replayed %q, want the route's answer without Server", i, body, hdr.Get("Server"), hdr.Get(HeaderIdempotentReplayed))
+			}
 		}
 	})
 	t.Run("flush before the first write", func(t *testing.T) {
