@@ -35,7 +35,7 @@ var (
 	workers        = flag.Int("workers", 16, "clients on the lock routes")
 	rlWorkers      = flag.Int("rl-workers", 4, "clients on the rate-limited routes")
 	tolerance      = flag.Duration("tolerance", 5*time.Millisecond, "apparent rate on the upstream's clock: allowed transit noise (printed, not failed)")
-	connSlack      = flag.Int("conn-slack", 24, "allowed growth of connected_clients per Redis and Caddy after the quiet spell: a pool keeps up to its 64 connections idle (so steady load dials nothing), and once they expired each call closes three for every fresh one it dials, so a full pool comes back to about 22 (and shrinks further by connection lifetime)")
+	connSlack      = flag.Int("conn-slack", 32, "allowed growth of connected_clients per Redis and Caddy after the quiet spell: a pool keeps up to its 64 connections idle (so steady load dials nothing), and once they expired each call closes three for every fresh one it dials, so a full pool comes back to about 22 (and shrinks further by connection lifetime); the rest is the probes' own connections and a Caddy restarted during the faults (seen: up to 81 over 4 Caddys)")
 	connIdle       = flag.Duration("conn-idle", time.Minute, "the plugin's idle-connection time (module.go connMaxIdle): the quiet spell after the faults lasts at least this long, so that the pools close what they kept")
 	goroSlack      = flag.Int("goroutine-slack", 40, "allowed growth of go_goroutines per Caddy")
 	keepDir        = flag.Bool("keep", false, "keep the work directory (logs, configs)")
