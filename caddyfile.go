@@ -16,24 +16,41 @@ import (
 )
 
 func init() {
-	httpcaddyfile.RegisterHandlerDirective("redis_lock", parseLockCaddyfile)
+	httpcaddyfile.RegisterHandlerDirective("redis_lock", parseHandler[RedisLock])
 	// The lock wraps everything after it (handle, route, reverse_proxy,
 	// ...); encode wraps the lock, so a replayed answer is compressed for
 	// the client it answers, not stored compressed.
 	httpcaddyfile.RegisterDirectiveOrder("redis_lock", httpcaddyfile.After, "encode")
-	httpcaddyfile.RegisterHandlerDirective("redis_ratelimit", parseRateLimitCaddyfile)
+	httpcaddyfile.RegisterHandlerDirective("redis_ratelimit", parseHandler[RedisRateLimit])
 	// After authentication, so {http.auth.user.id} is known.
 	httpcaddyfile.RegisterDirectiveOrder("redis_ratelimit", httpcaddyfile.After, "forward_auth")
 	// Right before the upstream handlers (after redis_lock, which sets the
 	// token on a one-tier route).
-	httpcaddyfile.RegisterHandlerDirective("redis_fence", parseFenceCaddyfile)
+	httpcaddyfile.RegisterHandlerDirective("redis_fence", parseHandler[RedisFence])
 	httpcaddyfile.RegisterDirectiveOrder("redis_fence", httpcaddyfile.Before, "push")
 }
 
-func parseFenceCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
-	f := new(RedisFence)
-	err := f.UnmarshalCaddyfile(h.Dispenser)
-	return f, err
+// parseHandler reads one of the directives into its handler.
+func parseHandler[T any, P interface {
+	*T
+	caddyhttp.MiddlewareHandler
+	caddyfile.Unmarshaler
+}](h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
+	m := P(new(T))
+	if err := m.UnmarshalCaddyfile(h.Dispenser); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// openBlock consumes the directive name; options go in its block, after
+// the matcher Caddy has taken.
+func openBlock(d *caddyfile.Dispenser, dir string) error {
+	d.Next()
+	if d.NextArg() {
+		return d.Errf("%s: unexpected argument %q (a matcher goes before the block; options go inside it)", dir, d.Val())
+	}
+	return nil
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
@@ -49,9 +66,8 @@ func parseFenceCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, e
 //	}
 func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_fence"
-	d.Next() // directive name
-	if d.NextArg() {
-		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
+	if err := openBlock(d, dir); err != nil {
+		return err
 	}
 	seen := subdirectives{repeatable: []string{"cluster"}}
 	var jitter float64 // not an option of redis_fence
@@ -101,12 +117,6 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
-	l := new(RedisLock)
-	err := l.UnmarshalCaddyfile(h.Dispenser)
-	return l, err
-}
-
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
 //
 //	redis_lock [<matcher>] {
@@ -142,9 +152,8 @@ func parseLockCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, er
 //	}
 func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_lock"
-	d.Next() // directive name
-	if d.NextArg() {
-		return d.Errf("%s: unexpected argument %q; options go in a block", dir, d.Val())
+	if err := openBlock(d, dir); err != nil {
+		return err
 	}
 	redisLine := 0      // line of the last `redis` subdirective, for the server count check
 	var addrLines []int // the line of each of h.Addresses
@@ -346,14 +355,6 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
-	rl := new(RedisRateLimit)
-	if err := rl.UnmarshalCaddyfile(h.Dispenser); err != nil {
-		return nil, err
-	}
-	return rl, nil
-}
-
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
 //
 //	redis_ratelimit [<matcher>] {
@@ -389,9 +390,8 @@ func parseRateLimitCaddyfile(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandle
 // the Caddyfile line; placeholders when a request renders them.
 func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_ratelimit"
-	d.Next() // consume the directive name
-	if d.NextArg() {
-		return d.Errf("%s: unexpected argument %q (a matcher goes before the block; options go inside it)", dir, d.Val())
+	if err := openBlock(d, dir); err != nil {
+		return err
 	}
 	// Checks that depend on a later subdirective (algorithm) are made at the
 	// end of the block, with the line of the subdirective they concern.

@@ -54,15 +54,7 @@ func TestWholeCaddyRateLimitPlans(t *testing.T) {
 	}
 }
 `, admin, port, r.Addr, r.Addr))
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	call := func(path string, hdr ...string) *http.Response {
-		t.Helper()
-		resp, _ := get(t, base+path, hdr...)
-		if resp == nil {
-			t.FailNow()
-		}
-		return resp
-	}
+	call := caller(t, fmt.Sprintf("http://127.0.0.1:%d", port))
 	for _, tc := range []struct {
 		user, plan string
 		n          int
@@ -141,15 +133,7 @@ func TestWholeCaddyRateLimitPlanWithoutDefault(t *testing.T) {
 	}
 }
 `, admin, port, r.Addr, r.Addr))
-	base := fmt.Sprintf("http://127.0.0.1:%d", port)
-	call := func(path string, hdr ...string) *http.Response {
-		t.Helper()
-		resp, _ := get(t, base+path, hdr...)
-		if resp == nil {
-			t.FailNow()
-		}
-		return resp
-	}
+	call := caller(t, fmt.Sprintf("http://127.0.0.1:%d", port))
 	for _, hdr := range [][]string{{"X-Plan", "enterprise"}, nil} {
 		for i := 0; i < 12; i++ {
 			if resp := call("/plan", hdr...); resp.StatusCode != http.StatusBadRequest || resp.Header.Get("RateLimit") != "" {
@@ -191,5 +175,18 @@ func TestWholeCaddyRateLimitPlanWithoutDefault(t *testing.T) {
 	}
 	if n, _ := strconv.Atoi(string(m[1])); n < 32 {
 		t.Fatalf(`result="bad_request" is %d, want at least the 32 bad requests sent`, n)
+	}
+}
+
+// caller returns a GET of base+path with headers that fails the test when
+// no answer comes.
+func caller(t *testing.T, base string) func(path string, hdr ...string) *http.Response {
+	return func(path string, hdr ...string) *http.Response {
+		t.Helper()
+		resp, _ := get(t, base+path, hdr...)
+		if resp == nil {
+			t.FailNow()
+		}
+		return resp
 	}
 }
