@@ -30,8 +30,10 @@ type clientUsers struct {
 type userKey struct{ kind, label string }
 
 type clientUser struct {
-	logger *zap.Logger // the handler's, with its handler field
-	n      int         // handlers with this kind and label
+	// The loggers of the handlers with this kind and label (with their
+	// handler field), in the order they came: during a reload the old
+	// config's and the new one's. Lines go to the newest.
+	loggers []*zap.Logger
 }
 
 // add records a handler of kind with label and logger as a user.
@@ -42,24 +44,30 @@ func (u *clientUsers) add(kind, label string, logger *zap.Logger) {
 		u.by = map[userKey]*clientUser{}
 	}
 	k := userKey{kind, label}
-	if cu := u.by[k]; cu != nil {
-		cu.n++
-		cu.logger = logger // the newest config's
-	} else {
-		u.by[k] = &clientUser{logger: logger, n: 1}
+	if u.by[k] == nil {
+		u.by[k] = new(clientUser)
 	}
+	u.by[k].loggers = append(u.by[k].loggers, logger)
 	u.lastKind = kind
 }
 
-// remove undoes one add.
-func (u *clientUsers) remove(kind, label string) {
+// remove undoes the add with logger.
+func (u *clientUsers) remove(kind, label string, logger *zap.Logger) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	k := userKey{kind, label}
-	if cu := u.by[k]; cu != nil {
-		if cu.n--; cu.n <= 0 {
-			delete(u.by, k)
+	cu := u.by[k]
+	if cu == nil {
+		return
+	}
+	for i, lg := range cu.loggers {
+		if lg == logger {
+			cu.loggers = append(cu.loggers[:i:i], cu.loggers[i+1:]...)
+			break
 		}
+	}
+	if len(cu.loggers) == 0 {
+		delete(u.by, k)
 	}
 }
 
@@ -89,7 +97,8 @@ func (u *clientUsers) targets(kind, handler string) (out []*zap.Logger, named bo
 		keys = keys[:1]
 	}
 	for _, k := range keys {
-		out = append(out, u.by[k].logger)
+		lgs := u.by[k].loggers
+		out = append(out, lgs[len(lgs)-1])
 	}
 	fallbackKind = kind
 	if fallbackKind == "" {

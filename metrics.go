@@ -202,6 +202,7 @@ type labelClaim struct {
 	label   string
 	clients []*pooledClient
 	kind    string
+	logger  *zap.Logger
 	once    sync.Once
 }
 
@@ -212,7 +213,7 @@ type labelClaim struct {
 // server checks, the batcher) go to logger. Cleanup calls release.
 func observeHandler(kind, label string, logger *zap.Logger, clients ...*pooledClient) *labelClaim {
 	initMetrics()
-	c := &labelClaim{label: label, clients: clients, kind: kind}
+	c := &labelClaim{label: label, clients: clients, kind: kind, logger: logger}
 	labels.Lock()
 	labels.refs[label]++
 	m := labels.checks[label]
@@ -239,7 +240,7 @@ func (c *labelClaim) release() {
 	}
 	c.once.Do(func() {
 		for _, pc := range c.clients {
-			pc.users.remove(c.kind, c.label)
+			pc.users.remove(c.kind, c.label, c.logger)
 		}
 		labels.Lock()
 		defer labels.Unlock()
