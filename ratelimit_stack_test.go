@@ -70,3 +70,24 @@ func TestStackedLimitersShowEveryPolicy(t *testing.T) {
 		t.Errorf("a handler alone: RateLimit-Policy %q", got)
 	}
 }
+
+// A derived handler label (in /metrics, logs and stacked RateLimit-Policy
+// entries) says nothing about the Redis password: configs that differ
+// only in it, or in a URL's password, get the same label.
+func TestHandlerLabelKeepsSecretsOut(t *testing.T) {
+	lock := func(pw, addr string) string {
+		h := &RedisLock{Keys: []string{"{http.request.uri.path}"}}
+		h.Password = pw
+		h.Addresses = []string{addr}
+		return handlerLabel("lock", "", h)
+	}
+	if a, b := lock("secret-1", "127.0.0.1:6379"), lock("secret-2", "127.0.0.1:6379"); a != b {
+		t.Errorf("password field changes the label: %s vs %s", a, b)
+	}
+	if a, b := lock("", "redis://u:secret-1@127.0.0.1:6379/0"), lock("", "redis://u:secret-2@127.0.0.1:6379/0"); a != b {
+		t.Errorf("URL password changes the label: %s vs %s", a, b)
+	}
+	if a, b := lock("", "127.0.0.1:6379"), lock("", "127.0.0.1:6380"); a == b {
+		t.Errorf("another server, the same label %s", a)
+	}
+}
