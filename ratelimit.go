@@ -221,6 +221,7 @@ type RedisRateLimit struct {
 	client     *pooledClient
 	clientKey  string
 	deny       *ratelimit.DenyCache
+	fleet      *fleet           // nil without a deny cache and fail_local
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
 	settleWarn *warnings
@@ -324,7 +325,11 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.counts == nil {
 		h.deny = ratelimit.NewDenyCache(denyCacheSize)
 	}
-	return adminRegister(ctx, h)
+	if err := adminRegister(ctx, h); err != nil {
+		return err
+	}
+	h.startFleet(ctx, false)
+	return nil
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,

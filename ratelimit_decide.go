@@ -54,6 +54,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		// got+wait (what Retry-After reports from the cache).
 		margin := time.Millisecond + d.Wait/1000
 		h.deny.Put(cacheID, ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost}, got)
+		if h.fleet != nil { // look for admin resets of other instances meanwhile
+			h.fleet.noteDeny(sent.Add(d.Wait - margin))
+		}
 	}
 	return d, nil
 }

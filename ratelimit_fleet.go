@@ -1,0 +1,182 @@
+package redisdlm
+
+// The instances that share a rate-limit prefix, through Redis. Each
+// handler runs one loop (fleetLoop) that, every fleetTick:
+//   - while its deny cache may hold a rejection, reads the limit ids the
+//     admin API reset under its prefix since its last look, and forgets them
+//     in its deny cache: a reset reaches every instance within about a
+//     second;
+//   - with fail_local, records this instance's heartbeat every
+//     heartbeatEvery and reads how many instances keep one (N);
+//   - with fail_local, charges Redis with what it admitted locally while
+//     Redis was unreachable, once Redis answers (ratelimit_local.go).
+// One script call does all of it; an idle handler without fail_local calls
+// nothing.
+
+import (
+	"context"
+	_ "embed"
+	"fmt"
+	"runtime/debug"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/google/uuid"
+	"go.uber.org/zap"
+)
+
+var (
+	//go:embed scripts/ratelimit_fleet.lua
+	rateLimitFleetLua    string
+	rateLimitFleetScript = redisconn.NewScript(rateLimitFleetLua)
+)
+
+// instanceID names this process in the heartbeats: one id per process, so
+// a config reload (new handlers, same process) adds no instance.
+var instanceID = uuid.NewString()
+
+// instancePerClient makes the instance id one per Redis client instead of
+// per process, so that tests can run two "instances" in one process (two
+// sites with their own clients). Set only by TestMain.
+var instancePerClient bool
+
+const (
+	fleetTick      = 500 * time.Millisecond
+	heartbeatEvery = time.Second
+	// A heartbeat lives about three periods: an instance that stops (or
+	// whose Redis link broke) no longer counts after it.
+	heartbeatLife = 3 * heartbeatEvery
+	// resetsKept is how long a reset stays listed for the other instances.
+	resetsKept = 10 * time.Second
+)
+
+// fleet is a handler's view of the other instances.
+type fleet struct {
+	// A rejection may be in the deny cache until then (UnixNano, local).
+	denyUntil atomic.Int64
+	// The number of instances seen in the last heartbeat read (0: none yet).
+	instances atomic.Int64
+	// The Redis TIME (µs) of the last read of resets; loop goroutine only.
+	since int64
+	// Record heartbeats (fail_local).
+	beats bool
+	// Woken when Redis answered a decision while local admissions wait to
+	// be charged.
+	wake chan struct{}
+}
+
+// fleetKeys are the heartbeat and reset sets of the handler's prefix. The
+// hash tag holds a character no limit id starts with, and the suffixes are
+// none of a rate's, so they never mix with a limit's keys.
+func (h *RedisRateLimit) fleetKeys() []string {
+	return []string{h.Prefix + "{~fleet}:instances", h.Prefix + "{~fleet}:resets"}
+}
+
+// instance is this instance's heartbeat id.
+func (h *RedisRateLimit) instance() string {
+	if instancePerClient {
+		return instanceID + "/" + keyHash(h.clientKey)
+	}
+	return instanceID
+}
+
+// noteDeny records that the deny cache holds a rejection until until.
+func (f *fleet) noteDeny(until time.Time) {
+	u := until.UnixNano()
+	for {
+		cur := f.denyUntil.Load()
+		if cur >= u || f.denyUntil.CompareAndSwap(cur, u) {
+			return
+		}
+	}
+}
+
+// startFleet starts the handler's fleet loop, stopped with ctx (the
+// config's). Its first call comes a tick later, so `caddy validate`
+// (Provision then Cleanup) calls no Redis.
+func (h *RedisRateLimit) startFleet(ctx context.Context, beats bool) {
+	if h.deny == nil && !beats {
+		return
+	}
+	h.fleet = &fleet{beats: beats, wake: make(chan struct{}, 1)}
+	go h.fleetLoop(ctx)
+}
+
+func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
+	defer func() {
+		if v := recover(); v != nil {
+			h.logger.Error("rate-limit fleet loop panicked; resets from other instances and heartbeats stop for this handler",
+				zap.Any("panic", v), zap.ByteString("stack", debug.Stack()))
+		}
+	}()
+	t := time.NewTicker(fleetTick)
+	defer t.Stop()
+	var lastBeat time.Time
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-h.fleet.wake:
+		}
+		now := time.Now()
+		beat := h.fleet.beats && now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2
+		if ok := h.fleetCall(ctx, now, beat, ""); ok && beat {
+			lastBeat = now
+		}
+	}
+}
+
+// fleetCall runs the fleet script once: a heartbeat (beat), the resets
+// since the last look (while the deny cache may hold a rejection), and a
+// reset to record (reset, the admin API's). It reports whether Redis
+// answered.
+func (h *RedisRateLimit) fleetCall(ctx context.Context, now time.Time, beat bool, reset string) bool {
+	member, since := "", ""
+	if beat {
+		member = h.instance()
+	}
+	if h.deny != nil && h.fleet != nil && now.UnixNano() < h.fleet.denyUntil.Load() {
+		since = strconv.FormatInt(h.fleet.since, 10)
+	} else if h.fleet != nil {
+		h.fleet.since = 0 // nothing to forget: next time, the last 2 s
+	}
+	if member == "" && since == "" && reset == "" {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	res, err := rateLimitFleetScript.Run(ctx, h.client.client, h.fleetKeys(), member, heartbeatLife.Microseconds(), since, reset, resetsKept.Microseconds()).Slice()
+	if err != nil || len(res) < 2 {
+		if err == nil {
+			err = fmt.Errorf("unexpected answer of %d values", len(res))
+		}
+		if c := h.logger.Check(zap.DebugLevel, "rate-limit fleet call failed"); c != nil {
+			c.Write(zap.String("handler", h.label), zap.Error(err))
+		}
+		return false
+	}
+	redisNow, _ := res[0].(int64)
+	if n, _ := res[1].(int64); n > 0 && h.fleet != nil {
+		h.fleet.instances.Store(n)
+	}
+	if since != "" {
+		h.fleet.since = redisNow
+		for _, v := range res[2:] {
+			if id, ok := v.(string); ok {
+				h.deny.Forget(id)
+			}
+		}
+	}
+	return true
+}
+
+// noticeReset tells the other instances that the quota of id was reset
+// (their deny caches forget it within about a second).
+func (h *RedisRateLimit) noticeReset(ctx context.Context, id string) error {
+	ctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	return rateLimitFleetScript.Run(ctx, h.client.client, h.fleetKeys(), "", heartbeatLife.Microseconds(), "", id, resetsKept.Microseconds()).Err()
+}
