@@ -35,6 +35,11 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			return decision{Tight: e.Tight, Remaining: e.Left, Wait: e.RetryAt.Sub(h.now()), Reset: e.RetryAt.Sub(h.now()), Cached: true}, nil
 		}
 	}
+	if h.local != nil {
+		if err := h.chargeFirst(ctx, id, p); err != nil {
+			return decision{}, err
+		}
+	}
 	var keys [4]string
 	c := &ratelimit.Call{Script: h.script, Argv: p.argv, Keys: h.redisKeys(keys[:0], id, p)}
 	sent := h.now()
@@ -46,6 +51,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	d, err := ratelimit.ParseDecision(res, len(p.rates), ratelimit.PerRate(h.script))
 	if err != nil {
 		return decision{}, err
+	}
+	if h.local != nil {
+		h.noteRedis(id, p, d, sent, got)
 	}
 	if !d.Allowed && h.deny != nil {
 		// The script ran after sent and before got, so the request passes
@@ -123,22 +131,32 @@ func (b *breakerLog) BreakerClosed() {
 
 // failPolicy answers when Redis could not decide. (Bad input never comes
 // here: see badInput.)
-func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, err error) error {
+func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, id string, err error) error {
+	if h.local != nil {
+		return h.serveLocal(w, r, next, p, id, err)
+	}
 	h.counters[resultError].Inc()
 	h.warnFail(err)
-	if h.sendHdrs {
-		if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
-			stackHeaders(w.Header(), prev.label, h.label, p.policy, "")
-		} else {
-			w.Header().Set(HeaderRateLimitPolicy, p.policy)
-		}
-	}
+	h.policyHeader(w, r, p)
 	if h.FailClosed {
 		// The breaker probes Redis about once a second.
 		w.Header().Set(HeaderRetryAfter, "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision: %w", err))
 	}
 	return next.ServeHTTP(w, r)
+}
+
+// policyHeader sets the RateLimit-Policy field of an answer made without
+// a decision.
+func (h *RedisRateLimit) policyHeader(w http.ResponseWriter, r *http.Request, p *plan) {
+	if !h.sendHdrs {
+		return
+	}
+	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
+		stackHeaders(w.Header(), prev.label, h.label, p.policy, "")
+	} else {
+		w.Header().Set(HeaderRateLimitPolicy, p.policy)
+	}
 }
 
 // warnFail logs decisions made without Redis at most every failWarnEvery.

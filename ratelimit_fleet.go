@@ -122,9 +122,15 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 		case <-h.fleet.wake:
 		}
 		now := time.Now()
-		beat := h.fleet.beats && now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2
-		if ok := h.fleetCall(ctx, now, beat, ""); ok && beat {
+		// In local mode every tick: the heartbeat tells when Redis answers.
+		beat := h.fleet.beats && (now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || h.local.mode.Load())
+		ok := h.fleetCall(ctx, now, beat, "")
+		if ok && beat {
 			lastBeat = now
+		}
+		// Redis answers again: charge it with what was admitted locally.
+		if h.local != nil && (ok || !h.local.mode.Load()) && h.local.lim.Pending() {
+			h.chargeLocal(ctx)
 		}
 	}
 }
