@@ -9,7 +9,8 @@ package redisdlm
 //   - with fail_local, records this instance's heartbeat every
 //     heartbeatEvery and reads how many instances keep one (N);
 //   - with fail_local, charges Redis with what it admitted locally while
-//     Redis was unreachable, once Redis answers (ratelimit_local.go).
+//     Redis was unreachable, once Redis answers (ratelimit_local.go); in
+//     local mode it tries every localTick.
 // One script call does all of it; an idle handler without fail_local calls
 // nothing.
 
@@ -44,6 +45,7 @@ var instancePerClient bool
 
 const (
 	fleetTick      = 500 * time.Millisecond
+	localTick      = 100 * time.Millisecond // fail_local, while Redis is not known to answer
 	heartbeatEvery = time.Second
 	// A heartbeat lives about three periods: an instance that stops (or
 	// whose Redis link broke) no longer counts after it.
@@ -111,7 +113,7 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 				zap.Any("panic", v), zap.ByteString("stack", debug.Stack()))
 		}
 	}()
-	t := time.NewTicker(fleetTick)
+	t := time.NewTimer(fleetTick)
 	defer t.Stop()
 	var lastBeat time.Time
 	for {
@@ -121,9 +123,17 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 		case <-t.C:
 		case <-h.fleet.wake:
 		}
+		local := h.local != nil && h.local.mode.Load()
+		// In local mode the heartbeat is tried every localTick: its answer
+		// tells that Redis answers again, and the local admissions are
+		// charged at once (another instance may decide by Redis already).
+		if local {
+			t.Reset(localTick)
+		} else {
+			t.Reset(fleetTick)
+		}
 		now := time.Now()
-		// In local mode every tick: the heartbeat tells when Redis answers.
-		beat := h.fleet.beats && (now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || h.local.mode.Load())
+		beat := h.fleet.beats && (now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || local)
 		ok := h.fleetCall(ctx, now, beat, "")
 		if ok && beat {
 			lastBeat = now

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"strconv"
 	"sync/atomic"
@@ -17,6 +18,7 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -33,16 +35,7 @@ type localState struct {
 	// Redis TIME minus the local clock, µs, as of the last admission Redis
 	// decided: local admission times become Redis times when charged.
 	offset atomic.Int64
-	// When a request last tried to charge its key while Redis was not
-	// known to answer (UnixNano): one such try per chargeProbeEvery.
-	probed atomic.Int64
-	// When a charge last failed (UnixNano).
-	failed atomic.Int64
 }
-
-// chargeProbeEvery spaces the tries to charge a key's local admissions
-// while the breaker says Redis is unreachable.
-const chargeProbeEvery = 500 * time.Millisecond
 
 // errLocalPending is the answer of a decision whose key holds local
 // admissions not yet charged while Redis is not known to answer: it is
@@ -50,9 +43,11 @@ const chargeProbeEvery = 500 * time.Millisecond
 var errLocalPending = errors.New("redis_ratelimit: local admissions wait to be charged to redis")
 
 // chargeFirst charges the local admissions of this request's rates before
-// Redis decides it, so that Redis decides with them. While the breaker is
-// open, one request per chargeProbeEvery tries (the others are decided
-// locally at once); the fleet loop charges every key in the background too.
+// Redis decides it, so that Redis decides with them. While Redis is not
+// known to answer (local mode, or the breaker open), the request is decided
+// locally at once: the fleet loop tries Redis (a heartbeat) twice a second
+// and then charges every key; a request whose key has nothing left to
+// charge is the breaker's probe, and its answer ends local mode.
 func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) error {
 	if !h.local.lim.Pending() {
 		return nil
@@ -61,15 +56,11 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 	if !h.local.lim.PendingFor(rates) {
 		return nil
 	}
-	now := time.Now()
-	b := h.client.batcher()
-	if b != nil && b.BreakerOpen() || now.UnixNano()-h.local.failed.Load() < int64(chargeProbeEvery) {
-		last := h.local.probed.Load()
-		if now.UnixNano()-last < int64(chargeProbeEvery) || !h.local.probed.CompareAndSwap(last, now.UnixNano()) {
-			return errLocalPending
-		}
+	if b := h.client.batcher(); h.local.mode.Load() || b != nil && b.BreakerOpen() {
+		return errLocalPending
 	}
-	return h.charge(ctx, h.local.lim.TakeFor(rates, now), now)
+	now := time.Now()
+	return h.charge(ctx, h.local.lim.TakeFor(rates, now), now, h.timeout)
 }
 
 // localRates are the rates of id in plan p, as the local limiter takes them.
@@ -159,14 +150,16 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 // rate's key; what fails stays for the next try.
 func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 	now := time.Now()
-	if err := h.charge(ctx, h.local.lim.TakeCharges(now), now); err != nil {
+	// In the background: time enough for a Redis just back, so that few
+	// answers are lost (a lost one is not charged again).
+	if err := h.charge(ctx, h.local.lim.TakeCharges(now), now, max(4*h.timeout, 2*time.Second)); err != nil {
 		h.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.String("handler", h.label), zap.Error(err))
 	}
 }
 
-// charge runs the charge script for each batch; the batches it could not
-// charge go back to the local limiter.
-func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, now time.Time) error {
+// charge runs the charge script for each batch, each call bounded by
+// timeout; the batches it did not send go back to the local limiter.
+func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, now time.Time, timeout time.Duration) error {
 	offset := h.local.offset.Load()
 	var charged int64
 	for i, b := range batches {
@@ -179,14 +172,20 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 		for _, c := range b.Charges {
 			args = append(args, c.At.UnixMicro()+offset, c.Cost)
 		}
-		cctx, cancel := context.WithTimeout(ctx, h.timeout)
+		cctx, cancel := context.WithTimeout(ctx, timeout)
 		err := script.Run(cctx, h.client.client, []string{b.Rate.Key}, args...).Err()
 		cancel()
 		if err != nil {
-			for _, rest := range batches[i:] {
+			// A call that may have run (its answer lost, or a script
+			// error) is not sent again: charging twice would take the
+			// quota of admissions never made. What was never sent is.
+			from := i + 1
+			if notSent(err) {
+				from = i
+			}
+			for _, rest := range batches[from:] {
 				h.local.lim.Untake(rest, now)
 			}
-			h.local.failed.Store(time.Now().UnixNano())
 			return fmt.Errorf("charging local admissions: %w", err)
 		}
 		for _, c := range b.Charges {
@@ -199,4 +198,11 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 		}
 	}
 	return nil
+}
+
+// notSent reports whether a call surely never reached Redis: no connection
+// could be made or taken from the pool.
+func notSent(err error) bool {
+	var op *net.OpError
+	return errors.Is(err, redis.ErrPoolTimeout) || errors.As(err, &op) && op.Op == "dial"
 }
