@@ -11,8 +11,7 @@ package redisdlm
 //   - with fail_local, charges Redis with what it admitted locally while
 //     Redis was unreachable, once Redis answers (ratelimit_local.go); in
 //     local mode it tries every localTick.
-// One script call does all of it; an idle handler without fail_local calls
-// nothing.
+// An idle handler without fail_local calls nothing.
 
 import (
 	"context"
@@ -23,8 +22,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -60,10 +61,16 @@ type fleet struct {
 	denyUntil atomic.Int64
 	// The number of instances seen in the last heartbeat read (0: none yet).
 	instances atomic.Int64
-	// The Redis TIME (µs) of the last read of resets; loop goroutine only.
-	since int64
+	// The latest reset seen (its score, Redis TIME in µs); loop goroutine
+	// only.
+	since float64
 	// Record heartbeats (fail_local).
 	beats bool
+	// The handler's deny cache and logger as Provision left them: the loop
+	// reads no field a later change of the handler could race with.
+	deny   *ratelimit.DenyCache
+	logger *zap.Logger
+	member string // this instance's heartbeat id
 	// Woken when Redis answered a decision while local admissions wait to
 	// be charged.
 	wake chan struct{}
@@ -102,14 +109,14 @@ func (h *RedisRateLimit) startFleet(ctx context.Context, beats bool) {
 	if h.deny == nil && !beats {
 		return
 	}
-	h.fleet = &fleet{beats: beats, wake: make(chan struct{}, 1)}
+	h.fleet = &fleet{beats: beats, wake: make(chan struct{}, 1), deny: h.deny, logger: h.logger, member: h.instance()}
 	go h.fleetLoop(ctx)
 }
 
 func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 	defer func() {
 		if v := recover(); v != nil {
-			h.logger.Error("rate-limit fleet loop panicked; resets from other instances and heartbeats stop for this handler",
+			h.fleet.logger.Error("rate-limit fleet loop panicked; resets from other instances and heartbeats stop for this handler",
 				zap.Any("panic", v), zap.ByteString("stack", debug.Stack()))
 		}
 	}()
@@ -134,7 +141,7 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 		}
 		now := time.Now()
 		beat := h.fleet.beats && (now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || local)
-		ok := h.fleetCall(ctx, now, beat, "")
+		ok := h.fleetCall(ctx, now, beat)
 		if ok && beat {
 			lastBeat = now
 		}
@@ -145,46 +152,49 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 	}
 }
 
-// fleetCall runs the fleet script once: a heartbeat (beat), the resets
-// since the last look (while the deny cache may hold a rejection), and a
-// reset to record (reset, the admin API's). It reports whether Redis
-// answered.
-func (h *RedisRateLimit) fleetCall(ctx context.Context, now time.Time, beat bool, reset string) bool {
-	member, since := "", ""
-	if beat {
-		member = h.instance()
-	}
-	if h.deny != nil && h.fleet != nil && now.UnixNano() < h.fleet.denyUntil.Load() {
-		since = strconv.FormatInt(h.fleet.since, 10)
-	} else if h.fleet != nil {
-		h.fleet.since = 0 // nothing to forget: next time, the last 2 s
-	}
-	if member == "" && since == "" && reset == "" {
+// fleetCall records a heartbeat (beat) and reads the count of instances,
+// and, while the deny cache may hold a rejection, reads the resets since
+// the last look (a plain ZRANGEBYSCORE: no script call, so a key answered
+// from the deny cache still costs Redis no script). It reports whether
+// Redis answered.
+func (h *RedisRateLimit) fleetCall(ctx context.Context, now time.Time, beat bool) bool {
+	poll := h.fleet.deny != nil && now.UnixNano() < h.fleet.denyUntil.Load()
+	if !beat && !poll {
 		return false
 	}
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	res, err := rateLimitFleetScript.Run(ctx, h.client.client, h.fleetKeys(), member, heartbeatLife.Microseconds(), since, reset, resetsKept.Microseconds()).Slice()
-	if err != nil || len(res) < 2 {
-		if err == nil {
+	keys := h.fleetKeys()
+	var err error
+	if beat {
+		var res []any
+		res, err = rateLimitFleetScript.Run(ctx, h.client.client, keys, h.fleet.member, heartbeatLife.Microseconds(), "", resetsKept.Microseconds()).Slice()
+		if err == nil && len(res) != 2 {
 			err = fmt.Errorf("unexpected answer of %d values", len(res))
 		}
-		if c := h.logger.Check(zap.DebugLevel, "rate-limit fleet call failed"); c != nil {
+		if err == nil {
+			if n, _ := res[1].(int64); n > 0 {
+				h.fleet.instances.Store(n)
+			}
+		}
+	}
+	if poll && err == nil {
+		var zs []redis.Z
+		since := "(" + strconv.FormatFloat(h.fleet.since, 'f', -1, 64)
+		if zs, err = h.client.client.ZRangeByScoreWithScores(ctx, keys[1], &redis.ZRangeBy{Min: since, Max: "+inf"}).Result(); err == nil {
+			for _, z := range zs {
+				if id, ok := z.Member.(string); ok {
+					h.fleet.deny.Forget(id)
+				}
+				h.fleet.since = max(h.fleet.since, z.Score)
+			}
+		}
+	}
+	if err != nil {
+		if c := h.fleet.logger.Check(zap.DebugLevel, "rate-limit fleet call failed"); c != nil {
 			c.Write(zap.String("handler", h.label), zap.Error(err))
 		}
 		return false
-	}
-	redisNow, _ := res[0].(int64)
-	if n, _ := res[1].(int64); n > 0 && h.fleet != nil {
-		h.fleet.instances.Store(n)
-	}
-	if since != "" {
-		h.fleet.since = redisNow
-		for _, v := range res[2:] {
-			if id, ok := v.(string); ok {
-				h.deny.Forget(id)
-			}
-		}
 	}
 	return true
 }
@@ -194,5 +204,5 @@ func (h *RedisRateLimit) fleetCall(ctx context.Context, now time.Time, beat bool
 func (h *RedisRateLimit) noticeReset(ctx context.Context, id string) error {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	return rateLimitFleetScript.Run(ctx, h.client.client, h.fleetKeys(), "", heartbeatLife.Microseconds(), "", id, resetsKept.Microseconds()).Err()
+	return rateLimitFleetScript.Run(ctx, h.client.client, h.fleetKeys(), "", heartbeatLife.Microseconds(), id, resetsKept.Microseconds()).Err()
 }

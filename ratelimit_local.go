@@ -153,7 +153,7 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 	// In the background: time enough for a Redis just back, so that few
 	// answers are lost (a lost one is not charged again).
 	if err := h.charge(ctx, h.local.lim.TakeCharges(now), now, max(4*h.timeout, 2*time.Second)); err != nil {
-		h.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.String("handler", h.label), zap.Error(err))
+		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.String("handler", h.label), zap.Error(err))
 	}
 }
 
@@ -193,7 +193,7 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 		}
 	}
 	if len(batches) > 0 {
-		if c := h.logger.Check(zap.InfoLevel, "local admissions (fail_local) charged to redis"); c != nil {
+		if c := h.fleet.logger.Check(zap.InfoLevel, "local admissions (fail_local) charged to redis"); c != nil {
 			c.Write(zap.String("handler", h.label), zap.Int("rates", len(batches)), zap.Int64("cost", charged))
 		}
 	}

@@ -5,13 +5,12 @@
 --         by the Redis TIME (µs) of the reset
 -- ARGV[1] this instance's id, to record a heartbeat ("" for none)
 -- ARGV[2] how long a heartbeat lives, µs
--- ARGV[3] read the resets after this Redis TIME (µs; "0": of the last 2 s;
---         "" for none)
--- ARGV[4] a limit id to record as reset ("" for none)
--- ARGV[5] how long a reset is kept, µs
+-- ARGV[3] a limit id to record as reset ("" for none)
+-- ARGV[4] how long a reset is kept, µs
 -- Returns {Redis TIME in µs, the instances with a live heartbeat (-1 when
--- no heartbeat was recorded), then the ids reset after ARGV[3]}. Both sets
--- expire once nothing is recorded in them for their lifetime.
+-- no heartbeat was recorded)}. Both sets expire once nothing is recorded in
+-- them for their lifetime. (The instances read the resets with
+-- ZRANGEBYSCORE.)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local fmt = string.format
@@ -23,19 +22,10 @@ if ARGV[1] ~= '' then
 	redis.call('PEXPIRE', KEYS[1], fmt('%d', math.ceil(life / 1000)))
 	out[2] = redis.call('ZCARD', KEYS[1])
 end
-if ARGV[4] ~= '' then
-	local kept = tonumber(ARGV[5])
-	redis.call('ZADD', KEYS[2], fmt('%d', now), ARGV[4])
+if ARGV[3] ~= '' then
+	local kept = tonumber(ARGV[4])
+	redis.call('ZADD', KEYS[2], fmt('%d', now), ARGV[3])
 	redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', fmt('(%d', now - kept))
 	redis.call('PEXPIRE', KEYS[2], fmt('%d', math.ceil(kept / 1000)))
-end
-if ARGV[3] ~= '' then
-	local since = tonumber(ARGV[3])
-	if since == 0 then
-		since = now - 2000000
-	end
-	for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], fmt('(%d', since), '+inf')) do
-		out[#out + 1] = id
-	end
 end
 return out
