@@ -185,6 +185,9 @@ func (h *RedisRateLimit) fleetCall(ctx context.Context, now time.Time, beat bool
 			for _, z := range zs {
 				if id, ok := z.Member.(string); ok {
 					h.fleet.deny.Forget(id)
+					if h.local != nil {
+						h.local.lim.Forget(h.keyHead + id + "}")
+					}
 				}
 				h.fleet.since = max(h.fleet.since, z.Score)
 			}

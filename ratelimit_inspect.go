@@ -418,6 +418,9 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 		if o.deny != nil {
 			o.deny.Forget(id)
 		}
+		if o.local != nil {
+			o.local.lim.Forget(o.keyHead + id + "}")
+		}
 	}
 	if err != nil {
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)

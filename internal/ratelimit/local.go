@@ -3,6 +3,7 @@ package ratelimit
 import (
 	_ "embed"
 	"math"
+	"strings"
 	"sync"
 	"time"
 
@@ -398,4 +399,20 @@ func (l *Local) Untake(b ChargeBatch, now time.Time) {
 		l.charged++
 	}
 	e.charges = append(b.Charges, e.charges...)
+}
+
+// Forget drops the state of every rate whose key starts with prefix (an
+// admin reset of a limit: its admissions no longer count, here either),
+// charges included.
+func (l *Local) Forget(prefix string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for k, e := range l.m {
+		if strings.HasPrefix(k, prefix) {
+			if len(e.charges) > 0 {
+				l.charged--
+			}
+			delete(l.m, k)
+		}
+	}
 }

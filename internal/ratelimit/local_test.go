@@ -118,3 +118,25 @@ func TestLocalBounded(t *testing.T) {
 		t.Errorf("%d entries, max 10", len(l.m))
 	}
 }
+
+// TestLocalForget: an admin reset forgets a limit's rates (not another's).
+func TestLocalForget(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	l := NewLocal(10, epoch)
+	a := LocalRate{Key: "p{a}:sw:2/1m0s", N: 2, Window: time.Minute}
+	b := LocalRate{Key: "p{ab}:sw:2/1m0s", N: 2, Window: time.Minute}
+	now := epoch.Add(time.Second)
+	for _, r := range []LocalRate{a, a, b, b} {
+		l.Admit([]LocalRate{r}, 1, 1, now)
+	}
+	l.Forget("p{a}")
+	if !l.Admit([]LocalRate{a}, 1, 1, now).Allowed {
+		t.Error("a: still full after Forget")
+	}
+	if l.Admit([]LocalRate{b}, 1, 1, now).Allowed {
+		t.Error("b: forgotten with a")
+	}
+	if bs := l.TakeCharges(now); len(bs) != 2 || l.Pending() {
+		t.Errorf("charges after Forget: %v", bs)
+	}
+}
