@@ -566,7 +566,7 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				h.Timeout = caddy.Duration(5 * time.Second) // a loaded machine
 			})
 			ctx := t.Context()
-			if _, found, err := h.peekQuota(ctx, "u"); err != nil || found {
+			if _, _, _, found, err := h.peekQuota(ctx, "u"); err != nil || found {
 				t.Fatalf("before any request: found %v, %v", found, err)
 			}
 			for i := 1; i <= 5; i++ {
@@ -579,7 +579,7 @@ func TestRateLimitPeekMatchesScript(t *testing.T) {
 				}
 				h.deny.Forget("u")       // ask Redis every time
 				for j := 0; j < 2; j++ { // a second read sees the same: reading counts nothing
-					v, found, err := h.peekQuota(ctx, "u")
+					v, _, _, found, err := h.peekQuota(ctx, "u")
 					if err != nil || !found || len(v) != 1 {
 						t.Fatalf("request %d: peek %v %v %v", i, v, found, err)
 					}

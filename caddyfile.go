@@ -366,6 +366,8 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		headers   on|off              # RateLimit headers; default on
 //		dry_run                       # decide, count and send headers, but never reject
 //		fail_closed                   # Redis unreachable: 503 (default: admit and log)
+//		fail_local                    # Redis unreachable: enforce ceil(n ÷ N) on each instance
+//		instances <n>                 # N for fail_local; default: counted from heartbeats
 //		prefix    <string>            # default "caddy:rl:"
 //		cost      <n>                 # what one request counts for; a number or a placeholder; default 1
 //		count     <status>...         # count only these answers (codes like 401, classes like 5xx); default all
@@ -395,7 +397,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	// Checks that depend on a later subdirective (algorithm) are made at the
 	// end of the block, with the line of the subdirective they concern.
-	var slidingErr, gcraErr, burstErr error
+	var slidingErr, gcraErr, burstErr, instancesErr error
 	seen := subdirectives{repeatable: rateLimitRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -499,15 +501,28 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Headers = &on
-		case "dry_run", "fail_closed":
+		case "dry_run", "fail_closed", "fail_local":
 			if d.NextArg() {
 				return d.Errf("%s: %s: takes no arguments, got %q", dir, sub, d.Val())
 			}
-			if sub == "dry_run" {
+			switch sub {
+			case "dry_run":
 				h.DryRun = true
-			} else {
+			case "fail_closed":
 				h.FailClosed = true
+			default:
+				h.FailLocal = true
 			}
+			if h.FailLocal && h.FailClosed {
+				return d.Errf("%s: %s: fail_local and fail_closed cannot be combined (choose one fail policy)", dir, sub)
+			}
+		case "instances":
+			n, err := parsePositiveInt(d, dir, 1)
+			if err != nil {
+				return err
+			}
+			h.Instances = n
+			instancesErr = d.Errf("%s: instances: only valid with fail_local", dir)
 		case "ip_prefix":
 			args := d.RemainingArgs()
 			if len(args) != 2 {
@@ -540,6 +555,9 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if burstErr != nil {
 		return burstErr
+	}
+	if instancesErr != nil && !h.FailLocal {
+		return instancesErr
 	}
 	return slidingErr
 }

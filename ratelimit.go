@@ -134,6 +134,30 @@ type RedisRateLimit struct {
 	// Default: false (fail open).
 	FailClosed bool `json:"fail_closed,omitempty"`
 
+	// When Redis cannot be reached, keep enforcing every rate on this
+	// instance alone, at its share: ceil(n ÷ N) per window (with gcra also
+	// ceil(burst ÷ N)), where N is the number of Caddy instances sharing
+	// this handler's prefix, so the fleet as a whole admits about n — never
+	// every request, never none. N is counted from heartbeats each instance
+	// with fail_local keeps in Redis (one per process, living 3 s; the last
+	// count seen is used), or given with `instances`. With no count ever
+	// seen and no `instances`, requests get 503 as with fail_closed (logged).
+	// The local limiter starts from this instance's own admissions of the
+	// current window (kept in memory while Redis decides), and what it
+	// admits is charged to Redis once Redis answers again, so neither edge
+	// of an outage doubles a limit. Decisions go back to Redis within about
+	// a second of it answering. Local decisions count as `local` in the
+	// metrics, and a warning is logged when local mode starts and ends.
+	// Under local mode `wait` holds nothing and `count` counts every
+	// admitted answer. Not with fail_closed. Default: false (fail open).
+	FailLocal bool `json:"fail_local,omitempty"`
+
+	// With fail_local: the number of Caddy instances N that share this
+	// limit, instead of the count from heartbeats; each instance enforces
+	// ceil(n ÷ N) while Redis is unreachable. At least 1; only with
+	// fail_local. Default: 0 (counted from heartbeats).
+	Instances int `json:"instances,omitempty"`
+
 	// The namespace of this handler's Redis keys. Limits with the same
 	// prefix, key and rate share their state (also across routes and
 	// sites); give a limit its own prefix to keep it apart. Must not
@@ -224,6 +248,8 @@ type RedisRateLimit struct {
 	client     *pooledClient
 	clientKey  string
 	deny       *ratelimit.DenyCache
+	fleet      *fleet           // nil without a deny cache and fail_local
+	local      *localState      // fail_local; nil without
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
 	settleWarn *warnings
@@ -326,7 +352,14 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.counts == nil {
 		h.deny = ratelimit.NewDenyCache(denyCacheSize)
 	}
-	return adminRegister(ctx, h)
+	if err := adminRegister(ctx, h); err != nil {
+		return err
+	}
+	if h.FailLocal {
+		h.local = &localState{lim: ratelimit.NewLocal(localRatesMax, time.Now())}
+	}
+	h.startFleet(ctx, h.FailLocal)
+	return nil
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,
@@ -398,6 +431,15 @@ func (h *RedisRateLimit) Validate() error {
 	if h.Status != 0 && (h.Status < 400 || h.Status > 599) {
 		return fmt.Errorf("redis_ratelimit: status: want an HTTP status code in 400-599, got %d", h.Status)
 	}
+	if h.FailLocal && h.FailClosed {
+		return errors.New("redis_ratelimit: fail_local: cannot be combined with fail_closed (choose one fail policy)")
+	}
+	if h.Instances < 0 || h.Instances > 0 && !h.FailLocal {
+		if h.Instances < 0 {
+			return fmt.Errorf("redis_ratelimit: instances: must be at least 1, got %d", h.Instances)
+		}
+		return errors.New("redis_ratelimit: instances: only valid with fail_local")
+	}
 	if strings.ContainsAny(h.Prefix, "{}") {
 		return fmt.Errorf("redis_ratelimit: prefix: must not contain { or } (the handler adds the hash tag), got %q", h.Prefix)
 	}
@@ -457,7 +499,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 			// The client went away: nobody reads an answer.
 			return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away during the rate-limit decision: %w", ctxErr))
 		}
-		return h.failPolicy(w, r, next, p, err)
+		return h.failPolicy(w, r, next, p, id, err)
 	}
 
 	retry := int64(0)

@@ -35,6 +35,11 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			return decision{Tight: e.Tight, Remaining: e.Left, Wait: e.RetryAt.Sub(h.now()), Reset: e.RetryAt.Sub(h.now()), Cached: true}, nil
 		}
 	}
+	if h.local != nil {
+		if err := h.chargeFirst(ctx, id, p); err != nil {
+			return decision{}, err
+		}
+	}
 	var keys [4]string
 	c := &ratelimit.Call{Script: h.script, Argv: p.argv, Keys: h.redisKeys(keys[:0], id, p)}
 	sent := h.now()
@@ -47,6 +52,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if err != nil {
 		return decision{}, err
 	}
+	if h.local != nil {
+		h.noteRedis(id, p, d, sent, got)
+	}
 	if !d.Allowed && h.deny != nil {
 		// The script ran after sent and before got, so the request passes
 		// no earlier than sent+wait (the cache holds until shortly before
@@ -54,6 +62,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		// got+wait (what Retry-After reports from the cache).
 		margin := time.Millisecond + d.Wait/1000
 		h.deny.Put(cacheID, ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost}, got)
+		if h.fleet != nil { // look for admin resets of other instances meanwhile
+			h.fleet.noteDeny(sent.Add(d.Wait - margin))
+		}
 	}
 	return d, nil
 }
@@ -120,22 +131,32 @@ func (b *breakerLog) BreakerClosed() {
 
 // failPolicy answers when Redis could not decide. (Bad input never comes
 // here: see badInput.)
-func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, err error) error {
+func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, id string, err error) error {
+	if h.local != nil {
+		return h.serveLocal(w, r, next, p, id, err)
+	}
 	h.counters[resultError].Inc()
 	h.warnFail(err)
-	if h.sendHdrs {
-		if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
-			stackHeaders(w.Header(), prev.label, h.label, p.policy, "")
-		} else {
-			w.Header().Set(HeaderRateLimitPolicy, p.policy)
-		}
-	}
+	h.policyHeader(w, r, p)
 	if h.FailClosed {
 		// The breaker probes Redis about once a second.
 		w.Header().Set(HeaderRetryAfter, "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision: %w", err))
 	}
 	return next.ServeHTTP(w, r)
+}
+
+// policyHeader sets the RateLimit-Policy field of an answer made without
+// a decision.
+func (h *RedisRateLimit) policyHeader(w http.ResponseWriter, r *http.Request, p *plan) {
+	if !h.sendHdrs {
+		return
+	}
+	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
+		stackHeaders(w.Header(), prev.label, h.label, p.policy, "")
+	} else {
+		w.Header().Set(HeaderRateLimitPolicy, p.policy)
+	}
 }
 
 // warnFail logs decisions made without Redis at most every failWarnEvery.

@@ -10,10 +10,13 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -35,25 +38,16 @@ type quotaView struct {
 	Reset   int64 `json:"reset"`
 	ResetMs int64 `json:"reset_ms"`
 	// A rate whose n or window is a placeholder (a plan) is rendered per
-	// request: its template is shown, and its state is not read.
+	// request: each rendered rate the key has state for in Redis is listed
+	// with its n and window and the template it came from (policy r<i>
+	// when one rate template explains it, else none); a template with no
+	// state is listed with its template only.
 	Template string `json:"template,omitempty"`
 }
 
 // keyTemplateText is the key template, shorthands expanded, for the admin
 // API's list.
 func (h *RedisRateLimit) keyTemplateText() string { return h.keyTmpl.raw }
-
-// limitRedisKeys returns the Redis keys of the limit id, one per rate.
-// A rate rendered per request (a plan) has no fixed key: "" stands for it.
-func (h *RedisRateLimit) limitRedisKeys(id string) []string {
-	keys := make([]string, len(h.static.rates))
-	for i, s := range h.static.rates {
-		if s.nTmpl == "" && s.wTmpl == "" {
-			keys[i] = h.keyHead + id + s.tail
-		}
-	}
-	return keys
-}
 
 // adminLimitID maps the admin API's <key> to the limit id: the rendered key
 // as the handler stores it, or with ?fallback=ip the client-IP fallback of
@@ -65,38 +59,193 @@ func adminLimitID(r *http.Request, key string) string {
 	return limitIDFor(key, "")
 }
 
-// peekQuota reads the quota of one limit id without recording anything.
-// found is false when no rate has state for it.
-func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quotaView, found bool, err error) {
-	ctx, cancel := context.WithTimeout(ctx, h.timeout)
-	defer cancel()
-	keys := h.limitRedisKeys(id)
-	peek := make([]string, len(keys))
-	for i, k := range keys {
-		if k == "" {
-			k = h.keyHead + id + "}:plan" // rendered per request: nothing to read
+// quotaTarget is one rate state of a limit id that the admin API reads or
+// resets: a literal rate of the handler, or a rendered one (a plan) found
+// in Redis.
+type quotaTarget struct {
+	key    string
+	spec   rateSpec
+	policy string // r<i>; "" for a rendered rate no single rate template explains
+	tmpl   string // the rate template of a rendered rate
+}
+
+// maxScanCalls bounds the SCAN calls that look for one key's rendered rates
+// (COUNT scanCount each: 10 million keys on the key's node).
+const (
+	maxScanCalls = 10000
+	scanCount    = 1000
+	maxScanKeys  = 1000 // rendered rate states of one key listed at most
+)
+
+// quotaTargets lists the rate states of id: every literal rate, and, when
+// some rate is rendered per request, every rendered rate state the key has
+// in Redis, found by a SCAN of the key's own node for the key's prefix (its
+// hash tag puts them all in one slot). complete is false when the scan ran
+// into its bounds.
+func (h *RedisRateLimit) quotaTargets(ctx context.Context, id string) (targets []quotaTarget, complete bool, err error) {
+	var templates []int // the rates rendered per request
+	for i, s := range h.static.rates {
+		if s.nTmpl != "" || s.wTmpl != "" {
+			templates = append(templates, i)
+			continue
 		}
-		peek[i] = k
+		targets = append(targets, quotaTarget{key: h.keyHead + id + s.tail, spec: s, policy: "r" + strconv.Itoa(i)})
 	}
-	res, err := adminRateLimitPeekScript.Run(ctx, h.client.client, peek).Slice()
+	if len(templates) == 0 {
+		return targets, true, nil
+	}
+	found, complete, err := h.scanRates(ctx, id)
 	if err != nil {
 		return nil, false, err
 	}
-	if len(res) != 2+len(h.static.rates) {
-		return nil, false, fmt.Errorf("unexpected peek answer of %d values", len(res))
+	policy, tmpl := "", ""
+	for _, i := range templates {
+		if tmpl != "" {
+			tmpl += ", "
+		}
+		tmpl += h.static.rates[i].rateTemplate()
+	}
+	if len(templates) == 1 {
+		policy = "r" + strconv.Itoa(templates[0])
+	}
+	for _, k := range found {
+		if slices.ContainsFunc(targets, func(t quotaTarget) bool { return t.key == k }) {
+			continue // a literal rate's state
+		}
+		s, ok := h.parseRateKey(k[len(h.keyHead+id):])
+		if !ok {
+			continue
+		}
+		targets = append(targets, quotaTarget{key: k, spec: s, policy: policy, tmpl: tmpl})
+	}
+	return targets, complete, nil
+}
+
+// scanRates finds the Redis keys of id's rate states: SCAN with MATCH on
+// the key's prefix, on the node that holds the key's slot (a Cluster's
+// master for it), bounded by maxScanCalls and maxScanKeys. Sorted.
+func (h *RedisRateLimit) scanRates(ctx context.Context, id string) (keys []string, complete bool, err error) {
+	head := h.keyHead + id + "}"
+	var node interface {
+		Scan(ctx context.Context, cursor uint64, match string, count int64) *redis.ScanCmd
+	} = h.client.client
+	if cc, ok := h.client.client.(*redis.ClusterClient); ok {
+		if node, err = cc.MasterForKey(ctx, head); err != nil {
+			return nil, false, err
+		}
+	}
+	match := globEscape(head) + ":*"
+	var cursor uint64
+	for calls := 0; calls < maxScanCalls; calls++ {
+		var page []string
+		if page, cursor, err = node.Scan(ctx, cursor, match, scanCount).Result(); err != nil {
+			return nil, false, err
+		}
+		for _, k := range page {
+			if strings.HasPrefix(k, head+":") && !slices.Contains(keys, k) {
+				keys = append(keys, k)
+			}
+		}
+		if cursor == 0 || len(keys) >= maxScanKeys {
+			slices.Sort(keys)
+			return keys, cursor == 0, nil
+		}
+	}
+	slices.Sort(keys)
+	return keys, false, nil
+}
+
+// globEscape escapes the characters that Redis's MATCH patterns treat
+// specially.
+func globEscape(s string) string {
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case '*', '?', '[', ']', '\\', '^', '-':
+			b.WriteByte('\\')
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// parseRateKey reads the rate from the tail of a rate state's Redis key,
+// "}:sw:<n>/<window>" or "}:gcra:<n>/<window>:b<burst>" (see newSpec),
+// for this handler's algorithm.
+func (h *RedisRateLimit) parseRateKey(tail string) (rateSpec, bool) {
+	rest, ok := strings.CutPrefix(tail, "}:sw:")
+	if h.algo == algoGCRA {
+		rest, ok = strings.CutPrefix(tail, "}:gcra:")
+	}
+	if !ok {
+		return rateSpec{}, false
+	}
+	nText, wText, ok := strings.Cut(rest, "/")
+	if !ok {
+		return rateSpec{}, false
+	}
+	var burst int64
+	if h.algo == algoGCRA {
+		var bText string
+		if wText, bText, ok = strings.Cut(wText, ":b"); !ok {
+			return rateSpec{}, false
+		}
+		var err error
+		if burst, err = parseCount(bText); err != nil {
+			return rateSpec{}, false
+		}
+	}
+	n, err := parseCount(nText)
+	if err != nil {
+		return rateSpec{}, false
+	}
+	w, err := time.ParseDuration(wText)
+	if err != nil || checkRate(n, w, h.algo) != nil {
+		return rateSpec{}, false
+	}
+	s := h.newSpec(0, n, w)
+	if h.algo == algoGCRA {
+		s.burst = burst
+	}
+	if s.tail != tail {
+		return rateSpec{}, false // not as this handler writes it
+	}
+	return s, true
+}
+
+// peekQuota reads the quota of one limit id without recording anything.
+// found is false when no rate has state for it.
+func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quotaView, keys []string, complete, found bool, err error) {
+	ctx, cancel := context.WithTimeout(ctx, h.adminBound())
+	defer cancel()
+	targets, complete, err := h.quotaTargets(ctx, id)
+	if err != nil {
+		return nil, nil, false, false, err
+	}
+	for _, t := range targets {
+		keys = append(keys, t.key)
+	}
+	if len(keys) == 0 {
+		return h.templateViews(nil), nil, complete, false, nil
+	}
+	res, err := adminRateLimitPeekScript.Run(ctx, h.client.client, keys).Slice()
+	if err != nil {
+		return nil, nil, false, false, err
+	}
+	if len(res) != 2+len(keys) {
+		return nil, nil, false, false, fmt.Errorf("unexpected peek answer of %d values", len(res))
 	}
 	sec, _ := res[0].(int64)
 	usec, _ := res[1].(int64)
 	now := float64(sec*1000000 + usec)
-	for i, s := range h.static.rates {
-		if keys[i] == "" {
-			views = append(views, quotaView{Policy: "r" + strconv.Itoa(i), Template: s.rateTemplate()})
-			continue
-		}
+	for i, t := range targets {
 		raw, _ := res[2+i].(string)
 		if raw != "" {
 			found = true
+		} else if t.tmpl != "" {
+			continue // expired between the scan and the read
 		}
+		s := t.spec
 		var used, remaining int64
 		var reset float64 // µs
 		if h.algo == algoGCRA {
@@ -106,12 +255,37 @@ func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quot
 		}
 		resetD := int64(math.Ceil(reset)) // µs
 		views = append(views, quotaView{
-			Policy: "r" + strconv.Itoa(i), Requests: s.n, Window: s.window.String(),
+			Policy: t.policy, Requests: s.n, Window: s.window.String(),
 			Used: used, Remaining: remaining,
 			Reset: (resetD + 999999) / 1000000, ResetMs: (resetD + 999) / 1000,
+			Template: t.tmpl,
 		})
 	}
-	return views, found, nil
+	return h.templateViews(views), keys, complete, found, nil
+}
+
+// templateViews adds to views the rates rendered per request that have no
+// state listed in them: their template only.
+func (h *RedisRateLimit) templateViews(views []quotaView) []quotaView {
+	for i, s := range h.static.rates {
+		if s.nTmpl == "" && s.wTmpl == "" {
+			continue
+		}
+		t, p := s.rateTemplate(), "r"+strconv.Itoa(i)
+		if !slices.ContainsFunc(views, func(v quotaView) bool { return v.Policy == p || v.Policy == "" && strings.Contains(v.Template, t) }) {
+			views = append(views, quotaView{Policy: p, Template: t})
+		}
+	}
+	return views
+}
+
+// adminBound bounds one admin call on a limit: the scan of a key's
+// rendered rates may take many calls.
+func (h *RedisRateLimit) adminBound() time.Duration {
+	if h.dynamic {
+		return max(10*time.Second, 4*h.timeout)
+	}
+	return h.timeout
 }
 
 // peekSliding reads a sliding_window log (see
@@ -185,6 +359,19 @@ type quotaAnswer struct {
 	RedisKeys []string    `json:"redis_keys"`
 	Rates     []quotaView `json:"rates,omitempty"`
 	Reset     bool        `json:"reset,omitempty"` // DELETE: the quota was reset
+	// With rates rendered per request: false when the search for the key's
+	// rendered rates ran into its bounds (maxScanKeys states, or
+	// maxScanCalls SCAN calls), so some may be missing.
+	Complete *bool `json:"complete,omitempty"`
+}
+
+// completeField is the answer's complete field: only for a handler whose
+// rates are rendered per request (the others know their keys).
+func (h *RedisRateLimit) completeField(complete bool) *bool {
+	if !h.dynamic {
+		return nil
+	}
+	return &complete
 }
 
 func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
@@ -192,41 +379,47 @@ func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key
 		return adminError(http.StatusBadRequest, "empty rate limit key")
 	}
 	id := adminLimitID(r, key)
-	views, found, err := h.peekQuota(r.Context(), id)
+	views, keys, complete, found, err := h.peekQuota(r.Context(), id)
 	if err != nil {
 		return adminError(http.StatusBadGateway, "reading the quota of %q: %v", key, err)
 	}
 	if !found {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing counted in its windows)", key)
 	}
-	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: h.limitRedisKeys(id), Rates: views})
+	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)})
 }
 
-// resetQuota deletes every rate's state of a key, and forgets it in the
+// resetQuota deletes every rate state of a key (the literal rates', and
+// every rendered rate's that Redis holds for it), forgets the key in the
 // deny caches of copies (h and the copies of the same named handler in
-// other HTTP servers of the config), in this
-// instance's deny cache (other instances' deny caches hold a rejected key
-// until the moment they last learned, at most that rate's wait).
+// other HTTP servers of the config), and tells the other instances through
+// Redis, whose deny caches then forget it within about a second (see
+// ratelimit_fleet.go).
 func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copies []*RedisRateLimit, key string) error {
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty rate limit key")
 	}
 	id := adminLimitID(r, key)
+	ctx, cancel := context.WithTimeout(r.Context(), h.adminBound())
+	defer cancel()
+	targets, complete, err := h.quotaTargets(ctx, id)
+	if err != nil {
+		return adminError(http.StatusBadGateway, "finding the quota of %q: %v", key, err)
+	}
 	var keys []string
-	for _, k := range h.limitRedisKeys(id) {
-		if k != "" {
-			keys = append(keys, k)
-		}
+	for _, t := range targets {
+		keys = append(keys, t.key)
 	}
 	if len(keys) == 0 {
-		return adminError(http.StatusNotFound, "every rate of this handler is rendered per request; no fixed quota to reset for %q", key)
+		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
 	}
-	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
-	defer cancel()
 	n, err := h.client.client.Del(ctx, keys...).Result()
 	for _, o := range copies {
 		if o.deny != nil {
 			o.deny.Forget(id)
+		}
+		if o.local != nil {
+			o.local.lim.Forget(o.keyHead + id + "}")
 		}
 	}
 	if err != nil {
@@ -236,5 +429,10 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
 	}
 	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key))
-	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true})
+	if err := h.noticeReset(ctx, id); err != nil {
+		// The quota is reset; other instances' deny caches may answer the
+		// key from memory until the rejection they learned runs out.
+		h.logger.Warn("telling other instances of a quota reset failed", zap.Error(err))
+	}
+	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true, Complete: h.completeField(complete)})
 }

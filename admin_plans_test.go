@@ -1,0 +1,192 @@
+package redisdlm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/redis/go-redis/v9"
+)
+
+// TestAdminQuotaPlans: a limit whose rate comes from `map` (a plan) is
+// inspected and reset through the admin API: GET lists every rendered rate
+// the key has state for (two plans used by one key), with its count;
+// DELETE resets them all, and the next request is admitted on both
+// instances (two sites with clients of their own on one Redis), also on the
+// one whose deny cache held the key's rejection.
+func TestAdminQuotaPlans(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	portA, portB, admin := freePort(t), freePort(t), freePort(t)
+	site := func(port int, name, timeout string) string {
+		return fmt.Sprintf(`:%d {
+	map {http.request.header.X-Plan} {plan_rpm} {
+		pro 3
+		default 2
+	}
+	redis_ratelimit {
+		name %s
+		key {http.request.header.X-User}
+		rate {plan_rpm} 1m
+		redis %s
+		timeout %s
+	}
+	respond ok
+}
+`, port, name, r.Addr, timeout)
+	}
+	runCaddy(t, fmt.Sprintf("{\n\tadmin localhost:%d\n\tauto_https off\n}\n", admin)+site(portA, "plan_a", "3s")+site(portB, "plan_b", "4s"))
+	callA := caller(t, fmt.Sprintf("http://127.0.0.1:%d", portA))
+	callB := caller(t, fmt.Sprintf("http://127.0.0.1:%d", portB))
+	const user = "adm1"
+	plans := []struct {
+		plan string
+		n    int
+	}{{"pro", 3}, {"free", 2}}
+	for _, p := range plans {
+		for i := 0; i < p.n; i++ {
+			call := callA
+			if i%2 == 1 {
+				call = callB
+			}
+			if resp := call("/", "X-User", user, "X-Plan", p.plan); resp.StatusCode != 200 {
+				t.Fatalf("%s request %d: %d", p.plan, i+1, resp.StatusCode)
+			}
+		}
+		// Both instances learn the rejection (their deny caches hold it).
+		for _, call := range []func(string, ...string) *http.Response{callA, callB} {
+			if resp := call("/", "X-User", user, "X-Plan", p.plan); resp.StatusCode != 429 {
+				t.Fatalf("%s request %d: %d, want 429", p.plan, p.n+1, resp.StatusCode)
+			}
+		}
+	}
+
+	quota := fmt.Sprintf("http://localhost:%d/redisdlm/limits/plan_a/%s", admin, url.PathEscape(user))
+	for i := 0; i < 2; i++ { // reading counts nothing
+		status, m, body := adminCall(t, "GET", quota)
+		if status != 200 {
+			t.Fatalf("GET: %d %s", status, body)
+		}
+		rates, _ := m["rates"].([]any)
+		got := map[float64]float64{}
+		for _, v := range rates {
+			q := v.(map[string]any)
+			if q["template"] != "{plan_rpm} 1m0s" || q["policy"] != "r0" || q["window"] != "1m0s" {
+				t.Errorf("rate %v: want policy r0, window 1m0s and the rate's template", q)
+			}
+			n, _ := q["requests"].(float64)
+			used, _ := q["used"].(float64)
+			got[n] = used
+			if rem, _ := q["remaining"].(float64); rem != 0 {
+				t.Errorf("rate %v: remaining %v, want 0", q, rem)
+			}
+		}
+		if len(rates) != 2 || got[3] != 3 || got[2] != 2 {
+			t.Fatalf("GET %d: %s; want the pro rate (3) used 3 and the free rate (2) used 2", i, body)
+		}
+		if keys, _ := m["redis_keys"].([]any); len(keys) != 2 || m["complete"] != true {
+			t.Errorf("GET: redis_keys %v complete %v, want 2 keys and a complete search", m["redis_keys"], m["complete"])
+		}
+	}
+
+	status, m, body := adminCall(t, "DELETE", quota)
+	if status != 200 || m["reset"] != true {
+		t.Fatalf("DELETE: %d %s", status, body)
+	}
+	if keys, _ := m["redis_keys"].([]any); len(keys) != 2 {
+		t.Errorf("DELETE reset %v, want both plans' keys", m["redis_keys"])
+	}
+	if status, _, body := adminCall(t, "GET", quota); status != 404 {
+		t.Errorf("GET after the reset: %d %s, want 404", status, body)
+	}
+	// The next request passes on both plans and both instances: on B
+	// (whose deny cache held the rejections) within a few seconds.
+	for _, p := range plans {
+		for name, call := range map[string]func(string, ...string) *http.Response{"A": callA, "B": callB} {
+			ok := waitFor(5*time.Second, func() bool {
+				return call("/", "X-User", user, "X-Plan", p.plan).StatusCode == 200
+			})
+			if !ok {
+				t.Errorf("%s on instance %s: still rejected 5s after the reset", p.plan, name)
+			}
+		}
+	}
+
+	// Nothing the reset or the fleet wrote is left in Redis forever.
+	c := redis.NewClient(&redis.Options{Addr: r.Addr})
+	defer c.Close()
+	keys, err := c.Keys(context.Background(), "*").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if ttl := c.PTTL(context.Background(), k).Val(); ttl < 0 {
+			t.Errorf("key %q has no expiry (%s)", k, ttl)
+		}
+	}
+	if !strings.Contains(strings.Join(keys, " "), "{~fleet}:resets") {
+		t.Errorf("no reset notice in Redis: %v", keys)
+	}
+}
+
+// TestAdminQuotaPlansOnCluster: the rendered rates of a key are found on
+// the Cluster node of the key's slot, read and reset.
+func TestAdminQuotaPlansOnCluster(t *testing.T) {
+	t.Parallel()
+	rs := startCluster(t)
+	rate, err := RateOf("{http.request.header.X-N}", "1m")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
+		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
+		h.Rates = []Rate{rate}
+		h.Timeout = caddy.Duration(2 * time.Second)
+	})
+	call := func(method, id string) (int, string) {
+		w := httptest.NewRecorder()
+		f := inspectQuota
+		if method == "DELETE" {
+			f = func(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
+				return resetQuota(w, r, h, []*RedisRateLimit{h}, key)
+			}
+		}
+		err := f(w, httptest.NewRequest(method, "/", nil), rl, id)
+		var ae caddy.APIError
+		if errors.As(err, &ae) {
+			return ae.HTTPStatus, ae.Message
+		}
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, id, err)
+		}
+		return 200, w.Body.String()
+	}
+	for i, ip := range []string{"192.0.2.1", "192.0.2.2", "192.0.2.3"} {
+		for _, n := range []string{"5", "7"} {
+			for j := 0; j <= i; j++ {
+				if a := serveRL(rl, ip, func(r *http.Request, _ *caddy.Replacer) { r.Header.Set("X-N", n) }); !a.passed {
+					t.Fatalf("%s n=%s request %d: %d %v", ip, n, j, a.status, a.err)
+				}
+			}
+		}
+		id := ip // the default key: the client IP
+		status, body := call("GET", id)
+		want := fmt.Sprintf(`"used": %d`, i+1)
+		if status != 200 || strings.Count(body, want) != 2 || !strings.Contains(body, `"requests": 5`) || !strings.Contains(body, `"requests": 7`) {
+			t.Errorf("GET %s on a cluster: %d %s; want both plans used %d", id, status, body, i+1)
+		}
+		if status, body := call("DELETE", id); status != 200 || strings.Count(body, ":sw:") != 2 {
+			t.Errorf("DELETE %s on a cluster: %d %s", id, status, body)
+		}
+		if status, body := call("GET", id); status != 404 {
+			t.Errorf("GET %s after its reset: %d %s, want 404", id, status, body)
+		}
+	}
+}

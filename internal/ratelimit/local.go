@@ -1,0 +1,418 @@
+package ratelimit
+
+import (
+	_ "embed"
+	"math"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+)
+
+// The local limiter of fail_local: while Redis is unreachable, each
+// instance decides on its own at its share of every rate, ceil(n ÷ N) (gcra:
+// also ceil(burst ÷ N)), N being the number of instances. So that neither
+// edge of an outage doubles a limit, it starts from this instance's own
+// admissions of the current window (noted while Redis decides, see Note),
+// and what it admits is kept to be charged to Redis once Redis answers
+// again (TakeCharges, and the charge scripts).
+//
+// Per rate of a key it keeps a ring of localBuckets+1 counts over the
+// rate's horizon (its window; with gcra the longer of the window and the
+// burst's span): O(1) memory per key and rate, and at most max of them.
+// A sliding_window rate counts every admission of a bucket that reaches
+// into the window, so no interval of one window holds more than the share;
+// a gcra rate replays the buckets into a theoretical arrival time at the
+// share's rate, each bucket's admissions at its end (a little stricter).
+
+var (
+	//go:embed scripts/ratelimit_sliding_charge.lua
+	slidingChargeLua string
+	//go:embed scripts/ratelimit_gcra_charge.lua
+	gcraChargeLua string
+
+	// SlidingChargeScript and GCRAChargeScript charge one rate's key with
+	// local admissions (see the scripts). They are sent alone, never in a
+	// batch.
+	SlidingChargeScript = redisconn.NewScript(slidingChargeLua)
+	GCRAChargeScript    = redisconn.NewScript(gcraChargeLua)
+)
+
+const localBuckets = 16
+
+// LocalRate is one rate of a limit as the local limiter takes it.
+type LocalRate struct {
+	Key    string // the rate's Redis key: its identity
+	N      int64
+	Window time.Duration
+	Burst  int64 // gcra; 0 for sliding_window
+}
+
+// horizon is how far back the rate's admissions matter.
+func (r LocalRate) horizon() time.Duration {
+	if r.Burst > r.N {
+		return time.Duration(float64(r.Window) * float64(r.Burst) / float64(r.N))
+	}
+	return r.Window
+}
+
+// Share is the part of n (and burst) one of instances instances enforces:
+// ceil(n ÷ instances), at least 1.
+func Share(n, instances int64) int64 {
+	if instances < 1 {
+		instances = 1
+	}
+	return max(1, (n+instances-1)/instances)
+}
+
+// Charge is admissions made locally in one bucket: the latest time and
+// their sum of costs.
+type Charge struct {
+	At   time.Time
+	Cost int64
+}
+
+// ChargeBatch is what one rate's key is to be charged with.
+type ChargeBatch struct {
+	Rate    LocalRate
+	Charges []Charge // ascending
+}
+
+type localRate struct {
+	rate    LocalRate
+	width   time.Duration // of a bucket
+	stamps  [localBuckets + 1]int64
+	counts  [localBuckets + 1]int64
+	charges []Charge // admitted locally, not yet charged; one per bucket
+	last    time.Time
+}
+
+// Local is one handler's local limiter.
+type Local struct {
+	mu      sync.Mutex
+	max     int
+	epoch   time.Time
+	m       map[string]*localRate
+	charged int // entries with charges
+}
+
+// NewLocal makes a local limiter of at most max rates of keys; epoch is
+// any moment before the first call (bucket numbers count from it).
+func NewLocal(max int, epoch time.Time) *Local {
+	return &Local{max: max, epoch: epoch, m: make(map[string]*localRate)}
+}
+
+// bucket is the number of the bucket of e at t.
+func (l *Local) bucket(e *localRate, t time.Time) int64 {
+	return int64(t.Sub(l.epoch) / e.width)
+}
+
+func (l *Local) entry(r LocalRate, now time.Time) *localRate {
+	e := l.m[r.Key]
+	if e != nil && e.rate == r {
+		return e
+	}
+	if e == nil && len(l.m) >= l.max {
+		l.evict(now)
+	}
+	if e != nil && len(e.charges) > 0 {
+		l.charged--
+	}
+	e = &localRate{rate: r, width: max(time.Microsecond, r.horizon()/localBuckets)}
+	for i := range e.stamps {
+		e.stamps[i] = -1
+	}
+	l.m[r.Key] = e
+	return e
+}
+
+// evict makes room: rates whose admissions no longer matter go, else one
+// without charges, else any.
+func (l *Local) evict(now time.Time) {
+	for k, e := range l.m {
+		if now.Sub(e.last) > e.rate.horizon() && len(e.charges) == 0 {
+			delete(l.m, k)
+		}
+	}
+	if len(l.m) < l.max {
+		return
+	}
+	var any string
+	for k, e := range l.m {
+		any = k
+		if len(e.charges) == 0 {
+			break
+		}
+	}
+	if len(l.m[any].charges) > 0 {
+		l.charged--
+	}
+	delete(l.m, any)
+}
+
+// add counts cost in e's bucket of now.
+func (l *Local) add(e *localRate, now time.Time, cost int64) {
+	b := l.bucket(e, now)
+	i := b % int64(len(e.stamps))
+	if e.stamps[i] != b {
+		e.stamps[i], e.counts[i] = b, 0
+	}
+	e.counts[i] += cost
+	e.last = now
+}
+
+// Note records an admission that Redis decided, of cost on every rate.
+func (l *Local) Note(rates []LocalRate, cost int64, now time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range rates {
+		l.add(l.entry(r, now), now, cost)
+	}
+}
+
+// LocalDecision is the local limiter's answer.
+type LocalDecision struct {
+	Allowed   bool
+	Wait      time.Duration // rejected: until it would be admitted (0 = never)
+	Tight     int           // the rate reported (a rejecting one when rejected)
+	Remaining int64         // of rate Tight, in its share
+	Reset     time.Duration // until rate Tight's share grows (0 = full)
+	Share     int64         // rate Tight's share of n
+}
+
+// Admit decides a request of cost on every rate, each at its share for
+// instances instances, and records it when every rate admits it.
+func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) LocalDecision {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	d := LocalDecision{Allowed: true, Tight: -1}
+	es := make([]*localRate, len(rates))
+	for i, r := range rates {
+		e := l.entry(r, now)
+		es[i] = e
+		share := Share(r.N, instances)
+		var ok bool
+		var rem int64
+		var wait, reset time.Duration
+		if r.Burst > 0 {
+			ok, rem, wait, reset = l.gcra(e, share, Share(r.Burst, instances), cost, now)
+		} else {
+			ok, rem, wait, reset = l.sliding(e, share, cost, now)
+		}
+		better := d.Tight < 0 || rem < d.Remaining || rem == d.Remaining && reset > d.Reset
+		switch {
+		case !ok && d.Allowed: // the first rate that rejects
+			d = LocalDecision{Tight: i, Remaining: rem, Reset: reset, Wait: wait, Share: share}
+		case !ok:
+			if wait == 0 || d.Wait != 0 && wait > d.Wait {
+				d.Wait = wait
+			}
+			if better {
+				d.Tight, d.Remaining, d.Reset, d.Share = i, rem, reset, share
+			}
+		case d.Allowed && better:
+			d.Tight, d.Remaining, d.Reset, d.Share = i, rem, reset, share
+		}
+	}
+	if !d.Allowed {
+		return d
+	}
+	d.Remaining = max(0, d.Remaining-cost)
+	for _, e := range es {
+		l.add(e, now, cost)
+		if n := len(e.charges); n > 0 && l.bucket(e, e.charges[n-1].At) == l.bucket(e, now) {
+			e.charges[n-1] = Charge{At: now, Cost: e.charges[n-1].Cost + cost}
+			continue
+		}
+		if len(e.charges) == 0 {
+			l.charged++
+		}
+		// Charges older than the horizon no longer matter in Redis.
+		keep := e.charges[:0]
+		for _, c := range e.charges {
+			if now.Sub(c.At) <= e.rate.horizon() {
+				keep = append(keep, c)
+			}
+		}
+		e.charges = append(keep, Charge{At: now, Cost: cost})
+	}
+	return d
+}
+
+// sliding decides one sliding_window rate at its share: the admissions of
+// every bucket that reaches into the window count.
+func (l *Local) sliding(e *localRate, share, cost int64, now time.Time) (ok bool, rem int64, wait, reset time.Duration) {
+	cur := l.bucket(e, now)
+	from := l.bucket(e, now.Add(-e.rate.Window))
+	var used int64
+	first := int64(-1)
+	for b := from; b <= cur; b++ {
+		if c := e.count(b); c > 0 {
+			used += c
+			if first < 0 {
+				first = b
+			}
+		}
+	}
+	rem = max(0, share-used)
+	// Bucket b leaves the window at epoch + (b+1)·width + window.
+	leaves := func(b int64) time.Duration {
+		return l.epoch.Add(time.Duration(b+1)*e.width + e.rate.Window).Sub(now)
+	}
+	if first >= 0 {
+		reset = max(time.Microsecond, leaves(first))
+	}
+	if used+cost <= share {
+		return true, rem, 0, reset
+	}
+	if cost > share {
+		return false, rem, 0, reset // never at this share
+	}
+	need := used + cost - share
+	for b := from; b <= cur; b++ {
+		if need -= e.count(b); need <= 0 {
+			return false, rem, max(time.Microsecond, leaves(b)), reset
+		}
+	}
+	return false, rem, e.rate.Window, reset
+}
+
+// gcra decides one gcra rate at its share: a theoretical arrival time
+// replayed from the buckets, one unit costing window ÷ share.
+func (l *Local) gcra(e *localRate, share, burst, cost int64, now time.Time) (ok bool, rem int64, wait, reset time.Duration) {
+	unit := float64(e.rate.Window) / float64(share)
+	tau := float64(burst) * unit
+	cur := l.bucket(e, now)
+	t := float64(now.Sub(l.epoch))
+	tat := 0.0
+	for b := cur - localBuckets; b <= cur; b++ {
+		c := e.count(b)
+		if c == 0 {
+			continue
+		}
+		at := math.Min(float64(time.Duration(b+1)*e.width), t)
+		tat = math.Max(tat, at) + float64(c)*unit
+	}
+	tat = math.Max(tat, t)
+	debt := tat - t
+	rem = min(max(int64(math.Floor((tau-debt+0.5)/unit)), 0), burst)
+	if rem < burst {
+		reset = time.Duration(math.Max(1000, math.Ceil(debt-tau+float64(rem+1)*unit)))
+	}
+	if cost > burst {
+		return false, rem, 0, reset
+	}
+	if at := tat + float64(cost)*unit - tau; at > t {
+		return false, rem, time.Duration(math.Ceil(at - t)), reset
+	}
+	return true, rem, 0, reset
+}
+
+// count is e's count in bucket b (0 when the ring holds another).
+func (e *localRate) count(b int64) int64 {
+	if b < 0 {
+		return 0
+	}
+	i := b % int64(len(e.stamps))
+	if e.stamps[i] != b {
+		return 0
+	}
+	return e.counts[i]
+}
+
+// Pending reports whether local admissions wait to be charged to Redis.
+func (l *Local) Pending() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.charged > 0
+}
+
+// TakeCharges hands over the local admissions to charge to Redis, per
+// rate's key, leaving none; those older than their rate's horizon at now are
+// dropped (they no longer matter). Give back what could not be charged
+// with Untake.
+func (l *Local) TakeCharges(now time.Time) []ChargeBatch {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []ChargeBatch
+	for _, e := range l.m {
+		out = l.take(e, now, out)
+	}
+	return out
+}
+
+// PendingFor reports whether local admissions on any of these rates' keys
+// wait to be charged.
+func (l *Local) PendingFor(rates []LocalRate) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.charged == 0 {
+		return false
+	}
+	for _, r := range rates {
+		if e := l.m[r.Key]; e != nil && len(e.charges) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// TakeFor is TakeCharges for these rates only.
+func (l *Local) TakeFor(rates []LocalRate, now time.Time) []ChargeBatch {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []ChargeBatch
+	for _, r := range rates {
+		if e := l.m[r.Key]; e != nil {
+			out = l.take(e, now, out)
+		}
+	}
+	return out
+}
+
+// take appends e's charges of use at now to out and leaves e none.
+func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBatch {
+	if len(e.charges) == 0 {
+		return out
+	}
+	var cs []Charge
+	for _, c := range e.charges {
+		if now.Sub(c.At) <= e.rate.horizon() {
+			cs = append(cs, c)
+		}
+	}
+	e.charges = nil
+	l.charged--
+	if len(cs) > 0 {
+		out = append(out, ChargeBatch{Rate: e.rate, Charges: cs})
+	}
+	return out
+}
+
+// Untake gives back a batch that could not be charged.
+func (l *Local) Untake(b ChargeBatch, now time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := l.entry(b.Rate, now)
+	if len(e.charges) == 0 {
+		l.charged++
+	}
+	e.charges = append(b.Charges, e.charges...)
+}
+
+// Forget drops the state of every rate whose key starts with prefix (an
+// admin reset of a limit: its admissions no longer count, here either),
+// charges included.
+func (l *Local) Forget(prefix string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for k, e := range l.m {
+		if strings.HasPrefix(k, prefix) {
+			if len(e.charges) > 0 {
+				l.charged--
+			}
+			delete(l.m, k)
+		}
+	}
+}

@@ -1,0 +1,208 @@
+package redisdlm
+
+// fail_local: while Redis is unreachable, this instance decides on its own
+// at its share of every rate (internal/ratelimit's Local); what it admits
+// is charged to Redis once Redis answers again. N, the instances sharing
+// the prefix, comes from `instances` or the heartbeats (ratelimit_fleet.go).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// localRatesMax bounds the rates of keys one handler's local limiter keeps.
+const localRatesMax = 20000
+
+// localState is a fail_local handler's runtime state.
+type localState struct {
+	lim *ratelimit.Local
+	// Deciding locally since the last Redis answer.
+	mode atomic.Bool
+	// Decisions made locally in this local mode.
+	n atomic.Int64
+	// Redis TIME minus the local clock, µs, as of the last admission Redis
+	// decided: local admission times become Redis times when charged.
+	offset atomic.Int64
+}
+
+// errLocalPending is the answer of a decision whose key holds local
+// admissions not yet charged while Redis is not known to answer: it is
+// decided locally (a Redis decision without them could double the limit).
+var errLocalPending = errors.New("redis_ratelimit: local admissions wait to be charged to redis")
+
+// chargeFirst charges the local admissions of this request's rates before
+// Redis decides it, so that Redis decides with them. While Redis is not
+// known to answer (local mode, or the breaker open), the request is decided
+// locally at once: the fleet loop tries Redis (a heartbeat) twice a second
+// and then charges every key; a request whose key has nothing left to
+// charge is the breaker's probe, and its answer ends local mode.
+func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) error {
+	if !h.local.lim.Pending() {
+		return nil
+	}
+	rates := h.localRates(id, p)
+	if !h.local.lim.PendingFor(rates) {
+		return nil
+	}
+	if b := h.client.batcher(); h.local.mode.Load() || b != nil && b.BreakerOpen() {
+		return errLocalPending
+	}
+	now := time.Now()
+	return h.charge(ctx, h.local.lim.TakeFor(rates, now), now, h.timeout)
+}
+
+// localRates are the rates of id in plan p, as the local limiter takes them.
+func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
+	out := make([]ratelimit.LocalRate, len(p.rates))
+	for i, s := range p.rates {
+		out[i] = ratelimit.LocalRate{Key: h.keyHead + id + s.tail, N: s.n, Window: s.window}
+		if h.algo == algoGCRA {
+			out[i].Burst = s.burst
+		}
+	}
+	return out
+}
+
+// noteRedis is called with each decision Redis made: an admission is noted
+// (the local limiter starts from this instance's own admissions), the clock
+// offset kept, and local mode ends.
+func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got time.Time) {
+	if d.Allowed {
+		h.local.lim.Note(h.localRates(id, p), p.cost, got)
+		mid := sent.Add(got.Sub(sent) / 2)
+		h.local.offset.Store(d.At - d.Hold.Microseconds() - mid.UnixMicro())
+	}
+	if h.local.mode.Load() && h.local.mode.CompareAndSwap(true, false) {
+		h.logger.Warn("redis reachable again: local rate limiting (fail_local) ends, decisions come from redis; charging the local admissions to redis",
+			zap.Int64("local_decisions", h.local.n.Swap(0)))
+	}
+	if h.local.lim.Pending() {
+		select {
+		case h.fleet.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// instances is N for the local share: `instances`, else the last count of
+// heartbeats seen (0: none yet).
+func (h *RedisRateLimit) instances() int64 {
+	if h.Instances > 0 {
+		return int64(h.Instances)
+	}
+	return h.fleet.instances.Load()
+}
+
+// serveLocal decides a request by the local limiter (Redis could not).
+func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, id string, cause error) error {
+	n := h.instances()
+	if n == 0 {
+		h.counters[resultError].Inc()
+		if due, k := h.warn.Due(); due {
+			h.logger.Warn("redis unavailable for rate limiting and the number of instances sharing the limit was never seen (no heartbeat read, no instances set): rejecting requests with 503, as fail_closed",
+				zap.String("redis", h.client.settings.Display()), zap.Error(cause), zap.Int64("decisions_since_last_warning", k))
+		}
+		h.policyHeader(w, r, p)
+		w.Header().Set(HeaderRetryAfter, "1")
+		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
+	}
+	if !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
+		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
+			zap.String("redis", h.client.settings.Display()), zap.Int64("instances", n), zap.Error(cause))
+	}
+	h.local.n.Add(1)
+	h.counters[resultLocal].Inc()
+	ld := h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
+	d := decision{Allowed: ld.Allowed, Wait: ld.Wait, Tight: ld.Tight, Remaining: ld.Remaining, Reset: ld.Reset}
+	retry := int64(0)
+	if !d.Allowed && d.Wait > 0 {
+		retry = retryAfterSeconds(jittered(d.Wait, h.Jitter))
+	}
+	if h.sendHdrs {
+		h.setHeaders(r, w.Header(), p, d)
+	}
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.redis_ratelimit.remaining", d.Remaining)
+		repl.Set("http.redis_ratelimit.retry_after", retry)
+	}
+	if !d.Allowed && !h.DryRun {
+		if retry > 0 {
+			w.Header().Set(HeaderRetryAfter, strconv.FormatInt(retry, 10))
+		}
+		return caddyhttp.Error(h.status, ErrRateLimited)
+	}
+	return next.ServeHTTP(w, r)
+}
+
+// chargeLocal charges Redis with all local admissions, one script call per
+// rate's key; what fails stays for the next try.
+func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
+	now := time.Now()
+	// In the background: time enough for a Redis just back, so that few
+	// answers are lost (a lost one is not charged again).
+	if err := h.charge(ctx, h.local.lim.TakeCharges(now), now, max(4*h.timeout, 2*time.Second)); err != nil {
+		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.Error(err))
+	}
+}
+
+// charge runs the charge script for each batch, each call bounded by
+// timeout; the batches it did not send go back to the local limiter.
+func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, now time.Time, timeout time.Duration) error {
+	offset := h.local.offset.Load()
+	var charged int64
+	for i, b := range batches {
+		script := ratelimit.SlidingChargeScript
+		args := []any{b.Rate.N, b.Rate.Window.Microseconds()}
+		if h.algo == algoGCRA {
+			script = ratelimit.GCRAChargeScript
+			args = append(args, b.Rate.Burst)
+		}
+		for _, c := range b.Charges {
+			args = append(args, c.At.UnixMicro()+offset, c.Cost)
+		}
+		cctx, cancel := context.WithTimeout(ctx, timeout)
+		err := script.Run(cctx, h.client.client, []string{b.Rate.Key}, args...).Err()
+		cancel()
+		if err != nil {
+			// A call that may have run (its answer lost, or a script
+			// error) is not sent again: charging twice would take the
+			// quota of admissions never made. What was never sent is.
+			from := i + 1
+			if notSent(err) {
+				from = i
+			}
+			for _, rest := range batches[from:] {
+				h.local.lim.Untake(rest, now)
+			}
+			return fmt.Errorf("charging local admissions: %w", err)
+		}
+		for _, c := range b.Charges {
+			charged += c.Cost
+		}
+	}
+	if len(batches) > 0 {
+		if c := h.fleet.logger.Check(zap.InfoLevel, "local admissions (fail_local) charged to redis"); c != nil {
+			c.Write(zap.Int("rates", len(batches)), zap.Int64("cost", charged))
+		}
+	}
+	return nil
+}
+
+// notSent reports whether a call surely never reached Redis: no connection
+// could be made or taken from the pool.
+func notSent(err error) bool {
+	var op *net.OpError
+	return errors.Is(err, redis.ErrPoolTimeout) || errors.As(err, &op) && op.Op == "dial"
+}

@@ -1,0 +1,214 @@
+package redisdlm
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// pausedLocal provisions a fail_local handler against a Redis of its own,
+// lets mod edit it, and returns it with the Redis, and its warnings.
+func pausedLocal(t *testing.T, mod func(h *RedisRateLimit)) (*RedisRateLimit, *testRedis, *observer.ObservedLogs) {
+	t.Helper()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.FailLocal = true
+		h.Timeout = caddy.Duration(300 * time.Millisecond)
+		if mod != nil {
+			mod(h)
+		}
+	})
+	core, logs := observer.New(zapcore.WarnLevel)
+	h.logger = zap.New(core)
+	return h, r, logs
+}
+
+func countPassed(h *RedisRateLimit, ip string, n int) (passed int, statuses map[int]int) {
+	statuses = map[int]int{}
+	for i := 0; i < n; i++ {
+		a := serveRL(h, ip, nil)
+		if a.passed {
+			passed++
+		}
+		statuses[a.status]++
+	}
+	return passed, statuses
+}
+
+// TestFailLocalInstances: with `instances 4`, each instance admits
+// ceil(20/4) = 5 of a 20-per-minute rate while Redis is paused (gcra: the
+// burst likewise), answers the rest 429 with Retry-After, and counts the
+// decisions as local.
+func TestFailLocalInstances(t *testing.T) {
+	t.Parallel()
+	for _, algo := range []string{algoSliding, algoGCRA} {
+		t.Run(algo, func(t *testing.T) {
+			t.Parallel()
+			h, r, logs := pausedLocal(t, func(h *RedisRateLimit) {
+				h.Instances = 4
+				h.Algorithm = algo
+				h.Rates = []Rate{{Requests: 20, Window: caddy.Duration(time.Minute)}, {Requests: 1000, Window: caddy.Duration(time.Hour)}}
+			})
+			before := counterValue(t, h.counters[resultLocal])
+			r.Pause()
+			defer r.Resume()
+			passed, statuses := countPassed(h, "192.0.2.7", 20)
+			if passed != 5 || statuses[429] != 15 {
+				t.Errorf("admitted %d of 20 (statuses %v), want ceil(20/4) = 5 and 15 × 429", passed, statuses)
+			}
+			if a := serveRL(h, "192.0.2.7", nil); a.passed || a.header.Get(HeaderRetryAfter) == "" || a.header.Get(HeaderRateLimit) == "" {
+				t.Errorf("a rejection by the local limiter: passed %v, headers %v", a.passed, a.header)
+			}
+			if passed, _ := countPassed(h, "192.0.2.8", 8); passed != 5 { // another key, its own share
+				t.Errorf("another key: admitted %d of 8, want 5", passed)
+			}
+			// (Other tests run at the same time: at least.)
+			if got := counterValue(t, h.counters[resultLocal]) - before; got < 29 {
+				t.Errorf(`result="local" rose by %v, want at least 29`, got)
+			}
+			if n := logs.FilterMessageSnippet("enforcing every rate on this instance alone").Len(); n != 1 {
+				t.Errorf("%d warnings that local mode starts, want 1", n)
+			}
+		})
+	}
+}
+
+// TestFailLocalStartsFromOwnAdmissions: what this instance admitted through
+// Redis in the current window counts against its local share.
+func TestFailLocalStartsFromOwnAdmissions(t *testing.T) {
+	t.Parallel()
+	h, r, _ := pausedLocal(t, func(h *RedisRateLimit) {
+		h.Instances = 2
+		h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+	})
+	if passed, _ := countPassed(h, "192.0.2.9", 3); passed != 3 {
+		t.Fatalf("with Redis up: %d of 3 admitted", passed)
+	}
+	r.Pause()
+	defer r.Resume()
+	if passed, statuses := countPassed(h, "192.0.2.9", 10); passed != 2 {
+		t.Errorf("locally: %d admitted (%v), want the share 5 less the 3 admitted before", passed, statuses)
+	}
+}
+
+// TestFailLocalNoCount: with no instance count ever seen and no
+// `instances`, a fail_local instance answers 503 as fail_closed, and says
+// why.
+func TestFailLocalNoCount(t *testing.T) {
+	t.Parallel()
+	h, r, logs := pausedLocal(t, nil)
+	r.Pause() // before the first heartbeat
+	defer r.Resume()
+	_, statuses := countPassed(h, "192.0.2.10", 5)
+	if statuses[http.StatusServiceUnavailable] != 5 {
+		t.Errorf("statuses %v, want 5 × 503", statuses)
+	}
+	if logs.FilterMessageSnippet("number of instances sharing the limit was never seen").Len() != 1 {
+		t.Errorf("no (or repeated) warning saying why: %v", logs.All())
+	}
+}
+
+// TestFailLocalChargedBack: what the local limiter admitted is charged to
+// Redis when Redis answers again (both algorithms), so the window there
+// holds it, and decisions come from Redis again.
+func TestFailLocalChargedBack(t *testing.T) {
+	t.Parallel()
+	for _, algo := range []string{algoSliding, algoGCRA} {
+		t.Run(algo, func(t *testing.T) {
+			t.Parallel()
+			h, r, logs := pausedLocal(t, func(h *RedisRateLimit) {
+				h.Instances = 2
+				h.Algorithm = algo
+				h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+			})
+			if passed, _ := countPassed(h, "192.0.2.11", 1); passed != 1 {
+				t.Fatal("with Redis up: not admitted")
+			}
+			r.Pause()
+			if passed, _ := countPassed(h, "192.0.2.11", 6); passed != 4 {
+				t.Errorf("locally: %d admitted, want 5 - 1", passed)
+			}
+			r.Resume()
+			// Redis decides again within seconds, and its window holds the
+			// 1 + 4 admissions: 5 more pass, then 429 from Redis.
+			if !waitFor(10*time.Second, func() bool {
+				serveRL(h, "192.0.2.12", nil) // another key: a decision by Redis ends local mode
+				return !h.local.lim.Pending() && !h.local.mode.Load()
+			}) {
+				t.Fatal("local admissions not charged 10s after Redis came back")
+			}
+			// The calls sent before the breaker opened time out, but Redis
+			// runs them when it wakes: they count there too (stricter).
+			views, _, _, found, err := h.peekQuota(t.Context(), "192.0.2.11")
+			if err != nil || !found || len(views) != 1 || views[0].Used < 5 || views[0].Used > 5+ratelimit.BreakerThreshold {
+				t.Fatalf("Redis holds %+v (%v, %v), want used 5 (1 through Redis, 4 charged back), plus at most the %d calls the breaker let through", views, found, err, ratelimit.BreakerThreshold)
+			}
+			left := int(10 - views[0].Used)
+			passed, statuses := countPassed(h, "192.0.2.11", left+2)
+			if passed != left || statuses[429] != 2 {
+				t.Errorf("after the outage: %d admitted (%v), want %d and 2 × 429", passed, statuses, left)
+			}
+			if logs.FilterMessageSnippet("local rate limiting (fail_local) ends").Len() != 1 {
+				t.Errorf("no warning that local mode ended")
+			}
+		})
+	}
+}
+
+// TestFailLocalConfig: fail_local with fail_closed, and instances without
+// fail_local or below 1, are config errors (naming the line in a
+// Caddyfile).
+func TestFailLocalConfig(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct{ body, want string }{
+		{"rate 5 1s\n\tfail_closed\n\tfail_local", "Testfile:4"},
+		{"rate 5 1s\n\tfail_local\n\tfail_closed", "Testfile:4"},
+		{"rate 5 1s\n\tinstances 3", "instances: only valid with fail_local, at Testfile:3"},
+		{"rate 5 1s\n\tfail_local\n\tinstances 0", "Testfile:4"},
+		{"rate 5 1s\n\tfail_local\n\tinstances 2\n\tinstances 3", "Testfile:5"},
+		{"rate 5 1s\n\tfail_local yes", "Testfile:3"},
+	} {
+		d := caddyfile.NewTestDispenser("redis_ratelimit {\n\t" + c.body + "\n}")
+		err := new(RedisRateLimit).UnmarshalCaddyfile(d)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%q: %v, want an error with %q", c.body, err, c.want)
+		}
+	}
+	h := new(RedisRateLimit)
+	d := caddyfile.NewTestDispenser("redis_ratelimit {\n\trate 5 1s\n\tfail_local\n\tinstances 3\n}")
+	if err := h.UnmarshalCaddyfile(d); err != nil || !h.FailLocal || h.Instances != 3 {
+		t.Errorf("fail_local + instances 3: %v, %+v", err, h)
+	}
+	for _, cfg := range []string{`{"rates":[{"requests":1,"window":"1s"}],"fail_local":true,"fail_closed":true}`,
+		`{"rates":[{"requests":1,"window":"1s"}],"instances":2}`, `{"rates":[{"requests":1,"window":"1s"}],"fail_local":true,"instances":-1}`} {
+		h := new(RedisRateLimit)
+		if err := json.Unmarshal([]byte(cfg), h); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Validate(); err == nil {
+			t.Errorf("%s: valid, want an error", cfg)
+		}
+	}
+}
+
+// counterValue reads a counter (shared by every handler of the process:
+// compare before and after).
+func counterValue(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
