@@ -58,39 +58,9 @@ func (ls *Lease) Granted() time.Time { return ls.start }
 // response is not held up by it.
 func (ls *Lease) ReleaseInBackground(answer string) { ls.releaseWith(answer, true) }
 
-// KeepOptions say how a held lease is kept (see Keep).
-type KeepOptions struct {
-	Extend  bool          // extend it every ttl/3 (owner-checked)
-	MaxHold time.Duration // stop extending this long after the grant (0: never)
-	OnLost  func(error)   // runs at most once, when the lease is lost
-}
-
-// Keeper keeps a lease alive until Stop.
-type Keeper struct{ k *keeper }
-
 // Keep starts keeping the lease: with o.Extend, it is extended every ttl/3
 // (owner-checked) until Stop or o.MaxHold; a lease that is not extended
 // (any more) is reported lost when its validity ends.
 func (ls *Lease) Keep(o KeepOptions) Keeper {
-	return Keeper{ls.keep(o.Extend, o.MaxHold, o.OnLost)}
+	return Keeper{newKeeper(ls, o)}
 }
-
-// Stop stops keeping the lease; no extension follows it.
-func (k Keeper) Stop() { k.k.stop() }
-
-// LeaseLeft is the time until the holder's lease ends (0 when unknown).
-func (e *BusyError) LeaseLeft() time.Duration { return e.leaseLeft }
-
-// Ahead is the requests of this instance that queued before this one.
-func (e *BusyError) Ahead() int { return e.ahead }
-
-// Answer is the earlier holder's stored answer.
-func (r *Replayed) Answer() string { return r.answer }
-
-// CloseWhenIdle stops the wake-up listener and runs closeClient once no
-// user of the client is left (at once when none is).
-func (s *Server) CloseWhenIdle(closeClient func()) { s.closeWhenIdle(closeClient) }
-
-// OnReleaseFailure sets what counts a failed release of a lease that was
-// held, or whose acquire outcome is unknown (before the server is used).
-func (s *Server) OnReleaseFailure(count func()) { s.onReleaseFailure = count }

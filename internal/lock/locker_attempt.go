@@ -1,9 +1,8 @@
 package lock
 
-// One acquisition attempt of the lock engine: the acquire script on every
-// key (sorted) and every server at once, decided by a majority, with WAIT
-// for sync_replicas, the undo of a partial attempt, and the fencing
-// write-back. redlock.go runs the attempts (Acquire, wait).
+// A Locker's one acquisition attempt: the acquire script on every key
+// (sorted) and every server at once, decided by a majority, with WAIT for
+// sync_replicas, the undo of a partial attempt, and the fencing write-back.
 
 import (
 	"context"

@@ -1,71 +1,19 @@
 package lock
 
-// The lock engine: one Redis server or a Redlock quorum of 3, 5 or 7,
-// acquire (waiting in the local queue, woken on release, polling with
-// backoff as the fallback), extend and release, with fencing tokens.
-//
-// It knows nothing of HTTP or Caddy (a test keeps it so): the handler gives
-// it sorted Redis keys and gets a *Lease back. attempt.go holds one attempt
-// on every key and server, lease.go what a held lease does (hand-off,
-// renewal, the keeper), queue.go the per-key local queues, wake.go the
-// Pub/Sub listener.
+// A Locker: Acquire, one waiter's turn in the local queue, its attempts,
+// wake-ups and polls with backoff, and this instance's place in the Redis
+// wait lists.
 
 import (
 	"context"
-	_ "embed"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"runtime/debug"
 	"strings"
 	"time"
-
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 )
-
-var (
-	//go:embed scripts/lock_acquire.lua
-	acquireLua string
-	//go:embed scripts/lock_extend.lua
-	extendLua string
-	//go:embed scripts/lock_release.lua
-	releaseLua string
-	//go:embed scripts/fence_raise.lua
-	fenceRaiseLua string
-	//go:embed scripts/lock_renew.lua
-	renewLua string
-
-	AcquireScript    = redisconn.NewScript(acquireLua)
-	ExtendScript     = redisconn.NewScript(extendLua)
-	ReleaseScript    = redisconn.NewScript(releaseLua)
-	fenceRaiseScript = redisconn.NewScript(fenceRaiseLua)
-	renewScript      = redisconn.NewScript(renewLua)
-)
-
-// Sentinel errors of the lock engine; compare with errors.Is.
-var (
-	// ErrNotObtained: the lock stayed busy for the whole wait.
-	ErrNotObtained = errors.New("redisdlm: lock not obtained")
-	// ErrTooManyWaiters: max_waiters local waiters already queue for the key.
-	ErrTooManyWaiters = errors.New("redisdlm: too many waiters")
-	// ErrUnavailable: Redis (or a quorum of Redlock servers) could not be reached.
-	ErrUnavailable = errors.New("redisdlm: redis unavailable")
-	// ErrLeaseLost: an extension found that the lease is no longer held.
-	ErrLeaseLost = errors.New("redisdlm: lease lost")
-)
-
-// BusyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
-// the lock could not be taken in time. leaseLeft is the time until the
-// holder's lease ends (0 when unknown), ahead the requests of this instance
-// that queued before this one: the handler estimates Retry-After from them.
-type BusyError struct {
-	err       error
-	leaseLeft time.Duration
-	ahead     int
-}
-
-func (e *BusyError) Error() string { return e.err.Error() }
-func (e *BusyError) Unwrap() error { return e.err }
 
 // Options configures a locker.
 type Options struct {
@@ -85,12 +33,6 @@ type Options struct {
 	// leaves to a server's background releaser.
 	Handler string
 }
-
-// Replayed is what Acquire returns when an earlier holder's answer is
-// stored for the key: the request is answered with it, no lock is taken.
-type Replayed struct{ answer string }
-
-func (r *Replayed) Error() string { return "redisdlm: answered from a stored response" }
 
 // Locker takes locks on one Redis server or a Redlock quorum of servers.
 type Locker struct {
@@ -399,4 +341,18 @@ func (l *Locker) leaveWaitq(keys []string) {
 		}
 		return nil, err
 	}, nil, nil)
+}
+
+// recoverPanic, deferred in a background goroutine, logs a panic with its
+// stack and lets the process go on.
+func (l *Locker) recoverPanic(what string) {
+	if r := recover(); r != nil {
+		l.logPanic(what, r)
+	}
+}
+
+func (l *Locker) logPanic(what string, r any) {
+	if l.logger != nil {
+		l.logger.Error("panic in the lock engine; recovered", slog.String("while", what), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
+	}
 }
