@@ -16,7 +16,7 @@ func (l *Locker) Close() { l.close() }
 func (l *Locker) Clients() []redis.UniversalClient {
 	out := make([]redis.UniversalClient, len(l.servers))
 	for i, s := range l.servers {
-		out[i] = s.client
+		out[i] = s.conn.Client
 	}
 	return out
 }

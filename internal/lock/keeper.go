@@ -70,7 +70,7 @@ func (k *keeper) next() time.Duration {
 }
 
 func (k *keeper) extendNow() bool {
-	return k.extend && (k.maxHold <= 0 || time.Since(k.ls.start) < k.maxHold)
+	return k.extend && (k.maxHold <= 0 || k.ls.l.now().Sub(k.ls.start) < k.maxHold)
 }
 
 func (k *keeper) fire() {
@@ -135,7 +135,7 @@ func (k *keeper) fire() {
 // stop ends the keeping and waits for an extension in flight to be
 // decided. With Redlock, its calls to a minority may still be on their way
 // after that: the release that comes next marks the token dead then, so
-// none of them can re-create the lease (see lease.extending).
+// none of them can re-create the lease (see lease.inflight).
 func (k *keeper) stop() {
 	k.mu.Lock()
 	if k.stopped {

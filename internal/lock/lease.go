@@ -40,13 +40,15 @@ type Lease struct {
 	// minority of a Redlock): that acquire may still reach it, so the
 	// release marks the token dead there too.
 	unknown *atomic.Bool
-	// extending counts the calls of extensions still on their way to a
-	// Redlock member (shared along a chain of hand-offs, like unknown): an
-	// extension that reaches a member restarted empty after the release
-	// would re-create the lease there, so a release that starts while one
-	// is on its way marks the token dead, and the extend script never
-	// extends a dead token.
-	extending *atomic.Int32
+	// inflight counts the calls still on their way to a Redlock member
+	// (shared along a chain of hand-offs, like unknown): acquires whose
+	// answer had not come when a majority decided, and extensions. A
+	// release can overtake them (another connection): an acquire that
+	// reaches a member after the lease's release there would take it again,
+	// and an extension that reaches a member restarted empty would
+	// re-create it. So a release that starts while one is on its way marks
+	// the token dead, and neither script grants or extends a dead token.
+	inflight *atomic.Int32
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
@@ -60,7 +62,7 @@ type Lease struct {
 func (ls *Lease) Valid() time.Duration {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	return time.Until(ls.until)
+	return ls.until.Sub(ls.l.now())
 }
 
 func (ls *Lease) validUntil() time.Time {
@@ -135,7 +137,7 @@ func (ls *Lease) releaseInRedis(answer string) {
 // nobody knows: an acquire or extension whose answer was lost, or an
 // extension still on its way. Its release then marks the token dead.
 func (ls *Lease) outcomeUnknown() bool {
-	return (ls.extending != nil && ls.extending.Load() > 0) || (ls.unknown != nil && ls.unknown.Load())
+	return (ls.inflight != nil && ls.inflight.Load() > 0) || (ls.unknown != nil && ls.unknown.Load())
 }
 
 // releaseEnded tells the local queue that the release in Redis is over and
@@ -201,8 +203,8 @@ func (ls *Lease) handOff() bool {
 	ls.mu.Lock()
 	until := ls.until
 	ls.mu.Unlock()
-	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: time.Now(),
-		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, extending: ls.extending, chainLeft: left - 1, chained: true, raise: ls.raise}
+	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: ls.l.now(),
+		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, inflight: ls.inflight, chainLeft: left - 1, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
 		// Redis for another block while it works. Renewal needs the

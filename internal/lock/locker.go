@@ -13,6 +13,8 @@ import (
 	"runtime/debug"
 	"strings"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Options configures a locker.
@@ -32,6 +34,9 @@ type Options struct {
 	// Handler names the handler in the log lines of the releases it
 	// leaves to a server's background releaser.
 	Handler string
+	// Clock is read for validities and the keeper's schedule (nil: the
+	// real one).
+	Clock Clock
 }
 
 // Locker takes locks on one Redis server or a Redlock quorum of servers.
@@ -53,6 +58,9 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	ids := make([]string, len(servers))
 	for i, s := range servers {
 		ids[i] = s.id
+	}
+	if opts.Clock == nil {
+		opts.Clock = realClock{}
 	}
 	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas)
 	return &Locker{
@@ -335,7 +343,8 @@ func (l *Locker) leaveWaitq(keys []string) {
 		defer cancel()
 		var err error
 		for _, k := range keys {
-			if e := s.client.ZRem(cctx, WaitqKey(k), l.dom.id).Err(); e != nil {
+			zrem := redis.NewIntCmd(cctx, "zrem", WaitqKey(k), l.dom.id)
+			if e := s.client.Process(cctx, zrem); e != nil {
 				err = e
 			}
 		}

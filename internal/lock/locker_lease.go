@@ -20,9 +20,9 @@ import (
 // restarted empty gets the lease back in this round, not the next. Such a
 // call may still be on its way when the lease is released, or its answer
 // may be lost: both mark the lease's outcome unknown for its release (see
-// lease.extending).
+// lease.inflight).
 func (l *Locker) extend(ctx context.Context, ls *Lease) error {
-	start := time.Now()
+	start := l.now()
 	prev := ls.validUntil()
 	if !start.Before(prev) {
 		return fmt.Errorf("%w: its validity ended %s before it could be extended (this process or redis was paused or slow)", ErrLeaseLost, start.Sub(prev).Round(time.Millisecond))
@@ -31,14 +31,14 @@ func (l *Locker) extend(ctx context.Context, ls *Lease) error {
 	if len(l.servers) > 1 {
 		recreate = "1"
 	}
-	track := recreate == "1" && ls.extending != nil && ls.unknown != nil
+	track := recreate == "1" && ls.inflight != nil && ls.unknown != nil
 	for _, k := range ls.keys {
 		if track {
-			ls.extending.Add(int32(len(l.servers)))
+			ls.inflight.Add(int32(len(l.servers)))
 		}
 		results := l.callAll(ctx, func(ctx context.Context, _ int, s *Server) (any, error) {
 			if track {
-				defer ls.extending.Add(-1) // after unknown is stored
+				defer ls.inflight.Add(-1) // after unknown is stored
 			}
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
 			defer cancel()
@@ -79,13 +79,10 @@ func (l *Locker) extend(ctx context.Context, ls *Lease) error {
 			return ErrLeaseLost
 		}
 	}
-	if now := time.Now(); now.After(prev) {
+	if now := l.now(); now.After(prev) {
 		return fmt.Errorf("%w: the extension was answered %s after the lease's validity ended", ErrLeaseLost, now.Sub(prev).Round(time.Millisecond))
 	}
-	validity := l.opts.TTL - time.Since(start)
-	if len(l.servers) > 1 {
-		validity -= l.drift()
-	}
+	validity := l.validity(start)
 	if validity <= 0 {
 		return fmt.Errorf("%w: extension took longer than the lease", ErrLeaseLost)
 	}
@@ -111,7 +108,7 @@ func (l *Locker) renew(ls *Lease, n int) *renewal {
 		defer l.recoverPanic("renewing a lease")
 		ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 		defer cancel()
-		start := time.Now()
+		start := l.now()
 		k := ls.keys[0]
 		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, FenceKey(k), WaitqKey(k)},
 			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n).Int64Slice()

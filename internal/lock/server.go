@@ -3,6 +3,7 @@ package lock
 // One Redis server (or Cluster, or Sentinel group) as the engine sees it.
 
 import (
+	"context"
 	"log/slog"
 	"time"
 
@@ -20,14 +21,32 @@ type Server struct {
 	id      string
 	name    string // for log lines: the address (never a password)
 	conn    *redisconn.Conn
-	client  redis.UniversalClient // conn's
-	timeout time.Duration         // bound of one call: conn's
+	client  Client        // conn's, or a test's wrapper of it
+	timeout time.Duration // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
 	logger  func() *slog.Logger
 	// onReleaseFailure, if set, counts a failed release of a lease that
 	// was held, or whose acquire outcome is unknown.
 	onReleaseFailure func()
+}
+
+// Client is what the engine calls on a server's Redis client, and no more:
+// its scripts and commands (Process, through redisconn.Script, which sends
+// EVALSHA, then EVAL on NOSCRIPT, and never resends a call whose answer
+// was lost), and a pipeline for an acquire followed by WAIT
+// (sync_replicas). A *redis.Client or *redis.ClusterClient is one; a test
+// wraps one to inject what a real Redis cannot, such as an answer lost
+// after the write. (The wake-up listener subscribes on the shared client
+// itself.)
+type Client interface {
+	redisconn.Processor
+	Pipeline() redis.Pipeliner
+}
+
+// masterForKey is a Cluster client's way to the master of a key's slot.
+type masterForKey interface {
+	MasterForKey(ctx context.Context, key string) (*redis.Client, error)
 }
 
 // NewServer wraps a shared client; nothing is dialed until the first call.
