@@ -56,7 +56,16 @@ func (ls *Lease) Granted() time.Time { return ls.start }
 // ReleaseInBackground releases the lease (see release), storing answer for
 // replay when it is not "", with the Redis round trip after it returns: a
 // response is not held up by it.
-func (ls *Lease) ReleaseInBackground(answer string) { ls.releaseWith(answer, true) }
+func (ls *Lease) ReleaseInBackground(answer string) { ls.releaseWith(answer, releaseInBackground) }
+
+// Abandon releases the lease in the background as a holder that did not
+// finish cleanly (its client went away while the route still ran, so its
+// upstream may still be writing): with lock_delay, nobody is granted the
+// keys for the delay, and the lease is not handed on.
+func (ls *Lease) Abandon() {
+	ls.unclean.Store(true)
+	ls.releaseWith("", releaseInBackground)
+}
 
 // Keep starts keeping the lease: with o.Extend, it is extended every ttl/3
 // (owner-checked) until Stop or o.MaxHold; a lease that is not extended

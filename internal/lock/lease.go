@@ -56,6 +56,7 @@ type Lease struct {
 	renewing  *renewal
 	raise     int64 // Redlock: fencing counter to write back on release
 	lost      atomic.Bool
+	unclean   atomic.Bool // abandoned: the holder did not finish cleanly
 }
 
 // Valid reports the remaining validity of the lease.
@@ -83,19 +84,27 @@ func (ls *Lease) markLost() { ls.lost.Store(true) }
 // Release gives the lease back on every server and wakes the next local
 // waiter — or hands it on to that waiter without a Redis call. It is safe
 // to call more than once.
-func (ls *Lease) Release() { ls.releaseWith("", false) }
+func (ls *Lease) Release() { ls.releaseWith("", releaseNow) }
+
+// releaseMode says when a release's Redis round trip runs.
+type releaseMode int
+
+const (
+	releaseNow          releaseMode = iota // before releaseWith returns
+	releaseInBackground                    // after it
+)
 
 // releaseWith releases the lease; a non-empty answer is stored for replay
 // in the same script (and then the lease is never handed on locally: the
 // waiters are woken and find the answer).
 //
-// With background, the Redis round trip runs after releaseWith returns,
+// With releaseInBackground, the Redis round trip runs after releaseWith returns,
 // so a response is not held up by it: the hand-off to a local
 // waiter still happens at once, and a request of this instance that comes
 // for the keys meanwhile waits for the release before its first attempt
 // (keyQueue.releaseDone), so a client's next request never finds its own
 // previous one still holding the lock.
-func (ls *Lease) releaseWith(answer string, background bool) {
+func (ls *Lease) releaseWith(answer string, mode releaseMode) {
 	ls.mu.Lock()
 	if ls.done {
 		ls.mu.Unlock()
@@ -116,7 +125,7 @@ func (ls *Lease) releaseWith(answer string, background bool) {
 	if ls.q != nil {
 		ls.q.releaseStarted()
 	}
-	if background {
+	if mode == releaseInBackground {
 		go ls.releaseInRedis(answer)
 	} else {
 		ls.releaseInRedis(answer)
@@ -130,7 +139,8 @@ func (ls *Lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
-	ls.l.releaseKeys(ls.keys, ls.token, ls.raise, ls.removed, true, ls.outcomeUnknown(), answer)
+	ls.l.releaseLease(leaseRelease{keys: ls.keys, token: ls.token, raise: ls.raise, removed: ls.removed,
+		unknown: ls.outcomeUnknown(), answer: answer, unclean: ls.unclean.Load() || ls.lost.Load()})
 }
 
 // outcomeUnknown reports whether some server may hold the lease in a way
@@ -166,7 +176,7 @@ func (ls *Lease) dropRefs() {
 // instead (no tokens left and no renewal, lost, too little validity left,
 // nobody waiting, or a waiter of another local queue sharing a key).
 func (ls *Lease) handOff() bool {
-	if ls.lost.Load() || ls.q == nil {
+	if ls.lost.Load() || ls.q == nil || (ls.unclean.Load() && ls.l.opts.LockDelay > 0) {
 		return false
 	}
 	fence, left := ls.fence+1, ls.chainLeft

@@ -34,6 +34,10 @@ type Options struct {
 	// Handler names the handler in the log lines of the releases it
 	// leaves to a server's background releaser.
 	Handler string
+	// LockDelay > 0: after a lease ends without its holder's clean
+	// release (it expired, was force-released or lost, or was abandoned),
+	// nobody is granted the keys for this long.
+	LockDelay time.Duration
 	// Clock is read for validities and the keeper's schedule (nil: the
 	// real one).
 	Clock Clock
@@ -52,7 +56,7 @@ type Locker struct {
 //
 // Lockers share a domain (one local queue per key) when they use the same
 // servers and the options a hand-off passes on (ttl, permits,
-// sync_replicas): a lease is only ever handed to a waiter that would have
+// sync_replicas, lock_delay): a lease is only ever handed to a waiter that would have
 // taken the same lease itself.
 func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	ids := make([]string, len(servers))
@@ -62,7 +66,7 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	if opts.Clock == nil {
 		opts.Clock = realClock{}
 	}
-	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas)
+	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d|delay=%d", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas, opts.LockDelay)
 	return &Locker{
 		servers: servers,
 		quorum:  len(servers)/2 + 1,
@@ -139,130 +143,190 @@ func (l *Locker) unuseServers() {
 
 // wait runs one waiter's turn: queue, attempts, wake-ups and polls.
 func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*Lease, error) {
-	var deadline <-chan time.Time
+	wt := &waiting{l: l, ctx: ctx, q: q, w: w, keys: keys}
 	if l.opts.Wait > 0 {
 		t := time.NewTimer(l.opts.Wait)
 		defer t.Stop()
-		deadline = t.C
+		wt.deadline = t.C
 	}
-	var retryAfter, took time.Duration
-	busyKey, split := 0, false
-
-	// Wait for this waiter's turn: first come, first served.
-	if !w.head() {
-		if l.opts.Wait <= 0 {
-			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
+	if ls, err := wt.awaitTurn(); ls != nil || err != nil {
+		return ls, err
+	}
+	if err := wt.awaitOwnRelease(); err != nil {
+		return nil, err
+	}
+	for n := 0; ; n++ {
+		ls, next, err := wt.step(n)
+		switch next {
+		case stepDone:
+			return ls, err
+		case stepAgain:
+			continue
 		}
+		if ls, err := wt.pause(n); ls != nil || err != nil {
+			return ls, err
+		}
+	}
+}
+
+// waiting is one waiter's turn in progress.
+type waiting struct {
+	l        *Locker
+	ctx      context.Context
+	q        *keyQueue
+	w        *waiter
+	keys     []string
+	deadline <-chan time.Time // the end of the wait; nil with wait 0
+
+	local      bool          // this instance holds every permit
+	retryAfter time.Duration // the last attempt's: until the earliest lease ends
+	took       time.Duration // how long the last attempt took
+	busyKey    int
+	split      bool // the last attempt took part of what it needed
+	subscribed bool
+}
+
+// waitStep is what follows one step of a wait.
+type waitStep int
+
+const (
+	stepPause waitStep = iota // wait for a wake-up or the next poll
+	stepAgain                 // try again at once
+	stepDone                  // the wait is over: a lease or an error
+)
+
+// busy is the error of a wait that ran out (or of wait 0).
+func (wt *waiting) busy(leaseLeft time.Duration) error {
+	return &BusyError{err: ErrNotObtained, leaseLeft: leaseLeft}
+}
+
+// awaitTurn waits until this waiter heads the queue (first come, first
+// served), or is handed a lease by the previous holder (returned), or the
+// wait ends (its error).
+func (wt *waiting) awaitTurn() (*Lease, error) {
+	if wt.w.head() {
+		return nil, nil
+	}
+	if wt.l.opts.Wait <= 0 {
+		return nil, wt.busy(wt.q.retryHint())
+	}
+	select {
+	case <-wt.w.turn:
+		return nil, nil
+	case g := <-wt.w.grant:
+		return g, nil
+	case <-wt.ctx.Done():
+		return nil, wt.ctx.Err()
+	case <-wt.deadline:
+		return nil, wt.busy(wt.q.retryHint())
+	}
+}
+
+// awaitOwnRelease waits (up to one call's timeout) for a lease of these
+// keys that this instance gave back a moment ago: it may still be on its
+// way to Redis (it is released in the background, after the answer), and
+// this request must not find the lock held by the request before it.
+func (wt *waiting) awaitOwnRelease() error {
+	done := wt.q.releaseDone()
+	if done == nil {
+		return nil
+	}
+	t := time.NewTimer(wt.l.opts.Timeout)
+	defer t.Stop()
+	select {
+	case <-done:
+		// That release also woke this waiter; the attempt that follows
+		// comes after it, so the wake-up is spent.
 		select {
-		case <-w.turn:
+		case <-wt.w.wake:
+		default:
+		}
+	case <-t.C:
+	case <-wt.ctx.Done():
+		return wt.ctx.Err()
+	}
+	return nil
+}
+
+// step makes the n-th attempt. While this instance itself holds every
+// permit, its holder hands the lease on or wakes this waiter: the first
+// attempt is skipped, and the polls are only the safety net (a holder that
+// lost its lease).
+func (wt *waiting) step(n int) (*Lease, waitStep, error) {
+	l := wt.l
+	wt.local = wt.q.heldLocally(l.opts.Permits)
+	if n == 0 && wt.local {
+		if l.opts.Wait <= 0 {
+			return nil, stepDone, wt.busy(wt.q.retryHint())
+		}
+		return nil, stepPause, nil
+	}
+	began := time.Now()
+	a := l.tryAcquire(wt.ctx, wt.keys, l.chainSize(wt.q, wt.keys), wt.busyKey)
+	wt.took = time.Since(began)
+	switch {
+	case a.err != nil && wt.ctx.Err() != nil:
+		return nil, stepDone, wt.ctx.Err()
+	case a.err != nil:
+		return nil, stepDone, a.err
+	case a.lease != nil:
+		return a.lease, stepDone, nil
+	case a.answer != "":
+		return nil, stepDone, &Replayed{answer: a.answer}
+	}
+	wt.retryAfter, wt.busyKey, wt.split = a.retryAfter, a.busyKey, a.split
+	wt.q.setRetryHint(wt.retryAfter)
+	switch {
+	case wt.ctx.Err() != nil:
+		return nil, stepDone, wt.ctx.Err()
+	case l.opts.Wait <= 0:
+		return nil, stepDone, wt.busy(wt.retryAfter)
+	case !wt.subscribed:
+		// Subscribe, then try once more: a release between the failed
+		// attempt and the subscription would otherwise go unnoticed.
+		wt.subscribed = true
+		if l.subscribe(wt.ctx) {
+			return nil, stepAgain, nil
+		}
+	}
+	return nil, stepPause, nil
+}
+
+// pause waits for a wake-up, a lease handed on (returned), the n-th poll
+// delay, or the end of the wait (its error).
+func (wt *waiting) pause(n int) (*Lease, error) {
+	l, w := wt.l, wt.w
+	d := l.backoff(n)
+	if wt.local {
+		d = l.opts.BackoffMax // only the safety net
+	} else if wt.retryAfter > 0 && wt.retryAfter < d {
+		d = wt.retryAfter + time.Millisecond
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	wake := w.wake
+	for {
+		select {
 		case g := <-w.grant:
 			return g, nil
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-deadline:
-			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
-		}
-	}
-
-	// A lease of these keys that this instance gave back a moment ago may
-	// still be on its way to Redis (it is released in the background, after
-	// the answer): wait for that first, so this request does not find the
-	// lock held by the request before it.
-	if done := q.releaseDone(); done != nil {
-		t := time.NewTimer(l.opts.Timeout)
-		select {
-		case <-done:
-			// That release also woke this waiter; the attempt below
-			// follows it, so the wake-up is spent.
-			select {
-			case <-w.wake:
-			default:
+		case <-wake:
+			if !wt.split {
+				return nil, nil
 			}
+			// The last attempt took part of what it needed: it met a
+			// release half done, or a rival that took part too. Retry
+			// after a random delay of about one attempt, so the release
+			// is complete and two rivals woken by the same message do
+			// not collide in step again.
+			wake = nil
+			t.Reset(rand.N(2*wt.took + time.Millisecond))
 		case <-t.C:
-		case <-ctx.Done():
-			t.Stop()
-			return nil, ctx.Err()
+			return nil, nil
+		case <-wt.ctx.Done():
+			return nil, wt.ctx.Err()
+		case <-wt.deadline:
+			return nil, wt.busy(wt.retryAfter)
 		}
-		t.Stop()
-	}
-
-	subscribed := false
-	for n := 0; ; n++ {
-		// While this instance itself holds every permit, its holder hands
-		// the lease on or wakes this waiter: skip the first attempt, and
-		// poll only as the safety net (a holder that lost its lease).
-		local := q.heldLocally(l.opts.Permits)
-		if n > 0 || !local {
-			began := time.Now()
-			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys), busyKey)
-			took = time.Since(began)
-			if a.err != nil {
-				if ctx.Err() != nil {
-					return nil, ctx.Err()
-				}
-				return nil, a.err
-			}
-			if a.lease != nil {
-				return a.lease, nil
-			}
-			if a.answer != "" {
-				return nil, &Replayed{answer: a.answer}
-			}
-			retryAfter, busyKey, split = a.retryAfter, a.busyKey, a.split
-			q.setRetryHint(retryAfter)
-			if ctx.Err() != nil {
-				return nil, ctx.Err()
-			}
-			if l.opts.Wait <= 0 {
-				return nil, &BusyError{err: ErrNotObtained, leaseLeft: retryAfter}
-			}
-			if !subscribed {
-				// Subscribe, then try once more: a release between the failed
-				// attempt and the subscription would otherwise go unnoticed.
-				subscribed = true
-				if l.subscribe(ctx) {
-					continue
-				}
-			}
-		} else if l.opts.Wait <= 0 {
-			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
-		}
-		d := l.backoff(n)
-		if local {
-			d = l.opts.BackoffMax // only the safety net
-		} else if retryAfter > 0 && retryAfter < d {
-			d = retryAfter + time.Millisecond
-		}
-		t := time.NewTimer(d)
-		wake := w.wake
-		for waiting := true; waiting; {
-			select {
-			case g := <-w.grant:
-				t.Stop()
-				return g, nil
-			case <-wake:
-				if !split {
-					waiting = false
-					break
-				}
-				// The last attempt took part of what it needed: it met a
-				// release half done, or a rival that took part too. Retry
-				// after a random delay of about one attempt, so the release
-				// is complete and two rivals woken by the same message do
-				// not collide in step again.
-				wake = nil
-				t.Reset(rand.N(2*took + time.Millisecond))
-			case <-t.C:
-				waiting = false
-			case <-ctx.Done():
-				t.Stop()
-				return nil, ctx.Err()
-			case <-deadline:
-				t.Stop()
-				return nil, &BusyError{err: ErrNotObtained, leaseLeft: retryAfter}
-			}
-		}
-		t.Stop()
 	}
 }
 

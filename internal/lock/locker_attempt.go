@@ -133,7 +133,7 @@ func (t *try) takeKey(i int, k string) (a attempt, over bool) {
 // ask runs the acquire script for key k on one server.
 func (t *try) ask(ctx context.Context, s *Server, k string) ([]int64, string, error) {
 	l := t.l
-	a := acquireArgs{keys: []string{k, FenceKey(k), WaitqKey(k), ReplayKey(k), DeadKey(k)}, token: t.token,
+	a := acquireArgs{keys: []string{k, FenceKey(k), WaitqKey(k), ReplayKey(k), DeadKey(k), DelayKey(k)}, token: t.token,
 		ttlMs: l.opts.TTL.Milliseconds(), life: l.waitqLife().Milliseconds(), chain: t.chain, turns: l.turnsFlag(len(t.keys))}
 	if l.opts.SyncReplicas > 0 {
 		return l.acquireSynced(ctx, s.client, a)
@@ -151,11 +151,13 @@ func (t *try) late(k string) func(i int, r result) {
 		if !t.failed.Load() && !t.released.Load() {
 			return
 		}
+		job := t.l.releaseJob(k, t.token)
 		switch {
 		case r.err != nil && !refusedUnrun(r.err):
-			t.l.releaseOn(i, k, t.token, unknownOutcome(r.err))
+			job.unknown = unknownOutcome(r.err)
+			t.l.releaseOn(i, job)
 		case r.err == nil && r.v.([]int64)[0] == 1 && (len(t.keys) > 1 || t.removed.Load()&(1<<i) == 0):
-			t.l.releaseOn(i, k, t.token, false)
+			t.l.releaseOn(i, job)
 		}
 	}
 }
@@ -166,7 +168,7 @@ func (t *try) late(k string) func(i int, r result) {
 // says why: Redis unreachable, or busy until when.
 func (t *try) notTaken(i int, k string, results []result) attempt {
 	t.failed.Store(true)
-	t.undo(i+1, false)
+	t.undo(i+1, markWhereLost)
 	granted, busy, errs := tally(results)
 	if granted+busy < t.l.quorum {
 		// Fewer than a majority answered at all: Redis is unreachable.
@@ -198,12 +200,19 @@ func (t *try) notTaken(i int, k string, results []result) attempt {
 	return attempt{retryAfter: retry, busyKey: busyIdx, split: granted > 0 || i > 0}
 }
 
+// deadMark says for which keys an undo marks the token dead.
+type deadMark int
+
+const (
+	markWhereLost deadMark = iota // the keys whose answer was lost somewhere in the attempt
+	markAll                       // every key: a minority may not have answered
+)
+
 // undo gives back order[:n] on every server that may hold it, marking the
-// token dead for every key whose outcome was unknown anywhere in the
-// attempt (or for all, with allUnknown). A server that refused a key gets
+// token dead as mark says. A server that refused a key gets
 // no release of it: nothing is held there, and a release that failed there
 // would count as a failure.
-func (t *try) undo(n int, allUnknown bool) {
+func (t *try) undo(n int, mark deadMark) {
 	var jobs []releaseJob
 	var skip []uint64
 	for j, k := range t.order[:n] {
@@ -211,7 +220,7 @@ func (t *try) undo(n int, allUnknown bool) {
 			continue
 		}
 		job := t.l.releaseJob(k, t.token)
-		job.unknown = allUnknown || t.keyUnknown[j].Load()
+		job.unknown = mark == markAll || t.keyUnknown[j].Load()
 		jobs, skip = append(jobs, job), append(skip, t.refused[j])
 	}
 	if len(jobs) > 0 {
@@ -239,14 +248,14 @@ func (t *try) finish() attempt {
 			t.failed.Store(true)
 			// A minority of servers may not have answered the acquire:
 			// undone as outcomes unknown.
-			t.undo(len(t.order), true)
+			t.undo(len(t.order), markAll)
 			return attempt{err: err}
 		}
 	}
 	validity := l.validity(t.start)
 	if validity <= 0 {
 		t.failed.Store(true)
-		t.undo(len(t.order), true)
+		t.undo(len(t.order), markAll)
 		return attempt{retryAfter: 0}
 	}
 	return attempt{lease: &Lease{l: l, keys: t.keys, token: t.token, fence: t.fence - int64(t.chain) + 1, start: t.start,
@@ -275,7 +284,7 @@ type acquireArgs struct {
 
 // acquireArgv is the acquire script's ARGV.
 func (l *Locker) acquireArgv(a acquireArgs) []any {
-	return []any{a.token, a.ttlMs, l.opts.Permits, l.dom.id, a.life, a.chain, l.replayFlag(), a.turns}
+	return []any{a.token, a.ttlMs, l.opts.Permits, l.dom.id, a.life, a.chain, l.replayFlag(), a.turns, l.opts.LockDelay.Milliseconds()}
 }
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the

@@ -42,7 +42,7 @@ func (l *Locker) extend(ctx context.Context, ls *Lease) error {
 			}
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
 			defer cancel()
-			v, err := ExtendScript.Run(cctx, s.client, []string{k, FenceKey(k), DeadKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate).Int64()
+			v, err := ExtendScript.Run(cctx, s.client, []string{k, FenceKey(k), DeadKey(k), DelayKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate, l.opts.LockDelay.Milliseconds()).Int64()
 			if track && unknownOutcome(err) {
 				ls.unknown.Store(true)
 			}
@@ -110,8 +110,8 @@ func (l *Locker) renew(ls *Lease, n int) *renewal {
 		defer cancel()
 		start := l.now()
 		k := ls.keys[0]
-		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, FenceKey(k), WaitqKey(k)},
-			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n).Int64Slice()
+		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, FenceKey(k), WaitqKey(k), DelayKey(k)},
+			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n, l.opts.LockDelay.Milliseconds()).Int64Slice()
 		if err == nil && len(v) == 2 && v[0] == 1 {
 			r.ok, r.fence, r.until = true, v[1], start.Add(l.opts.TTL)
 		}

@@ -9,38 +9,49 @@ import (
 	"sync/atomic"
 )
 
-// releaseKeys releases token on keys on every server, in parallel. It
-// returns as soon as a majority released each key; a server that fails or
-// does not answer in time gets the release again in the background.
-//
-// With one key and removed not nil, bit i of removed is set when server i
-// answers that it removed the token. unknown marks the undo of an
-// acquisition whose outcome is not known; answer (one key only) is stored
-// for replay.
-func (l *Locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
-	jobs := make([]releaseJob, len(keys))
-	for i, k := range keys {
-		jobs[i] = l.releaseJob(k, token)
-		jobs[i].raise, jobs[i].unknown, jobs[i].answer = raise, unknown, answer
-		if wake {
-			jobs[i].msg = l.dom.id + " " + WakeID(k)
-		}
+// leaseRelease is the release of a held lease.
+type leaseRelease struct {
+	keys  []string
+	token string
+	raise int64 // Redlock: the fencing counter to write back (0: none)
+	// removed, with one key: bit i is set when server i answers that it
+	// removed the token.
+	removed *atomic.Uint64
+	// unknown: some server may hold the lease in a way nobody knows (see
+	// Lease.outcomeUnknown), so the token is marked dead too.
+	unknown bool
+	answer  string // the holder's answer to store for replay (one key); "" for none
+	// unclean: the holder did not finish cleanly; with lock_delay, nobody
+	// gets the keys for the delay.
+	unclean bool
+}
+
+// releaseLease releases a lease on every server, in parallel, and
+// announces it to the waiters of other instances. It returns as soon as a
+// majority released each key; a server that fails or does not answer in
+// time gets the release again in the background.
+func (l *Locker) releaseLease(r leaseRelease) {
+	jobs := make([]releaseJob, len(r.keys))
+	for i, k := range r.keys {
+		jobs[i] = l.releaseJob(k, r.token)
+		jobs[i].raise, jobs[i].unknown, jobs[i].answer, jobs[i].unclean = r.raise, r.unknown, r.answer, r.unclean
+		jobs[i].msg = l.dom.id + " " + WakeID(k)
 	}
-	l.releaseJobs(jobs, nil, removed)
+	l.releaseJobs(jobs, nil, r.removed)
 }
 
 // releaseJob is the release of token on key k, with nothing to write back,
 // announce or store.
 func (l *Locker) releaseJob(k, token string) releaseJob {
 	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(),
-		self: l.dom.id, handler: l.opts.Handler}
+		self: l.dom.id, handler: l.opts.Handler, delayMs: l.opts.LockDelay.Milliseconds()}
 }
 
 // notAsked is the answer of a server that a release skips.
 type notAsked struct{}
 
 // releaseJobs runs jobs (one per key) on every server, in parallel, as
-// releaseKeys says; bit i of skip[j] (skip may be nil) spares server i
+// releaseLease says; bit i of skip[j] (skip may be nil) spares server i
 // the release of jobs[j]: it is known to hold nothing of it.
 func (l *Locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
 	one := func(job releaseJob, skip uint64) {
@@ -98,14 +109,12 @@ func (l *Locker) settleRelease(i int, job releaseJob, r result) {
 	}
 }
 
-// releaseOn releases token on one key of server i (a late grant, or a
-// late answer that was lost): in the background until the server answers.
-func (l *Locker) releaseOn(i int, k, token string, unknown bool) {
-	job := l.releaseJob(k, token)
-	job.unknown = unknown
+// releaseOn runs job on server i alone (a late grant, or a late answer
+// that was lost): in the background until the server answers.
+func (l *Locker) releaseOn(i int, job releaseJob) {
 	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
 	defer cancel()
-	if removed, err := job.run(ctx, l.servers[i]); err != nil || (unknown && !removed) {
+	if removed, err := job.run(ctx, l.servers[i]); err != nil || (job.unknown && !removed) {
 		l.servers[i].rel.retry(job, err)
 	}
 }

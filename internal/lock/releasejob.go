@@ -28,6 +28,11 @@ type releaseJob struct {
 	// also marks the token dead, so that acquire takes nothing when it
 	// arrives, and a "not held" answer is confirmed once more a little later.
 	unknown bool
+	// unclean: the holder did not finish cleanly (its client went away
+	// while the route ran, or it lost the lease): with delayMs > 0 nobody
+	// gets the key for that long after the release (lock_delay).
+	unclean bool
+	delayMs int64
 }
 
 // isOOM reports whether Redis refused a call for being over maxmemory.
@@ -50,8 +55,12 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 		// delayed on its way to Redis is refused until then.
 		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
 	}
-	n, err := script.Run(ctx, s.client, []string{j.key, FenceKey(j.key), ReplayKey(j.key), WaitqKey(j.key), DeadKey(j.key)},
-		j.token, WakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead).Int64()
+	unclean := "0"
+	if j.unclean {
+		unclean = "1"
+	}
+	n, err := script.Run(ctx, s.client, []string{j.key, FenceKey(j.key), ReplayKey(j.key), WaitqKey(j.key), DeadKey(j.key), DelayKey(j.key)},
+		j.token, WakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead, unclean, j.delayMs).Int64()
 	if j.answer != "" && isOOM(err) {
 		j.answer = ""
 		return j.run(ctx, s)
