@@ -237,6 +237,10 @@ func TestLockDelayConfig(t *testing.T) {
 			t.Errorf("%q: %v, want an error naming redis_lock, lock_delay and the line", in, err)
 		}
 	}
+	twice := new(RedisLock).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\tlock_delay 1s\n\tlock_delay 2s\n}"))
+	if twice == nil || !strings.Contains(twice.Error(), "lock_delay: given twice") {
+		t.Errorf("lock_delay twice: %v", twice)
+	}
 	err := (&RedisLock{LockDelay: -1}).Validate()
 	if err == nil || !strings.Contains(err.Error(), "redis_lock: lock_delay: must not be negative") {
 		t.Errorf("JSON lock_delay -1ns: %v", err)
