@@ -405,14 +405,21 @@ func TestLockMultiKeyFencing(t *testing.T) {
 	}
 	single := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}"]}`, r.Addr)), up)
 	multi := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}","{http.request.header.B}"]}`, r.Addr)), up)
-	for i := 0; i < 5; i++ {
-		get(t, single.URL+"/", "A", "b") // raise b's counter
+	// Each request must have reached the upstream, or tok is stale.
+	send := func(url string, hdr ...string) int64 {
+		t.Helper()
+		if resp, body := get(t, url, hdr...); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("%s %v: %v %q", url, hdr, resp, body)
+		}
+		n, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
+		return n
 	}
-	b, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
-	get(t, multi.URL+"/", "A", "a", "B", "b")
-	m, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
-	get(t, single.URL+"/", "A", "a")
-	s, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
+	var b int64
+	for i := 0; i < 5; i++ {
+		b = send(single.URL+"/", "A", "b") // raise b's counter
+	}
+	m := send(multi.URL+"/", "A", "a", "B", "b")
+	s := send(single.URL+"/", "A", "a")
 	if b <= 0 || m <= b || s <= m {
 		t.Fatalf("key b alone %d, then a and b %d (want > %d), then key a alone %d (want > %d)", b, m, b, s, m)
 	}
@@ -809,13 +816,13 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 		return n
 	}
 	first := goFetch(context.Background(), srv.URL+"/job")
-	<-entered
+	recvWithin(t, entered, 15*time.Second, "the first job reaching the upstream")
 	if n := retry(); n < 55 || n > 60 {
 		t.Errorf("no hold seen yet: Retry-After %d, want the remaining lease (~60)", n)
 	}
 	await(t, first, 20*time.Second, "first job")
 	second := goFetch(context.Background(), srv.URL+"/job")
-	<-entered
+	recvWithin(t, entered, 15*time.Second, "the second job reaching the upstream")
 	if n := retry(); n < 1 || n > 3 {
 		t.Errorf("after one 1.5s hold: Retry-After %d, want about 2 (not the 60s lease)", n)
 	}
