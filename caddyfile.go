@@ -138,6 +138,7 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		replay_max     <size>          # largest response body kept for replay; default 1MiB, at most 256MiB
 //		fingerprint    off|<template>...  # what a replayed request must match; default: method, URI, body SHA-256, credentials
 //		credential_cookies <name>...   # cookies that identify the client; default none
+//		lock_delay     <duration>      # after a lease ends without its holder's release, grant nobody for this long; default 0
 //		jitter         <fraction>      # raise Retry-After by a random share up to this; default 0
 //		name           <string>        # for the admin API; default: its position
 //		redis          <address|url>...
@@ -227,6 +228,12 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.MaxHold = caddy.Duration(v)
+		case "lock_delay":
+			v, err := parseNonNegativeDuration(d, dir)
+			if err != nil {
+				return err
+			}
+			h.LockDelay = caddy.Duration(v)
 		case "permits":
 			n, err := parsePositiveInt(d, dir, 1)
 			if err != nil {

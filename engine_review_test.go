@@ -90,12 +90,19 @@ func TestHandOffUsesReceiversOptions(t *testing.T) {
 		res <- got{ls, pttl, h == short}
 		ls.Release()
 	}
+	// Each queued before the next comes (the state, not a sleep).
+	queued := func(h *RedisLock, n int) {
+		t.Helper()
+		if !waitFor(15*time.Second, func() bool { return h.locker.WaitersFor(keys[0]) >= n }) {
+			t.Fatalf("%d waiters of %s queued within 15s, want %d", h.locker.WaitersFor(keys[0]), time.Duration(h.TTL), n)
+		}
+	}
 	go acquire(long)
-	time.Sleep(100 * time.Millisecond)
+	queued(long, 1)
 	go acquire(long)
-	time.Sleep(100 * time.Millisecond)
+	queued(long, 2)
 	go acquire(short)
-	time.Sleep(100 * time.Millisecond)
+	queued(short, 1)
 	held.Release()
 	for i := 0; i < 3; i++ {
 		select {

@@ -217,7 +217,8 @@ func newReplayView(typ, head string, size int64) *replayView {
 }
 
 // releaseLock force-releases every holder of a lock key on every server
-// and wakes the key's waiters in every instance. An old holder's next
+// and wakes the key's waiters in every instance; with lock_delay, nobody
+// gets the key for the delay. An old holder's next
 // extension then finds its lease lost (the key's fencing counter is still
 // there, so no extension re-creates the lease) and on_lost applies.
 func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
@@ -230,7 +231,8 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	removed := make([]int64, len(clients))
 	errs := make([]string, len(clients))
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		n, err := adminLockReleaseScript.Run(ctx, c, []string{rk}, lock.WakeChannel, adminWakeFrom+" "+lock.WakeID(rk)).Int64()
+		n, err := adminLockReleaseScript.Run(ctx, c, []string{rk, lock.DelayKey(rk)}, lock.WakeChannel, adminWakeFrom+" "+lock.WakeID(rk),
+			time.Duration(h.LockDelay).Milliseconds()).Int64()
 		removed[i] = n
 		if err != nil {
 			errs[i] = err.Error()

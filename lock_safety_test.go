@@ -288,7 +288,9 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 	b := provisionLock(t, lockCfg(r.Addr, `"wait":"10s","timeout":"600ms"`))
 	sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
 	holder := goFetch(context.Background(), sa.URL+"/secret-alice?hold=1")
-	time.Sleep(200 * time.Millisecond)
+	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(a.Prefix, "/secret-alice")) > 0 }) {
+		t.Fatal("the holder never took the lock")
+	}
 	waiter := goFetch(context.Background(), sb.URL+"/secret-alice")
 	// Release once the waiter's instance is on the key's wait list (a
 	// fixed sleep lost that race on a loaded machine).
@@ -305,6 +307,20 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 	if msgs := got.Load().(string); strings.Contains(msgs, "alice") {
 		t.Fatalf("wake-up messages show the lock key: %q", msgs)
 	}
+}
+
+// onWaitList reports whether instance id is on a lock key's wait list on
+// one of rs.
+func onWaitList(rs []*testRedis, id string) bool {
+	for _, r := range rs {
+		keys, _ := r.Client().Keys(context.Background(), "*:waitq").Result()
+		for _, k := range keys {
+			if r.Client().ZScore(context.Background(), k, id).Err() == nil {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // publishes counts the PUBLISH calls a server ran (also inside scripts).
@@ -356,9 +372,12 @@ func TestReleasePublishesOnlyForOtherInstances(t *testing.T) {
 				t.Fatalf("20 uncontended releases published %d wake-ups, want 0", n)
 			}
 			holder := goFetch(context.Background(), sa.URL+"/hot?hold=1")
-			<-entered
+			recvWithin(t, (<-chan struct{})(entered), 15*time.Second, "the holder reaching the upstream")
 			waiter := goFetch(context.Background(), sb.URL+"/hot")
-			time.Sleep(500 * time.Millisecond) // b's attempt failed and it waits
+			// b's attempt failed and it waits: its instance is on a wait list.
+			if !waitFor(15*time.Second, func() bool { return onWaitList(rs, lockInstanceID(b)) }) {
+				t.Fatal("the waiter's instance never joined a wait list")
+			}
 			start := time.Now()
 			close(release)
 			if res := await(t, waiter, 20*time.Second, "waiter"); res.status != 200 {

@@ -194,6 +194,21 @@ type RedisLock struct {
 	// would then break a browser's retry. Default: none.
 	CredentialCookies []string `json:"credential_cookies,omitempty"`
 
+	// After a lease ends without its holder's release, the key is granted
+	// to nobody for this long (Consul's lock-delay), so writes of a stale
+	// holder still on their way can drain before the next holder starts. A
+	// lease ends without its release when it expires, is force-released
+	// through the admin API, is lost (an extension found it gone), or is
+	// given back because the client went away while the rest of the route
+	// still ran (its upstream may still be writing). A clean release, when
+	// the route returned, has no delay; neither has the background release
+	// of an acquire whose answer was lost. Each Redis server (every member
+	// of a Redlock) keeps the delay in a companion key that expires with it;
+	// waiters poll (every backoff_max at most) and get the key once it ends.
+	// With permits, the delay holds the permit the lease held. 0 turns it
+	// off. Default: 0.
+	LockDelay caddy.Duration `json:"lock_delay,omitempty"`
+
 	// Raise Retry-After by a random share of it, up to this fraction (0.2:
 	// up to 20% later), so rejected clients do not all come back at the
 	// same moment. Never lowers it; applied before rounding up to whole
@@ -323,6 +338,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
 		Replay:       time.Duration(h.Replay),
+		LockDelay:    time.Duration(h.LockDelay),
 		Handler:      h.label,
 	}, slogFor(h.logger))
 	return adminRegister(ctx, h)
@@ -356,6 +372,8 @@ func (h *RedisLock) Validate() error {
 		return fmt.Errorf("redis_lock: backoff: max %s is below min %s", time.Duration(h.BackoffMax), time.Duration(h.BackoffMin))
 	case h.MaxHold < 0:
 		return errors.New("redis_lock: max_hold: must not be negative")
+	case h.LockDelay < 0:
+		return fmt.Errorf("redis_lock: lock_delay: must not be negative, got %s", time.Duration(h.LockDelay))
 	case h.Permits < 0:
 		return fmt.Errorf("redis_lock: permits: must be at least 1, got %d", h.Permits)
 	case h.MaxWaiters < 0:
@@ -454,7 +472,16 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
 	h.m.acquired.Observe(waited.Seconds())
-	return h.serveLocked(w, r, next, repl, lease, display, waited, id)
+	return h.serveLocked(w, r, next, held{repl: repl, lease: lease, display: display, waited: waited, id: id})
+}
+
+// held is a request that got its lock.
+type held struct {
+	repl    *caddy.Replacer
+	lease   *lease
+	display string        // the rendered key, for logs and events
+	waited  time.Duration // how long the request waited for the lock
+	id      identity      // the request's replay identity (replay on)
 }
 
 // acquireFailed answers a request that did not get the lock.
@@ -506,14 +533,8 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 //
 // With replay, the response is recorded on its way to the client and, if it
 // can be replayed, stored by the release.
-func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, repl *caddy.Replacer, lease *lease, display string, waited time.Duration, id identity) (err error) {
-	fence := strconv.FormatInt(lease.Fence(), 10)
-	repl.Set("http.redis_lock.fencing_token", fence)
-	h.setFencingHeader(r, fence)
-	if c := h.logger.Check(zapcore.DebugLevel, "lock acquired"); c != nil {
-		c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence()), zap.Duration("waited", waited))
-	}
-
+func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, hd held) (err error) {
+	h.announceLock(r, hd)
 	// The header as handlers before the lock left it: what a replay stores
 	// is what the route added, and a 503 after a lost lease goes back to it.
 	var before http.Header
@@ -528,44 +549,21 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		// The answer outlives the client: the route runs to its end, the
 		// lock held, and its answer is stored for the client's retry.
 		var stopDetached context.CancelFunc
-		base, stopDetached = h.detach(r.Context(), lease)
+		base, stopDetached = h.detach(r.Context(), hd.lease)
 		defer stopDetached()
 	}
 	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: before}
 
 	reqCtx, cancel := context.WithCancelCause(base)
 	var lost atomic.Bool
-	onLost := func(cause error) {
-		lost.Store(true)
-		h.m.lost.Inc()
-		h.logger.Error("lock lease lost while the request ran", zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.Fence()), zap.Error(cause))
-		h.events.emit(EventLockLost, func() map[string]any {
-			return map[string]any{"handler": h.label, "key": eventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
-		})
-		if h.OnLost == "cancel" {
-			// A response not started yet never starts: the next handler's
-			// writes are dropped, and the client gets 503.
-			rw.refuse()
-			cancel(cause)
-		}
-	}
-	keep := lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: onLost})
+	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd, rw, &lost, cancel)})
 	completed := false // next returned (did not panic)
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
 		keep.Stop()
+		end := routeEnd{err: err, broken: !completed || lost.Load(), clientGone: r.Context().Err() != nil}
 		cancel(nil)
-		if rec != nil {
-			h.releaseReplay(lease, rec, r, id, display, err, !completed || lost.Load())
-		} else {
-			lease.ReleaseInBackground("") // the answer does not wait for Redis
-		}
-		held := time.Since(lease.Granted())
-		h.m.held.Observe(held.Seconds())
-		h.holds.add(held)
-		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
-			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence()))
-		}
+		h.release(hd, r, rec, end)
 		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 			rw.restoreHeader()
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
@@ -578,6 +576,69 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
 	return err
+}
+
+// announceLock hands the fencing token to the next handler (header and
+// placeholder) and logs the grant.
+func (h *RedisLock) announceLock(r *http.Request, hd held) {
+	fence := strconv.FormatInt(hd.lease.Fence(), 10)
+	hd.repl.Set("http.redis_lock.fencing_token", fence)
+	h.setFencingHeader(r, fence)
+	if c := h.logger.Check(zapcore.DebugLevel, "lock acquired"); c != nil {
+		c.Write(zap.String("key", hd.display), zap.Int64("fencing_token", hd.lease.Fence()), zap.Duration("waited", hd.waited))
+	}
+}
+
+// onLost is what the keeper calls when the lease is found lost: it logs,
+// counts and announces it, and with on_lost cancel stops the route (a
+// response not started yet never starts: the client gets 503).
+func (h *RedisLock) onLost(hd held, rw *startedWriter, lost *atomic.Bool, cancel context.CancelCauseFunc) func(error) {
+	return func(cause error) {
+		lost.Store(true)
+		h.m.lost.Inc()
+		h.logger.Error("lock lease lost while the request ran",
+			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", hd.lease.Fence()), zap.Error(cause))
+		h.events.emit(EventLockLost, func() map[string]any {
+			return map[string]any{"handler": h.label, "key": eventKey(hd.display), "reason": cause.Error(), "on_lost": h.OnLost}
+		})
+		if h.OnLost == "cancel" {
+			rw.refuse()
+			cancel(cause)
+		}
+	}
+}
+
+// routeEnd is how the route under the lock ended.
+type routeEnd struct {
+	err        error // what it returned
+	broken     bool  // it panicked, or the lease was lost
+	clientGone bool  // the client went away while it still ran
+}
+
+// release gives the lease back once the route returned (in the
+// background: the answer does not wait for Redis) and records the hold.
+// With replay the answer is stored with it when it can be replayed.
+// Without replay, a client that went away while the route still ran
+// abandons the lease: with lock_delay, nobody gets the key for the delay,
+// since the upstream may still be writing.
+func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEnd) {
+	switch {
+	case rec != nil:
+		h.releaseReplay(hd, r, rec, end)
+	case end.clientGone && h.LockDelay > 0:
+		if c := h.logger.Check(zapcore.DebugLevel, "lock abandoned: the client went away while the route ran; lock_delay applies"); c != nil {
+			c.Write(zap.String("key", hd.display), zap.Duration("lock_delay", time.Duration(h.LockDelay)))
+		}
+		hd.lease.Abandon()
+	default:
+		hd.lease.ReleaseInBackground("")
+	}
+	held := time.Since(hd.lease.Granted())
+	h.m.held.Observe(held.Seconds())
+	h.holds.add(held)
+	if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
+		c.Write(zap.String("key", hd.display), zap.Int64("fencing_token", hd.lease.Fence()))
+	}
 }
 
 // errDetachedRunOver ends a replay route whose client went away once the
@@ -708,18 +769,18 @@ func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWr
 
 // releaseReplay releases a replay lock, storing the holder's answer with
 // the release when it can be replayed.
-func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, r *http.Request, id identity, display string, handlerErr error, lost bool) {
-	ans, why := rec.answer(r, id, handlerErr, lost)
+func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end routeEnd) {
+	ans, why := rec.answer(r, hd.id, end.err, end.broken)
 	if ans == "" {
 		h.m.notStored.Inc()
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
-			c.Write(zap.String("key", display), zap.String("reason", why))
+			c.Write(zap.String("key", hd.display), zap.String("reason", why))
 		}
-		ls.ReleaseInBackground("")
+		hd.lease.ReleaseInBackground("")
 		return
 	}
 	h.m.stored.Inc()
-	ls.ReleaseInBackground(ans)
+	hd.lease.ReleaseInBackground(ans)
 }
 
 // estimateFree estimates when a busy lock will be free for this request:

@@ -133,8 +133,8 @@ func TestLockWaitZeroAndTimeout(t *testing.T) {
 	holder := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"5s"}`, r.Addr)), holdUp)
 	done := make(chan struct{})
 	go func() { defer close(done); get(t, holder.URL+"/job") }()
-	<-entered
 	defer func() { close(release); <-done }()
+	recvWithin(t, entered, 15*time.Second, "the holder reaching the upstream")
 
 	fast := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":0}`, r.Addr)), okHandler)
 	start := time.Now()
@@ -286,7 +286,7 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"30s","backoff_min":"5s","backoff_max":"5s"}`, r.Addr))
 	srv := handlerServer(t, h, up)
 	go get(t, srv.URL+"/k?who=holder")
-	if w := <-entered; w != "holder" {
+	if w := recvWithin(t, entered, 15*time.Second, "the holder reaching the upstream"); w != "holder" {
 		t.Fatalf("entered %s", w)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
@@ -296,9 +296,9 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 		_, err := http.DefaultClient.Do(req)
 		gone <- err
 	}()
-	time.Sleep(300 * time.Millisecond)
+	awaitWaiters(t, h, "/k", 1) // the quitter is queued
 	cancel()
-	<-gone
+	recvWithin(t, gone, 15*time.Second, "the quitter's answer")
 	// The quitter must leave the queue: wait until no local waiter remains.
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
@@ -312,17 +312,41 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 	}
 	nextDone := make(chan *http.Response, 1)
 	go func() { resp, _ := get(t, srv.URL+"/k?who=next"); nextDone <- resp }()
-	time.Sleep(200 * time.Millisecond)
+	awaitWaiters(t, h, "/k", 1) // next is queued
 	releasedAt := time.Now()
 	close(release)
-	if w := <-entered; w != "next" {
+	if w := recvWithin(t, entered, 15*time.Second, "the next request reaching the upstream"); w != "next" {
 		t.Fatalf("after the holder, %q entered; want next", w)
 	}
 	if el := time.Since(releasedAt); el > 2*time.Second {
 		t.Errorf("next request got the lock %s after the release; want at once (backoff is 5s)", el)
 	}
-	if resp := <-nextDone; resp == nil || resp.StatusCode != 200 {
+	if resp := recvWithin(t, nextDone, 15*time.Second, "the next request's answer"); resp == nil || resp.StatusCode != 200 {
 		t.Fatalf("next: %v", resp)
+	}
+}
+
+// recvWithin receives from ch, failing the test when nothing comes within
+// d (a request that never reached its upstream, say), so a test never hangs.
+// Call it from the test's goroutine.
+func recvWithin[T any](t testing.TB, ch <-chan T, d time.Duration, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(d):
+		t.Fatalf("%s: nothing within %s", what, d)
+		var zero T
+		return zero
+	}
+}
+
+// awaitWaiters waits until at least n requests of h wait here for the
+// rendered key (the state itself, instead of a sleep that hopes for it).
+func awaitWaiters(t testing.TB, h *RedisLock, rendered string, n int) {
+	t.Helper()
+	if !waitFor(15*time.Second, func() bool { return lockWaitersFor(h, rendered) >= n }) {
+		t.Fatalf("%d of %d waiters for %s queued within 15s", lockWaitersFor(h, rendered), n, rendered)
 	}
 }
 
@@ -381,14 +405,21 @@ func TestLockMultiKeyFencing(t *testing.T) {
 	}
 	single := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}"]}`, r.Addr)), up)
 	multi := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.A}","{http.request.header.B}"]}`, r.Addr)), up)
-	for i := 0; i < 5; i++ {
-		get(t, single.URL+"/", "A", "b") // raise b's counter
+	// Each request must have reached the upstream, or tok is stale.
+	send := func(url string, hdr ...string) int64 {
+		t.Helper()
+		if resp, body := get(t, url, hdr...); resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("%s %v: %v %q", url, hdr, resp, body)
+		}
+		n, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
+		return n
 	}
-	b, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
-	get(t, multi.URL+"/", "A", "a", "B", "b")
-	m, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
-	get(t, single.URL+"/", "A", "a")
-	s, _ := strconv.ParseInt(tok.Load().(string), 10, 64)
+	var b int64
+	for i := 0; i < 5; i++ {
+		b = send(single.URL+"/", "A", "b") // raise b's counter
+	}
+	m := send(multi.URL+"/", "A", "a", "B", "b")
+	s := send(single.URL+"/", "A", "a")
 	if b <= 0 || m <= b || s <= m {
 		t.Fatalf("key b alone %d, then a and b %d (want > %d), then key a alone %d (want > %d)", b, m, b, s, m)
 	}
@@ -636,7 +667,7 @@ func TestLockFIFOWithinInstance(t *testing.T) {
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() { defer wg.Done(); get(t, srv.URL+"/f?n=0") }()
-	<-first
+	recvWithin(t, first, 15*time.Second, "the first request reaching the upstream")
 	for i := 1; i <= 5; i++ {
 		wg.Add(1)
 		go func(i int) { defer wg.Done(); get(t, fmt.Sprintf("%s/f?n=%d", srv.URL, i)) }(i)
@@ -785,13 +816,13 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 		return n
 	}
 	first := goFetch(context.Background(), srv.URL+"/job")
-	<-entered
+	recvWithin(t, entered, 15*time.Second, "the first job reaching the upstream")
 	if n := retry(); n < 55 || n > 60 {
 		t.Errorf("no hold seen yet: Retry-After %d, want the remaining lease (~60)", n)
 	}
 	await(t, first, 20*time.Second, "first job")
 	second := goFetch(context.Background(), srv.URL+"/job")
-	<-entered
+	recvWithin(t, entered, 15*time.Second, "the second job reaching the upstream")
 	if n := retry(); n < 1 || n > 3 {
 		t.Errorf("after one 1.5s hold: Retry-After %d, want about 2 (not the 60s lease)", n)
 	}

@@ -146,12 +146,12 @@ func TestDeadTokensOutliveShorterUndos(t *testing.T) {
 	ctx := context.Background()
 	c := r.Client()
 	key := "caddy:lock:{x}"
-	keys := []string{key, lock.FenceKey(key), lock.ReplayKey(key), lock.WaitqKey(key), lock.DeadKey(key)}
+	keys := []string{key, lock.FenceKey(key), lock.ReplayKey(key), lock.WaitqKey(key), lock.DeadKey(key), lock.DelayKey(key)}
 	for _, undo := range []struct {
 		token string
 		ttlMs int64
 	}{{"A", 300000}, {"B", 1000}} { // ttl 5m, then 1s
-		if err := lock.ReleaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+lock.ReleaseGiveUpExtra.Milliseconds()).Err(); err != nil {
+		if err := lock.ReleaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+lock.ReleaseGiveUpExtra.Milliseconds(), "0", 0).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -191,7 +191,7 @@ func TestRedlockLeaseLostOnMajority(t *testing.T) {
 	srv := handlerServer(t, h, up)
 	done := make(chan *http.Response, 1)
 	go func() { resp, _ := get(t, srv.URL+"/lost"); done <- resp }()
-	<-entered
+	recvWithin(t, (<-chan struct{})(entered), 15*time.Second, "the request reaching the upstream")
 	key := storedKey(h.Prefix, "/lost")
 	// Take the lease away on two servers and give it to someone else there.
 	for _, r := range rs[:2] {
@@ -243,7 +243,7 @@ func TestRedlockExtensionRecreatesOnRestartedServer(t *testing.T) {
 	srv, osrv := handlerServer(t, h, up), handlerServer(t, other, up)
 	done := make(chan *http.Response, 1)
 	go func() { resp, _ := get(t, srv.URL+"/r?who=holder"); done <- resp }()
-	<-entered
+	recvWithin(t, entered, 15*time.Second, "the holder reaching the upstream")
 	key := storedKey(h.Prefix, "/r")
 	for _, i := range []int{0, 1} {
 		rs[i].Restart()

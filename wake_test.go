@@ -742,7 +742,10 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 		t.Fatal(err)
 	}
 	waiter := goFetch(context.Background(), sb.URL+"/split")
-	time.Sleep(time.Second) // b took rs[0], gave it back, and waits
+	// b took rs[0], gave it back, and waits: its instance is on a wait list.
+	if !waitFor(15*time.Second, func() bool { return onWaitList(rs, lockInstanceID(b)) }) {
+		t.Fatal("the split waiter never joined a wait list")
+	}
 	// Its attempts in between may hold rs[0] a moment.
 	if !freeWithin(3*time.Second, key, rs[0]) {
 		t.Errorf("the split waiter kept its part of the lock on the member that lost the key (%d holders)", heldBy(rs[0], key))

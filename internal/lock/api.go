@@ -16,7 +16,7 @@ func (l *Locker) Close() { l.close() }
 func (l *Locker) Clients() []redis.UniversalClient {
 	out := make([]redis.UniversalClient, len(l.servers))
 	for i, s := range l.servers {
-		out[i] = s.client
+		out[i] = s.conn.Client
 	}
 	return out
 }
@@ -56,42 +56,20 @@ func (ls *Lease) Granted() time.Time { return ls.start }
 // ReleaseInBackground releases the lease (see release), storing answer for
 // replay when it is not "", with the Redis round trip after it returns: a
 // response is not held up by it.
-func (ls *Lease) ReleaseInBackground(answer string) { ls.releaseWith(answer, true) }
+func (ls *Lease) ReleaseInBackground(answer string) { ls.releaseWith(answer, releaseInBackground) }
 
-// KeepOptions say how a held lease is kept (see Keep).
-type KeepOptions struct {
-	Extend  bool          // extend it every ttl/3 (owner-checked)
-	MaxHold time.Duration // stop extending this long after the grant (0: never)
-	OnLost  func(error)   // runs at most once, when the lease is lost
+// Abandon releases the lease in the background as a holder that did not
+// finish cleanly (its client went away while the route still ran, so its
+// upstream may still be writing): with lock_delay, nobody is granted the
+// keys for the delay, and the lease is not handed on.
+func (ls *Lease) Abandon() {
+	ls.unclean.Store(true)
+	ls.releaseWith("", releaseInBackground)
 }
-
-// Keeper keeps a lease alive until Stop.
-type Keeper struct{ k *keeper }
 
 // Keep starts keeping the lease: with o.Extend, it is extended every ttl/3
 // (owner-checked) until Stop or o.MaxHold; a lease that is not extended
 // (any more) is reported lost when its validity ends.
 func (ls *Lease) Keep(o KeepOptions) Keeper {
-	return Keeper{ls.keep(o.Extend, o.MaxHold, o.OnLost)}
+	return Keeper{newKeeper(ls, o)}
 }
-
-// Stop stops keeping the lease; no extension follows it.
-func (k Keeper) Stop() { k.k.stop() }
-
-// LeaseLeft is the time until the holder's lease ends (0 when unknown).
-func (e *BusyError) LeaseLeft() time.Duration { return e.leaseLeft }
-
-// Ahead is the requests of this instance that queued before this one.
-func (e *BusyError) Ahead() int { return e.ahead }
-
-// Answer is the earlier holder's stored answer.
-func (r *Replayed) Answer() string { return r.answer }
-
-// CloseWhenIdle stops the wake-up listener and runs closeClient once no
-// user of the client is left (at once when none is).
-func (s *Server) CloseWhenIdle(closeClient func()) { s.closeWhenIdle(closeClient) }
-
-// OnReleaseFailure sets what counts a failed release of a lease that was
-// held, or whose acquire outcome is unknown (before the server is used);
-// it is told the lease's handler (Options.Handler).
-func (s *Server) OnReleaseFailure(count func(handler string)) { s.onReleaseFailure = count }

@@ -9,5 +9,9 @@
 //
 // It knows nothing of Caddy or HTTP: the handler (package redisdlm)
 // renders the keys, logs through the *slog.Logger it hands in, and counts
-// failed releases through Server.OnReleaseFailure.
+// failed releases through Server.OnReleaseFailure. It calls Redis through
+// the smallest client interface it needs (Client) and reads the time of
+// its validities and schedules from a Clock, so its tests wrap a real
+// client to inject faults and move time without sleeping. Its files are
+// listed once, in docs/design.md.
 package lock

@@ -59,7 +59,7 @@ func (ls *Lease) QueueWaiting() int { return ls.q.waiting() }
 func (ls *Lease) HeldLocally(n int) bool { return ls.q.heldLocally(n) }
 
 // Client is the server's Redis client.
-func (s *Server) Client() redis.UniversalClient { return s.client }
+func (s *Server) Client() redis.UniversalClient { return s.conn.Client }
 
 // SetLogger replaces the server's logger.
 func (s *Server) SetLogger(lg func() *slog.Logger) { s.logger = lg }

@@ -17,6 +17,11 @@ func WaitqKey(lockKey string) string  { return lockKey + ":waitq" }
 // unknown: the acquire script never grants them (see lock_acquire.lua).
 func DeadKey(lockKey string) string { return lockKey + ":dead" }
 
+// DelayKey holds the lock_delay ends of a lock key: after a lease ends
+// without its holder's release, nobody is granted it until then (see
+// lock_acquire.lua).
+func DelayKey(lockKey string) string { return lockKey + ":delay" }
+
 // WakeID is how a wake-up names a lock key on the Pub/Sub channel: an
 // opaque digest, so a client of a shared Redis that subscribes learns
 // nothing of the keys (user ids, paths) being locked.

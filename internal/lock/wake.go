@@ -48,7 +48,7 @@ func dispatchWake(payload string) {
 // panic (logged with its stack, then it starts again), and stops with the
 // server.
 type wakeListener struct {
-	client   redis.UniversalClient
+	client   subscriber
 	logger   func() *slog.Logger
 	dispatch func(payload string) // dispatchWake; tests replace it
 
@@ -61,7 +61,12 @@ type wakeListener struct {
 	ps      *redis.PubSub
 }
 
-func newWakeListener(c redis.UniversalClient, logger func() *slog.Logger) *wakeListener {
+// subscriber is the part of a Redis client the listener uses.
+type subscriber interface {
+	Subscribe(ctx context.Context, channels ...string) *redis.PubSub
+}
+
+func newWakeListener(c subscriber, logger func() *slog.Logger) *wakeListener {
 	return &wakeListener{client: c, logger: logger, dispatch: dispatchWake, ready: make(chan struct{})}
 }
 

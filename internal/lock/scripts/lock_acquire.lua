@@ -23,6 +23,11 @@
 -- ARGV[8] "1" when instances take turns (one key on one server; with Redlock
 -- or several keys separate wait lists could each favour another instance,
 -- and then nobody would get a majority or all keys)
+-- KEYS[6] delay: sorted set of lock_delay ends (member = token, score = ms):
+-- a lease whose end comes without its holder's release keeps the key (or its
+-- permit) from everyone until then; a clean release removes its entry.
+-- ARGV[9] this lock's lock_delay in ms (0 = none): a grant writes its entry,
+-- the lease's end + the delay
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the
 -- earliest lease ends} when not; {2, 0, answer} when an earlier holder's
 -- answer is stored (then nothing is taken: the request is answered with it).
@@ -43,7 +48,22 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local life = tonumber(ARGV[5])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
-local free = redis.call('ZCARD', KEYS[1]) < permits
+-- Permits kept by a delay: entries of tokens that hold no lease any more.
+local delayed, delayEnd = 0, nil
+if redis.call('EXISTS', KEYS[6]) == 1 then
+	redis.call('ZREMRANGEBYSCORE', KEYS[6], '-inf', now)
+	local ds = redis.call('ZRANGE', KEYS[6], 0, -1, 'WITHSCORES')
+	for i = 1, #ds, 2 do
+		if ds[i] ~= ARGV[1] and not redis.call('ZSCORE', KEYS[1], ds[i]) then
+			delayed = delayed + 1
+			local e = tonumber(ds[i + 1])
+			if not delayEnd or e < delayEnd then
+				delayEnd = e
+			end
+		end
+	end
+end
+local free = redis.call('ZCARD', KEYS[1]) + delayed < permits
 if free and not held and ARGV[8] == '1' then
 	-- Instances take turns: when another instance has waited longer, it goes first.
 	local head = redis.call('ZRANGE', KEYS[3], 0, 0)[1]
@@ -64,6 +84,12 @@ if free or held then
 	-- The counter outlives the newest lease by a ttl; after that the time
 	-- floor alone keeps tokens increasing.
 	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', tonumber(last[2]) + ttl)
+	local delay = tonumber(ARGV[9])
+	if delay > 0 then
+		redis.call('ZADD', KEYS[6], now + ttl + delay, ARGV[1])
+		local dl = redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')
+		redis.call('PEXPIREAT', KEYS[6], tonumber(dl[2]))
+	end
 	return {1, f}
 end
 -- Busy: queue this instance and say when the earliest lease ends. An entry
@@ -72,4 +98,8 @@ end
 redis.call('ZADD', KEYS[3], now + life, ARGV[4])
 redis.call('PEXPIRE', KEYS[3], life)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {0, tonumber(first[2]) - now}
+local frees = delayEnd
+if first[2] and (not frees or tonumber(first[2]) < frees) then
+	frees = tonumber(first[2])
+end
+return {0, (frees or now) - now}

@@ -8,6 +8,8 @@
 -- state (a Redlock server restarted empty: neither the lease nor the key's
 -- fencing counter is there, and a permit is free). A server whose counter
 -- is still there saw the lease end or be released, and never revives it.
+-- KEYS[4] lock_delay ends (see lock_acquire.lua), ARGV[5] lock_delay ms (0 =
+-- none): the lease's entry moves to its new end + the delay.
 -- Returns 1 when the lease now runs ttl from now, 0 when it is lost.
 if redis.call('ZSCORE', KEYS[3], ARGV[1]) then
 	return 0
@@ -26,6 +28,12 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) or
 	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), us)
 	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', endms + ttl)
+	local delay = tonumber(ARGV[5])
+	if delay > 0 then
+		redis.call('ZADD', KEYS[4], now + ttl + delay, ARGV[1])
+		local dl = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')
+		redis.call('PEXPIREAT', KEYS[4], tonumber(dl[2]))
+	end
 	return 1
 end
 return 0

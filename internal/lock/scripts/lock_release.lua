@@ -17,6 +17,12 @@
 -- there ("0" = not at all): the undo of an attempt whose outcome is not
 -- known, so that the attempt, should it reach Redis only now, takes nothing
 -- (see lock_acquire.lua).
+-- KEYS[6] lock_delay ends (see lock_acquire.lua), ARGV[10] "1" when the
+-- holder did not finish cleanly (its client went away while the route ran, or
+-- it lost the lease), ARGV[11] lock_delay ms: an unclean release of a live
+-- lease keeps the key from everyone for the delay from now; a clean one (also
+-- the undo of an outcome nobody knew) removes the token's entry. A lease that
+-- ended without its release (expired, force-released) keeps its entry.
 -- Returns 1 when this token held the lock, 0 otherwise.
 local dead = tonumber(ARGV[9])
 if dead > 0 then
@@ -46,6 +52,18 @@ if ARGV[6] ~= '' then
 	if leaseEnd and tonumber(leaseEnd) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then
 		redis.call('SET', KEYS[3], ARGV[6], 'PX', tonumber(ARGV[7]))
 	end
+end
+local leaseEnd = redis.call('ZSCORE', KEYS[1], ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = leaseEnd and tonumber(leaseEnd) > now
+local delay = tonumber(ARGV[11])
+if live and ARGV[10] == '1' and delay > 0 then
+	redis.call('ZADD', KEYS[6], now + delay, ARGV[1])
+	local dl = redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')
+	redis.call('PEXPIREAT', KEYS[6], tonumber(dl[2]))
+elseif live or dead > 0 then
+	redis.call('ZREM', KEYS[6], ARGV[1])
 end
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 if removed == 1 and ARGV[3] ~= '' then

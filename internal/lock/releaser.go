@@ -1,179 +1,19 @@
 package lock
 
-// Releasing: the owner-checked release fan-out, and the releases a server
-// did not answer, retried in the background until it does, so a lost
-// answer (a timeout, a pause, a failover, a client that went away) never
-// leaves a lease held until its ttl runs out.
+// A server's background releaser: the releases the server did not answer,
+// retried until it does, so a lost answer (a timeout, a pause, a failover, a
+// client that went away) never leaves a lease held until its ttl runs out.
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"runtime/debug"
-	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/throttle"
-	"github.com/redis/go-redis/v9"
 )
-
-// releaseJob is one owner-checked release of one key on one server.
-type releaseJob struct {
-	key, token string
-	msg        string // wake-up announced when it removes the lease and another instance waits; "" for none
-	self       string // the releasing instance (domain) id
-	raise      int64  // fencing counter to write back (Redlock); 0 for none
-	ttlMs      int64
-	handler    string // the handler's name, for the log lines ("" for none)
-	// answer is the holder's answer to store for replay ("" for none),
-	// kept replayMs.
-	answer   string
-	replayMs int64
-	// unknown: the acquisition's answer was lost, so the lease may appear
-	// after a first release found nothing (the acquire script can still be
-	// on its way to the server, on another connection): the release then
-	// also marks the token dead, so that acquire takes nothing when it
-	// arrives, and a "not held" answer is confirmed once more a little later.
-	unknown bool
-}
-
-// ReleaseStoreScript is the release script without allow-oom, for a
-// release that stores an answer for replay: that one can grow memory.
-var ReleaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
-
-// isOOM reports whether Redis refused a call for being over maxmemory.
-func isOOM(err error) bool {
-	var re redis.Error
-	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "OOM ")
-}
-
-// run sends the release; it reports whether the token was removed. A
-// release that stores an answer for replay (up to replay_max) is refused
-// over maxmemory, and then releases without storing it.
-func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
-	script := ReleaseScript
-	if j.answer != "" {
-		script = ReleaseStoreScript
-	}
-	dead := int64(0)
-	if j.unknown {
-		// Kept as long as the releaser would retry this undo: an attempt
-		// delayed on its way to Redis is refused until then.
-		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
-	}
-	n, err := script.Run(ctx, s.client, []string{j.key, FenceKey(j.key), ReplayKey(j.key), WaitqKey(j.key), DeadKey(j.key)},
-		j.token, WakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead).Int64()
-	if j.answer != "" && isOOM(err) {
-		j.answer = ""
-		return j.run(ctx, s)
-	}
-	return n == 1, err
-}
-
-// releaseKeys releases token on keys on every server, in parallel. It
-// returns as soon as a majority released each key; a server that fails or
-// does not answer in time gets the release again in the background.
-//
-// With one key and removed not nil, bit i of removed is set when server i
-// answers that it removed the token. unknown marks the undo of an
-// acquisition whose outcome is not known; answer (one key only) is stored
-// for replay.
-func (l *Locker) releaseKeys(keys []string, token string, raise int64, removed *atomic.Uint64, wake, unknown bool, answer string) {
-	jobs := make([]releaseJob, len(keys))
-	for i, k := range keys {
-		jobs[i] = l.releaseJob(k, token)
-		jobs[i].raise, jobs[i].unknown, jobs[i].answer = raise, unknown, answer
-		if wake {
-			jobs[i].msg = l.dom.id + " " + WakeID(k)
-		}
-	}
-	l.releaseJobs(jobs, nil, removed)
-}
-
-// releaseJob is the release of token on key k, with nothing to write back,
-// announce or store.
-func (l *Locker) releaseJob(k, token string) releaseJob {
-	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(),
-		self: l.dom.id, handler: l.opts.Handler}
-}
-
-// notAsked is the answer of a server that a release skips.
-type notAsked struct{}
-
-// releaseJobs runs jobs (one per key) on every server, in parallel, as
-// releaseKeys says; bit i of skip[j] (skip may be nil) spares server i
-// the release of jobs[j]: it is known to hold nothing of it.
-func (l *Locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
-	one := func(job releaseJob, skip uint64) {
-		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *Server) (any, error) {
-			if skip&(1<<i) != 0 {
-				return notAsked{}, nil
-			}
-			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
-			defer cancel()
-			ok, err := job.run(cctx, s)
-			if err == nil && ok && removed != nil && len(jobs) == 1 {
-				removed.Or(1 << i)
-			}
-			return ok, err
-		}, l.majorityAnswered, func(i int, r result) { l.settleRelease(i, job, r) })
-		for i, r := range res {
-			if r.done {
-				l.settleRelease(i, job, r)
-			}
-		}
-	}
-	skipOf := func(j int) uint64 {
-		if skip == nil {
-			return 0
-		}
-		return skip[j]
-	}
-	if len(jobs) == 1 {
-		one(jobs[0], skipOf(0))
-		return
-	}
-	var wg sync.WaitGroup
-	for i, j := range jobs {
-		wg.Add(1)
-		go func(j releaseJob, skip uint64) {
-			defer wg.Done()
-			defer l.recoverPanic("releasing a lock key")
-			one(j, skip)
-		}(j, skipOf(i))
-	}
-	wg.Wait()
-}
-
-// settleRelease queues job again on server i when its answer r needs it:
-// a failure, or "not held" for an outcome nobody knows (confirmed again a
-// little later).
-func (l *Locker) settleRelease(i int, job releaseJob, r result) {
-	if _, skipped := r.v.(notAsked); skipped {
-		return
-	}
-	if r.err != nil {
-		l.servers[i].rel.retry(job, r.err)
-	} else if job.unknown && !r.v.(bool) {
-		l.servers[i].rel.retry(job, nil)
-	}
-}
-
-// releaseOn releases token on one key of server i (a late grant, or a
-// late answer that was lost): in the background until the server answers.
-func (l *Locker) releaseOn(i int, k, token string, unknown bool) {
-	job := l.releaseJob(k, token)
-	job.unknown = unknown
-	ctx, cancel := context.WithTimeout(context.Background(), l.opts.Timeout)
-	defer cancel()
-	if removed, err := job.run(ctx, l.servers[i]); err != nil || (unknown && !removed) {
-		l.servers[i].rel.retry(job, err)
-	}
-}
 
 // Retrying releases.
 const (

@@ -1,0 +1,163 @@
+package lock
+
+// Domains: the local queues of lockers that share the same Redis servers
+// and lease options, across handlers and config reloads.
+
+import (
+	"strings"
+	"sync"
+
+	"github.com/google/uuid"
+)
+
+// domain groups the local queues of lockers that share the same Redis
+// servers and lease options, across handlers and config reloads, so the
+// waiters of one key in one Caddy instance form one queue.
+type domain struct {
+	key  string
+	id   string // this instance's id in Redis wait lists and wake messages
+	refs int    // guarded by domainsMu
+
+	mu     sync.Mutex
+	queues map[string]*keyQueue              // by joined key set
+	byWake map[string]map[*keyQueue]struct{} // by the WakeID of each key
+}
+
+var (
+	domainsMu sync.Mutex
+	domains   = map[string]*domain{}
+)
+
+func acquireDomain(key string) *domain {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	d := domains[key]
+	if d == nil {
+		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byWake: map[string]map[*keyQueue]struct{}{}}
+		domains[key] = d
+	}
+	d.refs++
+	return d
+}
+
+func releaseDomain(d *domain) {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	d.refs--
+	if d.refs == 0 {
+		delete(domains, d.key)
+	}
+}
+
+// otherDomains lists every domain of this process but the one with id.
+func otherDomains(id string) []*domain {
+	domainsMu.Lock()
+	defer domainsMu.Unlock()
+	ds := make([]*domain, 0, len(domains))
+	for _, d := range domains {
+		if d.id != id {
+			ds = append(ds, d)
+		}
+	}
+	return ds
+}
+
+// queue returns the queue of a key set, creating it; pair with putQueue.
+func (d *domain) queue(keys []string) *keyQueue {
+	id := strings.Join(keys, "\x00")
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	q := d.queues[id]
+	if q == nil {
+		q = &keyQueue{id: id, keys: keys, wakeIDs: make([]string, len(keys))}
+		d.queues[id] = q
+		for i, k := range keys {
+			w := WakeID(k)
+			q.wakeIDs[i] = w
+			m := d.byWake[w]
+			if m == nil {
+				m = map[*keyQueue]struct{}{}
+				d.byWake[w] = m
+			}
+			m[q] = struct{}{}
+		}
+	}
+	q.refs++
+	return q
+}
+
+// putQueue drops a reference; an unused queue is forgotten.
+func (d *domain) putQueue(q *keyQueue) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	q.refs--
+	if q.refs == 0 {
+		delete(d.queues, q.id)
+		for _, w := range q.wakeIDs {
+			delete(d.byWake[w], q)
+			if len(d.byWake[w]) == 0 {
+				delete(d.byWake, w)
+			}
+		}
+	}
+}
+
+// othersWaiting reports whether another local queue that shares a key with
+// q has waiters (a request for keys {a,b} while q is {a}).
+func (d *domain) othersWaiting(q *keyQueue) bool {
+	d.mu.Lock()
+	var qs []*keyQueue
+	for _, w := range q.wakeIDs {
+		for o := range d.byWake[w] {
+			if o != q {
+				qs = append(qs, o)
+			}
+		}
+	}
+	d.mu.Unlock()
+	for _, o := range qs {
+		if o.waiting() > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// wakeKeys wakes the head waiter of every local queue that involves one of
+// keys (a release here).
+func (d *domain) wakeKeys(keys []string) {
+	ids := make([]string, len(keys))
+	for i, k := range keys {
+		ids[i] = WakeID(k)
+	}
+	d.wake(ids)
+}
+
+// wake wakes the head waiter of every local queue that involves a key of
+// one of the wake ids (a release here or, via Pub/Sub, elsewhere).
+func (d *domain) wake(ids []string) {
+	d.mu.Lock()
+	var qs []*keyQueue
+	for _, w := range ids {
+		for q := range d.byWake[w] {
+			qs = append(qs, q)
+		}
+	}
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.wakeHead()
+	}
+}
+
+// wakeAll wakes the head waiter of every local queue.
+func (d *domain) wakeAll() {
+	d.mu.Lock()
+	qs := make([]*keyQueue, 0, len(d.queues))
+	for _, q := range d.queues {
+		qs = append(qs, q)
+	}
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.wakeHead()
+	}
+}

@@ -1,0 +1,49 @@
+package lock
+
+// The engine's errors: sentinels, a busy lock, a stored answer.
+
+import (
+	"errors"
+	"time"
+)
+
+// Sentinel errors of the lock engine; compare with errors.Is.
+var (
+	// ErrNotObtained: the lock stayed busy for the whole wait.
+	ErrNotObtained = errors.New("redisdlm: lock not obtained")
+	// ErrTooManyWaiters: max_waiters local waiters already queue for the key.
+	ErrTooManyWaiters = errors.New("redisdlm: too many waiters")
+	// ErrUnavailable: Redis (or a quorum of Redlock servers) could not be reached.
+	ErrUnavailable = errors.New("redisdlm: redis unavailable")
+	// ErrLeaseLost: an extension found that the lease is no longer held.
+	ErrLeaseLost = errors.New("redisdlm: lease lost")
+)
+
+// BusyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
+// the lock could not be taken in time. leaseLeft is the time until the
+// holder's lease ends (0 when unknown), ahead the requests of this instance
+// that queued before this one: the handler estimates Retry-After from them.
+type BusyError struct {
+	err       error
+	leaseLeft time.Duration
+	ahead     int
+}
+
+func (e *BusyError) Error() string { return e.err.Error() }
+
+func (e *BusyError) Unwrap() error { return e.err }
+
+// LeaseLeft is the time until the holder's lease ends (0 when unknown).
+func (e *BusyError) LeaseLeft() time.Duration { return e.leaseLeft }
+
+// Ahead is the requests of this instance that queued before this one.
+func (e *BusyError) Ahead() int { return e.ahead }
+
+// Replayed is what Acquire returns when an earlier holder's answer is
+// stored for the key: the request is answered with it, no lock is taken.
+type Replayed struct{ answer string }
+
+func (r *Replayed) Error() string { return "redisdlm: answered from a stored response" }
+
+// Answer is the earlier holder's stored answer.
+func (r *Replayed) Answer() string { return r.answer }

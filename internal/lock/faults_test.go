@@ -1,0 +1,290 @@
+package lock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
+	"github.com/redis/go-redis/v9"
+)
+
+// faultClient wraps a real client and lets a test act on each command:
+// hook runs instead of the call, and next sends it to Redis. It injects
+// what a real Redis cannot: an answer lost after the write, a call held
+// back on its way while later ones pass it.
+type faultClient struct {
+	Client
+	hook atomic.Pointer[func(cmd redis.Cmder, next func() error) error]
+}
+
+func (f *faultClient) Process(ctx context.Context, cmd redis.Cmder) error {
+	next := func() error { return f.Client.Process(ctx, cmd) }
+	if h := f.hook.Load(); h != nil {
+		return (*h)(cmd, next)
+	}
+	return next()
+}
+
+func (f *faultClient) setHook(h func(cmd redis.Cmder, next func() error) error) { f.hook.Store(&h) }
+
+// errLostAnswer is what a caller sees when the answer to a call that ran
+// is lost: a timeout.
+var errLostAnswer = lostAnswer{}
+
+type lostAnswer struct{}
+
+func (lostAnswer) Error() string { return "i/o timeout (answer lost after the write)" }
+func (lostAnswer) Timeout() bool { return true }
+
+// scriptCall tells which lock script cmd calls and the token it carries
+// ("" when it is no such call).
+func scriptCall(cmd redis.Cmder) (script *redisconn.Script, token string) {
+	a := cmd.Args()
+	if len(a) < 4 {
+		return nil, ""
+	}
+	name, _ := a[0].(string)
+	body, _ := a[1].(string)
+	nkeys, _ := a[2].(int)
+	for _, s := range []*redisconn.Script{AcquireScript, ReleaseScript, ExtendScript} {
+		if (name == "evalsha" && body == s.Hash()) || (name == "eval" && body == s.Source()) {
+			if len(a) > 3+nkeys {
+				token, _ = a[3+nkeys].(string)
+			}
+			return s, token
+		}
+	}
+	return nil, ""
+}
+
+// testLocker builds a locker over rs whose servers' clients are wrapped in
+// faultClients (returned in server order).
+func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*faultClient) {
+	t.Helper()
+	discard := func() *slog.Logger { return slog.New(slog.DiscardHandler) }
+	var servers []*Server
+	var fcs []*faultClient
+	for i, r := range rs {
+		c := redis.NewClient(&redis.Options{Addr: r.Addr})
+		t.Cleanup(func() { c.Close() })
+		// Loaded first, so each script call is one command (no NOSCRIPT
+		// and EVAL after a hooked EVALSHA).
+		for _, sc := range []*redisconn.Script{AcquireScript, ReleaseScript, ReleaseStoreScript, ExtendScript, renewScript, fenceRaiseScript} {
+			if err := c.ScriptLoad(context.Background(), sc.Source()).Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		s := NewServer(fmt.Sprintf("%s/%d/%s", t.Name(), i, r.Addr), redisconn.NewConn(c, o.Timeout), discard)
+		t.Cleanup(func() { s.wake.stop() })
+		fc := &faultClient{Client: s.client}
+		s.client = fc
+		servers, fcs = append(servers, s), append(fcs, fc)
+	}
+	l := New(servers, o, slog.New(slog.DiscardHandler))
+	t.Cleanup(l.Close)
+	return l, fcs
+}
+
+func startServers(t *testing.T, n int) []*testredis.Server {
+	rs := make([]*testredis.Server, n)
+	for i := range rs {
+		rs[i] = testredis.Start(t)
+	}
+	return rs
+}
+
+// allFree waits (up to d) until no server holds key.
+func allFree(d time.Duration, key string, rs []*testredis.Server) bool {
+	return waitFor(d, func() bool {
+		for _, r := range rs {
+			if heldBy(r, key) != 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// waitClosed waits for ch (bounded, so a broken test ends by itself).
+func waitClosed(ch <-chan struct{}) error {
+	select {
+	case <-ch:
+		return nil
+	case <-time.After(10 * time.Second):
+		return errors.New("timed out")
+	}
+}
+
+func testOptions() Options {
+	return Options{TTL: 30 * time.Second, Wait: 0, BackoffMin: 10 * time.Millisecond, BackoffMax: 100 * time.Millisecond,
+		Permits: 1, Timeout: 2 * time.Second}
+}
+
+// TestReleaseOvertakesAcquire: on a Redlock, the release of a lease can
+// reach a member before the lease's own acquire (held back on its way there
+// after a majority granted it). The release marks the token dead there, so
+// that acquire takes nothing when it arrives: the same instance's next
+// request, sent as soon as the release answered, gets the lock although
+// another member's release is still on its way (SPEC §3 items 5 and 12).
+func TestReleaseOvertakesAcquire(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 3)
+	l, fcs := testLocker(t, rs, testOptions())
+	key := "caddy:lock:{overtake}"
+
+	var token1 atomic.Value
+	goAcq, executed, reply := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	goRel := make(chan struct{})
+	var once sync.Once
+	unblock := func() { once.Do(func() { close(reply); close(goRel) }) }
+	defer unblock()
+	// Member 2: the first acquire waits on its way, runs, then its answer
+	// waits too.
+	var first atomic.Bool
+	fcs[2].setHook(func(cmd redis.Cmder, next func() error) error {
+		if s, _ := scriptCall(cmd); s == AcquireScript && first.CompareAndSwap(false, true) {
+			if err := waitClosed(goAcq); err != nil {
+				return err
+			}
+			err := next()
+			close(executed)
+			_ = waitClosed(reply)
+			return err
+		}
+		return next()
+	})
+	// Member 1: the first lease's release waits on its way.
+	fcs[1].setHook(func(cmd redis.Cmder, next func() error) error {
+		if s, tok := scriptCall(cmd); s == ReleaseScript && tok == token1.Load() {
+			_ = waitClosed(goRel)
+		}
+		return next()
+	})
+
+	ls, err := l.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatalf("first acquire: %v", err)
+	}
+	token1.Store(ls.Token())
+	ls.Release() // answered by members 0 and 2; member 1's release waits
+	close(goAcq)
+	if err := waitClosed(executed); err != nil {
+		t.Fatal("the held-back acquire never ran")
+	}
+	ls2, err := l.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatalf("the next request met its own previous lease: %v (member 2 holds %d)", err, heldBy(rs[2], key))
+	}
+	ls2.Release()
+	unblock()
+	if !allFree(10*time.Second, key, rs) {
+		t.Fatal("a member still holds the lock once every call arrived")
+	}
+	noKeyForever(t, rs)
+}
+
+// noKeyForever fails when a key on rs has no expiry.
+func noKeyForever(t *testing.T, rs []*testredis.Server) {
+	t.Helper()
+	for _, r := range rs {
+		keys, err := r.Client().Keys(context.Background(), "*").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, k := range keys {
+			if ttl := r.Client().PTTL(context.Background(), k).Val(); ttl < 0 {
+				t.Errorf("%s: key %s has no expiry (PTTL %v)", r, k, ttl)
+			}
+		}
+	}
+}
+
+// TestLostAcquireAnswer: an acquire that ran in Redis but whose answer was
+// lost (the caller saw a timeout) leaves nothing held: the attempt's
+// owner-checked undo, or the lease's release, removes it, marks the token
+// dead there (so the same call, delivered again late, would take nothing),
+// and retries in the background when its own first call is lost too — on
+// one server and on a Redlock of 3, whether the attempt failed or a
+// majority still granted it.
+func TestLostAcquireAnswer(t *testing.T) {
+	t.Parallel()
+	cases := []struct {
+		name        string
+		servers     int
+		lose        []int // servers whose acquire answer is lost
+		loseRelease bool  // and whose first release call is lost on its way
+		granted     bool
+	}{
+		{"1 server", 1, []int{0}, false, false},
+		{"1 server, release lost too", 1, []int{0}, true, false},
+		{"3 servers, majority lost", 3, []int{0, 1}, false, false},
+		{"3 servers, majority lost, release lost too", 3, []int{0, 1}, true, false},
+		{"3 servers, minority lost", 3, []int{2}, false, true},
+		{"3 servers, minority lost, release lost too", 3, []int{2}, true, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			rs := startServers(t, c.servers)
+			l, fcs := testLocker(t, rs, testOptions())
+			key := "caddy:lock:{lost}"
+			var token atomic.Value
+			ran := make(chan struct{}, len(c.lose))
+			for _, i := range c.lose {
+				var acqLost, relLost atomic.Bool
+				fcs[i].setHook(func(cmd redis.Cmder, next func() error) error {
+					s, tok := scriptCall(cmd)
+					switch {
+					case s == AcquireScript && acqLost.CompareAndSwap(false, true):
+						token.Store(tok)
+						if err := next(); err != nil {
+							return err
+						}
+						ran <- struct{}{}
+						cmd.SetErr(errLostAnswer) // it ran; the answer is lost
+						return errLostAnswer
+					case s == ReleaseScript && c.loseRelease && relLost.CompareAndSwap(false, true):
+						cmd.SetErr(errLostAnswer) // lost on its way: it never ran
+						return errLostAnswer
+					}
+					return next()
+				})
+			}
+			ls, err := l.Acquire(context.Background(), []string{key})
+			for range c.lose {
+				if waitClosed(ran) != nil {
+					t.Fatal("the acquire never ran")
+				}
+			}
+			if c.granted {
+				if err != nil {
+					t.Fatalf("acquire: %v, want granted by the majority", err)
+				}
+				ls.Release()
+			} else if !errors.Is(err, ErrUnavailable) {
+				t.Fatalf("acquire: %v, want ErrUnavailable", err)
+			}
+			if !allFree(10*time.Second, key, rs) {
+				t.Fatal("the lock is still held after an acquire whose answer was lost")
+			}
+			for _, i := range c.lose {
+				if _, err := rs[i].Client().ZScore(context.Background(), DeadKey(key), token.Load().(string)).Result(); err != nil {
+					t.Errorf("server %d: the token is not marked dead: %v", i, err)
+				}
+			}
+			ls2, err := l.Acquire(context.Background(), []string{key})
+			if err != nil {
+				t.Fatalf("the next acquire: %v", err)
+			}
+			ls2.Release()
+			noKeyForever(t, rs)
+		})
+	}
+}

@@ -1,0 +1,69 @@
+package lock
+
+// One owner-checked release of one key on one server.
+
+import (
+	"context"
+	"errors"
+	"strings"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// releaseJob is one owner-checked release of one key on one server.
+type releaseJob struct {
+	key, token string
+	msg        string // wake-up announced when it removes the lease and another instance waits; "" for none
+	self       string // the releasing instance (domain) id
+	raise      int64  // fencing counter to write back (Redlock); 0 for none
+	ttlMs      int64
+	handler    string // the handler's name, for the log lines ("" for none)
+	// answer is the holder's answer to store for replay ("" for none),
+	// kept replayMs.
+	answer   string
+	replayMs int64
+	// unknown: the acquisition's answer was lost, so the lease may appear
+	// after a first release found nothing (the acquire script can still be
+	// on its way to the server, on another connection): the release then
+	// also marks the token dead, so that acquire takes nothing when it
+	// arrives, and a "not held" answer is confirmed once more a little later.
+	unknown bool
+	// unclean: the holder did not finish cleanly (its client went away
+	// while the route ran, or it lost the lease): with delayMs > 0 nobody
+	// gets the key for that long after the release (lock_delay).
+	unclean bool
+	delayMs int64
+}
+
+// isOOM reports whether Redis refused a call for being over maxmemory.
+func isOOM(err error) bool {
+	var re redis.Error
+	return errors.As(err, &re) && strings.HasPrefix(re.Error(), "OOM ")
+}
+
+// run sends the release; it reports whether the token was removed. A
+// release that stores an answer for replay (up to replay_max) is refused
+// over maxmemory, and then releases without storing it.
+func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
+	script := ReleaseScript
+	if j.answer != "" {
+		script = ReleaseStoreScript
+	}
+	dead := int64(0)
+	if j.unknown {
+		// Kept as long as the releaser would retry this undo: an attempt
+		// delayed on its way to Redis is refused until then.
+		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
+	}
+	unclean := "0"
+	if j.unclean {
+		unclean = "1"
+	}
+	n, err := script.Run(ctx, s.client, []string{j.key, FenceKey(j.key), ReplayKey(j.key), WaitqKey(j.key), DeadKey(j.key), DelayKey(j.key)},
+		j.token, WakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead, unclean, j.delayMs).Int64()
+	if j.answer != "" && isOOM(err) {
+		j.answer = ""
+		return j.run(ctx, s)
+	}
+	return n == 1, err
+}

@@ -1,0 +1,74 @@
+package lock
+
+// One Redis server (or Cluster, or Sentinel group) as the engine sees it.
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/throttle"
+	"github.com/redis/go-redis/v9"
+)
+
+// Server is one Redis server, or one Cluster or Sentinel group, as the
+// engine sees it: a stable id (identical connection settings give the same
+// id), the shared client (whose users keep it open, see redisconn.Conn),
+// the server's Pub/Sub wake-up listener, and the releases it still owes
+// (retried in the background).
+type Server struct {
+	id      string
+	name    string // for log lines: the address (never a password)
+	conn    *redisconn.Conn
+	client  Client        // conn's, or a test's wrapper of it
+	timeout time.Duration // bound of one call: conn's
+	wake    *wakeListener
+	rel     releaser
+	logger  func() *slog.Logger
+	// onReleaseFailure, if set, counts a failed release of a lease that
+	// was held, or whose acquire outcome is unknown.
+	onReleaseFailure func(handler string)
+}
+
+// Client is what the engine calls on a server's Redis client, and no more:
+// its scripts and commands (Process, through redisconn.Script, which sends
+// EVALSHA, then EVAL on NOSCRIPT, and never resends a call whose answer
+// was lost), and a pipeline for an acquire followed by WAIT
+// (sync_replicas). A *redis.Client or *redis.ClusterClient is one; a test
+// wraps one to inject what a real Redis cannot, such as an answer lost
+// after the write. (The wake-up listener subscribes on the shared client
+// itself.)
+type Client interface {
+	redisconn.Processor
+	Pipeline() redis.Pipeliner
+}
+
+// masterForKey is a Cluster client's way to the master of a key's slot.
+type masterForKey interface {
+	MasterForKey(ctx context.Context, key string) (*redis.Client, error)
+}
+
+// NewServer wraps a shared client; nothing is dialed until the first call.
+// logger returns the logger of the moment (the server outlives configs).
+func NewServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *Server {
+	c := conn.Client
+	s := &Server{id: id, name: redisconn.ClientName(c), conn: conn, client: c, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
+	s.rel.s = s
+	s.rel.warn = throttle.New(10 * time.Second)
+	return s
+}
+
+// closeWhenIdle stops the wake-up listener and runs closeClient once no
+// user of the client is left (at once when none is).
+func (s *Server) closeWhenIdle(closeClient func()) {
+	s.conn.CloseWhenIdle(func() { s.wake.stop(); closeClient() })
+}
+
+// CloseWhenIdle stops the wake-up listener and runs closeClient once no
+// user of the client is left (at once when none is).
+func (s *Server) CloseWhenIdle(closeClient func()) { s.closeWhenIdle(closeClient) }
+
+// OnReleaseFailure sets what counts a failed release of a lease that was
+// held, or whose acquire outcome is unknown (before the server is used).
+func (s *Server) OnReleaseFailure(count func(handler string)) { s.onReleaseFailure = count }
