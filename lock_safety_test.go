@@ -181,7 +181,9 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 func TestFencingTokensSurviveRestartAndExpiry(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"ttl":"200ms"`))
+	// ttl 1s: the counter lives a ttl past the newest lease, long enough
+	// for the PTTL check below on a loaded machine.
+	h := provisionLock(t, lockCfg(r.Addr, `"ttl":"1s"`))
 	key := storedKey(h.Prefix, "/fence")
 	var last int64
 	take := func(what string) {
@@ -204,7 +206,7 @@ func TestFencingTokensSurviveRestartAndExpiry(t *testing.T) {
 	}
 	r.Restart()
 	take("after a restart empty")
-	if !waitFor(5*time.Second, func() bool {
+	if !waitFor(10*time.Second, func() bool {
 		n, _ := r.Client().Exists(context.Background(), lock.FenceKey(key)).Result()
 		return n == 0
 	}) {
