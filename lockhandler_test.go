@@ -797,11 +797,11 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 	}
 	await(t, second, 20*time.Second, "second job")
 
-	b := lock.NewBusyError(ErrNotObtained, 4*time.Second, 5)
+	b := lock.NewBusyError(ErrNotObtained, 4*time.Second, -1, 5, 0)
 	if est := h.estimateFree(b); est != 4*time.Second {
 		t.Errorf("6 holds of ~1.5s queued, lease 4s left: estimate %s, want the lease's 4s", est)
 	}
-	b = lock.NewBusyError(ErrNotObtained, 60*time.Second, 2)
+	b = lock.NewBusyError(ErrNotObtained, 60*time.Second, -1, 2, 0)
 	if est := h.estimateFree(b); est < 4*time.Second || est > 7*time.Second {
 		t.Errorf("2 queued ahead of ~1.5s holds: estimate %s, want about 4.5s", est)
 	}

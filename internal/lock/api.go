@@ -78,11 +78,23 @@ func (ls *Lease) Keep(o KeepOptions) Keeper {
 // Stop stops keeping the lease; no extension follows it.
 func (k Keeper) Stop() { k.k.stop() }
 
-// LeaseLeft is the time until the holder's lease ends (0 when unknown).
-func (e *BusyError) LeaseLeft() time.Duration { return e.leaseLeft }
+// LeaseLeft is the time until the holder's lease ends (0 when unknown);
+// with permits, the lease that ends first.
+func (e *BusyError) LeaseLeft() time.Duration { return e.facts.leaseLeft }
+
+// Held is how long the current holder has held the lock, by the Redis
+// server's clock from the TIME of its grant (the holder may be on another
+// instance); with permits, the holder granted first. Over a Redlock quorum
+// it is the earliest grant among the servers that answered busy. false
+// when unknown.
+func (e *BusyError) Held() (time.Duration, bool) { return e.facts.held, e.facts.held >= 0 }
 
 // Ahead is the requests of this instance that queued before this one.
 func (e *BusyError) Ahead() int { return e.ahead }
+
+// OthersWaiting is the other Caddy instances in the key's Redis wait list
+// (each waits with at least one request).
+func (e *BusyError) OthersWaiting() int { return e.facts.others }
 
 // Answer is the earlier holder's stored answer.
 func (r *Replayed) Answer() string { return r.answer }

@@ -55,13 +55,14 @@ var (
 )
 
 // BusyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
-// the lock could not be taken in time. leaseLeft is the time until the
-// holder's lease ends (0 when unknown), ahead the requests of this instance
-// that queued before this one: the handler estimates Retry-After from them.
+// the lock could not be taken in time. It carries what Redis said of the
+// holder (its lease left, how long it has held the lock, the other
+// instances waiting) and the requests of this instance that queued before
+// this one: the handler estimates Retry-After from them.
 type BusyError struct {
-	err       error
-	leaseLeft time.Duration
-	ahead     int
+	err   error
+	facts busyFacts
+	ahead int
 }
 
 func (e *BusyError) Error() string { return e.err.Error() }
@@ -136,7 +137,7 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	w, ok := q.enqueue(l.opts.MaxWaiters)
 	if !ok {
 		l.dom.putQueue(q)
-		return nil, &BusyError{err: ErrTooManyWaiters, leaseLeft: q.retryHint(), ahead: q.waiting()}
+		return nil, newBusy(ErrTooManyWaiters, q.retryHint(), q.waiting())
 	}
 	l.useServers()
 	ls, err := l.wait(ctx, q, w, keys)
@@ -169,7 +170,7 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	if !ls.chained {
 		q.acquired()
 	}
-	q.setRetryHint(ls.Valid())
+	q.setRetryHint(busyFacts{at: time.Now(), leaseLeft: ls.Valid(), held: time.Since(ls.Granted())})
 	// The queue and server references taken above now belong to the lease.
 	ls.q, ls.owned = q, true
 	return ls, nil
@@ -197,11 +198,12 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 	}
 	var retryAfter, took time.Duration
 	busyKey, split := 0, false
+	last := unknownBusy // what the last busy attempt learned
 
 	// Wait for this waiter's turn: first come, first served.
 	if !w.head() {
 		if l.opts.Wait <= 0 {
-			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
+			return nil, newBusy(ErrNotObtained, q.retryHint(), 0)
 		}
 		select {
 		case <-w.turn:
@@ -210,7 +212,7 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-deadline:
-			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
+			return nil, newBusy(ErrNotObtained, q.retryHint(), 0)
 		}
 	}
 
@@ -240,9 +242,12 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 	for n := 0; ; n++ {
 		// While this instance itself holds every permit, its holder hands
 		// the lease on or wakes this waiter: skip the first attempt, and
-		// poll only as the safety net (a holder that lost its lease).
+		// poll only as the safety net (a holder that lost its lease). With
+		// wait 0 the one attempt is made all the same: its busy answer
+		// brings the other instances waiting (Retry-After).
 		local := q.heldLocally(l.opts.Permits)
-		if n > 0 || !local {
+		if n > 0 || !local || l.opts.Wait <= 0 {
+			mine := q.retryHint() // with local: of the holder here
 			began := time.Now()
 			a := l.tryAcquire(ctx, keys, l.chainSize(q, keys), busyKey)
 			took = time.Since(began)
@@ -258,13 +263,18 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 			if a.answer != "" {
 				return nil, &Replayed{answer: a.answer}
 			}
-			retryAfter, busyKey, split = a.retryAfter, a.busyKey, a.split
-			q.setRetryHint(retryAfter)
+			retryAfter, busyKey, split, last = a.retryAfter, a.busyKey, a.split, a.busy
+			if local && mine.held >= 0 && (last.held < 0 || mine.held < last.held) {
+				// A lease handed on here is news to Redis: its holder
+				// started at the hand-off.
+				last.held = mine.held
+			}
+			q.setRetryHint(last)
 			if ctx.Err() != nil {
 				return nil, ctx.Err()
 			}
 			if l.opts.Wait <= 0 {
-				return nil, &BusyError{err: ErrNotObtained, leaseLeft: retryAfter}
+				return nil, newBusy(ErrNotObtained, last, 0)
 			}
 			if !subscribed {
 				// Subscribe, then try once more: a release between the failed
@@ -274,8 +284,6 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 					continue
 				}
 			}
-		} else if l.opts.Wait <= 0 {
-			return nil, &BusyError{err: ErrNotObtained, leaseLeft: q.retryHint()}
 		}
 		d := l.backoff(n)
 		if local {
@@ -309,7 +317,7 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 				return nil, ctx.Err()
 			case <-deadline:
 				t.Stop()
-				return nil, &BusyError{err: ErrNotObtained, leaseLeft: retryAfter}
+				return nil, newBusy(ErrNotObtained, last, 0)
 			}
 		}
 		t.Stop()

@@ -24,8 +24,11 @@
 -- or several keys separate wait lists could each favour another instance,
 -- and then nobody would get a majority or all keys)
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the
--- earliest lease ends} when not; {2, 0, answer} when an earlier holder's
--- answer is stored (then nothing is taken: the request is answered with it).
+-- earliest lease ends, ms since the current holder's grant (-1: unknown),
+-- other instances in the wait list} when busy ({0, 0} when it is another
+-- instance's turn or the token is dead); {2, 0, answer} when an earlier
+-- holder's answer is stored (then nothing is taken: the request is
+-- answered with it).
 if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
 	return {0, 0}
 end
@@ -72,4 +75,19 @@ end
 redis.call('ZADD', KEYS[3], now + life, ARGV[4])
 redis.call('PEXPIRE', KEYS[3], life)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {0, tonumber(first[2]) - now}
+local left = tonumber(first[2]) - now
+-- How long the current holder has held the lock, by this server's clock:
+-- the fencing counter is the newest grant's TIME in microseconds (or
+-- later: a renewal, a counter written back from a server whose clock is
+-- ahead), so the figure is never more than the truth. With permits, the
+-- holder that ends first is the one granted (or last extended) first: its
+-- lease end minus ttl, where that is earlier.
+local held = -1
+local c = tonumber(redis.call('GET', KEYS[2]) or '')
+if c then
+	held = math.max(now - math.floor(c / 1000), 0)
+end
+if permits > 1 then
+	held = math.max(held, ttl - left)
+end
+return {0, left, held, redis.call('ZCARD', KEYS[3]) - 1}
