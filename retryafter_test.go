@@ -266,17 +266,31 @@ func TestRetryAfterCountsWaitersElsewhere(t *testing.T) {
 			t.Fatalf("wait list of hot: %d instances, want %d", x, n)
 		}
 	}
+	// When each answer says the lock is free: compared as moments, so the
+	// time between the asks does not count.
+	var ras []int
+	free := func() time.Time {
+		t.Helper()
+		ra := busyRetryAfter(t, a, "hot")
+		ras = append(ras, ra)
+		return time.Now().Add(time.Duration(ra) * time.Second)
+	}
 	listed(0)
-	ra0 := busyRetryAfter(t, a, "hot")
+	free0 := free()
 	listed(0)
 	waiterC := job(c, "hot", 10)
 	listed(1)
-	ra1 := busyRetryAfter(t, a, "hot")
+	free1 := free()
 	waiterD := job(d, "hot", 10)
 	listed(2)
-	ra2 := busyRetryAfter(t, a, "hot")
-	if d1, d2 := ra1-ra0, ra2-ra1; d1 < 2 || d1 > 4 || d2 < 2 || d2 > 4 {
-		t.Errorf("Retry-After with 0, 1, 2 other instances waiting: %d, %d, %d; want each step about the 3 s p90", ra0, ra1, ra2)
+	free2 := free()
+	if ras[1] <= ras[0] || ras[2] <= ras[1] {
+		t.Errorf("Retry-After with 0, 1, 2 other instances waiting: %v; want it to grow with each", ras)
+	}
+	// Each step is one p90 (3 s), give or take the rounding to whole seconds.
+	if d1, d2 := free1.Sub(free0), free2.Sub(free1); d1 < 1500*time.Millisecond || d1 > 4500*time.Millisecond ||
+		d2 < 1500*time.Millisecond || d2 > 4500*time.Millisecond {
+		t.Errorf("with 1, then 2 other instances waiting, the lock is said to be free %s, then %s later; want each step about the 3 s p90", d1, d2)
 	}
 	up.open()
 	for _, w := range []<-chan fetchResult{holder, waiterC, waiterD} {
