@@ -105,8 +105,15 @@ type RedisLock struct {
 	FencingHeader string `json:"fencing_header,omitempty"`
 
 	// HTTP status when the wait runs out or max_waiters is full; it comes
-	// with Retry-After in whole seconds (at least 1, from the holder's
-	// remaining lease where known). Default: 423.
+	// with Retry-After in whole seconds (at least 1): this key's estimate of
+	// when the lock is free for the client. Before this handler has seen a
+	// hold end, that is the time left on the current lease; then it is the
+	// current holder's grant (by the Redis server's clock, so also for a
+	// holder on another instance) plus the 90th percentile of the holds
+	// this handler saw, plus that percentile again for every request queued
+	// ahead (in this instance, and one per other instance waiting in Redis),
+	// plus one `timeout` for the release to reach Redis. It is never capped
+	// by the lease, which auto-extension keeps near ttl. Default: 423.
 	Status int `json:"status,omitempty"`
 
 	// What to do when an extension finds the lease lost mid-request:
@@ -235,6 +242,7 @@ type RedisLock struct {
 	keyTmpls []*keyTemplate
 	locker   *locker
 	holds    *holdTimes
+	timeout  time.Duration // bound of one Redis call (the release's, in Retry-After)
 	poolKeys []string
 	warn     *warnings
 }
@@ -328,6 +336,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	h.m = newLockSeries(h.label)
 	h.obs = observeHandler("lock", h.label, h.logger, clients...)
 	timeout := settings[0].Timeout
+	h.timeout = timeout
 	h.locker = lock.New(servers, lockOptions{
 		TTL:          time.Duration(h.TTL),
 		Wait:         time.Duration(*h.Wait),
@@ -783,24 +792,34 @@ func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end r
 	hd.lease.ReleaseInBackground(ans)
 }
 
-// estimateFree estimates when a busy lock will be free for this request:
-// the median hold time this handler has seen, once for the holder and once
-// for every request queued ahead here, capped by the holder's remaining
-// lease (the lock is free then at the latest, unless extended). Before
-// any hold was seen, the remaining lease is all there is.
+// estimateFree estimates when a busy lock will be free for this request
+// (SPEC §3 items 11 and 14). Before this handler saw any hold, the lease's
+// time left is all there is. Otherwise: the expected end of the current
+// holder, its grant (Redis's TIME, so also right for a holder on another
+// instance) plus the p90 of the holds seen; plus p90 for every request
+// queued ahead, in this instance's queue and one per other instance in
+// the key's Redis wait list; plus one timeout, the longest the holder's
+// release takes to reach Redis after its answer. No cap from the lease:
+// auto-extension keeps it near ttl whatever the holder does, so a cap
+// would only make the figure early. A holder already past the p90 is
+// beyond what the holds say of it: its lease's time left stands for it.
 func (h *RedisLock) estimateFree(b *busyError) time.Duration {
-	med, ok := h.holds.median()
+	p90, ok := h.holds.p90()
 	if !ok {
 		return b.LeaseLeft()
 	}
-	est := med * time.Duration(b.Ahead()+1)
-	if b.LeaseLeft() > 0 && est > b.LeaseLeft() {
-		est = b.LeaseLeft()
+	held, known := b.Held()
+	if !known {
+		held = 0 // as if granted just now: never early
 	}
-	return est
+	left := p90 - held
+	if left <= 0 {
+		left = b.LeaseLeft()
+	}
+	return left + p90*time.Duration(b.Ahead()+b.OthersWaiting()) + h.timeout
 }
 
-// holdTimes keeps the last hold times of a handler for its median.
+// holdTimes keeps the last hold times of a handler for its p90.
 type holdTimes struct {
 	mu   sync.Mutex
 	ring [31]time.Duration
@@ -814,8 +833,9 @@ func (t *holdTimes) add(d time.Duration) {
 	t.mu.Unlock()
 }
 
-// median of the holds kept; false when none was seen.
-func (t *holdTimes) median() (time.Duration, bool) {
+// p90 of the holds kept (the 90th percentile, nearest rank); false when
+// none was seen.
+func (t *holdTimes) p90() (time.Duration, bool) {
 	t.mu.Lock()
 	n := min(t.n, len(t.ring))
 	var buf [len(t.ring)]time.Duration
@@ -826,7 +846,7 @@ func (t *holdTimes) median() (time.Duration, bool) {
 	}
 	s := buf[:n]
 	slices.Sort(s)
-	return s[n/2], true
+	return s[(9*n+9)/10-1], true
 }
 
 // Interface guards

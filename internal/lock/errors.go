@@ -20,24 +20,37 @@ var (
 )
 
 // BusyError is returned (wrapping ErrNotObtained or ErrTooManyWaiters) when
-// the lock could not be taken in time. leaseLeft is the time until the
-// holder's lease ends (0 when unknown), ahead the requests of this instance
-// that queued before this one: the handler estimates Retry-After from them.
+// the lock could not be taken in time. It carries what Redis said of the
+// holder (its lease left, how long it has held the lock, the other
+// instances waiting) and the requests of this instance that queued before
+// this one: the handler estimates Retry-After from them.
 type BusyError struct {
-	err       error
-	leaseLeft time.Duration
-	ahead     int
+	err   error
+	facts busyFacts
+	ahead int
 }
 
 func (e *BusyError) Error() string { return e.err.Error() }
 
 func (e *BusyError) Unwrap() error { return e.err }
 
-// LeaseLeft is the time until the holder's lease ends (0 when unknown).
-func (e *BusyError) LeaseLeft() time.Duration { return e.leaseLeft }
+// LeaseLeft is the time until the holder's lease ends (0 when unknown);
+// with permits, the lease that ends first.
+func (e *BusyError) LeaseLeft() time.Duration { return e.facts.leaseLeft }
+
+// Held is how long the current holder has held the lock, by the Redis
+// server's clock from the TIME of its grant (the holder may be on another
+// instance); with permits, the holder granted first. Over a Redlock quorum
+// it is the earliest grant among the servers that answered busy. false
+// when unknown.
+func (e *BusyError) Held() (time.Duration, bool) { return e.facts.held, e.facts.held >= 0 }
 
 // Ahead is the requests of this instance that queued before this one.
 func (e *BusyError) Ahead() int { return e.ahead }
+
+// OthersWaiting is the other Caddy instances in the key's Redis wait list
+// (each waits with at least one request).
+func (e *BusyError) OthersWaiting() int { return e.facts.others }
 
 // Replayed is what Acquire returns when an earlier holder's answer is
 // stored for the key: the request is answered with it, no lock is taken.

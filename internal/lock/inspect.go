@@ -68,7 +68,9 @@ func (s *Server) SetLogger(lg func() *slog.Logger) { s.logger = lg }
 func (s *Server) PendingReleases() int { return s.rel.pendingCount() }
 
 // NewBusyError is the error of a lock not taken in time (wrapping err),
-// with the holder's lease left and the requests ahead (handler tests).
-func NewBusyError(err error, leaseLeft time.Duration, ahead int) *BusyError {
-	return &BusyError{err: err, leaseLeft: leaseLeft, ahead: ahead}
+// with the holder's lease left, how long it has held the lock (<0:
+// unknown), the requests ahead here and the other instances waiting
+// (handler tests).
+func NewBusyError(err error, leaseLeft, held time.Duration, ahead, others int) *BusyError {
+	return &BusyError{err: err, facts: busyFacts{at: time.Now(), leaseLeft: leaseLeft, held: held, others: others}, ahead: ahead}
 }

@@ -90,7 +90,7 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	w, ok := q.enqueue(l.opts.MaxWaiters)
 	if !ok {
 		l.dom.putQueue(q)
-		return nil, &BusyError{err: ErrTooManyWaiters, leaseLeft: q.retryHint(), ahead: q.waiting()}
+		return nil, newBusy(ErrTooManyWaiters, q.retryHint(), q.waiting())
 	}
 	l.useServers()
 	ls, err := l.wait(ctx, q, w, keys)
@@ -123,7 +123,7 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	if !ls.chained {
 		q.acquired()
 	}
-	q.setRetryHint(ls.Valid())
+	q.setRetryHint(busyFacts{at: time.Now(), leaseLeft: ls.Valid(), held: time.Since(ls.Granted())})
 	// The queue and server references taken above now belong to the lease.
 	ls.q, ls.owned = q, true
 	return ls, nil
@@ -143,7 +143,7 @@ func (l *Locker) unuseServers() {
 
 // wait runs one waiter's turn: queue, attempts, wake-ups and polls.
 func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*Lease, error) {
-	wt := &waiting{l: l, ctx: ctx, q: q, w: w, keys: keys}
+	wt := &waiting{l: l, ctx: ctx, q: q, w: w, keys: keys, last: unknownBusy}
 	if l.opts.Wait > 0 {
 		t := time.NewTimer(l.opts.Wait)
 		defer t.Stop()
@@ -180,6 +180,7 @@ type waiting struct {
 
 	local      bool          // this instance holds every permit
 	retryAfter time.Duration // the last attempt's: until the earliest lease ends
+	last       busyFacts     // what the last busy attempt learned
 	took       time.Duration // how long the last attempt took
 	busyKey    int
 	split      bool // the last attempt took part of what it needed
@@ -196,8 +197,8 @@ const (
 )
 
 // busy is the error of a wait that ran out (or of wait 0).
-func (wt *waiting) busy(leaseLeft time.Duration) error {
-	return &BusyError{err: ErrNotObtained, leaseLeft: leaseLeft}
+func (wt *waiting) busy(f busyFacts) error {
+	return newBusy(ErrNotObtained, f, 0)
 }
 
 // awaitTurn waits until this waiter heads the queue (first come, first
@@ -251,16 +252,15 @@ func (wt *waiting) awaitOwnRelease() error {
 // step makes the n-th attempt. While this instance itself holds every
 // permit, its holder hands the lease on or wakes this waiter: the first
 // attempt is skipped, and the polls are only the safety net (a holder that
-// lost its lease).
+// lost its lease). With wait 0 the one attempt is made all the same: its
+// busy answer brings the other instances waiting (Retry-After).
 func (wt *waiting) step(n int) (*Lease, waitStep, error) {
 	l := wt.l
 	wt.local = wt.q.heldLocally(l.opts.Permits)
-	if n == 0 && wt.local {
-		if l.opts.Wait <= 0 {
-			return nil, stepDone, wt.busy(wt.q.retryHint())
-		}
+	if n == 0 && wt.local && l.opts.Wait > 0 {
 		return nil, stepPause, nil
 	}
+	mine := wt.q.retryHint() // with local: of the holder here
 	began := time.Now()
 	a := l.tryAcquire(wt.ctx, wt.keys, l.chainSize(wt.q, wt.keys), wt.busyKey)
 	wt.took = time.Since(began)
@@ -274,13 +274,18 @@ func (wt *waiting) step(n int) (*Lease, waitStep, error) {
 	case a.answer != "":
 		return nil, stepDone, &Replayed{answer: a.answer}
 	}
-	wt.retryAfter, wt.busyKey, wt.split = a.retryAfter, a.busyKey, a.split
-	wt.q.setRetryHint(wt.retryAfter)
+	wt.retryAfter, wt.busyKey, wt.split, wt.last = a.retryAfter, a.busyKey, a.split, a.busy
+	if wt.local && mine.held >= 0 && (wt.last.held < 0 || mine.held < wt.last.held) {
+		// A lease handed on here is news to Redis: its holder started at
+		// the hand-off.
+		wt.last.held = mine.held
+	}
+	wt.q.setRetryHint(wt.last)
 	switch {
 	case wt.ctx.Err() != nil:
 		return nil, stepDone, wt.ctx.Err()
 	case l.opts.Wait <= 0:
-		return nil, stepDone, wt.busy(wt.retryAfter)
+		return nil, stepDone, wt.busy(wt.last)
 	case !wt.subscribed:
 		// Subscribe, then try once more: a release between the failed
 		// attempt and the subscription would otherwise go unnoticed.
@@ -325,7 +330,7 @@ func (wt *waiting) pause(n int) (*Lease, error) {
 		case <-wt.ctx.Done():
 			return nil, wt.ctx.Err()
 		case <-wt.deadline:
-			return nil, wt.busy(wt.retryAfter)
+			return nil, wt.busy(wt.last)
 		}
 	}
 }

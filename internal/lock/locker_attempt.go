@@ -18,6 +18,7 @@ import (
 type attempt struct {
 	lease      *Lease
 	retryAfter time.Duration // when not acquired: until the earliest lease ends
+	busy       busyFacts     // when not acquired: what Redis said of the holder
 	busyKey    int           // when not acquired: index of the busy key
 	// split: the attempt took part of what it needed (some servers or some
 	// keys): a release was half done, or a rival did the same. After the
@@ -184,20 +185,23 @@ func (t *try) notTaken(i int, k string, results []result) attempt {
 		return attempt{err: fmt.Errorf("%w: %d of %d servers failed: %v", ErrUnavailable, errs, len(results), last)}
 	}
 	var retry time.Duration
+	facts := busyFacts{at: time.Now(), held: -1}
 	for _, r := range results {
 		if r.done && r.err == nil && r.v.([]int64)[0] == 0 {
 			if d := time.Duration(r.v.([]int64)[1]) * time.Millisecond; d > retry {
 				retry = d
 			}
+			facts.add(r.v.([]int64)[2:])
 		}
 	}
+	facts.leaseLeft = retry
 	busyIdx := 0
 	for j, x := range t.keys {
 		if x == k {
 			busyIdx = j
 		}
 	}
-	return attempt{retryAfter: retry, busyKey: busyIdx, split: granted > 0 || i > 0}
+	return attempt{retryAfter: retry, busy: facts, busyKey: busyIdx, split: granted > 0 || i > 0}
 }
 
 // deadMark says for which keys an undo marks the token dead.
@@ -360,6 +364,13 @@ func acquireReply(cmd *redis.Cmd) ([]int64, string, error) {
 	if code == 2 && len(v) == 3 {
 		if s, ok := v[2].(string); ok && s != "" {
 			return []int64{code, n}, s, nil
+		}
+	}
+	if code == 0 && len(v) == 4 {
+		held, ok1 := v[2].(int64)
+		others, ok2 := v[3].(int64)
+		if ok1 && ok2 {
+			return []int64{code, n, held, others}, "", nil
 		}
 	}
 	return []int64{code, n}, "", nil

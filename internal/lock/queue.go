@@ -5,7 +5,6 @@ package lock
 
 import (
 	"sync"
-	"time"
 )
 
 // keyQueue is the FIFO of this instance's waiters for one key set. Only
@@ -19,7 +18,7 @@ type keyQueue struct {
 	mu      sync.Mutex
 	waiters []*waiter
 	held    int       // leases of this key set held in this instance
-	hint    time.Time // last known end of the holder's lease
+	hint    busyFacts // last known facts of the holder
 	// releasing of the held leases are being released in Redis (in the
 	// background, after the answer); releaseEnd is closed (and replaced) as
 	// each of those ends.
@@ -163,19 +162,16 @@ func (q *keyQueue) wakeHead() {
 	}
 }
 
-func (q *keyQueue) setRetryHint(d time.Duration) {
+func (q *keyQueue) setRetryHint(f busyFacts) {
 	q.mu.Lock()
-	q.hint = time.Now().Add(d)
+	q.hint = f
 	q.mu.Unlock()
 }
 
-// retryHint is the last known time until the holder's lease ends (0 when
-// unknown or past).
-func (q *keyQueue) retryHint() time.Duration {
+// retryHint is the last known facts of the holder, as of now (lease left 0
+// when unknown or past).
+func (q *keyQueue) retryHint() busyFacts {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if d := time.Until(q.hint); d > 0 {
-		return d
-	}
-	return 0
+	return q.hint.aged()
 }

@@ -29,8 +29,11 @@
 -- ARGV[9] this lock's lock_delay in ms (0 = none): a grant writes its entry,
 -- the lease's end + the delay
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the
--- earliest lease ends} when not; {2, 0, answer} when an earlier holder's
--- answer is stored (then nothing is taken: the request is answered with it).
+-- earliest lease ends, ms since the current holder's grant (-1: unknown),
+-- other instances in the wait list} when busy ({0, 0} when it is another
+-- instance's turn or the token is dead); {2, 0, answer} when an earlier
+-- holder's answer is stored (then nothing is taken: the request is
+-- answered with it).
 if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
 	return {0, 0}
 end
@@ -102,4 +105,20 @@ local frees = delayEnd
 if first[2] and (not frees or tonumber(first[2]) < frees) then
 	frees = tonumber(first[2])
 end
-return {0, (frees or now) - now}
+local left = (frees or now) - now
+-- How long the current holder has held the lock, by this server's clock:
+-- the fencing counter is the newest grant's TIME in microseconds (or
+-- later: a renewal, a counter written back from a server whose clock is
+-- ahead), so the figure is never more than the truth. With permits, the
+-- holder that ends first is the one granted (or last extended) first: its
+-- lease end minus ttl, where that is earlier. No holder (the key is in its
+-- lock_delay): unknown.
+local held = -1
+local c = tonumber(redis.call('GET', KEYS[2]) or '')
+if c and first[2] then
+	held = math.max(now - math.floor(c / 1000), 0)
+	if permits > 1 then
+		held = math.max(held, ttl - (tonumber(first[2]) - now))
+	end
+end
+return {0, left, held, redis.call('ZCARD', KEYS[3]) - 1}

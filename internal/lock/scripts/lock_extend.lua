@@ -25,8 +25,10 @@ if redis.call('ZSCORE', KEYS[1], ARGV[1]) or
 	local endms = tonumber(last[2])
 	redis.call('PEXPIREAT', KEYS[1], endms)
 	-- Keep the counter as long as the lease (re-create it at the time floor).
+	-- Its value stays: it is the grant's TIME, which a busy acquire reports
+	-- as the holder's start (lock_acquire.lua).
 	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0'), us)
+	local f = tonumber(redis.call('GET', KEYS[2]) or '') or us
 	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', endms + ttl)
 	local delay = tonumber(ARGV[5])
 	if delay > 0 then
