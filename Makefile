@@ -48,7 +48,7 @@ prometheus:
 	@command -v prometheus >/dev/null
 
 # The plugin's tests (real redis-servers, about 1–2 minutes on 2 cores), then the
-# benchmark modules' vet and tests, then a 30 s soak (and its quiet minute) (docs/testing.md)
+# benchmark modules' vet and tests, then a 30 s soak (and its quiet spell) (docs/testing.md)
 # with a fixed seed, so that CI replays a known fault schedule; `make soak`
 # draws a new seed each time.
 TEST_SOAK_SEED ?= 300568143
@@ -76,7 +76,7 @@ fuzz:
 # The soak (docs/testing.md): 4 Caddy processes, a single Redis and a
 # 3-server Redlock behind TCP fault proxies, random faults drawn from a seed,
 # an independent checker; exits 1 when a promise was broken. SOAK is the
-# length of the fault phase (about 70 s more in all: a quiet minute ends it); SEED=<n> replays a
+# length of the fault phase (about 80 s more in all: a quiet spell of 71 s ends it); SEED=<n> replays a
 # run's fault schedule; SOAK_FLAGS passes more flags (see -help).
 SOAK ?= 5m
 SEED ?= 0

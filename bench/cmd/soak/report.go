@@ -115,6 +115,18 @@ func counted[K comparable](m map[K]int, name func(K) string) string {
 	return strings.Join(parts, ", ")
 }
 
+// connDrift names the Redis servers whose connected_clients grew by more
+// than conn-slack per Caddy from base to end.
+func (s *soak) connDrift(base, end snapshot) []string {
+	var drift []string
+	for i := range s.redis {
+		if end.conns[i] > base.conns[i]+*connSlack*len(s.caddies) {
+			drift = append(drift, fmt.Sprintf("%s connections %d → %d", redisNames[i], base.conns[i], end.conns[i]))
+		}
+	}
+	return drift
+}
+
 func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, probes, held, noTTL []string) error {
 	t := s.tally
 	checked, tightest := s.check.rateEvents(rateN, rateWindow)
@@ -183,13 +195,7 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	samples = append(samples, t.badSamples...)
 
 	// Leftovers and the baseline.
-	slack := *connSlack
-	var drift []string
-	for i := range s.redis {
-		if end.conns[i] > base.conns[i]+slack*len(s.caddies) {
-			drift = append(drift, fmt.Sprintf("%s connections %d → %d", redisNames[i], base.conns[i], end.conns[i]))
-		}
-	}
+	drift := s.connDrift(base, end)
 	for i := range s.caddies {
 		if end.goros[i] > base.goros[i]+*goroSlack {
 			drift = append(drift, fmt.Sprintf("caddy%d goroutines %d → %d", i, base.goros[i], end.goros[i]))
