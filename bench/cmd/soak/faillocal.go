@@ -28,7 +28,8 @@ package main
 //     its local limiter starts from its own admissions; Redis at most n).
 //
 // A single Redis restarted empty drops Redis's window and the heartbeats:
-// the windows after it (exSingleEmpty) and outages that start within 4 s of
+// the windows after it (exSingleEmpty: outside, and those of its own outage
+// that reach past the restart; those of its down time are checked) and outages that start within 4 s of
 // it (N read from a heartbeat set that is filling up again may be under 4:
 // a bigger share) are counted apart.
 
@@ -199,7 +200,13 @@ func (s *soak) flCheck() {
 			}
 			if n > limit {
 				what := "local limit"
-				if afterEmpty(sp.from) {
+				switch {
+				case sp.kind == fRestart && until > sp.to:
+					// Back, but empty: Redis admits n afresh while the
+					// instances still local spend what their own earlier
+					// admissions left them (seen: 28).
+					what = "local limit, Redis back empty"
+				case afterEmpty(sp.from):
 					what = "local limit after a restart empty"
 				}
 				ev(from, until, what, fmt.Sprintf("%d admissions surely within %v while the single Redis was unreachable (%s %.3fs–%.3fs; bound %d)",
@@ -272,6 +279,8 @@ func (s *soak) flExcuse(e event) string {
 	switch e.what {
 	case "local limit after a restart empty":
 		return exFlHeartbeats
+	case "local limit, Redis back empty":
+		return exSingleEmpty
 	case "fleet limit":
 		return s.win.excuse(e.at, e.until, "ratelimit") // restarted empty: Redis's window is gone
 	}

@@ -199,11 +199,11 @@ func (s *soak) inject(f fault) error {
 		s.redis[f.redis].kill9()
 		gone := now()
 		time.Sleep(f.dur)
+		s.flFault(f, gone, now()) // it may answer as soon as it starts
 		if err := s.redis[f.redis].start(); err != nil {
 			return err
 		}
 		up := now()
-		s.flFault(f, gone, up)
 		if f.redis == 0 {
 			s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 			s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})

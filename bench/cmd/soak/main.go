@@ -6,7 +6,8 @@
 // persistence), a TCP fault proxy between each Caddy and each Redis, and
 // the checking upstream, all on loopback ports. Clients keep hot and cold
 // lock keys, a `permits 2` route, fenced writes (a redis_fence tier in
-// front of the checker as storage) and rate-limited keys busy while faults,
+// front of the checker as storage), rate-limited keys and a fail_local
+// rate limit (faillocal.go) busy while faults,
 // drawn from -seed, strike one at a time. Afterwards it checks that nothing
 // is still held and that connections and goroutines are back where they
 // were, and prints a Markdown summary.
