@@ -23,7 +23,9 @@ package main
 //     where some decisions are local and others Redis's ("mixed": the
 //     window before an outage and its return, a blackhole from one Caddy,
 //     latency or reset faults on the single Redis, whose calls may time out
-//     or fail): there at most n + Σ shares − share (each instance admits at
+//     or fail, and any /fl/ answer that took 250 ms or more, until a second
+//     after it: a call that timed out on a loaded machine without a fault
+//     is decided locally): there at most n + Σ shares − share (each instance admits at
 //     most max(share, what Redis admitted through it) in a window, since
 //     its local limiter starts from its own admissions; Redis at most n).
 //
@@ -36,6 +38,7 @@ package main
 import (
 	"fmt"
 	"math/rand"
+	"net/http"
 	"sort"
 	"time"
 )
@@ -54,6 +57,8 @@ const (
 	// flSettle: after the fault's effect, the instances are local once the
 	// first call timed out (timeout 300–400 ms).
 	flSettle = 500 * time.Millisecond
+	// flSlow: the route's timeout is 300–400 ms.
+	flSlow = 250 * time.Millisecond
 	// flReturn: SPEC: decisions go back to Redis within a second.
 	flReturn = time.Second
 	// flHeartbeatRefill: heartbeats live 3 s and are written every second:
@@ -80,6 +85,8 @@ type flState struct {
 	adm     []flAdmission
 	spans   []flSpan
 	emptyAt []time.Duration // single Redis up again, empty
+	// slow answers and the second after (flAnswer): windows that meet one are mixed
+	localSeen []flSpan
 	// figures for the report
 	coreChecked, coreMax, mixedMax, exactMax int
 	noneChecked                              int
@@ -103,6 +110,20 @@ func (s *soak) flWork(id int, stop time.Time) {
 		s.do(rng.Intn(len(s.caddies)), "/fl/k0", 0, 0)
 		time.Sleep(time.Duration(5+rng.Intn(15)) * time.Millisecond)
 	}
+}
+
+// flAnswer notes an answer of /fl/ that took flSlow or more: its call may
+// have timed out (a loaded machine, without a fault), so it and the
+// requests of its instance until the return to Redis may have been decided
+// locally (the answers do not say: a local answer's RateLimit-Policy is the
+// configured rate's).
+func (s *soak) flAnswer(from, to time.Duration, _ http.Header) {
+	if to-from < flSlow {
+		return
+	}
+	s.check.mu.Lock()
+	s.check.fl.localSeen = append(s.check.fl.localSeen, flSpan{kind: "slow answer", from: from, to: to + flReturn})
+	s.check.mu.Unlock()
 }
 
 // flAdmit records an admission (the checker's mutex held).
@@ -246,6 +267,11 @@ func (s *soak) flCheck() {
 				return true
 			}
 		}
+		for _, sp := range fl.localSeen {
+			if from <= sp.to && until >= sp.from {
+				return true
+			}
+		}
 		return false
 	}
 	inCore := func(from, until time.Duration) bool {
@@ -299,7 +325,7 @@ func (s *soak) flSummary() string {
 			full++
 		}
 	}
-	return fmt.Sprintf("%d admissions; %d outages of the single Redis (%d spans of failures): busiest window while unreachable %d (bound %d, +%d into the return second), %d windows checked; near failures %d (bound %d); elsewhere %d (limit %d); %d outages long enough for the never-none check",
-		len(fl.adm), full, len(fl.spans), fl.coreMax, flShare*flInstances, flReturnSlack, fl.coreChecked,
+	return fmt.Sprintf("%d admissions, %d slow answers (maybe local); %d outages of the single Redis (%d spans of failures): busiest window while unreachable %d (bound %d, +%d into the return second), %d windows checked; near failures %d (bound %d); elsewhere %d (limit %d); %d outages long enough for the never-none check",
+		len(fl.adm), len(fl.localSeen), full, len(fl.spans), fl.coreMax, flShare*flInstances, flReturnSlack, fl.coreChecked,
 		fl.mixedMax, flRateN+flShare*flInstances-flShare, fl.exactMax, flRateN, fl.noneChecked)
 }

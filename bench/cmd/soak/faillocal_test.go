@@ -46,19 +46,21 @@ func TestFlCheck(t *testing.T) {
 		name  string
 		adm   []flAdmission
 		spans []flSpan
-		want  string // the one kind of event, "" for none
+		slow  []flSpan // slow answers (maybe local) and the second after
+		want  string   // the one kind of event, "" for none
 	}{
-		{"exact, no failure", every(0, 20, 5), nil, ""},
-		{"above n, no failure", cat(every(0, 5, 5), burst(6.0, 21)), nil, "fleet limit"},
-		{"local shares while unreachable", every(0, 20, 5), []flSpan{outage}, ""},
-		{"failing open while unreachable", cat(every(0, 10, 5), burst(11.0, 60), every(12, 20, 5)), []flSpan{outage}, "local limit"},
-		{"none while unreachable", cat(every(0, 10.5, 5), every(12.6, 20, 5)), []flSpan{outage}, "none admitted"},
-		{"mixed near a failure", cat(every(0, 8, 5), burst(9.1, 30), every(10.5, 20, 5)), []flSpan{outage}, ""},
-		{"above the mixed bound near a failure", cat(every(0, 8, 5), burst(9.1, 36), every(10.5, 20, 5)), []flSpan{outage}, "fleet limit"},
+		{"exact, no failure", every(0, 20, 5), nil, nil, ""},
+		{"above n, no failure", cat(every(0, 5, 5), burst(6.0, 21)), nil, nil, "fleet limit"},
+		{"above n after a slow answer", cat(every(0, 5, 5), burst(6.0, 25)), nil, []flSpan{{from: sec(5.9), to: sec(7.2)}}, ""},
+		{"local shares while unreachable", every(0, 20, 5), []flSpan{outage}, nil, ""},
+		{"failing open while unreachable", cat(every(0, 10, 5), burst(11.0, 60), every(12, 20, 5)), []flSpan{outage}, nil, "local limit"},
+		{"none while unreachable", cat(every(0, 10.5, 5), every(12.6, 20, 5)), []flSpan{outage}, nil, "none admitted"},
+		{"mixed near a failure", cat(every(0, 8, 5), burst(9.1, 30), every(10.5, 20, 5)), []flSpan{outage}, nil, ""},
+		{"above the mixed bound near a failure", cat(every(0, 8, 5), burst(9.1, 36), every(10.5, 20, 5)), []flSpan{outage}, nil, "fleet limit"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := &soak{check: &checker{start: time.Now()}}
-			s.check.fl = flState{adm: tc.adm, spans: tc.spans}
+			s.check.fl = flState{adm: tc.adm, spans: tc.spans, localSeen: tc.slow}
 			s.flCheck()
 			kinds := map[string]bool{}
 			for _, e := range s.check.events {

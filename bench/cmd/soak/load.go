@@ -94,6 +94,9 @@ func (s *soak) doLate(inst int, path string, hold, cancelAfter, late time.Durati
 	}
 	to := s.check.now()
 	rt := route(path)
+	if err == nil && rt == "fl" {
+		s.flAnswer(from, to, resp.Header)
+	}
 
 	t := s.tally
 	t.mu.Lock()
