@@ -103,6 +103,8 @@ type checker struct {
 	fence     fenceStats
 	fenceKeys map[string]*fenceKey
 	late      sync.WaitGroup // late writes still to send
+
+	fl flState // the fail_local tier (faillocal.go)
 }
 
 func startChecker(start time.Time) (*checker, error) {
@@ -152,6 +154,16 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			c.events = append(c.events, event{at: c.now(), what: "rate", backend: "ratelimit", key: key, detail: "no X-Sent/X-Admitted"})
 		}
 		c.rlLog = append(c.rlLog, fmt.Sprintf("%.6f %s caddy%s %s", c.now().Seconds(), key, r.Header.Get("X-Instance"), r.Header.Get("X-Admitted")))
+		c.mu.Unlock()
+		w.Write([]byte("ok"))
+		return
+	}
+	if rt == "fl" {
+		sent, err1 := strconv.ParseInt(r.Header.Get("X-Sent"), 10, 64)
+		ms, err2 := strconv.ParseInt(r.Header.Get("X-Admitted"), 10, 64)
+		if key == "/fl/k0" && err1 == nil && err2 == nil {
+			c.flAdmit(sent, ms, r.Header.Get("X-Instance"))
+		}
 		c.mu.Unlock()
 		w.Write([]byte("ok"))
 		return

@@ -190,12 +190,16 @@ func (s *soak) inject(f fault) error {
 	switch f.kind {
 	case fPause:
 		s.redis[f.redis].signal(syscall.SIGSTOP)
+		stopped := now()
 		time.Sleep(f.dur)
+		s.flFault(f, stopped, now())
 		s.redis[f.redis].signal(syscall.SIGCONT)
 	case fRestart:
 		from := now()
 		s.redis[f.redis].kill9()
+		gone := now()
 		time.Sleep(f.dur)
+		s.flFault(f, gone, now()) // it may answer as soon as it starts
 		if err := s.redis[f.redis].start(); err != nil {
 			return err
 		}
@@ -209,6 +213,7 @@ func (s *soak) inject(f fault) error {
 			s.win.add(window{name: exRedlockEmpty, backends: []string{"redlock"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 		}
 	case fLatency:
+		from := now()
 		for _, p := range proxies() {
 			p.SetLatency(f.amount)
 		}
@@ -216,18 +221,23 @@ func (s *soak) inject(f fault) error {
 		for _, p := range proxies() {
 			p.SetLatency(0)
 		}
+		s.flFault(f, from, now())
 	case fBlackhole:
 		for _, p := range proxies() {
 			p.SetBlackhole(true)
 		}
+		holed := now()
 		time.Sleep(f.dur)
+		s.flFault(f, holed, now())
 		for _, p := range proxies() {
 			p.SetBlackhole(false)
 		}
 	case fReset:
+		from := now()
 		for _, p := range proxies() {
 			p.Reset()
 		}
+		s.flFault(f, from, now())
 	case fKillCaddy:
 		c := s.caddies[f.caddy]
 		from := now()

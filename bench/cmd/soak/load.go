@@ -94,6 +94,9 @@ func (s *soak) doLate(inst int, path string, hold, cancelAfter, late time.Durati
 	}
 	to := s.check.now()
 	rt := route(path)
+	if err == nil && rt == "fl" {
+		s.flAnswer(from, to, resp.Header)
+	}
 
 	t := s.tally
 	t.mu.Lock()
@@ -118,7 +121,7 @@ func (s *soak) doLate(inst int, path string, hold, cancelAfter, late time.Durati
 		if n, err := strconv.Atoi(ra); err != nil || n < 1 {
 			t.unexpected("423 without Retry-After ≥ 1", sample)
 		}
-	case code == 429 && rt == "rl":
+	case code == 429 && (rt == "rl" || rt == "fl"):
 		if n, err := strconv.Atoi(ra); err != nil || n < 1 {
 			t.unexpected("429 without Retry-After ≥ 1", sample)
 		}
@@ -194,6 +197,10 @@ func (s *soak) runLoad(stop time.Time) {
 	for i := 0; i < *rlWorkers; i++ {
 		wg.Add(1)
 		go func(i int) { defer wg.Done(); s.rateWork(i, stop) }(i)
+	}
+	for i := 0; i < *flWorkers; i++ {
+		wg.Add(1)
+		go func(i int) { defer wg.Done(); s.flWork(i, stop) }(i)
 	}
 	for i := 0; i < *fenceWorkers; i++ {
 		wg.Add(1)

@@ -6,7 +6,8 @@
 // persistence), a TCP fault proxy between each Caddy and each Redis, and
 // the checking upstream, all on loopback ports. Clients keep hot and cold
 // lock keys, a `permits 2` route, fenced writes (a redis_fence tier in
-// front of the checker as storage) and rate-limited keys busy while faults,
+// front of the checker as storage), rate-limited keys and a fail_local
+// rate limit (faillocal.go) busy while faults,
 // drawn from -seed, strike one at a time. Afterwards it checks that nothing
 // is still held and that connections and goroutines are back where they
 // were, and prints a Markdown summary.
@@ -47,6 +48,8 @@ var (
 	rlFailOpen     = flag.Bool("rl-fail-open", false, "drop fail_closed from the rate-limited route (a self-test: Redis faults must then show as limit violations)")
 	fenceWorkers   = flag.Int("fence-workers", 4, "clients on the fenced-write route (/f/)")
 	noFence        = flag.Bool("no-fence", false, "drop redis_fence from the storage's route (a self-test: late writes must then show as stale writes stored)")
+	flWorkers      = flag.Int("fl-workers", 2, "clients on the fail_local route (/fl/, faillocal.go)")
+	noFailLocal    = flag.Bool("no-fail-local", false, "drop fail_local from the /fl/ route (a self-test: it fails open, so outages of the single Redis must show as local limits broken)")
 	verboseFlt     = flag.Bool("v", false, "print every fault as it starts")
 	onlyFaults     = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
 )
@@ -151,6 +154,7 @@ http://127.0.0.1:%d {
 		lock("stall", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 1s\n\t\t\tauto_extend on\n\t\t\tredis %s\n", stallTTL, p(0))) +
 		lock("f", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", stallTTL, p(0))) +
 		s.fenceRoute(timeout, p(0)) +
+		s.flRoute(timeout, p(0)) +
 		lock("probe", fmt.Sprintf("\t\t\tttl %s\n\t\t\tredis %s\n", ttl, redlock)) +
 		lock("bad", fmt.Sprintf("\t\t\tkey {http.request.header.X-Missing}\n\t\t\tredis %s\n", p(0))) +
 		fmt.Sprintf(`	handle /rl/* {
@@ -327,7 +331,7 @@ func run() error {
 func (s *soak) probe() []string {
 	var failed []string
 	for _, c := range s.caddies {
-		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", "/f/probe", fmt.Sprintf("/rl/probe%d", c.idx)} {
+		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", "/f/probe", fmt.Sprintf("/rl/probe%d", c.idx), fmt.Sprintf("/fl/probe%d", c.idx)} {
 			ok := false
 			for deadline := time.Now().Add(10 * time.Second); !ok && time.Now().Before(deadline); {
 				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

@@ -131,6 +131,7 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	t := s.tally
 	checked, tightest := s.check.rateEvents(rateN, rateWindow)
 	apparent, tightestUp := s.check.apparentRate(rateN, rateWindow, *tolerance)
+	s.flCheck()
 
 	// Checker events: excused by name, or failures.
 	type kind struct{ what, excuse string }
@@ -148,6 +149,8 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 			k.excuse = staleExcuse(e)
 		case "write out of token order":
 			k.excuse = exReordered
+		case "local limit after a restart empty", "local limit, Redis back empty", "fleet limit":
+			k.excuse = s.flExcuse(e)
 		}
 		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included
 			k.excuse = s.win.excuse(e.at, e.until, e.backend)
@@ -213,6 +216,9 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	if len(probes) > 0 {
 		failures = append(failures, "routes not back to 200")
 	}
+	if len(s.check.fl.adm) == 0 {
+		failures = append(failures, "the fail_local route admitted nothing")
+	}
 	if s.check.fenceVacuous() {
 		failures = append(failures, "the fence refused none of the late writes")
 	}
@@ -250,6 +256,10 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	row("stored writes out of token order", line("write out of token order"))
 	row("fenced writes", s.check.fenceSummary())
 	row("unexpected fence answers", line("unexpected fence answer"))
+	row("fail_local: local limit broken while Redis was unreachable", line("local limit")+"; into the return to a Redis restarted empty: "+line("local limit, Redis back empty")+"; after a restart empty: "+line("local limit after a restart empty"))
+	row("fail_local: none admitted for a window while Redis was unreachable", line("none admitted"))
+	row("fail_local: fleet limit broken outside outages", line("fleet limit"))
+	row("fail_local tier (/fl/)", s.flSummary())
 	row("bad requests served", line("bad request served"))
 	row("statuses", counted(t.statuses, strconv.Itoa))
 	row("client cancels (Caddy logs 499)", strconv.Itoa(t.canceled))
