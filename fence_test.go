@@ -53,6 +53,9 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 
 	lock := provisionLock(t, lockCfg(r.Addr, `"ttl":"1s","auto_extend":false,"on_lost":"continue","wait":"10s","timeout":"5s"`))
 	stall := make(chan struct{})
+	var unstall sync.Once
+	release := func() { unstall.Do(func() { close(stall) }) }
+	defer release() // before the servers' cleanup, which waits for the stalled handler
 	first := true
 	var mu sync.Mutex
 	app := func(w http.ResponseWriter, req *http.Request) error {
@@ -84,7 +87,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	if resp, _ := get(t, lockSrv.URL+"/accounts/7"); resp == nil || resp.StatusCode != http.StatusNoContent {
 		t.Fatalf("the rival's write: %v, want 204 from the storage", resp)
 	}
-	close(stall)
+	release()
 	res := await(t, staleAnswer, 20*time.Second, "the stale holder")
 	if res.status != http.StatusConflict {
 		t.Fatalf("the stale holder's write: %d, want 409 from the fence", res.status)

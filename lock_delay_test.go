@@ -207,7 +207,7 @@ func TestLockDelayAfterClientGone(t *testing.T) {
 		status := sendAsync(context.Background(), srv.URL+"/gone?n=B")
 		waitQueued(t, h, key)
 		cancel() // the client of A goes away while its route runs
-		<-first
+		recvWithin(t, first, 30*time.Second, "the answer of A")
 		if s := <-status; s != 200 {
 			t.Fatalf("the waiter got %d, want 200 once the delay ended", s)
 		}

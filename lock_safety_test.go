@@ -280,6 +280,8 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 		}
 	}()
 	release := make(chan struct{})
+	openRelease := closer(release) // a failure before the planned close must not leave a handler blocked
+	defer openRelease()
 	up := func(w http.ResponseWriter, req *http.Request) error {
 		if req.URL.Query().Get("hold") == "1" {
 			<-release
@@ -300,7 +302,7 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 	if !waitFor(10*time.Second, func() bool { return r.Client().ZCard(context.Background(), wq).Val() > 0 }) {
 		t.Fatal("the waiter's instance never joined the wait list")
 	}
-	close(release)
+	openRelease()
 	await(t, holder, 20*time.Second, "holder")
 	await(t, waiter, 20*time.Second, "waiter")
 	if !waitFor(3*time.Second, func() bool { return got.Load().(string) != "" }) {
@@ -353,6 +355,8 @@ func TestReleasePublishesOnlyForOtherInstances(t *testing.T) {
 			t.Parallel()
 			rs, addrs := startRedlock(t, tc.servers)
 			release := make(chan struct{})
+			openRelease := closer(release) // a failure before the planned close must not leave a handler blocked
+			defer openRelease()
 			entered := make(chan struct{}, 1)
 			up := func(w http.ResponseWriter, req *http.Request) error {
 				if req.URL.Query().Get("hold") == "1" {
@@ -381,7 +385,7 @@ func TestReleasePublishesOnlyForOtherInstances(t *testing.T) {
 				t.Fatal("the waiter's instance never joined a wait list")
 			}
 			start := time.Now()
-			close(release)
+			openRelease()
 			if res := await(t, waiter, 20*time.Second, "waiter"); res.status != 200 {
 				t.Fatalf("waiter: %d %v", res.status, res.err)
 			}

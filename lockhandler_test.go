@@ -274,6 +274,8 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	release := make(chan struct{})
+	openRelease := closer(release) // a failure before the planned close must not leave a handler blocked
+	defer openRelease()
 	entered := make(chan string, 4)
 	up := func(w http.ResponseWriter, req *http.Request) error {
 		entered <- req.URL.Query().Get("who")
@@ -314,7 +316,7 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 	go func() { resp, _ := get(t, srv.URL+"/k?who=next"); nextDone <- resp }()
 	awaitWaiters(t, h, "/k", 1) // next is queued
 	releasedAt := time.Now()
-	close(release)
+	openRelease()
 	if w := recvWithin(t, entered, 15*time.Second, "the next request reaching the upstream"); w != "next" {
 		t.Fatalf("after the holder, %q entered; want next", w)
 	}
@@ -329,6 +331,14 @@ func TestLockWaiterDisconnectLeavesNothingHeld(t *testing.T) {
 // recvWithin receives from ch, failing the test when nothing comes within
 // d (a request that never reached its upstream, say), so a test never hangs.
 // Call it from the test's goroutine.
+// closer returns a func that closes ch once, however often it is called: a
+// test defers it, so that a failure before the planned close cannot leave a
+// handler blocked on ch (the test server's Close waits for it).
+func closer(ch chan struct{}) func() {
+	var once sync.Once
+	return func() { once.Do(func() { close(ch) }) }
+}
+
 func recvWithin[T any](t testing.TB, ch <-chan T, d time.Duration, what string) T {
 	t.Helper()
 	select {
@@ -472,6 +482,8 @@ func TestLockKeyRendering(t *testing.T) {
 
 	long := strings.Repeat("x", 300)
 	holdCh := make(chan struct{})
+	openHoldCh := closer(holdCh) // a failure before the planned close must not leave a handler blocked
+	defer openHoldCh()
 	entered := make(chan struct{})
 	hl := handlerServer(t, provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"keys":["{http.request.header.K}"]}`, r.Addr)), func(w http.ResponseWriter, req *http.Request) error {
 		close(entered)
@@ -479,9 +491,9 @@ func TestLockKeyRendering(t *testing.T) {
 		return nil
 	})
 	go get(t, hl.URL+"/", "K", long)
-	<-entered
+	recvWithin(t, entered, 30*time.Second, "the upstream entered")
 	keys, err := r.Client().Keys(context.Background(), "caddy:lock:*").Result()
-	close(holdCh)
+	openHoldCh()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -566,12 +578,12 @@ func TestLockOnLost(t *testing.T) {
 			srv := handlerServer(t, h, up)
 			done := make(chan *http.Response, 1)
 			go func() { resp, _ := get(t, srv.URL+"/l"); done <- resp }()
-			<-entered
+			recvWithin(t, entered, 30*time.Second, "the upstream entered")
 			// Steal the lease: delete the lock key behind the holder's back.
 			if err := r.Client().Del(context.Background(), storedKey(h.Prefix, "/l")).Err(); err != nil {
 				t.Fatal(err)
 			}
-			resp := <-done
+			resp := recvWithin(t, done, 30*time.Second, "the answer")
 			// Other tests run in parallel and may lose leases too: at least one more.
 			if d := lostCount(h.label) - lostBefore; d < 1 {
 				t.Errorf("caddy_redis_lock_lost_total rose by %v, want at least 1", d)
@@ -594,6 +606,8 @@ func TestLockMaxWaitersAndPermits(t *testing.T) {
 	r := startRedis(t)
 	var inflight, maxIn atomic.Int32
 	release := make(chan struct{})
+	openRelease := closer(release) // a failure before the planned close must not leave a handler blocked
+	defer openRelease()
 	up := func(w http.ResponseWriter, req *http.Request) error {
 		n := inflight.Add(1)
 		defer inflight.Add(-1)
@@ -631,7 +645,7 @@ func TestLockMaxWaitersAndPermits(t *testing.T) {
 	if resp.StatusCode != 423 || resp.Header.Get("Retry-After") == "" {
 		t.Errorf("over max_waiters: status %d Retry-After %q, want 423 with Retry-After", resp.StatusCode, resp.Header.Get("Retry-After"))
 	}
-	close(release)
+	openRelease()
 	for i := 0; i < 4; i++ {
 		if s := <-results; s != 200 {
 			t.Errorf("status %d", s)
@@ -650,6 +664,8 @@ func TestLockFIFOWithinInstance(t *testing.T) {
 	var order []string
 	var mu sync.Mutex
 	release := make(chan struct{})
+	openRelease := closer(release) // a failure before the planned close must not leave a handler blocked
+	defer openRelease()
 	first := make(chan struct{})
 	up := func(w http.ResponseWriter, req *http.Request) error {
 		who := req.URL.Query().Get("n")
@@ -677,7 +693,7 @@ func TestLockFIFOWithinInstance(t *testing.T) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}
-	close(release)
+	openRelease()
 	wg.Wait()
 	if got := strings.Join(order, ","); got != "0,1,2,3,4,5" {
 		t.Fatalf("service order %s, want 0,1,2,3,4,5", got)
@@ -730,6 +746,8 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	release := make(chan struct{})
+	openRelease := closer(release) // a failure before the planned close must not leave a handler blocked
+	defer openRelease()
 	var entered sync.WaitGroup
 	up := func(w http.ResponseWriter, req *http.Request) error {
 		if req.URL.Query().Get("hold") == "1" {
@@ -756,7 +774,7 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 	select {
 	case <-allIn:
 	case <-time.After(20 * time.Second):
-		close(release)
+		openRelease()
 		wg.Wait()
 		t.Fatal("not every holder entered within 20s")
 	}
@@ -781,7 +799,7 @@ func TestLockSubscriptionsConstant(t *testing.T) {
 		t.Fatal(err)
 	}
 	subs, _ := rc.PubSubNumSub(ctx, lock.WakeChannel).Result()
-	close(release)
+	openRelease()
 	wg.Wait()
 	if len(chans) != 1 || chans[0] != lock.WakeChannel || subs[lock.WakeChannel] != 1 {
 		t.Fatalf("20 keys waited on: channels %v, subscribers %v; want one channel %s with one subscriber", chans, subs, lock.WakeChannel)
@@ -891,7 +909,7 @@ func TestOnLostCancelNoAnswerWithoutTheLock(t *testing.T) {
 			}
 			done := make(chan answer, 1)
 			go func() { resp, b := get(t, srv.URL+"/l"); done <- answer{resp, b} }()
-			<-entered
+			recvWithin(t, entered, 30*time.Second, "the upstream entered")
 			if err := r.Client().Del(context.Background(), storedKey(h.Prefix, "/l")).Err(); err != nil {
 				t.Fatal(err)
 			}

@@ -199,7 +199,7 @@ func TestRedlockLeaseLostOnMajority(t *testing.T) {
 		c.Del(context.Background(), key)
 		c.ZAdd(context.Background(), key, redisZ(time.Now().Add(time.Minute), "thief"))
 	}
-	resp := <-done
+	resp := recvWithin(t, done, 30*time.Second, "the answer")
 	if resp == nil || resp.StatusCode != 503 {
 		t.Fatalf("lease lost on the majority: %v, want 503", resp)
 	}
