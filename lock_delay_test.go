@@ -3,6 +3,7 @@ package redisdlm
 import (
 	"context"
 	"fmt"
+	dto "github.com/prometheus/client_model/go"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -172,6 +173,9 @@ func TestLockDelayAfterForceRelease(t *testing.T) {
 		if got := up.at(up.entered, "B").Sub(released); got < lockDelay {
 			t.Errorf("the waiter got the lock %s after the force release; want at least lock_delay %s", got, lockDelay)
 		}
+		if n := delayCount(h.label, "forced"); n != 1 {
+			t.Errorf(`caddy_redis_lock_delays_total{result="forced"} = %v, want 1`, n)
+		}
 	})
 }
 
@@ -219,7 +223,17 @@ func TestLockDelayAfterClientGone(t *testing.T) {
 			t.Errorf("the waiter got the lock %s after the holder's client went away; want at least lock_delay %s", got, lockDelay)
 		}
 		delayExpires(t, rs, key)
+		if n := delayCount(h.label, "abandoned"); n != 1 {
+			t.Errorf(`caddy_redis_lock_delays_total{result="abandoned"} = %v, want 1`, n)
+		}
 	})
+}
+
+// delayCount reads caddy_redis_lock_delays_total of a handler and result.
+func delayCount(handler, result string) float64 {
+	var m dto.Metric
+	_ = lockDelays.WithLabelValues(handler, result).Write(&m)
+	return m.GetCounter().GetValue()
 }
 
 // TestLockDelayConfig: lock_delay in the Caddyfile and JSON; a negative one

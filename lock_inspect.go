@@ -265,6 +265,9 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 		}
 		return adminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
 	}
+	if h.LockDelay > 0 {
+		h.m.delayForced.Inc()
+	}
 	h.logger.Warn("lock force-released through the admin API",
 		zap.String("key", key), zap.Int64("holders_removed", total), zap.Int("servers_failed", failed))
 	h.events.emit(EventLockForced, func() map[string]any { // through the target handler's own context

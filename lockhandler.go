@@ -605,6 +605,9 @@ func (h *RedisLock) onLost(hd held, rw *startedWriter, lost *atomic.Bool, cancel
 	return func(cause error) {
 		lost.Store(true)
 		h.m.lost.Inc()
+		if h.LockDelay > 0 {
+			h.m.delayLost.Inc()
+		}
 		h.logger.Error("lock lease lost while the request ran",
 			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", hd.lease.Fence()), zap.Error(cause))
 		h.events.emit(EventLockLost, func() map[string]any {
@@ -638,6 +641,7 @@ func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEn
 		if c := h.logger.Check(zapcore.DebugLevel, "lock abandoned: the client went away while the route ran; lock_delay applies"); c != nil {
 			c.Write(zap.String("key", hd.display), zap.Duration("lock_delay", time.Duration(h.LockDelay)))
 		}
+		h.m.delayAbandoned.Inc()
 		hd.lease.Abandon()
 	default:
 		hd.lease.ReleaseInBackground("")

@@ -26,6 +26,7 @@ var (
 	lockHeldSeconds        *prometheus.HistogramVec // handler
 	lockWaiters            *prometheus.GaugeVec     // handler
 	lockLostTotal          *prometheus.CounterVec   // handler
+	lockDelays             *prometheus.CounterVec   // handler, result (lost|abandoned|forced)
 	lockReleaseFailures    *prometheus.CounterVec   // handler
 	lockReplays            *prometheus.CounterVec   // handler, result
 	rateLimitTotal         *prometheus.CounterVec   // handler, result
@@ -85,6 +86,10 @@ func initMetrics() {
 			Name: "caddy_redis_lock_lost_total",
 			Help: "Leases found lost by an extension while their request ran.",
 		}, h)
+		lockDelays = prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "caddy_redis_lock_delays_total",
+			Help: "Leases of a redis_lock handler with lock_delay that ended without their holder's release, as this instance saw them (the key is then granted to nobody for lock_delay): lost (found lost by an extension, e.g. expired), abandoned (the client went away while the route ran), forced (force-released through the admin API).",
+		}, hr) // lost|abandoned|forced
 		lockReleaseFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_release_failures_total",
 			Help: "Failed releases of held leases (and undos of acquisitions whose outcome is unknown); each is retried in the background. Acquires that Redis refused hold nothing and are never counted.",
@@ -119,7 +124,7 @@ func allVecs() []interface {
 	return []interface {
 		prometheus.Collector
 		DeletePartialMatch(prometheus.Labels) int
-	}{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers, fenceWritesVec}
+	}{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockDelays, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers, fenceWritesVec}
 }
 
 // registerMetrics registers the collectors with this config load's
@@ -143,12 +148,13 @@ func registerMetrics(ctx caddy.Context) error {
 
 // lockSeries are one redis_lock handler's series.
 type lockSeries struct {
-	acquired, timeout, canceled, errored prometheus.Observer
-	held                                 prometheus.Observer
-	waiters                              prometheus.Gauge
-	lost                                 prometheus.Counter
-	replayed, stored, notStored          prometheus.Counter
-	mismatch                             prometheus.Counter
+	acquired, timeout, canceled, errored   prometheus.Observer
+	held                                   prometheus.Observer
+	waiters                                prometheus.Gauge
+	lost                                   prometheus.Counter
+	delayLost, delayAbandoned, delayForced prometheus.Counter // lock_delay began, by why
+	replayed, stored, notStored            prometheus.Counter
+	mismatch                               prometheus.Counter
 }
 
 func newLockSeries(label string) lockSeries {
@@ -158,10 +164,12 @@ func newLockSeries(label string) lockSeries {
 	lockReleaseFailures.WithLabelValues(label) // shown at 0 from the start
 	return lockSeries{
 		acquired: a("acquired"), timeout: a("timeout"), canceled: a("canceled"), errored: a("error"),
-		held:     lockHeldSeconds.WithLabelValues(label),
-		waiters:  lockWaiters.WithLabelValues(label),
-		lost:     lockLostTotal.WithLabelValues(label),
-		replayed: r("replayed"), stored: r("stored"), notStored: r("not_stored"), mismatch: r("mismatch"),
+		held:      lockHeldSeconds.WithLabelValues(label),
+		waiters:   lockWaiters.WithLabelValues(label),
+		lost:      lockLostTotal.WithLabelValues(label),
+		delayLost: lockDelays.WithLabelValues(label, "lost"), delayAbandoned: lockDelays.WithLabelValues(label, "abandoned"),
+		delayForced: lockDelays.WithLabelValues(label, "forced"),
+		replayed:    r("replayed"), stored: r("stored"), notStored: r("not_stored"), mismatch: r("mismatch"),
 	}
 }
 
