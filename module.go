@@ -304,7 +304,7 @@ func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs rat
 		return nil, ratelimit.ErrBatcherDone
 	}
 	if p.rl == nil {
-		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Workers, engineLogger)
+		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: engineLogger})
 	}
 	b := p.rl
 	p.mu.Unlock()

@@ -322,9 +322,14 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	}
 	h.waited = rateLimitWaitedSeconds
 	if h.counts == nil {
-		h.deny = ratelimit.NewDenyCache(denyCacheSize)
+		h.deny = h.newDenyCache()
 	}
 	return adminRegister(ctx, h)
+}
+
+// newDenyCache makes the handler's deny cache, on its clock.
+func (h *RedisRateLimit) newDenyCache() *ratelimit.DenyCache {
+	return ratelimit.NewDenyCache(denyCacheSize, ratelimit.ClockFunc(h.now))
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,

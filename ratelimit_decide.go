@@ -31,7 +31,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	// No deny cache with count: an answer that does not count returns its
 	// admission, on any instance, so no rejection is known to last.
 	if h.deny != nil {
-		if e, ok := h.deny.Get(cacheID, h.now(), p.cost); ok {
+		if e, ok := h.deny.Get(cacheID, p.cost); ok {
 			return decision{Tight: e.Tight, Remaining: e.Left, Wait: e.RetryAt.Sub(h.now()), Reset: e.RetryAt.Sub(h.now()), Cached: true}, nil
 		}
 	}
@@ -53,7 +53,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		// that, minus a margin for clock-rate differences) and surely by
 		// got+wait (what Retry-After reports from the cache).
 		margin := time.Millisecond + d.Wait/1000
-		h.deny.Put(cacheID, ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost}, got)
+		h.deny.Put(cacheID, ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost})
 	}
 	return d, nil
 }

@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -248,7 +247,7 @@ func TestRateLimitCostSequence(t *testing.T) {
 		}
 		// gcra: 4 units take 4×6s to come back; the rejection says so.
 		if algo == algoGCRA {
-			h.deny = ratelimit.NewDenyCache(denyCacheSize)
+			h.deny = h.newDenyCache()
 			if a := serveRL(h, "192.0.2.72", cost(4)); a.passed || a.retryAfter() < 23 || a.retryAfter() > 24 {
 				t.Fatalf("gcra cost 4 on an empty bucket: Retry-After %d, want 24", a.retryAfter())
 			}
