@@ -34,15 +34,16 @@ var (
 
 // rateLimitResults are the results of caddy_redis_ratelimit_requests_total:
 // requests admitted, rejected, answered by the fail policy (Redis could not
-// decide), and answered 400 because a rate, window or cost rendered to
-// something unusable. The result* constants index them.
-var rateLimitResults = [...]string{"allowed", "denied", "error", "bad_request"}
+// decide), answered 400 because a rate, window or cost rendered to
+// something unusable, and refused by a ban. The result* constants index them.
+var rateLimitResults = [...]string{"allowed", "denied", "error", "bad_request", "banned"}
 
 const (
 	resultAllowed = iota
 	resultDenied
 	resultError
 	resultBadRequest
+	resultBanned // refused by a ban (ban), without a rate's decision
 )
 
 // Outcomes of a redis_fence check (caddy_redis_fence_writes_total).

@@ -259,8 +259,9 @@ type pooledClient struct {
 	check    *serverCheck // version and maxmemory-policy, per server
 
 	mu     sync.Mutex
-	rl     *ratelimit.Batcher // made by the first rate-limit call
-	closed bool               // no new batcher: the client is closed
+	rl     *ratelimit.Batcher        // made by the first rate-limit call
+	forget *ratelimit.ForgetListener // admin resets of other instances; with rl
+	closed bool                      // no new batcher: the client is closed
 }
 
 // destructGrace is how long a client whose last handler went away stays
@@ -281,10 +282,11 @@ func (p *pooledClient) Destruct() error {
 		p.lock.CloseWhenIdle(func() {
 			p.mu.Lock()
 			p.closed = true
-			rl := p.rl
+			rl, forget := p.rl, p.forget
 			p.mu.Unlock()
 			if rl != nil {
 				rl.Close()
+				forget.Close()
 			}
 			p.check.Close()
 			_ = p.client.Close()
@@ -305,6 +307,7 @@ func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs rat
 	}
 	if p.rl == nil {
 		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: engineLogger})
+		p.forget = ratelimit.ListenForget(p.client, denyForgetter{}, engineLogger)
 	}
 	b := p.rl
 	p.mu.Unlock()

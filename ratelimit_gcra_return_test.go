@@ -31,7 +31,7 @@ type gcraAdm struct{ at, tat, sum int64 }
 
 func (k *gcraKey) admit() (gcraAdm, bool) {
 	k.t.Helper()
-	res, err := decideOnce(context.Background(), k.c, ratelimit.GCRAScript, []string{k.key}, 1, k.hold, k.n, k.w, k.n).Result()
+	res, err := decideOnce(context.Background(), k.c, ratelimit.GCRAScript, []string{k.key}, 1, k.hold, 0, k.n, k.w, k.n).Result()
 	if err != nil || len(res) != 6 {
 		k.t.Fatalf("decision: %v %v", res, err)
 	}
@@ -303,7 +303,7 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 	rates := []int64{10, sec, 1, 5, sec, 4} // n, w, burst of j, then of i
 	admit := func() []int64 {
 		t.Helper()
-		argv := []any{1, 5 * sec}
+		argv := []any{1, 5 * sec, 0} // cost, hold, no ban
 		for _, v := range rates {
 			argv = append(argv, v)
 		}

@@ -250,7 +250,7 @@ func TestRejectionNamesARejectingRate(t *testing.T) {
 	k0, k1 := "rl:{x}:r0", "rl:{x}:r1"
 	c.Set(ctx, k0, fmt.Sprint(now+1_000_000), time.Hour)
 	c.Set(ctx, k1, fmt.Sprint(now+2_400_000_000), time.Hour)
-	res, err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{k0, k1}, 3, 500000, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
+	res, err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{k0, k1}, 3, 500000, 0, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -91,7 +91,8 @@ type Batcher struct {
 // Call is one request's script call.
 type Call struct {
 	Script   *redisconn.Script
-	Keys     []string
+	Keys     []string     // a decision: one per rate
+	BanKey   string       // a decision whose parameter set bans: the key's ban
 	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned

@@ -24,6 +24,7 @@ type DenyEntry struct {
 	Tight   int       // the rate that rejects
 	Left    int64     // its remaining quota when Redis rejected (less than cost)
 	Cost    int64     // the rejected cost: only a request of this cost is answered here
+	Banned  bool      // a ban: every request of the key is answered here, whatever its cost
 }
 
 // NewDenyCache makes a cache of at most max entries, on clock (nil:
@@ -42,8 +43,8 @@ type ClockFunc func() time.Time
 func (f ClockFunc) Now() time.Time { return f() }
 
 // Get returns the entry of id if it still rejects a request of cost. Only
-// the same cost: a cheaper request may pass, and a costlier one passes
-// later than RetryAt, so both ask Redis.
+// the same cost, unless it is a ban: a cheaper request may pass, and a
+// costlier one passes later than RetryAt, so both ask Redis.
 func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
 	now := c.clock.Now()
 	c.mu.Lock()
@@ -56,7 +57,7 @@ func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
 		delete(c.m, id)
 		return e, false
 	}
-	return e, cost == e.Cost
+	return e, e.Banned || cost == e.Cost
 }
 
 // Put remembers a rejection of id until e.Until (nothing once it is past).
@@ -92,11 +93,20 @@ func (c *DenyCache) makeRoom(now time.Time) {
 	}
 }
 
-// Drop forgets id (its quota was given back).
+// Drop forgets id's rejection (its quota was given back); a ban stays.
 func (c *DenyCache) Drop(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	delete(c.m, id)
+	if !c.m[id].Banned {
+		delete(c.m, id)
+	}
+}
+
+// Clear forgets every entry (an admin reset may have been missed).
+func (c *DenyCache) Clear() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	clear(c.m)
 }
 
 // Len is the number of entries held.
@@ -106,7 +116,8 @@ func (c *DenyCache) Len() int {
 	return len(c.m)
 }
 
-// Forget drops a key from the deny cache, under every plan.
+// Forget drops a key from the deny cache, under every plan, its ban too
+// (an admin reset).
 func (c *DenyCache) Forget(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

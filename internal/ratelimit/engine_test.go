@@ -90,7 +90,7 @@ func (o *countObserver) BreakerClosed()    { o.closed.Add(1) }
 // slidingCall is one decision of 1 per call on a sliding_window rate of n
 // per minute for key.
 func slidingCall(key string, n int) *Call {
-	return &Call{Script: SlidingScript, Keys: []string{key}, Argv: []any{1, 0, n, time.Minute.Microseconds()}}
+	return &Call{Script: SlidingScript, Keys: []string{key}, Argv: []any{1, 0, 0, n, time.Minute.Microseconds()}}
 }
 
 // TestBatcherLostAnswer: a pipeline whose answer is lost after Redis ran it
@@ -226,7 +226,7 @@ func TestFailureCodesAgreeWithScripts(t *testing.T) {
 		t.Fatal(err)
 	}
 	gcra := func(key string) *Call {
-		return &Call{Script: GCRAScript, Keys: []string{key}, Argv: []any{1, 0, 5, time.Minute.Microseconds(), 5}}
+		return &Call{Script: GCRAScript, Keys: []string{key}, Argv: []any{1, 0, 0, 5, time.Minute.Microseconds(), 5}}
 	}
 	for _, tc := range []struct {
 		name  string
@@ -263,5 +263,69 @@ func TestFailureCodesAgreeWithScripts(t *testing.T) {
 				t.Fatalf("%s: the failed decision answered %v, want %d then zeros", tc.name, last, tc.want)
 			}
 		}
+	}
+}
+
+// TestBanInBatch: decisions of limits that ban and limits that do not, in
+// one script call: a rejection by the quota starts the key's ban (its ban
+// key expires with the ban) and answers BanStarted with the ban as its
+// wait; the key's next decision is refused by the ban (Banned, all its
+// rates rejecting, the ban's rest as wait) without reading its rates; a
+// limit without a ban rejects as before and writes no ban.
+func TestBanInBatch(t *testing.T) {
+	t.Parallel()
+	r := testredis.Start(t)
+	b := NewBatcher(r.Client(), Options{})
+	defer b.Close()
+	const ban = 60_000 // ms
+	w := time.Minute.Microseconds()
+	banning := []any{1, 0, ban, 1, w, 5, w} // two rates: 1 and 5 a minute
+	plain := []any{1, 0, 0, 1, w}
+	call := func(argv []any, id string) *Call {
+		c := &Call{Script: SlidingScript, Keys: []string{"t:{" + id + "}:sw:1", "t:{" + id + "}:sw:5"}, Argv: argv}
+		if argv[2] != 0 {
+			c.BanKey = "t:{" + id + "}:ban"
+		} else {
+			c.Keys = c.Keys[:1]
+		}
+		return c
+	}
+	calls := []*Call{call(banning, "x"), call(plain, "y"), call(banning, "x"), call(plain, "y"), call(banning, "x")}
+	b.SendNow(calls)
+	var ds []Decision
+	for i, c := range calls {
+		<-c.Done()
+		d, err := ParseDecision(c.Res, len(c.Keys), PerRate(SlidingScript))
+		if c.Err != nil || err != nil {
+			t.Fatalf("decision %d: %v %v", i, c.Err, err)
+		}
+		ds = append(ds, d)
+	}
+	if !ds[0].Allowed || !ds[1].Allowed {
+		t.Fatalf("first decisions: %+v %+v, want both admitted", ds[0], ds[1])
+	}
+	if d := ds[2]; d.Allowed || d.Ban != BanStarted || d.Wait != ban*time.Millisecond || d.Tight != 0 {
+		t.Fatalf("rejection by the quota of a banning limit: %+v, want BanStarted with a wait of the ban, by rate 0", d)
+	}
+	if d := ds[3]; d.Allowed || d.Ban != NotBanned || d.Wait > time.Minute {
+		t.Fatalf("rejection of a limit without ban: %+v, want NotBanned within the window", d)
+	}
+	if d := ds[4]; d.Allowed || d.Ban != Banned || d.Wait <= 59*time.Second || d.Wait > ban*time.Millisecond || d.Remaining != 0 {
+		t.Fatalf("a banned key: %+v, want Banned with the ban's rest as wait", d)
+	}
+	// Refused without reading its rates: every rate answers rejecting.
+	if res := calls[4].Res; res[2] != -1 || res[4] != -1 {
+		t.Fatalf("a banned decision's rates: %v, want -1 (rejecting) on each", res)
+	}
+	ctx := context.Background()
+	if ttl := r.Client().PTTL(ctx, "t:{x}:ban").Val(); ttl <= 59*time.Second || ttl > time.Minute {
+		t.Fatalf("ban key expires in %s, want the ban's minute", ttl)
+	}
+	if n := r.Client().Exists(ctx, "t:{y}:ban").Val(); n != 0 {
+		t.Fatal("a limit without ban wrote a ban")
+	}
+	// The ban did not charge the rates: rate 1 (5 a minute) holds one admission.
+	if got, _ := r.Client().GetRange(ctx, "t:{x}:sw:5", 0, 7).Bytes(); len(got) != 8 || got[0] != 0x3f || got[1] != 0xf0 {
+		t.Fatalf("rate 1's log header %x, want pos 1.0 (one admission recorded)", got)
 	}
 }

@@ -25,18 +25,21 @@ type rlUnit struct {
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
-// batch, "evalsha", sha, keys, then D, S, the S parameter sets (each: its
-// number of rates, then the arguments its calls share) and, when S > 1, the
-// set of each decision.
+// batch, "evalsha", sha, keys (of each call its Keys, then its BanKey if
+// any), then D, S, the S parameter sets (each: its number of rates, then
+// the arguments its calls share) and, when S > 1, the set of each decision.
 func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
 	eval := as == byText
 	if !u.batch {
 		return append(c0.Script.Head(eval, c0.Keys, len(c0.Argv)), c0.Argv...)
 	}
-	keys := make([]string, 0, len(u.calls)*len(c0.Keys))
+	keys := make([]string, 0, len(u.calls)*(len(c0.Keys)+1))
 	for _, c := range u.calls {
 		keys = append(keys, c.Keys...)
+		if c.BanKey != "" {
+			keys = append(keys, c.BanKey)
+		}
 	}
 	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(1+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below

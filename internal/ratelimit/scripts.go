@@ -45,6 +45,17 @@ const (
 	failedRun  = -1 << 61
 )
 
+// BanState says whether a rejection is a ban's (see Decision.Ban); the
+// decision scripts answer it after a rejection's wait, as the constants
+// BANNED and BAN_STARTED (decisionScript).
+type BanState int64
+
+const (
+	NotBanned  BanState = iota // rejected by a rate, no ban
+	Banned                     // rejected outright: the key is under a ban
+	BanStarted                 // rejected by a rate, and so the ban starts now
+)
+
 // bodyMark is the line of ratelimit_batch.lua where an algorithm's body goes.
 const bodyMark = "-- @body\n"
 
@@ -56,7 +67,8 @@ func decisionScript(body string, per int) string {
 	if !ok {
 		panic("ratelimit: scripts/ratelimit_batch.lua has no body mark")
 	}
-	consts := fmt.Sprintf("local FAILED_READ, FAILED_RUN, PER = %d, %d, %d\n", failedRead, failedRun, per)
+	consts := fmt.Sprintf("local FAILED_READ, FAILED_RUN, PER, BANNED, BAN_STARTED = %d, %d, %d, %d, %d\n",
+		failedRead, failedRun, per, Banned, BanStarted)
 	return consts + head + body + tail
 }
 
