@@ -209,6 +209,33 @@ func TestRateLimitBanNever(t *testing.T) {
 			t.Fatal("a rejection by the quota started no ban")
 		}
 	})
+	t.Run("every plan", func(t *testing.T) {
+		// A ban is the key's, whatever plan its rates render to; a second
+		// plan's request is refused from the deny cache, without Redis.
+		h := newRateLimit(t, r, func(h *RedisRateLimit) {
+			base(h)
+			h.Prefix = "plan:"
+			h.Rates = []Rate{mustRate("{plan}", "1m")}
+		})
+		plan := func(v string) func(*http.Request, *caddy.Replacer) {
+			return func(_ *http.Request, repl *caddy.Replacer) { repl.Set("plan", v) }
+		}
+		for i := 0; i < 3; i++ {
+			serveRL(h, "192.0.2.5", plan("2"))
+		}
+		if !banned(h, "192.0.2.5") {
+			t.Fatal("a rejection by a plan's quota started no ban")
+		}
+		calls := r.CommandCalls("evalsha") + r.CommandCalls("eval")
+		for i := 0; i < 2; i++ {
+			if a := serveRL(h, "192.0.2.5", plan("100")); a.passed || a.status != http.StatusTooManyRequests || a.retryAfter() < 50 {
+				t.Fatalf("another plan's request %d during the ban: %d Retry-After %d, want 429 with the ban's end", i, a.status, a.retryAfter())
+			}
+		}
+		if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - calls; got != 0 {
+			t.Fatalf("%d script calls for requests of another plan during a ban this instance knows, want 0 (the deny cache)", got)
+		}
+	})
 	t.Run("dry_run", func(t *testing.T) {
 		h := newRateLimit(t, r, func(h *RedisRateLimit) { base(h); h.Prefix = "dry:"; h.DryRun = true })
 		for i := 0; i < 5; i++ {
