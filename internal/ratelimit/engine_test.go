@@ -329,3 +329,41 @@ func TestBanInBatch(t *testing.T) {
 		t.Fatalf("rate 1's log header %x, want pos 1.0 (one admission recorded)", got)
 	}
 }
+
+// TestBanOutOfMemory: a Redis that refuses writes still rejects a request
+// its quota rejects, without a ban (never an error that the fail policy
+// could turn into an admission).
+func TestBanOutOfMemory(t *testing.T) {
+	t.Parallel()
+	r := testredis.Start(t)
+	c := r.Client()
+	b := NewBatcher(c, Options{})
+	defer b.Close()
+	ctx := context.Background()
+	call := func() *Call {
+		return &Call{Script: GCRAScript, Keys: []string{"t:{oom}:g"}, BanKey: "t:{oom}:ban", Argv: []any{1, 0, 60_000, 1, time.Minute.Microseconds(), 1}}
+	}
+	decide := func() (Decision, error) {
+		cl := call()
+		b.SendNow([]*Call{cl})
+		<-cl.Done()
+		if cl.Err != nil {
+			return Decision{}, cl.Err
+		}
+		return ParseDecision(cl.Res, 1, PerRate(GCRAScript))
+	}
+	if d, err := decide(); err != nil || !d.Allowed {
+		t.Fatalf("first decision: %+v %v", d, err)
+	}
+	if err := c.ConfigSet(ctx, "maxmemory", "1").Err(); err != nil {
+		t.Fatal(err)
+	}
+	defer c.ConfigSet(ctx, "maxmemory", "0")
+	d, err := decide()
+	if err != nil || d.Allowed || d.Ban != NotBanned || d.Wait <= 0 {
+		t.Fatalf("a rejection while Redis refuses writes: %+v %v, want rejected without a ban", d, err)
+	}
+	if n := c.Exists(ctx, "t:{oom}:ban").Val(); n != 0 {
+		t.Fatal("a ban was written while Redis refused writes")
+	}
+}

@@ -22,7 +22,8 @@
 -- per rate -1 (no quota, rejecting), those µs, and zeros. A decision its
 -- quota rejects (beyond what the hold absorbs) starts a ban: the ban key is
 -- set to expire in the set's ban, and the answer is minus the ban in µs,
--- BAN_STARTED, then what the body answered per rate.
+-- BAN_STARTED, then what the body answered per rate (when Redis refuses
+-- that write, the rejection stands without a ban).
 --
 -- The body defines ARGN, rates(s, r, a) (reads the r rates of set s from
 -- ARGV[a] on) and decide() (decides the decision in hand: its set, its
@@ -75,8 +76,12 @@ local function banning()
 	end
 	decide()
 	if out[o + 1] < 0 then
-		wrote = true
-		redis.call('SET', key, '1', 'PX', BAN[set])
+		-- A Redis that refuses the write (out of memory) still rejects the
+		-- request, only without a ban.
+		local set_ = redis.pcall('SET', key, '1', 'PX', BAN[set])
+		if type(set_) == 'table' and set_.err then
+			return
+		end
 		out[o + 1], out[o + 2] = -1000 * tonumber(BAN[set]), BAN_STARTED
 	end
 end
