@@ -6,7 +6,7 @@ MODULE  := github.com/caddy-dlm/redisdlm
 PSEUDO  := v0.0.0-00010101000000-000000000000
 SOURCES := $(wildcard *.go) $(wildcard scripts/*.lua) $(shell find internal -name '*.go' -o -name '*.lua') go.mod go.sum
 
-.PHONY: all caddy upstream run stop test test-bench bench redis-server fuzz soak
+.PHONY: all caddy upstream run stop test test-bench bench redis-server prometheus fuzz soak
 
 all: caddy
 
@@ -39,12 +39,20 @@ redis-server:
 		(apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	@command -v redis-server >/dev/null
 
+# Install prometheus (Debian's package) when it is missing: a test runs the
+# Grafana dashboard's queries on a real Prometheus (and fails without it).
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+		echo "installing prometheus (apt-get)"; \
+		(apt-get update -qq || true) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@command -v prometheus >/dev/null
+
 # The plugin's tests (real redis-servers, about 1–2 minutes on 2 cores), then the
 # benchmark modules' vet and tests, then a 30 s soak (and its quiet minute) (docs/testing.md)
 # with a fixed seed, so that CI replays a known fault schedule; `make soak`
 # draws a new seed each time.
 TEST_SOAK_SEED ?= 300568143
-test: redis-server
+test: redis-server prometheus
 	go vet ./...
 	go test -race -count=1 ./...
 	@$(MAKE) --no-print-directory test-bench

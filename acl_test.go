@@ -7,6 +7,7 @@ import (
 	"os"
 	"sort"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -153,16 +154,44 @@ func TestACLMinimalRedlockAndCount(t *testing.T) {
 	auth := fmt.Sprintf(`"username":%q,"password":%q`, aclUser, aclPassword)
 	lock := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],%s,"ttl":"3s","timeout":"2s","keys":["{http.request.header.A}","{http.request.header.B}"]}`,
 		rs[0].Addr, rs[1].Addr, rs[2].Addr, auth))
+	// The holder runs until an extension has re-created its lease on the
+	// member that restarted empty (bounded).
+	admin2 := aclAdmin(t, rs[2])
+	recreated := func() bool {
+		for _, k := range []string{"x", "y"} {
+			if n, _ := admin2.ZCard(context.Background(), storedKey(lock.Prefix, k)).Result(); n != 1 {
+				return false
+			}
+		}
+		return true
+	}
+	entered, restarted := make(chan struct{}, 1), make(chan struct{})
+	var extendedThere atomic.Bool
 	slow := handlerServer(t, lock, func(w http.ResponseWriter, r *http.Request) error {
-		time.Sleep(4 * time.Second) // four extensions of a 3s lease, each with 2s to spare on a loaded machine
+		entered <- struct{}{}
+		select {
+		case <-restarted:
+			extendedThere.Store(waitFor(20*time.Second, recreated))
+		case <-time.After(20 * time.Second):
+		}
 		return nil
 	})
 	done := goFetchHdr(slow.URL+"/", "A", "x", "B", "y")
-	time.Sleep(500 * time.Millisecond)
+	select {
+	case <-entered:
+	case res := <-done:
+		t.Fatalf("Redlock request answered %d %v before it held the lock", res.status, res.err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the Redlock request did not get the lock within 20s")
+	}
 	rs[2].Restart()
-	res := await(t, done, 20*time.Second, "Redlock request")
+	close(restarted)
+	res := await(t, done, 30*time.Second, "Redlock request")
 	if res.status != 200 {
 		t.Errorf("Redlock over two keys as ACL user: %d %v", res.status, res.err)
+	}
+	if !extendedThere.Load() {
+		t.Error("no extension re-created the lease on the member that restarted empty within 20s")
 	}
 	for _, algo := range []string{"sliding_window", "gcra"} {
 		rl := provisionRateLimitJSON(t, fmt.Sprintf(`{"redis":[%q],%s,"fail_closed":true,"algorithm":%q,"key":"count-%s","count":["401"],"rates":[{"requests":2,"window":"1m"}]}`,

@@ -277,7 +277,7 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 				t.Errorf("releasing a key not held: %d %s, want 404", status, body)
 			}
 
-			lostBefore := lostCount()
+			lostBefore := lostCount("jobs")
 			type answer struct {
 				status int
 				body   string
@@ -352,7 +352,7 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 			if !waitFor(5*time.Second, func() bool { return up.wasCanceled("A") }) {
 				t.Error("the old holder's upstream request was not canceled (on_lost cancel)")
 			}
-			if lostCount() < lostBefore+1 {
+			if lostCount("jobs") < lostBefore+1 {
 				t.Error("the force release was not counted as a lost lease")
 			}
 		})

@@ -322,7 +322,7 @@ func TestRefusedAcquiresCountNoReleaseFailure(t *testing.T) {
 			}
 			h := provisionLock(t, fmt.Sprintf(`{"redis":[%s],"wait":"0s","ttl":"2s"}`, strings.Join(addrs, ",")))
 			tc.refuse(t, rs)
-			before := releaseFailures()
+			before := releaseFailures(h.label)
 			for i := 0; i < 64; i++ {
 				_, err := h.locker.Acquire(context.Background(), []string{storedKey(h.Prefix, fmt.Sprintf("/k%d", i))})
 				if !errors.Is(err, ErrUnavailable) {
@@ -330,7 +330,7 @@ func TestRefusedAcquiresCountNoReleaseFailure(t *testing.T) {
 				}
 			}
 			time.Sleep(200 * time.Millisecond) // late answers and their undos
-			if n := releaseFailures() - before; n != 0 {
+			if n := releaseFailures(h.label) - before; n != 0 {
 				t.Errorf("64 refused acquires counted %v release failures, want 0", n)
 			}
 			for i, s := range h.locker.Servers() {

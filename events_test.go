@@ -60,8 +60,11 @@ func eventsNamed(name string) []caddy.Event {
 func TestWholeCaddyEvents(t *testing.T) {
 	skipWholeCaddyIfShort(t)
 	r := startRedis(t)
+	// The job runs until its lease is found lost (bounded), so an
+	// extension surely comes after the force release.
+	lostBefore := len(eventsNamed(EventLockLost))
 	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		time.Sleep(2 * time.Second)
+		waitFor(20*time.Second, func() bool { return len(eventsNamed(EventLockLost)) > lostBefore })
 		w.WriteHeader(200)
 	}))
 	defer slow.Close()

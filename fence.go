@@ -13,6 +13,7 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -83,8 +84,8 @@ type RedisFence struct {
 	// Default: "caddy:fence:".
 	Prefix string `json:"prefix,omitempty"`
 
-	// How logs and metrics name this handler. Default: none (a short hash
-	// of the config).
+	// How logs and metrics name this handler (their handler label).
+	// Default: none ("fence-" and a short hash of the config).
 	Name string `json:"name,omitempty"`
 
 	// Redis connection settings: one logical Redis (a server, a Cluster or
@@ -93,6 +94,8 @@ type RedisFence struct {
 
 	logger    *zap.Logger
 	label     string
+	writes    [len(fenceResults)]prometheus.Counter // as fenceResults
+	obs       *labelClaim
 	keyTmpl   *keyTemplate
 	client    *pooledClient
 	clientKey string
@@ -109,7 +112,7 @@ func (RedisFence) CaddyModule() caddy.ModuleInfo {
 // dials.
 func (h *RedisFence) Provision(ctx caddy.Context) error {
 	h.label = handlerLabel("fence", h.Name, h)
-	h.logger = ctx.Logger()
+	h.logger = ctx.Logger().With(zap.String("handler", h.label))
 	h.warn = newWarnings(time.Second)
 	if h.Key == "" {
 		h.Key = DefaultLockKey
@@ -136,8 +139,12 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	if h.keyTmpl, err = parseKeyTemplate(h.Key); err != nil {
 		return fmt.Errorf("redis_fence: key: %w", err)
 	}
-	h.client, h.clientKey, h.timeout, err = h.RedisConfig.acquireOne("redis_fence")
-	return err
+	if h.client, h.clientKey, h.timeout, err = h.RedisConfig.acquireOne("redis_fence"); err != nil {
+		return err
+	}
+	h.writes = newFenceSeries(h.label)
+	h.obs = observeHandler("fence", h.label, h.logger, h.client)
+	return nil
 }
 
 // Validate checks the configuration; it is pure.
@@ -166,6 +173,7 @@ func (h *RedisFence) Validate() error {
 
 // Cleanup gives back the shared client.
 func (h *RedisFence) Cleanup() error {
+	h.obs.release()
 	releaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil
@@ -183,7 +191,7 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	raw := repl.ReplaceAll(h.Token, "")
 	token, err := strconv.ParseUint(raw, 10, 63)
 	if err != nil || raw == "" || raw[0] == '+' {
-		fenceWrites[fenceMalformed].Inc()
+		h.writes[fenceMalformed].Inc()
 		return caddyhttp.Error(h.Status, fmt.Errorf("%w: %q", ErrBadToken, raw))
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
@@ -193,24 +201,24 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 		strconv.FormatUint(token, 10), time.Duration(h.Retain).Milliseconds(), maxTokenLead.Microseconds()).Int64()
 	h.client.conn.Unuse()
 	if err != nil {
-		fenceWrites[fenceError].Inc()
+		h.writes[fenceError].Inc()
 		if due, k := h.warn.Due(); due {
-			h.logger.Warn("redis unreachable for the fence; answering 503", zap.String("handler", h.label), zap.Error(err), zap.Int64("requests_since_last_warning", k))
+			h.logger.Warn("redis unreachable for the fence; answering 503", zap.Error(err), zap.Int64("requests_since_last_warning", k))
 		}
 		w.Header().Set("Retry-After", "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", errFenceUnknown, err))
 	}
 	switch n {
 	case 1:
-		fenceWrites[fenceAdmitted].Inc()
+		h.writes[fenceAdmitted].Inc()
 		return next.ServeHTTP(w, r)
 	case -1:
-		fenceWrites[fenceMalformed].Inc()
+		h.writes[fenceMalformed].Inc()
 		return caddyhttp.Error(h.Status, fmt.Errorf("%w: %d", ErrFutureToken, token))
 	}
-	fenceWrites[fenceStale].Inc()
+	h.writes[fenceStale].Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "fence: stale token refused"); c != nil {
-		c.Write(zap.String("handler", h.label), zap.String("key", key), zap.Uint64("token", token))
+		c.Write(zap.String("key", key), zap.Uint64("token", token))
 	}
 	return caddyhttp.Error(h.Status, fmt.Errorf("%w (token %d)", ErrStaleToken, token))
 }

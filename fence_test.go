@@ -79,7 +79,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(lock.Prefix, "/accounts/7")) == 1 }) {
 		t.Fatal("the first holder never held the lock")
 	}
-	before := fenceCount(fenceStale)
+	before := fenceCount(fence.label, fenceStale)
 	// The rival waits for the lease to run out (1 s), takes the lock, writes.
 	if resp, _ := get(t, lockSrv.URL+"/accounts/7"); resp == nil || resp.StatusCode != http.StatusNoContent {
 		t.Fatalf("the rival's write: %v, want 204 from the storage", resp)
@@ -93,16 +93,16 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	if len(writes) != 1 {
 		t.Fatalf("the storage saw %d writes (%v), want only the rival's", len(writes), writes)
 	}
-	if got := fenceCount(fenceStale) - before; got < 1 {
+	if got := fenceCount(fence.label, fenceStale) - before; got < 1 {
 		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v, want at least 1", got)
 	}
 }
 
-// fenceCount reads caddy_redis_fence_writes_total for one result.
-func fenceCount(result int) float64 {
+// fenceCount reads caddy_redis_fence_writes_total of one handler for one result.
+func fenceCount(handler string, result int) float64 {
 	initMetrics()
 	var m dto.Metric
-	_ = fenceWrites[result].Write(&m)
+	_ = fenceWritesVec.WithLabelValues(handler, fenceResults[result]).Write(&m)
 	return m.GetCounter().GetValue()
 }
 

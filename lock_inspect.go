@@ -264,7 +264,7 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 		return adminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
 	}
 	h.logger.Warn("lock force-released through the admin API",
-		zap.String("key", key), zap.String("handler", out.Handler), zap.Int64("holders_removed", total), zap.Int("servers_failed", failed))
+		zap.String("key", key), zap.Int64("holders_removed", total), zap.Int("servers_failed", failed))
 	h.events.emit(EventLockForced, func() map[string]any { // through the target handler's own context
 		return map[string]any{"handler": h.label, "key": eventKey(key), "reason": "force-released through the admin API", "holders_removed": total}
 	})

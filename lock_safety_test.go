@@ -74,11 +74,11 @@ func TestPausedHolderIsNotRevived(t *testing.T) {
 	})
 }
 
-// releaseFailures reads caddy_redis_lock_release_failures_total.
-func releaseFailures() float64 {
+// releaseFailures reads caddy_redis_lock_release_failures_total of one handler.
+func releaseFailures(handler string) float64 {
 	initMetrics()
 	var m dto.Metric
-	_ = lockReleaseFailures.Write(&m)
+	_ = lockReleaseFailures.WithLabelValues(handler).Write(&m)
 	return m.GetCounter().GetValue()
 }
 
@@ -161,7 +161,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		before := releaseFailures()
+		before := releaseFailures(h.label)
 		r.Pause()
 		ls.Release()
 		time.Sleep(500 * time.Millisecond)
@@ -169,7 +169,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		if !freeWithin(3*time.Second, key, r) {
 			t.Fatal("a release Redis did not answer was not retried: the key is still held 3s after Redis answered again")
 		}
-		if releaseFailures() <= before {
+		if releaseFailures(h.label) <= before {
 			t.Error("the failed release was not counted in caddy_redis_lock_release_failures_total")
 		}
 	})

@@ -203,8 +203,10 @@ type RedisLock struct {
 	// How the admin API (admin.api.redisdlm) names this handler: its locks
 	// are at /redisdlm/locks/<name>/<key>. Letters, digits, `-`, `_` and
 	// `.`, not all digits; unique among the redis_lock handlers of one
-	// config. Default: none (the handler is addressed by its position in
-	// the admin API's list).
+	// config. It is also the handler label of its metrics, log lines and
+	// events. Default: none (the handler is addressed by its position in
+	// the admin API's list, and labelled "lock-" and a short hash of its
+	// config).
 	Name string `json:"name,omitempty"`
 
 	// Redis connection settings.
@@ -212,6 +214,8 @@ type RedisLock struct {
 
 	logger   *zap.Logger
 	label    string // the name, else a short hash of the JSON config
+	m        lockSeries
+	obs      *labelClaim
 	events   emitter
 	keyTmpls []*keyTemplate
 	locker   *locker
@@ -232,7 +236,7 @@ func (RedisLock) CaddyModule() caddy.ModuleInfo {
 // dials Redis: connections are made by the first request.
 func (h *RedisLock) Provision(ctx caddy.Context) error {
 	h.label = handlerLabel("lock", h.Name, h)
-	h.logger = ctx.Logger()
+	h.logger = ctx.Logger().With(zap.String("handler", h.label))
 	h.events = newEmitter(ctx)
 	h.warn = newWarnings(time.Second)
 	h.holds = new(holdTimes)
@@ -296,6 +300,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		return fmt.Errorf("redis_lock: %w", err)
 	}
 	servers := make([]*server, 0, len(settings))
+	clients := make([]*pooledClient, 0, len(settings))
 	for _, s := range settings {
 		pc, key, err := acquireClient(s)
 		if err != nil {
@@ -303,7 +308,10 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		}
 		h.poolKeys = append(h.poolKeys, key)
 		servers = append(servers, pc.lock)
+		clients = append(clients, pc)
 	}
+	h.m = newLockSeries(h.label)
+	h.obs = observeHandler("lock", h.label, h.logger, clients...)
 	timeout := settings[0].Timeout
 	h.locker = lock.New(servers, lockOptions{
 		TTL:          time.Duration(h.TTL),
@@ -315,7 +323,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		Timeout:      timeout,
 		SyncReplicas: h.SyncReplicas,
 		Replay:       time.Duration(h.Replay),
-		Handler:      handlerRef(h.Name),
+		Handler:      h.label,
 	}, slogFor(h.logger))
 	return adminRegister(ctx, h)
 }
@@ -396,6 +404,7 @@ func (h *RedisLock) Cleanup() error {
 	if h.locker != nil {
 		h.locker.Close()
 	}
+	h.obs.release()
 	for _, k := range h.poolKeys {
 		releaseClient(k)
 	}
@@ -423,9 +432,9 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	}
 
 	start := time.Now()
-	lockWaiters.Inc()
+	h.m.waiters.Inc()
 	lease, err := h.locker.Acquire(r.Context(), keys)
-	lockWaiters.Dec()
+	h.m.waiters.Dec()
 	waited := time.Since(start)
 	repl.Set("http.redis_lock.key", display)
 	repl.Set("http.redis_lock.wait_ms", waited.Milliseconds())
@@ -444,7 +453,7 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		}
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
-	acquiredSeconds.Observe(waited.Seconds())
+	h.m.acquired.Observe(waited.Seconds())
 	return h.serveLocked(w, r, next, repl, lease, display, waited, id)
 }
 
@@ -453,17 +462,17 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 	var busy *busyError
 	switch {
 	case errors.As(err, &busy):
-		timeoutSeconds.Observe(waited.Seconds())
+		h.m.timeout.Observe(waited.Seconds())
 		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(jittered(h.estimateFree(busy), h.Jitter)), 10))
 		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
 		}
 		return caddyhttp.Error(h.Status, err)
 	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || r.Context().Err() != nil:
-		canceledSeconds.Observe(waited.Seconds())
+		h.m.canceled.Observe(waited.Seconds())
 		return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while waiting for the lock: %w", err))
 	default:
-		errorSeconds.Observe(waited.Seconds())
+		h.m.errored.Observe(waited.Seconds())
 		if h.FailOpen {
 			h.warnRedis("redis unreachable; serving without a lock (fail_open)", err)
 			h.setFencingHeader(r, "")
@@ -528,9 +537,8 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	var lost atomic.Bool
 	onLost := func(cause error) {
 		lost.Store(true)
-		lockLostTotal.Inc()
-		h.logger.Error("lock lease lost while the request ran", zap.String("handler", h.label),
-			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.Fence()), zap.Error(cause))
+		h.m.lost.Inc()
+		h.logger.Error("lock lease lost while the request ran", zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", lease.Fence()), zap.Error(cause))
 		h.events.emit(EventLockLost, func() map[string]any {
 			return map[string]any{"handler": h.label, "key": eventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
 		})
@@ -553,7 +561,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 			lease.ReleaseInBackground("") // the answer does not wait for Redis
 		}
 		held := time.Since(lease.Granted())
-		lockHeldSeconds.Observe(held.Seconds())
+		h.m.held.Observe(held.Seconds())
 		h.holds.add(held)
 		if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
 			c.Write(zap.String("key", display), zap.Int64("fencing_token", lease.Fence()))
@@ -703,14 +711,14 @@ func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWr
 func (h *RedisLock) releaseReplay(ls *lease, rec *recorder, r *http.Request, id identity, display string, handlerErr error, lost bool) {
 	ans, why := rec.answer(r, id, handlerErr, lost)
 	if ans == "" {
-		replayNotStored.Inc()
+		h.m.notStored.Inc()
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
 			c.Write(zap.String("key", display), zap.String("reason", why))
 		}
 		ls.ReleaseInBackground("")
 		return
 	}
-	replayStored.Inc()
+	h.m.stored.Inc()
 	ls.ReleaseInBackground(ans)
 }
 

@@ -531,7 +531,7 @@ func TestLockOnLost(t *testing.T) {
 				return nil
 			}
 			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"300ms","on_lost":"%s","prefix":"lost:%s:"}`, r.Addr, mode, mode))
-			lostBefore := lostCount()
+			lostBefore := lostCount(h.label)
 			srv := handlerServer(t, h, up)
 			done := make(chan *http.Response, 1)
 			go func() { resp, _ := get(t, srv.URL+"/l"); done <- resp }()
@@ -542,7 +542,7 @@ func TestLockOnLost(t *testing.T) {
 			}
 			resp := <-done
 			// Other tests run in parallel and may lose leases too: at least one more.
-			if d := lostCount() - lostBefore; d < 1 {
+			if d := lostCount(h.label) - lostBefore; d < 1 {
 				t.Errorf("caddy_redis_lock_lost_total rose by %v, want at least 1", d)
 			}
 			if mode == "cancel" {
@@ -686,10 +686,10 @@ func TestLockLocalHandOff(t *testing.T) {
 	t.Logf("%d script calls for 40 requests", calls)
 }
 
-// lostCount reads caddy_redis_lock_lost_total.
-func lostCount() float64 {
+// lostCount reads caddy_redis_lock_lost_total of one handler.
+func lostCount(handler string) float64 {
 	var m dto.Metric
-	_ = lockLostTotal.Write(&m)
+	_ = lockLostTotal.WithLabelValues(handler).Write(&m)
 	return m.GetCounter().GetValue()
 }
 

@@ -11,6 +11,9 @@ import (
 // most of them wait on Redis servers and timers, not on the CPU. An
 // explicit -parallel wins.
 func TestMain(m *testing.M) {
+	if os.Getenv(testCaddyEnv) != "" {
+		runAsTestCaddy() // a Caddy process of a test (caddyproc_test.go)
+	}
 	flag.Parse()
 	set := false
 	flag.Visit(func(f *flag.Flag) {

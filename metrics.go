@@ -1,8 +1,13 @@
 package redisdlm
 
+// Metrics. Every series carries a handler label: the handler's name, else
+// a short hash of its JSON config (handlerLabel). A label's series live as
+// long as some loaded handler has it: a reload provisions the new handlers
+// before it cleans up the old ones, so a handler whose config did not
+// change keeps its series (and their counts) across the reload.
+
 import (
 	"errors"
-	"log/slog"
 	"sync"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
@@ -17,19 +22,16 @@ import (
 var (
 	metricsOnce sync.Once
 
-	lockAcquireSeconds *prometheus.HistogramVec
-	lockHeldSeconds    prometheus.Histogram
-	lockWaiters        prometheus.Gauge
-
-	// The acquire histogram's four results, looked up once.
-	acquiredSeconds, timeoutSeconds, canceledSeconds, errorSeconds prometheus.Observer
-	lockLostTotal                                                  prometheus.Counter
-	lockReleaseFailures                                            prometheus.Counter
-	lockReplays                                                    *prometheus.CounterVec
-	replayReplayed, replayStored, replayNotStored, replayMismatch  prometheus.Counter
-	rateLimitTotal                                                 *prometheus.CounterVec
-	evictingServers                                                prometheus.Gauge
-	rateLimitWaitedSeconds                                         prometheus.Histogram
+	lockAcquireSeconds     *prometheus.HistogramVec // handler, result
+	lockHeldSeconds        *prometheus.HistogramVec // handler
+	lockWaiters            *prometheus.GaugeVec     // handler
+	lockLostTotal          *prometheus.CounterVec   // handler
+	lockReleaseFailures    *prometheus.CounterVec   // handler
+	lockReplays            *prometheus.CounterVec   // handler, result
+	rateLimitTotal         *prometheus.CounterVec   // handler, result
+	rateLimitWaitedSeconds *prometheus.HistogramVec // handler
+	evictingServers        *prometheus.GaugeVec     // handler
+	fenceWritesVec         *prometheus.CounterVec   // handler, result
 )
 
 // rateLimitResults are the results of caddy_redis_ratelimit_requests_total:
@@ -54,79 +56,80 @@ const (
 	fenceError
 )
 
-var (
-	fenceWritesVec *prometheus.CounterVec
-	fenceWrites    [4]prometheus.Counter
-)
+var fenceResults = [...]string{"admitted", "stale", "malformed", "error"}
 
 func initMetrics() {
 	metricsOnce.Do(func() {
+		h := []string{"handler"}
+		hr := []string{"handler", "result"}
 		fenceWritesVec = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_fence_writes_total",
 			Help: "Writes checked by redis_fence: admitted, stale (a later holder wrote), malformed (missing, malformed or future token), error (Redis could not be asked: 503).",
-		}, []string{"result"})
-		for i, r := range []string{"admitted", "stale", "malformed", "error"} {
-			fenceWrites[i] = fenceWritesVec.WithLabelValues(r)
-		}
+		}, hr)
 		lockAcquireSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "caddy_redis_lock_acquire_duration_seconds",
 			Help:    "Time from the start of a redis_lock acquisition to its outcome.",
 			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30},
-		}, []string{"result"}) // acquired|timeout|error|canceled
-		acquiredSeconds = lockAcquireSeconds.WithLabelValues("acquired")
-		timeoutSeconds = lockAcquireSeconds.WithLabelValues("timeout")
-		canceledSeconds = lockAcquireSeconds.WithLabelValues("canceled")
-		errorSeconds = lockAcquireSeconds.WithLabelValues("error")
-		lockHeldSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+		}, hr) // acquired|timeout|error|canceled
+		lockHeldSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "caddy_redis_lock_held_duration_seconds",
 			Help:    "Time a redis_lock lease was held.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
-		})
-		lockWaiters = prometheus.NewGauge(prometheus.GaugeOpts{
+		}, h)
+		lockWaiters = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "caddy_redis_lock_waiters",
 			Help: "Requests currently waiting for a redis_lock in this instance.",
-		})
-		lockLostTotal = prometheus.NewCounter(prometheus.CounterOpts{
+		}, h)
+		lockLostTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_lost_total",
 			Help: "Leases found lost by an extension while their request ran.",
-		})
-		lockReleaseFailures = prometheus.NewCounter(prometheus.CounterOpts{
+		}, h)
+		lockReleaseFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_release_failures_total",
 			Help: "Failed releases of held leases (and undos of acquisitions whose outcome is unknown); each is retried in the background. Acquires that Redis refused hold nothing and are never counted.",
-		})
+		}, h)
 		lockReplays = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_replays_total",
 			Help: "redis_lock replay outcomes: answers replayed, responses stored or not stored, requests that did not match the stored one.",
-		}, []string{"result"}) // replayed|stored|not_stored|mismatch
-		replayReplayed = lockReplays.WithLabelValues("replayed")
-		replayStored = lockReplays.WithLabelValues("stored")
-		replayNotStored = lockReplays.WithLabelValues("not_stored")
-		replayMismatch = lockReplays.WithLabelValues("mismatch")
+		}, hr) // replayed|stored|not_stored|mismatch
 		rateLimitTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
-		}, []string{"result"}) // rateLimitResults
-		evictingServers = prometheus.NewGauge(prometheus.GaugeOpts{
+		}, hr) // rateLimitResults
+		evictingServers = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "caddy_redis_evicting_servers",
-			Help: "Redis servers in use whose maxmemory-policy evicts keys (locks need noeviction).",
-		})
-		rateLimitWaitedSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+			Help: "Redis servers the handler uses whose maxmemory-policy evicts keys (locks need noeviction).",
+		}, h)
+		rateLimitWaitedSeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "caddy_redis_ratelimit_waited_seconds",
 			Help:    "Time redis_ratelimit held an admitted request until its slot (wait).",
 			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
-		})
+		}, h)
 	})
+}
+
+// allVecs are the collectors, for registration and for deleting a label's
+// series.
+func allVecs() []interface {
+	prometheus.Collector
+	DeletePartialMatch(prometheus.Labels) int
+} {
+	initMetrics()
+	return []interface {
+		prometheus.Collector
+		DeletePartialMatch(prometheus.Labels) int
+	}{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers, fenceWritesVec}
 }
 
 // registerMetrics registers the collectors with this config load's
 // registry (which may be nil); a collector already there is fine.
 func registerMetrics(ctx caddy.Context) error {
-	initMetrics()
 	reg := ctx.GetMetricsRegistry()
+	vecs := allVecs()
 	if reg == nil {
 		return nil
 	}
-	for _, c := range []prometheus.Collector{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers, fenceWritesVec} {
+	for _, c := range vecs {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {
@@ -137,50 +140,198 @@ func registerMetrics(ctx caddy.Context) error {
 	return nil
 }
 
+// lockSeries are one redis_lock handler's series.
+type lockSeries struct {
+	acquired, timeout, canceled, errored prometheus.Observer
+	held                                 prometheus.Observer
+	waiters                              prometheus.Gauge
+	lost                                 prometheus.Counter
+	replayed, stored, notStored          prometheus.Counter
+	mismatch                             prometheus.Counter
+}
+
+func newLockSeries(label string) lockSeries {
+	initMetrics()
+	a := func(result string) prometheus.Observer { return lockAcquireSeconds.WithLabelValues(label, result) }
+	r := func(result string) prometheus.Counter { return lockReplays.WithLabelValues(label, result) }
+	lockReleaseFailures.WithLabelValues(label) // shown at 0 from the start
+	return lockSeries{
+		acquired: a("acquired"), timeout: a("timeout"), canceled: a("canceled"), errored: a("error"),
+		held:     lockHeldSeconds.WithLabelValues(label),
+		waiters:  lockWaiters.WithLabelValues(label),
+		lost:     lockLostTotal.WithLabelValues(label),
+		replayed: r("replayed"), stored: r("stored"), notStored: r("not_stored"), mismatch: r("mismatch"),
+	}
+}
+
+// rateLimitSeries are one redis_ratelimit handler's series.
+type rateLimitSeries struct {
+	results [len(rateLimitResults)]prometheus.Counter // as rateLimitResults
+	waited  prometheus.Observer
+}
+
+func newRateLimitSeries(label string) (s rateLimitSeries) {
+	initMetrics()
+	for i, result := range rateLimitResults {
+		s.results[i] = rateLimitTotal.WithLabelValues(label, result)
+	}
+	s.waited = rateLimitWaitedSeconds.WithLabelValues(label)
+	return s
+}
+
+// newFenceSeries returns one redis_fence handler's counters, as fenceResults.
+func newFenceSeries(label string) (s [len(fenceResults)]prometheus.Counter) {
+	initMetrics()
+	for i, result := range fenceResults {
+		s[i] = fenceWritesVec.WithLabelValues(label, result)
+	}
+	return s
+}
+
+// labels counts, per handler label, the loaded handlers that have it, and
+// keeps the eviction gauge of each: the servers, among those of the
+// clients its handlers use, whose policy evicts.
+var labels = struct {
+	sync.Mutex
+	refs     map[string]int
+	checks   map[string]map[*serverCheck]int  // label → the server checks of its handlers' clients
+	evicting map[*serverCheck]map[string]bool // check → the addresses it found evicting
+}{refs: map[string]int{}, checks: map[string]map[*serverCheck]int{}, evicting: map[*serverCheck]map[string]bool{}}
+
+// labelClaim is one handler's hold on its label (see observeHandler).
+type labelClaim struct {
+	label   string
+	clients []*pooledClient
+	kind    string
+	logger  *zap.Logger
+	once    sync.Once
+}
+
+// observeHandler claims label for a provisioned handler of kind ("lock",
+// "rl", "fence") using clients: the label's series stay while it is held,
+// the eviction gauge of the label counts the clients' evicting servers,
+// and the log lines of the clients' shared parts (the releaser, the
+// server checks, the batcher) go to logger. Cleanup calls release.
+func observeHandler(kind, label string, logger *zap.Logger, clients ...*pooledClient) *labelClaim {
+	initMetrics()
+	c := &labelClaim{label: label, clients: clients, kind: kind, logger: logger}
+	labels.Lock()
+	labels.refs[label]++
+	m := labels.checks[label]
+	if m == nil {
+		m = map[*serverCheck]int{}
+		labels.checks[label] = m
+	}
+	for _, pc := range clients {
+		m[pc.check]++
+	}
+	setEvictingLocked(label)
+	labels.Unlock()
+	for _, pc := range clients {
+		pc.users.add(kind, label, logger)
+	}
+	return c
+}
+
+// release gives the claim back (once; nil is fine): the label's series go
+// when no loaded handler has it any more.
+func (c *labelClaim) release() {
+	if c == nil {
+		return
+	}
+	c.once.Do(func() {
+		for _, pc := range c.clients {
+			pc.users.remove(c.kind, c.label, c.logger)
+		}
+		labels.Lock()
+		defer labels.Unlock()
+		m := labels.checks[c.label]
+		for _, pc := range c.clients {
+			if m[pc.check]--; m[pc.check] <= 0 {
+				delete(m, pc.check)
+			}
+		}
+		if labels.refs[c.label]--; labels.refs[c.label] > 0 {
+			setEvictingLocked(c.label)
+			return
+		}
+		delete(labels.refs, c.label)
+		delete(labels.checks, c.label)
+		for _, v := range allVecs() {
+			v.DeletePartialMatch(prometheus.Labels{"handler": c.label})
+		}
+	})
+}
+
+// labelLive reports whether a loaded handler has label.
+func labelLive(label string) bool {
+	labels.Lock()
+	defer labels.Unlock()
+	return labels.refs[label] > 0
+}
+
+// setEvictingLocked sets the eviction gauge of label: the distinct
+// evicting servers of its checks.
+func setEvictingLocked(label string) {
+	addrs := map[string]bool{}
+	for sc := range labels.checks[label] {
+		for a := range labels.evicting[sc] {
+			addrs[a] = true
+		}
+	}
+	evictingServers.WithLabelValues(label).Set(float64(len(addrs)))
+}
+
 // newLockServer makes the lock engine's server of a pooled client: its
-// log lines go to Caddy's logger of the moment, its failed releases to
-// caddy_redis_lock_release_failures_total.
-func newLockServer(id string, conn *redisconn.Conn) *server {
-	s := lock.NewServer(id, conn, engineLogger)
+// log lines go to the handler they name (the releaser's), else to every
+// lock handler using the client; its failed releases to
+// caddy_redis_lock_release_failures_total of the lease's handler.
+func newLockServer(id string, conn *redisconn.Conn, users *clientUsers) *server {
+	s := lock.NewServer(id, conn, users.slogger("lock"))
 	s.OnReleaseFailure(countReleaseFailure)
 	return s
 }
 
-// countReleaseFailure counts a failed release of a lease that was held, or
-// whose acquire outcome is unknown.
-func countReleaseFailure() {
+// countReleaseFailure counts a failed release of a lease of handler that
+// was held, or whose acquire outcome is unknown. A handler no longer loaded
+// (its release still retried after a reload) is not counted: its series
+// are gone, and counting would bring them back for good.
+func countReleaseFailure(handler string) {
 	initMetrics()
-	lockReleaseFailures.Inc()
+	labels.Lock()
+	defer labels.Unlock()
+	if labels.refs[handler] > 0 {
+		lockReleaseFailures.WithLabelValues(handler).Inc()
+	}
 }
 
 // newServerCheck makes the server checks of one client (failover names a
-// Sentinel group's master), reporting evicting servers to the gauge.
-func newServerCheck(logger func() *zap.Logger, failover string) *serverCheck {
-	slogger := func() *slog.Logger { return slogFor(logger()) }
-	return redisconn.NewCheck(redisconn.CheckOptions{Logger: slogger, Failover: failover, OnEvicting: markEvicting})
+// Sentinel group's master), logging to every handler using the client and
+// reporting evicting servers to the handlers' gauges.
+func newServerCheck(users *clientUsers, failover string) *serverCheck {
+	return redisconn.NewCheck(redisconn.CheckOptions{Logger: users.slogger(""), Failover: failover, OnEvicting: markEvicting})
 }
 
-// evicting counts, per server address, the clients that found it with an
-// evicting policy; the gauge is the number of such servers.
-var evicting = struct {
-	sync.Mutex
-	by map[string]map[*serverCheck]bool
-}{by: map[string]map[*serverCheck]bool{}}
-
+// markEvicting records that sc found addr evicting (on) or no longer, and
+// updates the gauges of the labels whose handlers use sc.
 func markEvicting(sc *serverCheck, addr string, on bool) {
 	initMetrics()
-	evicting.Lock()
-	defer evicting.Unlock()
+	labels.Lock()
+	defer labels.Unlock()
 	if on {
-		if evicting.by[addr] == nil {
-			evicting.by[addr] = map[*serverCheck]bool{}
+		if labels.evicting[sc] == nil {
+			labels.evicting[sc] = map[string]bool{}
 		}
-		evicting.by[addr][sc] = true
-	} else if m := evicting.by[addr]; m != nil {
-		delete(m, sc)
+		labels.evicting[sc][addr] = true
+	} else if m := labels.evicting[sc]; m != nil {
+		delete(m, addr)
 		if len(m) == 0 {
-			delete(evicting.by, addr)
+			delete(labels.evicting, sc)
 		}
 	}
-	evictingServers.Set(float64(len(evicting.by)))
+	for label, m := range labels.checks {
+		if m[sc] > 0 {
+			setEvictingLocked(label)
+		}
+	}
 }

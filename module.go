@@ -18,7 +18,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"time"
@@ -27,7 +26,6 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // DefaultTimeout bounds one Redis call (dial, read and write) unless `timeout` says otherwise.
@@ -257,6 +255,7 @@ type pooledClient struct {
 	conn     *redisconn.Conn // the client's users, shared by both engines
 	lock     *server
 	check    *serverCheck // version and maxmemory-policy, per server
+	users    *clientUsers // the handlers using it, for its parts' log lines
 
 	mu     sync.Mutex
 	rl     *ratelimit.Batcher        // made by the first rate-limit call
@@ -306,8 +305,8 @@ func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs rat
 		return nil, ratelimit.ErrBatcherDone
 	}
 	if p.rl == nil {
-		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: engineLogger})
-		p.forget = ratelimit.ListenForget(p.client, denyForgetter{}, engineLogger)
+		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: p.users.slogger("rl")})
+		p.forget = ratelimit.ListenForget(p.client, denyForgetter{}, p.users.slogger("rl"))
 	}
 	b := p.rl
 	p.mu.Unlock()
@@ -328,24 +327,20 @@ func (p *pooledClient) batcher() *ratelimit.Batcher {
 func acquireClient(s serverSettings) (*pooledClient, string, error) {
 	key := s.PoolKey()
 	val, _, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
-		logger := func() *zap.Logger { return caddy.Log().Named("redisdlm") }
-		check := newServerCheck(logger, s.Display()) // names a Sentinel group's master
+		users := new(clientUsers)
+		check := newServerCheck(users, s.Display()) // names a Sentinel group's master
 		c, err := s.NewClient(check)
 		if err != nil {
 			return nil, err
 		}
 		conn := redisconn.NewConn(c, s.Timeout)
-		return &pooledClient{settings: s, client: c, conn: conn, lock: newLockServer(key, conn), check: check}, nil
+		return &pooledClient{settings: s, client: c, conn: conn, lock: newLockServer(key, conn, users), check: check, users: users}, nil
 	})
 	if err != nil {
 		return nil, "", err
 	}
 	return val.(*pooledClient), key, nil
 }
-
-// engineLogger is the logger of the engines' own log lines (a panic
-// recovered, a background release): Caddy's of the moment.
-func engineLogger() *slog.Logger { return slogFor(caddy.Log().Named("redisdlm")) }
 
 // acquireOne takes the shared client of a handler that uses one logical
 // Redis (a server, a Cluster or a Sentinel); dir names the directive in

@@ -15,7 +15,6 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
 )
 
 // wholeCaddyMu serialises tests that run the (process-global) Caddy.
@@ -148,7 +147,7 @@ func TestWholeCaddyReverseProxy(t *testing.T) {
 	}
 	b, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	for _, m := range []string{"caddy_redis_lock_acquire_duration_seconds_count{result=\"acquired\"}", "caddy_redis_lock_held_duration_seconds", "caddy_redis_lock_waiters"} {
+	for _, m := range []string{`caddy_redis_lock_acquire_duration_seconds_count{handler="lock-`, `",result="acquired"}`, "caddy_redis_lock_held_duration_seconds", "caddy_redis_lock_waiters"} {
 		if !strings.Contains(string(b), m) {
 			t.Errorf("metrics lack %s", m)
 		}
@@ -226,7 +225,7 @@ func poolRefs(t *testing.T, addr string) int {
 // address, credentials, database and client name win over the directive's,
 // while its other query settings do not replace the plugin's.
 func TestClientOptions(t *testing.T) {
-	check := newServerCheck(func() *zap.Logger { return zap.NewNop() }, "")
+	check := newServerCheck(new(clientUsers), "")
 	build := func(s serverSettings) redis.UniversalClient {
 		t.Helper()
 		c, err := s.NewClient(check)

@@ -158,8 +158,10 @@ type RedisRateLimit struct {
 	// How the admin API (admin.api.redisdlm) names this handler: its
 	// quotas are at /redisdlm/limits/<name>/<key>. Letters, digits, `-`,
 	// `_` and `.`, not all digits; unique among the redis_ratelimit
-	// handlers of one config. Default: none (the handler is addressed by
-	// its position in the admin API's list).
+	// handlers of one config. It is also the handler label of its metrics,
+	// log lines and events. Default: none (the handler is addressed by its
+	// position in the admin API's list, and labelled "rl-" and a short hash
+	// of its config).
 	Name string `json:"name,omitempty"`
 	// What one request counts for against every rate: a whole number of at
 	// least 1, or a placeholder rendered per request (e.g. one that `map`
@@ -234,6 +236,7 @@ type RedisRateLimit struct {
 	sendHdrs   bool
 	counters   [len(rateLimitResults)]prometheus.Counter // by result, as rateLimitResults
 	waited     prometheus.Observer
+	obs        *labelClaim
 	timeout    time.Duration
 	client     *pooledClient
 	clientKey  string
@@ -267,7 +270,7 @@ func (RedisRateLimit) CaddyModule() caddy.ModuleInfo {
 // client. It never dials Redis.
 func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.label = handlerLabel("rl", h.Name, h)
-	h.logger = ctx.Logger()
+	h.logger = ctx.Logger().With(zap.String("handler", h.label))
 	h.events = newEmitter(ctx)
 	h.warn = newWarnings(failWarnEvery)
 	h.settleWarn = newWarnings(failWarnEvery)
@@ -334,10 +337,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if len(h.IPPrefix) == 2 {
 		h.keyTmpl.ip = ipPrefix{v4: h.IPPrefix[0], v6: h.IPPrefix[1]}
 	}
-	for i, result := range rateLimitResults {
-		h.counters[i] = rateLimitTotal.WithLabelValues(result)
-	}
-	h.waited = rateLimitWaitedSeconds
+	series := newRateLimitSeries(h.label)
+	h.counters, h.waited = series.results, series.waited
+	h.obs = observeHandler("rl", h.label, h.logger, h.client)
 	if h.counts == nil || h.Ban > 0 {
 		// With count, it holds bans only (see remember).
 		h.deny = h.newDenyCache()
@@ -451,6 +453,7 @@ func checkRate(n int64, window time.Duration, algo string) error {
 func (h *RedisRateLimit) Cleanup() error {
 	adminUnregister(h)
 	unregisterDeny(h)
+	h.obs.release()
 	releaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil
@@ -540,7 +543,7 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 		}
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
-		c.Write(zap.String("handler", h.label), zap.String("key", id), zap.Bool("allowed", d.Allowed), zap.Int64("remaining", d.Remaining),
+		c.Write(zap.String("key", id), zap.Bool("allowed", d.Allowed), zap.Int64("remaining", d.Remaining),
 			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.cost),
 			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.Cached), zap.Bool("banned", d.Ban != ratelimit.NotBanned))
 	}

@@ -245,12 +245,16 @@ func TestWholeCaddyRateLimit(t *testing.T) {
 	mresp.Body.Close()
 	metrics := string(b)
 	for _, result := range []string{"allowed", "denied"} {
-		m := regexp.MustCompile(`(?m)^caddy_redis_ratelimit_requests_total\{result="` + result + `"\} (\d+)`).FindStringSubmatch(metrics)
-		if m == nil {
+		ms := regexp.MustCompile(`(?m)^caddy_redis_ratelimit_requests_total\{handler="[^"]*",result="`+result+`"\} (\d+)`).FindAllStringSubmatch(metrics, -1)
+		if ms == nil {
 			t.Errorf("metrics lack caddy_redis_ratelimit_requests_total{result=%q}", result)
 			continue
 		}
-		n, _ := strconv.Atoi(m[1])
+		n := 0 // over the handlers
+		for _, m := range ms {
+			v, _ := strconv.Atoi(m[1])
+			n += v
+		}
 		if result == "denied" && n < denied {
 			t.Errorf("caddy_redis_ratelimit_requests_total{result=\"denied\"} = %d, want at least the %d rejections seen", n, denied)
 		}

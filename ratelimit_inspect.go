@@ -273,6 +273,6 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	if n == 0 {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
 	}
-	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key), zap.String("handler", handlerRef(h.Name)))
+	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key))
 	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true})
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -554,7 +555,7 @@ func TestRateLimitCountRoundTrips(t *testing.T) {
 	}
 	// Load both scripts first (a first call is NOSCRIPT, then EVAL).
 	serveRLWith(context.Background(), h, "192.0.2.79", nil, status(http.StatusOK))
-	waited0 := rlHistogramCount(rateLimitWaitedSeconds)
+	waited0 := rlHistogramCount(h.waited.(prometheus.Histogram))
 	c0 := calls()
 	for i := 0; i < 5; i++ {
 		serveRLWith(context.Background(), h, "192.0.2.79", nil, status(http.StatusNotFound))
@@ -569,7 +570,7 @@ func TestRateLimitCountRoundTrips(t *testing.T) {
 	if got := calls() - c0; got != 10 {
 		t.Fatalf("5 answers that do not count made %d script calls, want 10", got)
 	}
-	if got := rlHistogramCount(rateLimitWaitedSeconds) - waited0; got < 10 {
+	if got := rlHistogramCount(h.waited.(prometheus.Histogram)) - waited0; got < 10 {
 		t.Fatalf("waited_seconds observed %d admissions of a wait handler, want at least 10", got)
 	}
 }

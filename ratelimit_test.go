@@ -363,8 +363,8 @@ func TestRateLimitDryRun(t *testing.T) {
 		h.DryRun = true
 		h.Rates = []Rate{{Requests: 2, Window: caddy.Duration(time.Minute)}}
 	})
-	denied0 := rlCounterValue(rateLimitTotal.WithLabelValues("denied"))
-	allowed0 := rlCounterValue(rateLimitTotal.WithLabelValues("allowed"))
+	denied0 := rlCounterValue(h.counters[resultDenied])
+	allowed0 := rlCounterValue(h.counters[resultAllowed])
 	for i := 0; i < 6; i++ {
 		a := serveRL(h, "192.0.2.5", nil)
 		if !a.passed || a.err != nil {
@@ -387,10 +387,10 @@ func TestRateLimitDryRun(t *testing.T) {
 			t.Fatal("dry run sent Retry-After")
 		}
 	}
-	if d := rlCounterValue(rateLimitTotal.WithLabelValues("denied")) - denied0; d != 4 {
+	if d := rlCounterValue(h.counters[resultDenied]) - denied0; d != 4 {
 		t.Fatalf("denied counter grew by %v, want 4", d)
 	}
-	if d := rlCounterValue(rateLimitTotal.WithLabelValues("allowed")) - allowed0; d != 2 {
+	if d := rlCounterValue(h.counters[resultAllowed]) - allowed0; d != 2 {
 		t.Fatalf("allowed counter grew by %v, want 2", d)
 	}
 	if pos := rlRingCount(t, r, "caddy:rl:{192.0.2.5}:sw:2/1m0s"); pos != 2 {

@@ -261,7 +261,7 @@ func (h *RedisLock) mayServe(r *http.Request, id identity, stored string) (a *st
 
 // serveReplay answers r with a stored answer that mayServe allowed.
 func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, display string, a *storedAnswer) error {
-	replayReplayed.Inc()
+	h.m.replayed.Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "replaying stored response"); c != nil {
 		c.Write(zap.String("key", display), zap.Int("status", a.Status))
 	}
@@ -289,7 +289,7 @@ func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, display 
 // request a second time); a GET or HEAD runs the route itself, without
 // the lock (coalescing is an optimisation, not exclusion).
 func (h *RedisLock) refuseReplay(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, id identity, display, why string) error {
-	replayMismatch.Inc()
+	h.m.mismatch.Inc()
 	if id.safe {
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: stored answer not for this request; running the route without the lock"); c != nil {
 			c.Write(zap.String("key", display), zap.String("reason", why))

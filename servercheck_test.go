@@ -79,9 +79,9 @@ func gaugeValue(g interface{ Write(*dto.Metric) error }) float64 {
 }
 
 func isEvicting(sc *serverCheck, addr string) bool {
-	evicting.Lock()
-	defer evicting.Unlock()
-	return evicting.by[addr][sc]
+	labels.Lock()
+	defer labels.Unlock()
+	return labels.evicting[sc][addr]
 }
 
 // TestServerCheckEvictingPolicy: on the first connection to a server with an
@@ -116,12 +116,13 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 			if errs[0].Level != zapcore.ErrorLevel || f["server"] != r.Addr || f["maxmemory_policy"] != policy {
 				t.Errorf("log %s %q %v: want error level naming server %s and policy %s", errs[0].Level, errs[0].Message, f, r.Addr, policy)
 			}
-			if !isEvicting(pc.check, r.Addr) || gaugeValue(evictingServers) < 1 {
-				t.Errorf("server not counted in caddy_redis_evicting_servers (gauge %v)", gaugeValue(evictingServers))
+			gauge := evictingServers.WithLabelValues(h.label)
+			if !isEvicting(pc.check, r.Addr) || gaugeValue(gauge) != 1 {
+				t.Errorf("server not counted in caddy_redis_evicting_servers{handler=%q} (gauge %v)", h.label, gaugeValue(gauge))
 			}
 			pc.check.Close()
-			if isEvicting(pc.check, r.Addr) {
-				t.Error("a closed client's server still counts as evicting")
+			if isEvicting(pc.check, r.Addr) || gaugeValue(gauge) != 0 {
+				t.Errorf("a closed client's server still counts as evicting (gauge %v)", gaugeValue(gauge))
 			}
 		})
 	}
@@ -307,12 +308,8 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	if lost := logs.FilterMessageSnippet("lease lost").Len(); lost != 0 {
 		t.Errorf("%d lost leases over maxmemory", lost)
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the held lock was not released over maxmemory")
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !waitFor(10*time.Second, func() bool { return rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() == 0 }) {
+		t.Fatal("the held lock was not released over maxmemory")
 	}
 }
 
@@ -335,12 +332,8 @@ func TestReplayNotStoredOverMaxmemory(t *testing.T) {
 		t.Fatalf("holder: status %d, want 200", code)
 	}
 	key := storedKey(h.Prefix, "/held")
-	deadline := time.Now().Add(5 * time.Second)
-	for rc.Exists(context.Background(), key).Val() != 0 {
-		if time.Now().After(deadline) {
-			t.Fatal("the lock was not released over maxmemory")
-		}
-		time.Sleep(10 * time.Millisecond)
+	if !waitFor(10*time.Second, func() bool { return rc.Exists(context.Background(), key).Val() == 0 }) {
+		t.Fatal("the lock was not released over maxmemory")
 	}
 	if n := rc.Exists(context.Background(), lock.ReplayKey(key)).Val(); n != 0 {
 		t.Errorf("a 200 KiB replay answer was stored over maxmemory (used_memory %d → %d, maxmemory %d)", before, usedMemory(t, rc), maxmemory)

@@ -92,5 +92,6 @@ func (r *Replayed) Answer() string { return r.answer }
 func (s *Server) CloseWhenIdle(closeClient func()) { s.closeWhenIdle(closeClient) }
 
 // OnReleaseFailure sets what counts a failed release of a lease that was
-// held, or whose acquire outcome is unknown (before the server is used).
-func (s *Server) OnReleaseFailure(count func()) { s.onReleaseFailure = count }
+// held, or whose acquire outcome is unknown (before the server is used);
+// it is told the lease's handler (Options.Handler).
+func (s *Server) OnReleaseFailure(count func(handler string)) { s.onReleaseFailure = count }

@@ -35,7 +35,7 @@ type Server struct {
 	logger  func() *slog.Logger
 	// onReleaseFailure, if set, counts a failed release of a lease that
 	// was held, or whose acquire outcome is unknown.
-	onReleaseFailure func()
+	onReleaseFailure func(handler string)
 }
 
 // NewServer wraps a shared client; nothing is dialed until the first call.

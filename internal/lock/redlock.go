@@ -82,7 +82,7 @@ type Options struct {
 	// (kept this long) when there is one (one server, one key).
 	Replay time.Duration
 	// Handler names the handler in the log lines of the releases it
-	// leaves to a server's background releaser.
+	// leaves to a server's background releaser, and to OnReleaseFailure.
 	Handler string
 }
 

@@ -214,7 +214,7 @@ type releaseState struct {
 func (r *releaser) retry(job releaseJob, err error) {
 	if err != nil {
 		if r.s.onReleaseFailure != nil {
-			r.s.onReleaseFailure()
+			r.s.onReleaseFailure(job.handler)
 		}
 		lg := r.s.logger()
 		if due, n := r.warn.Due(); due && lg != nil {

@@ -11,6 +11,7 @@ package main
 //     client sent it (that one acquired earlier); with permits 1 also above
 //     every token seen before for that key (strictly increasing in the
 //     order the upstream sees them), and no token is inside twice;
+//   - the fencing tier (/f/ and /w/, fence.go): no stale write is stored;
 //   - rate-limited routes: the upstream's monotonic clock records each
 //     admission; afterwards every window of length w holds at most n of
 //     them, less a tolerance for the transit time between Redis deciding
@@ -73,12 +74,15 @@ type exitRec struct {
 
 // maxLeftBefore is the highest token of the requests that left before
 // wall (Unix µs), or -1.
-func (ks *keyState) maxLeftBefore(wall int64) int64 {
-	i := sort.Search(len(ks.exits), func(i int) bool { return ks.exits[i].wall >= wall })
+func (ks *keyState) maxLeftBefore(wall int64) int64 { return maxBefore(ks.exits, wall) }
+
+// maxBefore is the highest token of the records before wall (Unix µs), or -1.
+func maxBefore(recs []exitRec, wall int64) int64 {
+	i := sort.Search(len(recs), func(i int) bool { return recs[i].wall >= wall })
 	if i == 0 {
 		return -1
 	}
-	return ks.exits[i-1].maxTok
+	return recs[i-1].maxTok
 }
 
 type checker struct {
@@ -93,6 +97,12 @@ type checker struct {
 	events []event
 	rlLog  []string       // every admission, for -keep
 	served map[string]int // route → requests served
+
+	// The fencing tier (fence.go).
+	fenceURL  func() string // a Caddy to send a write to
+	fence     fenceStats
+	fenceKeys map[string]*fenceKey
+	late      sync.WaitGroup // late writes still to send
 }
 
 func startChecker(start time.Time) (*checker, error) {
@@ -101,7 +111,8 @@ func startChecker(start time.Time) (*checker, error) {
 		return nil, err
 	}
 	c := &checker{start: start, url: l.Addr().String(), keys: map[string]*keyState{},
-		admits: map[string][]time.Duration{}, bounds: map[string][]bound{}, served: map[string]int{}}
+		admits: map[string][]time.Duration{}, bounds: map[string][]bound{}, served: map[string]int{},
+		fence: fenceStats{sent: map[string]map[int]int{}}, fenceKeys: map[string]*fenceKey{}}
 	c.srv = &http.Server{Handler: c, ReadHeaderTimeout: 10 * time.Second}
 	go c.srv.Serve(l)
 	return c, nil
@@ -109,7 +120,7 @@ func startChecker(start time.Time) (*checker, error) {
 
 func (c *checker) now() time.Duration { return time.Since(c.start) }
 
-// route is the first path segment: s, r, p, rp, stall, rl, bad, probe.
+// route is the first path segment: s, r, p, rp, stall, f, w, rl, bad, probe.
 func route(path string) string {
 	seg, _, _ := strings.Cut(strings.TrimPrefix(path, "/"), "/")
 	return seg
@@ -143,6 +154,11 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		c.rlLog = append(c.rlLog, fmt.Sprintf("%.6f %s caddy%s %s", c.now().Seconds(), key, r.Header.Get("X-Instance"), r.Header.Get("X-Admitted")))
 		c.mu.Unlock()
 		w.Write([]byte("ok"))
+		return
+	}
+	if rt == "w" {
+		c.mu.Unlock()
+		c.store(w, r)
 		return
 	}
 	if rt == "bad" { // must never get here: the key is empty
@@ -210,6 +226,11 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case <-r.Context().Done(): // the lease was lost (on_lost cancel), the client went away or Caddy died
 		t.Stop()
 	}
+	// The fencing tier: a write while the lock is held, or a late one.
+	status, late := http.StatusOK, time.Duration(0)
+	if rt == "f" {
+		status, late = c.holderWrite(r, key)
+	}
 
 	c.mu.Lock()
 	me.canceled = r.Context().Err() != nil
@@ -224,6 +245,10 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	ks.exits = append(ks.exits, exitRec{wall: time.Now().UnixMicro(), maxTok: ks.maxExited})
 	c.mu.Unlock()
+	if late > 0 {
+		c.lateWrite(key, r.Header.Get("Lock-Fencing-Token"), late)
+	}
+	w.WriteHeader(status)
 	w.Write([]byte("ok"))
 }
 

@@ -203,6 +203,8 @@ func (s *soak) inject(f fault) error {
 		if f.redis == 0 {
 			s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 			s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})
+			// A late write of a holder from before the kill, after it.
+			s.win.add(window{name: exFenceEmpty, backends: []string{"fence"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 		} else {
 			s.win.add(window{name: exRedlockEmpty, backends: []string{"redlock"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 		}

@@ -61,6 +61,13 @@ func (t *tally) unexpected(what, sample string) {
 // do sends one GET to instance inst and checks the answer. cancelAfter > 0
 // makes the client give up after that long (counted as a cancel).
 func (s *soak) do(inst int, path string, hold, cancelAfter time.Duration) {
+	s.doLate(inst, path, hold, cancelAfter, 0)
+}
+
+// doLate is do; on /f/, late > 0 asks the checker to send its write that
+// long after the request left (a stale writer), instead of while it holds
+// the lock.
+func (s *soak) doLate(inst int, path string, hold, cancelAfter, late time.Duration) {
 	ctx := context.Background()
 	if cancelAfter > 0 {
 		var cancel context.CancelFunc
@@ -72,6 +79,9 @@ func (s *soak) do(inst int, path string, hold, cancelAfter time.Duration) {
 	req.Header.Set("X-Sent", strconv.FormatInt(time.Now().UnixMicro(), 10))
 	if cancelAfter > 0 {
 		req.Header.Set("X-Cancel", cancelAfter.String())
+	}
+	if late > 0 {
+		req.Header.Set("X-Late", late.String())
 	}
 	from := s.check.now()
 	resp, err := httpClient.Do(req)
@@ -100,7 +110,7 @@ func (s *soak) do(inst int, path string, hold, cancelAfter time.Duration) {
 	t.statuses[code]++
 	t.lat = append(t.lat, to-from)
 	sample := fmt.Sprintf("%.3fs caddy%d GET %s → %d (Retry-After %q)", from.Seconds(), inst, path, code, ra)
-	lockRoute := rt == "s" || rt == "r" || rt == "p" || rt == "rp" || rt == "stall" || rt == "probe"
+	lockRoute := rt == "s" || rt == "r" || rt == "p" || rt == "rp" || rt == "stall" || rt == "f" || rt == "probe"
 	switch {
 	case code == 200 && rt != "bad":
 	case code == 400 && rt == "bad":
@@ -112,6 +122,7 @@ func (s *soak) do(inst int, path string, hold, cancelAfter time.Duration) {
 		if n, err := strconv.Atoi(ra); err != nil || n < 1 {
 			t.unexpected("429 without Retry-After ≥ 1", sample)
 		}
+	case code == 409 && rt == "f": // the fence refused the holder's write: its lease was lost unnoticed
 	case code == 503 && rt != "bad":
 	default:
 		t.unexpected(fmt.Sprintf("%d on /%s/", code, rt), sample)
@@ -159,6 +170,20 @@ func (s *soak) rateWork(id int, stop time.Time) {
 	}
 }
 
+// fenceWork keeps the fencing tier busy on two hot keys: a third of the
+// requests write late, 20–100 ms after they left (most of them after the
+// next holder's write: the fence must refuse them).
+func (s *soak) fenceWork(id int, stop time.Time) {
+	rng := rand.New(rand.NewSource(s.seed*1000 + 700 + int64(id)))
+	for time.Now().Before(stop) {
+		var late time.Duration
+		if rng.Intn(3) == 0 {
+			late = time.Duration(20+rng.Intn(81)) * time.Millisecond
+		}
+		s.doLate(rng.Intn(len(s.caddies)), fmt.Sprintf("/f/hot%d", rng.Intn(2)), time.Duration(1+rng.Intn(10))*time.Millisecond, 0, late)
+	}
+}
+
 // runLoad runs every worker until stop and waits for them.
 func (s *soak) runLoad(stop time.Time) {
 	var wg sync.WaitGroup
@@ -169,6 +194,10 @@ func (s *soak) runLoad(stop time.Time) {
 	for i := 0; i < *rlWorkers; i++ {
 		wg.Add(1)
 		go func(i int) { defer wg.Done(); s.rateWork(i, stop) }(i)
+	}
+	for i := 0; i < *fenceWorkers; i++ {
+		wg.Add(1)
+		go func(i int) { defer wg.Done(); s.fenceWork(i, stop) }(i)
 	}
 	wg.Wait()
 }
@@ -183,7 +212,7 @@ func (s *soak) cancelers(d time.Duration) {
 		go func(i int) {
 			defer wg.Done()
 			rng := rand.New(rand.NewSource(time.Now().UnixNano() + int64(i)))
-			paths := []string{"/s/hot0", "/r/hot0", "/p/hot0"}
+			paths := []string{"/s/hot0", "/r/hot0", "/p/hot0", "/f/hot0"}
 			if *redlockPermits {
 				paths = append(paths, "/rp/hot0")
 			}

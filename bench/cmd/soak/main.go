@@ -5,7 +5,8 @@
 // Redis and a 3-server Redlock (redis-server processes without
 // persistence), a TCP fault proxy between each Caddy and each Redis, and
 // the checking upstream, all on loopback ports. Clients keep hot and cold
-// lock keys, a `permits 2` route and rate-limited keys busy while faults,
+// lock keys, a `permits 2` route, fenced writes (a redis_fence tier in
+// front of the checker as storage) and rate-limited keys busy while faults,
 // drawn from -seed, strike one at a time. Afterwards it checks that nothing
 // is still held and that connections and goroutines are back where they
 // were, and prints a Markdown summary.
@@ -17,10 +18,12 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"math/rand"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -42,6 +45,8 @@ var (
 	deadline       = flag.Duration("deadline", 0, "hard stop for the whole run; 0 = duration + 2m")
 	redlockPermits = flag.Bool("redlock-permits", false, "also run a permits 2 route over the 3-server Redlock (/rp/); redis_lock refuses that config since the soak found it unsafe, so this only shows the refusal")
 	rlFailOpen     = flag.Bool("rl-fail-open", false, "drop fail_closed from the rate-limited route (a self-test: Redis faults must then show as limit violations)")
+	fenceWorkers   = flag.Int("fence-workers", 4, "clients on the fenced-write route (/f/)")
+	noFence        = flag.Bool("no-fence", false, "drop redis_fence from the storage's route (a self-test: late writes must then show as stale writes stored)")
 	verboseFlt     = flag.Bool("v", false, "print every fault as it starts")
 	onlyFaults     = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
 )
@@ -144,6 +149,8 @@ http://127.0.0.1:%d {
 		lock("p", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tpermits 2\n\t\t\tredis %s\n", ttl, p(0))) +
 		rp +
 		lock("stall", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 1s\n\t\t\tauto_extend on\n\t\t\tredis %s\n", stallTTL, p(0))) +
+		lock("f", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", stallTTL, p(0))) +
+		s.fenceRoute(timeout, p(0)) +
 		lock("probe", fmt.Sprintf("\t\t\tttl %s\n\t\t\tredis %s\n", ttl, redlock)) +
 		lock("bad", fmt.Sprintf("\t\t\tkey {http.request.header.X-Missing}\n\t\t\tredis %s\n", p(0))) +
 		fmt.Sprintf(`	handle /rl/* {
@@ -160,6 +167,16 @@ http://127.0.0.1:%d {
 	respond 404
 }
 `, rateN, rateWindow, failPolicy, timeout, p(0), s.check.url)
+}
+
+// fenceRoute is the storage's route of the fencing tier (fence.go): the
+// fence's key is the lock's, /f/<k> for a write to /w/<k>.
+func (s *soak) fenceRoute(timeout, redis string) string {
+	fence := fmt.Sprintf("\t\tredis_fence {\n\t\t\tkey /f/{http.request.uri.path.1}\n\t\t\ttimeout %s\n\t\t\tredis %s\n\t\t}\n", timeout, redis)
+	if *noFence {
+		fence = "\t\t# no redis_fence (-no-fence)\n"
+	}
+	return "\thandle /w/* {\n\t\troute {\n" + fence + "\t\trequest_header X-Admitted {time.now.unix_ms}\n\t\t}\n\t\treverse_proxy " + s.check.url + "\n\t}\n"
 }
 
 func run() error {
@@ -230,6 +247,7 @@ func run() error {
 		}
 		s.caddies = append(s.caddies, c)
 	}
+	s.check.fenceURL = func() string { return s.caddies[rand.Intn(len(s.caddies))].url() }
 	step("starting 4 redis-server, 16 proxies, 4 Caddy")
 	for _, c := range s.caddies {
 		if err := c.start(s); err != nil {
@@ -275,6 +293,9 @@ func run() error {
 	quiet := max(2*s.maxTTL, *connIdle+time.Second)
 	step("faults over; quiet for %v", quiet)
 	time.Sleep(quiet)
+	if !waitGroup(&s.check.late, 10*time.Second) {
+		return fmt.Errorf("late writes of the fencing tier still unsent 10s after the quiet spell")
+	}
 	probes := s.probe()
 	end, err := s.measure()
 	if err != nil {
@@ -294,7 +315,7 @@ func run() error {
 func (s *soak) probe() []string {
 	var failed []string
 	for _, c := range s.caddies {
-		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", fmt.Sprintf("/rl/probe%d", c.idx)} {
+		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", "/f/probe", fmt.Sprintf("/rl/probe%d", c.idx)} {
 			ok := false
 			for deadline := time.Now().Add(10 * time.Second); !ok && time.Now().Before(deadline); {
 				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -311,6 +332,18 @@ func (s *soak) probe() []string {
 		}
 	}
 	return failed
+}
+
+// waitGroup waits for wg at most d.
+func waitGroup(wg *sync.WaitGroup, d time.Duration) bool {
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return true
+	case <-time.After(d):
+		return false
+	}
 }
 
 func joinOr(xs []string, none string) string {

@@ -134,6 +134,8 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 			// The lock issued the tokens in order; a late zombie request
 			// carries the older one, and fencing is what refuses it.
 			k.excuse = staleExcuse(e)
+		case "write out of token order":
+			k.excuse = exReordered
 		}
 		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included
 			k.excuse = s.win.excuse(e.at, e.until, e.backend)
@@ -205,6 +207,9 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	if len(probes) > 0 {
 		failures = append(failures, "routes not back to 200")
 	}
+	if s.check.fenceVacuous() {
+		failures = append(failures, "the fence refused none of the late writes")
+	}
 
 	total := 0
 	for _, n := range t.requests {
@@ -235,6 +240,10 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 		line("rate"), checked, rateN, rateWindow, rateN+1, tightest))
 	row("limit, upstream clock (transit noise, not failed)", fmt.Sprintf("%d windows with %d arrivals within %v − %v; tightest %v",
 		apparent, rateN+1, rateWindow, *tolerance, tightestUp.Round(time.Microsecond)))
+	row("stale writes stored (fencing tier)", line("stale write stored"))
+	row("stored writes out of token order", line("write out of token order"))
+	row("fenced writes", s.check.fenceSummary())
+	row("unexpected fence answers", line("unexpected fence answer"))
 	row("bad requests served", line("bad request served"))
 	row("statuses", counted(t.statuses, strconv.Itoa))
 	row("client cancels (Caddy logs 499)", strconv.Itoa(t.canceled))
