@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -358,7 +359,11 @@ type quotaAnswer struct {
 	Algorithm string      `json:"algorithm"`
 	RedisKeys []string    `json:"redis_keys"`
 	Rates     []quotaView `json:"rates,omitempty"`
-	Reset     bool        `json:"reset,omitempty"` // DELETE: the quota was reset
+	// While the key is under a ban (ban): when it ends (RFC 3339, Redis
+	// time) and the milliseconds until then.
+	BannedUntil string `json:"banned_until,omitempty"`
+	BanLeftMs   int64  `json:"ban_left_ms,omitempty"`
+	Reset       bool   `json:"reset,omitempty"` // DELETE: the quota was reset (and a ban lifted)
 	// With rates rendered per request: false when the search for the key's
 	// rendered rates ran into its bounds (maxScanKeys states, or
 	// maxScanCalls SCAN calls), so some may be missing.
@@ -374,6 +379,23 @@ func (h *RedisRateLimit) completeField(complete bool) *bool {
 	return &complete
 }
 
+// peekBan reads id's ban: when it ends (Redis time), or zero when the key
+// is not under a ban.
+func (h *RedisRateLimit) peekBan(ctx context.Context, id string) (until time.Time, left time.Duration, err error) {
+	ctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	pipe := h.client.client.Pipeline()
+	now := pipe.Time(ctx)
+	ttl := pipe.PTTL(ctx, h.banKey(id))
+	if _, err := pipe.Exec(ctx); err != nil {
+		return time.Time{}, 0, err
+	}
+	if left = ttl.Val(); left <= 0 {
+		return time.Time{}, 0, nil
+	}
+	return now.Val().Add(left), left, nil
+}
+
 func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty rate limit key")
@@ -383,17 +405,27 @@ func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key
 	if err != nil {
 		return adminError(http.StatusBadGateway, "reading the quota of %q: %v", key, err)
 	}
-	if !found {
+	banUntil, banLeft, err := h.peekBan(r.Context(), id)
+	if err != nil {
+		return adminError(http.StatusBadGateway, "reading the ban of %q: %v", key, err)
+	}
+	if !found && banLeft == 0 {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing counted in its windows)", key)
 	}
-	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)})
+	a := quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)}
+	if banLeft > 0 {
+		a.BannedUntil, a.BanLeftMs = banUntil.UTC().Format(time.RFC3339Nano), banLeft.Milliseconds()
+	}
+	return writeJSON(w, a)
 }
 
 // resetQuota deletes every rate state of a key (the literal rates', and
-// every rendered rate's that Redis holds for it), forgets the key in the
-// deny caches of copies (h and the copies of the same named handler in
-// other HTTP servers of the config), and tells the other instances through
-// Redis, whose deny caches then forget it within about a second (see
+// every rendered rate's that Redis holds for it) and its ban, forgets the
+// key in the deny caches (and fail_local limiters) of copies (h and the
+// copies of the same named handler in other HTTP servers of the config),
+// and tells every instance to forget it in the deny caches of the
+// handler's prefix (Pub/Sub, ratelimit_forget.go), and through Redis,
+// whose deny caches then forget it within about a second (see
 // ratelimit_fleet.go).
 func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copies []*RedisRateLimit, key string) error {
 	if key == "" {
@@ -410,10 +442,15 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	for _, t := range targets {
 		keys = append(keys, t.key)
 	}
-	if len(keys) == 0 {
-		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
+	if h.Ban > 0 {
+		keys = append(keys, h.banKey(id))
 	}
-	n, err := h.client.client.Del(ctx, keys...).Result()
+	// A ban set by another handler with the same prefix goes too.
+	del := keys
+	if h.Ban <= 0 {
+		del = append(slices.Clip(keys), h.banKey(id))
+	}
+	n, err := h.client.client.Del(ctx, del...).Result()
 	for _, o := range copies {
 		if o.deny != nil {
 			o.deny.Forget(id)
@@ -424,6 +461,10 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	}
 	if err != nil {
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
+	}
+	if err := ratelimit.PublishForget(ctx, h.client.client, h.Prefix, id); err != nil {
+		h.logger.Warn("telling the other instances of a quota reset failed; their deny caches forget the key when it expires there",
+			zap.String("key", key), zap.String("handler", handlerRef(h.Name)), zap.Error(err))
 	}
 	if n == 0 {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)

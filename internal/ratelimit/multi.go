@@ -18,15 +18,6 @@ import (
 // instead of once per decision. The answer is one flat array of integers,
 // read without a value per element on either side.
 
-// The codes of a decision in a batch that failed (e.g. on a key of another
-// type): failedRead when nothing of it was written (it is sent again alone,
-// so that it gets Redis's own error), failedRun when it failed after writing
-// part of it (it gets ErrFailedRun).
-const (
-	failedRead = -1 << 62
-	failedRun  = -1 << 61
-)
-
 // rlUnit is one command of a pipeline: a decision batch, or a call alone.
 type rlUnit struct {
 	calls []*Call
@@ -34,17 +25,21 @@ type rlUnit struct {
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
-// batch, "evalsha", sha, keys, then D, S, the S parameter sets (each: its
-// number of rates, then the arguments its calls share) and, when S > 1, the
-// set of each decision.
-func (u *rlUnit) command(eval bool) []any {
+// batch, "evalsha", sha, keys (of each call its Keys, then its BanKey if
+// any), then D, S, the S parameter sets (each: its number of rates, then
+// the arguments its calls share) and, when S > 1, the set of each decision.
+func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
+	eval := as == byText
 	if !u.batch {
 		return append(c0.Script.Head(eval, c0.Keys, len(c0.Argv)), c0.Argv...)
 	}
-	keys := make([]string, 0, len(u.calls)*len(c0.Keys))
+	keys := make([]string, 0, len(u.calls)*(len(c0.Keys)+1))
 	for _, c := range u.calls {
 		keys = append(keys, c.Keys...)
+		if c.BanKey != "" {
+			keys = append(keys, c.BanKey)
+		}
 	}
 	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(1+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
@@ -77,7 +72,7 @@ func (u *rlUnit) command(eval bool) []any {
 // text (for tests and tools that run one decision).
 func BatchOfOne(c *Call) (evalsha, eval []any) {
 	u := &rlUnit{calls: []*Call{c}, batch: true}
-	return u.command(false), u.command(true)
+	return u.command(bySHA), u.command(byText)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same
