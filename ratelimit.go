@@ -265,7 +265,7 @@ type RedisRateLimit struct {
 	client     *pooledClient
 	clientKey  string
 	deny       *ratelimit.DenyCache
-	fleet      *fleet           // nil without a deny cache and fail_local
+	fleet      *fleet           // fail_local; nil without
 	local      *localState      // fail_local; nil without
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
@@ -369,7 +369,6 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.counts == nil || h.Ban > 0 {
 		// With count, it holds bans only (see remember).
 		h.deny = h.newDenyCache()
-		registerDeny(h)
 	}
 	if err := adminRegister(ctx, h); err != nil {
 		return err
@@ -377,7 +376,8 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.FailLocal {
 		h.local = &localState{lim: ratelimit.NewLocal(localRatesMax, time.Now())}
 	}
-	h.startFleet(ctx, h.FailLocal)
+	registerResets(h)
+	h.startFleet(ctx)
 	return nil
 }
 
@@ -494,7 +494,7 @@ func checkRate(n int64, window time.Duration, algo string) error {
 // acquired).
 func (h *RedisRateLimit) Cleanup() error {
 	adminUnregister(h)
-	unregisterDeny(h)
+	unregisterResets(h)
 	h.obs.release()
 	releaseClient(h.clientKey)
 	h.clientKey = ""

@@ -104,9 +104,6 @@ func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent,
 		cacheID = id
 	}
 	h.deny.Put(cacheID, e)
-	if h.fleet != nil { // look for admin resets of other instances meanwhile
-		h.fleet.noteDeny(e.Until)
-	}
 }
 
 // banKey is the Redis key of id's ban: it exists, and expires, while the

@@ -423,10 +423,8 @@ func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key
 // every rendered rate's that Redis holds for it) and its ban, forgets the
 // key in the deny caches (and fail_local limiters) of copies (h and the
 // copies of the same named handler in other HTTP servers of the config),
-// and tells every instance to forget it in the deny caches of the
-// handler's prefix (Pub/Sub, ratelimit_forget.go), and through Redis,
-// whose deny caches then forget it within about a second (see
-// ratelimit_fleet.go).
+// and tells every instance to forget it in the deny caches and local
+// limiters of the handler's prefix (Pub/Sub, ratelimit_forget.go).
 func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copies []*RedisRateLimit, key string) error {
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty rate limit key")
@@ -463,17 +461,12 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
 	}
 	if err := ratelimit.PublishForget(ctx, h.client.client, h.Prefix, id); err != nil {
-		h.logger.Warn("telling the other instances of a quota reset failed; their deny caches forget the key when it expires there",
+		h.logger.Warn("telling the other instances of a quota reset failed; their deny caches forget the key when it expires there, their local limiters (fail_local) when its windows pass",
 			zap.String("key", key), zap.String("handler", handlerRef(h.Name)), zap.Error(err))
 	}
 	if n == 0 {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
 	}
 	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key))
-	if err := h.noticeReset(ctx, id); err != nil {
-		// The quota is reset; other instances' deny caches may answer the
-		// key from memory until the rejection they learned runs out.
-		h.logger.Warn("telling other instances of a quota reset failed", zap.Error(err))
-	}
 	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true, Complete: h.completeField(complete)})
 }
