@@ -41,6 +41,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if h.ban() > 0 {
 		c.BanKey = h.banKey(id)
 	}
+	if h.dynamic {
+		c.IndexKey = h.indexKey(id)
+	}
 	sent := h.now()
 	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
@@ -109,6 +112,12 @@ func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent,
 // banKey is the Redis key of id's ban: it exists, and expires, while the
 // ban lasts.
 func (h *RedisRateLimit) banKey(id string) string { return h.keyHead + id + "}:ban" }
+
+// indexKey is the Redis key of id's rate index, for a handler whose rates
+// are rendered per request: a sorted set of the rate states id has, each
+// scored by its expiry (ms), expiring with the latest (the decision script
+// keeps it; the admin API reads it instead of scanning the keyspace).
+func (h *RedisRateLimit) indexKey(id string) string { return h.keyHead + id + "}:rates" }
 
 // redisKeys appends the Redis keys of id's rates in plan p to buf.
 func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {

@@ -93,6 +93,7 @@ type Call struct {
 	Script   *redisconn.Script
 	Keys     []string     // a decision: one per rate
 	BanKey   string       // a decision whose parameter set bans: the key's ban
+	IndexKey string       // a decision whose rates are rendered per request: the key's rate index
 	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned

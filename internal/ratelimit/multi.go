@@ -25,9 +25,10 @@ type rlUnit struct {
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
-// batch, "evalsha", sha, keys (of each call its Keys, then its BanKey if
-// any), then D, S, the S parameter sets (each: its number of rates, then
-// the arguments its calls share) and, when S > 1, the set of each decision.
+// batch, "evalsha", sha, keys (of each call its Keys, then its BanKey and
+// its IndexKey if any), then D, S, the S parameter sets (each: its number
+// of rates, whether it indexes, then the arguments its calls share) and,
+// when S > 1, the set of each decision.
 func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
 	eval := as == byText
@@ -40,20 +41,27 @@ func (u *rlUnit) command(as sendAs) []any {
 		if c.BanKey != "" {
 			keys = append(keys, c.BanKey)
 		}
+		if c.IndexKey != "" {
+			keys = append(keys, c.IndexKey)
+		}
 	}
-	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(1+len(c0.Argv)))
+	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
-	var sets [][]any
+	var sets []*Call // the first call of each set
 	var idx []int
 	for _, c := range u.calls {
 		i := 0
-		for i < len(sets) && !sameArgs(sets[i], c.Argv) {
+		for i < len(sets) && !sameSet(sets[i], c) {
 			i++
 		}
 		if i == len(sets) {
-			sets = append(sets, c.Argv)
-			args = append(args, len(c.Keys))
+			sets = append(sets, c)
+			index := 0
+			if c.IndexKey != "" {
+				index = 1
+			}
+			args = append(args, len(c.Keys), index)
 			args = append(args, c.Argv...)
 		}
 		idx = append(idx, i+1)
@@ -73,6 +81,12 @@ func (u *rlUnit) command(as sendAs) []any {
 func BatchOfOne(c *Call) (evalsha, eval []any) {
 	u := &rlUnit{calls: []*Call{c}, batch: true}
 	return u.command(bySHA), u.command(byText)
+}
+
+// sameSet reports whether two calls share a parameter set: their
+// arguments, and whether they index.
+func sameSet(a, b *Call) bool {
+	return (a.IndexKey == "") == (b.IndexKey == "") && sameArgs(a.Argv, b.Argv)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same

@@ -104,6 +104,7 @@ local function decide()
 				v = fmt('%s %d %d%s', v, sum, pxat, lists[i])
 			end
 			redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', pxat))
+			EXP[i] = pxat
 			out[p + 2] = floor(tat)
 		else
 			out[p + 2] = 0

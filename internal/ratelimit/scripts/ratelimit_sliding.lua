@@ -169,7 +169,9 @@ local function decide()
 				end
 				local hdr = pack('>ddd', pos + cost, lo, T)
 				-- The log matters while its newest admission is in a window.
-				local exp = fmt('%d', math.ceil((T + w + 1) / 1000))
+				local expMs = math.ceil((T + w + 1) / 1000)
+				local exp = fmt('%d', expMs)
+				EXP[i] = expMs
 				if #v < PRE then
 					-- v is the whole log: the same bytes the SETRANGEs
 					-- below would leave, in one SET.
