@@ -2,11 +2,13 @@ package redisdlm
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -19,8 +21,8 @@ import (
 // inspected and reset through the admin API: GET lists every rendered rate
 // the key has state for (two plans used by one key), with its count;
 // DELETE resets them all, and the next request is admitted on both
-// instances (two sites with clients of their own on one Redis), also on the
-// one whose deny cache held the key's rejection.
+// instances (two sites with clients of their own on one Redis) within a
+// second, also on the one whose deny cache held the key's rejection.
 func TestAdminQuotaPlans(t *testing.T) {
 	skipWholeCaddyIfShort(t)
 	r := startRedis(t)
@@ -97,6 +99,7 @@ func TestAdminQuotaPlans(t *testing.T) {
 	}
 
 	status, m, body := adminCall(t, "DELETE", quota)
+	lifted := time.Now()
 	if status != 200 || m["reset"] != true {
 		t.Fatalf("DELETE: %d %s", status, body)
 	}
@@ -106,20 +109,27 @@ func TestAdminQuotaPlans(t *testing.T) {
 	if status, _, body := adminCall(t, "GET", quota); status != 404 {
 		t.Errorf("GET after the reset: %d %s, want 404", status, body)
 	}
-	// The next request passes on both plans and both instances: on B
-	// (whose deny cache held the rejections) within a few seconds.
+	// The next request passes on both plans and both instances within a
+	// second: on B too, whose deny cache held the rejections (the reset
+	// reaches it through Pub/Sub).
 	for _, p := range plans {
-		for name, call := range map[string]func(string, ...string) *http.Response{"A": callA, "B": callB} {
-			ok := waitFor(5*time.Second, func() bool {
-				return call("/", "X-User", user, "X-Plan", p.plan).StatusCode == 200
-			})
-			if !ok {
-				t.Errorf("%s on instance %s: still rejected 5s after the reset", p.plan, name)
+		for _, in := range []struct {
+			name string
+			call func(string, ...string) *http.Response
+		}{{"B", callB}, {"A", callA}} {
+			for in.call("/", "X-User", user, "X-Plan", p.plan).StatusCode != 200 {
+				if time.Since(lifted) > time.Second {
+					t.Fatalf("%s on instance %s: still rejected %s after the reset", p.plan, in.name, time.Since(lifted))
+				}
+				time.Sleep(20 * time.Millisecond)
 			}
 		}
 	}
+	if status, _, body := adminCall(t, "GET", quota); status != 200 {
+		t.Errorf("GET after the reset and a request of each plan: %d %s, want 200", status, body)
+	}
 
-	// Nothing the reset or the fleet wrote is left in Redis forever.
+	// Nothing the reset wrote is left in Redis forever.
 	c := redis.NewClient(&redis.Options{Addr: r.Addr})
 	defer c.Close()
 	keys, err := c.Keys(context.Background(), "*").Result()
@@ -131,8 +141,8 @@ func TestAdminQuotaPlans(t *testing.T) {
 			t.Errorf("key %q has no expiry (%s)", k, ttl)
 		}
 	}
-	if !strings.Contains(strings.Join(keys, " "), "{~fleet}:resets") {
-		t.Errorf("no reset notice in Redis: %v", keys)
+	if strings.Contains(strings.Join(keys, " "), "{~fleet}:resets") {
+		t.Errorf("a reset notice in Redis (resets reach the fleet through Pub/Sub only): %v", keys)
 	}
 }
 
@@ -188,5 +198,130 @@ func TestAdminQuotaPlansOnCluster(t *testing.T) {
 		if status, body := call("GET", id); status != 404 {
 			t.Errorf("GET %s after its reset: %d %s, want 404", id, status, body)
 		}
+	}
+}
+
+// TestAdminQuotaPlansIndex (SPEC §8): a limit with placeholder rates is read
+// and reset without a keyspace scan: the decision script keeps each key's
+// index of the rendered rates it has state for (`<prefix>{<key>}:rates`),
+// expiring with its longest window. GET and DELETE call no SCAN; a rate
+// whose state expired is no longer listed; the index expires with the last
+// state; DELETE removes the index with the states. A fixed-rate handler
+// writes no index.
+func TestAdminQuotaPlansIndex(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	rate, err := RateOf("{http.request.header.X-N}", "{http.request.header.X-W}")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl := newRateLimit(t, r, func(h *RedisRateLimit) { h.Rates = []Rate{rate} })
+	fixed := newRateLimit(t, r, func(h *RedisRateLimit) { h.Prefix = "fixed:" })
+	c := r.Client()
+	ctx := context.Background()
+	call := func(method, id string) (int, quotaAnswer) {
+		w := httptest.NewRecorder()
+		req := httptest.NewRequest(method, "/", nil)
+		var err error
+		if method == "DELETE" {
+			err = resetQuota(w, req, rl, []*RedisRateLimit{rl}, id)
+		} else {
+			err = inspectQuota(w, req, rl, id)
+		}
+		var ae caddy.APIError
+		if errors.As(err, &ae) {
+			return ae.HTTPStatus, quotaAnswer{}
+		}
+		if err != nil {
+			t.Fatalf("%s %s: %v", method, id, err)
+		}
+		var q quotaAnswer
+		if err := json.Unmarshal(w.Body.Bytes(), &q); err != nil {
+			t.Fatalf("%s %s: %v in %s", method, id, err, w.Body.String())
+		}
+		return 200, q
+	}
+	plan := func(ip, n, w string) {
+		t.Helper()
+		if a := serveRL(rl, ip, func(r *http.Request, _ *caddy.Replacer) { r.Header.Set("X-N", n); r.Header.Set("X-W", w) }); !a.passed {
+			t.Fatalf("%s %s/%s: %d %v", ip, n, w, a.status, a.err)
+		}
+	}
+	scans := func() int64 {
+		info, err := c.Info(ctx, "commandstats").Result()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(info, "\r\n") {
+			if v, ok := strings.CutPrefix(line, "cmdstat_scan:calls="); ok {
+				n, _ := strconv.ParseInt(v[:strings.IndexByte(v, ',')], 10, 64)
+				return n
+			}
+		}
+		return 0
+	}
+	if a := serveRL(fixed, "192.0.2.40", nil); !a.passed {
+		t.Fatalf("fixed rate: %d %v", a.status, a.err)
+	}
+	if n, _ := c.Exists(ctx, "fixed:{192.0.2.40}:rates").Result(); n != 0 {
+		t.Error("a fixed-rate handler wrote a rate index")
+	}
+
+	const ip = "192.0.2.41"
+	index := rl.indexKey(ip)
+	plan(ip, "5", "1s")
+	plan(ip, "7", "4s")
+	plan(ip, "7", "4s")
+	before := scans()
+	status, q := call("GET", ip)
+	if status != 200 || len(q.RedisKeys) != 2 || len(q.Rates) != 2 {
+		t.Fatalf("GET: %d %+v, want both rendered rates", status, q)
+	}
+	for _, v := range q.Rates {
+		if want := map[int64]int64{5: 1, 7: 2}[v.Requests]; v.Used != want {
+			t.Errorf("rate %+v: used %d, want %d", v, v.Used, want)
+		}
+	}
+	ttl := c.PTTL(ctx, index).Val()
+	for _, k := range q.RedisKeys {
+		if st := c.PTTL(ctx, k).Val(); st <= 0 || st > ttl {
+			t.Errorf("state %s expires in %s, the index in %s: want the index last", k, st, ttl)
+		}
+	}
+	if ttl <= 3*time.Second || ttl > 4100*time.Millisecond {
+		t.Errorf("index PTTL %s, want the longest window (4s)", ttl)
+	}
+	// The 1s state expires: the index still lists it, GET no longer does.
+	if !waitFor(5*time.Second, func() bool { return c.Exists(ctx, q.RedisKeys[0], q.RedisKeys[1]).Val() == 1 }) {
+		t.Fatal("the 1s state did not expire")
+	}
+	if status, q := call("GET", ip); status != 200 || len(q.Rates) != 1 || q.Rates[0].Requests != 7 {
+		t.Errorf("GET after the 1s state expired: %d %+v, want the 7/4s rate only", status, q)
+	}
+	// The index expires with the last state.
+	if !waitFor(8*time.Second, func() bool { return c.Exists(ctx, index).Val() == 0 }) {
+		t.Fatalf("index still there (PTTL %s)", c.PTTL(ctx, index).Val())
+	}
+	if n := c.Exists(ctx, q.RedisKeys...).Val(); n != 0 {
+		t.Errorf("%d states outlived their index", n)
+	}
+	if status, _ := call("GET", ip); status != 404 {
+		t.Errorf("GET once everything expired: %d, want 404", status)
+	}
+
+	// DELETE removes the states and the index.
+	plan(ip, "5", "1m")
+	plan(ip, "7", "1m")
+	if status, q := call("DELETE", ip); status != 200 || len(q.RedisKeys) != 2 || !q.Reset {
+		t.Fatalf("DELETE: %d %+v", status, q)
+	}
+	if keys := c.Keys(ctx, "*{"+ip+"}*").Val(); len(keys) != 0 {
+		t.Errorf("left after DELETE: %v", keys)
+	}
+	if status, _ := call("GET", ip); status != 404 {
+		t.Errorf("GET after DELETE: %d, want 404", status)
+	}
+	if got := scans(); got != before {
+		t.Errorf("SCAN called %d times over GET and DELETE, want none", got-before)
 	}
 }

@@ -379,6 +379,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //		cost      <n>                 # what one request counts for; a number or a placeholder; default 1
 //		count     <status>...         # count only these answers (codes like 401, classes like 5xx); default all
 //		wait      <duration>          # hold a request up to this long for its slot instead of rejecting; default 0
+//		ban       <duration>          # a key its quota rejects stays rejected this long, on every rate; default 0
 //		jitter    <fraction>          # raise Retry-After by a random share up to this; default 0
 //		ip_prefix <v4> <v6>           # group client IPs by network prefix; default 32 128
 //		name      <string>            # for the admin API; default: its position
@@ -485,6 +486,15 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Wait = caddy.Duration(dur)
+		case "ban":
+			dur, err := parsePositiveDuration(d, dir)
+			if err != nil {
+				return err
+			}
+			if dur < time.Millisecond {
+				return d.Errf("%s: ban: must be at least 1ms, got %s", dir, dur)
+			}
+			h.Ban = caddy.Duration(dur)
 		case "algorithm":
 			v, err := oneArg(d, dir)
 			if err != nil {

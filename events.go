@@ -1,7 +1,7 @@
 package redisdlm
 
 // Caddy events (the events app): redis_lock_lost, redis_lock_forced,
-// rate_limit_exceeded. Any handler module of Caddy's events.handlers
+// rate_limit_exceeded, rate_limit_banned. Any handler module of Caddy's events.handlers
 // namespace receives them, e.g. `events { on redis_lock_lost exec ... }`.
 // Handlers run synchronously on the emitting goroutine, so an event is
 // built only when something subscribes, and a rejection is announced at
@@ -20,6 +20,7 @@ const (
 	EventLockLost          = "redis_lock_lost"
 	EventLockForced        = "redis_lock_forced"
 	EventRateLimitExceeded = "rate_limit_exceeded"
+	EventRateLimitBanned   = "rate_limit_banned"
 )
 
 // emitter emits a handler's events through the handler's own context, so

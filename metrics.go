@@ -37,17 +37,18 @@ var (
 
 // rateLimitResults are the results of caddy_redis_ratelimit_requests_total:
 // requests admitted, rejected, answered by the fail policy (Redis could not
-// decide), and answered 400 because a rate, window or cost rendered to
-// something unusable, and decided by the instance alone while Redis could
-// not (fail_local). The result* constants index them.
-var rateLimitResults = [...]string{"allowed", "denied", "error", "bad_request", "local"}
+// decide), answered 400 because a rate, window or cost rendered to
+// something unusable, decided by the instance alone while Redis could not
+// (fail_local), and refused by a ban. The result* constants index them.
+var rateLimitResults = [...]string{"allowed", "denied", "error", "bad_request", "local", "banned"}
 
 const (
 	resultAllowed = iota
 	resultDenied
 	resultError
 	resultBadRequest
-	resultLocal // decided by this instance alone (fail_local)
+	resultLocal  // decided by this instance alone (fail_local)
+	resultBanned // refused by a ban (ban), without a rate's decision
 )
 
 // Outcomes of a redis_fence check (caddy_redis_fence_writes_total).

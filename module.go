@@ -258,8 +258,9 @@ type pooledClient struct {
 	users    *clientUsers // the handlers using it, for its parts' log lines
 
 	mu     sync.Mutex
-	rl     *ratelimit.Batcher // made by the first rate-limit call
-	closed bool               // no new batcher: the client is closed
+	rl     *ratelimit.Batcher        // made by the first rate-limit call
+	forget *ratelimit.ForgetListener // admin resets of other instances; with rl
+	closed bool                      // no new batcher: the client is closed
 }
 
 // destructGrace is how long a client whose last handler went away stays
@@ -280,10 +281,11 @@ func (p *pooledClient) Destruct() error {
 		p.lock.CloseWhenIdle(func() {
 			p.mu.Lock()
 			p.closed = true
-			rl := p.rl
+			rl, forget := p.rl, p.forget
 			p.mu.Unlock()
 			if rl != nil {
 				rl.Close()
+				forget.Close()
 			}
 			p.check.Close()
 			_ = p.client.Close()
@@ -303,7 +305,8 @@ func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs rat
 		return nil, ratelimit.ErrBatcherDone
 	}
 	if p.rl == nil {
-		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Workers, p.users.slogger("rl"))
+		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: p.users.slogger("rl")})
+		p.forget = ratelimit.ListenForget(p.client, resetForgetter{p}, p.users.slogger("rl"))
 	}
 	b := p.rl
 	p.mu.Unlock()

@@ -222,6 +222,23 @@ type RedisRateLimit struct {
 	// caddy_redis_ratelimit_waited_seconds. Default: 0 (reject at once).
 	Wait caddy.Duration `json:"wait,omitempty"`
 
+	// Ban a key its quota rejects for this long: a penalty box for
+	// credential stuffing and scrapers. Once a rate rejects a request of a
+	// key, every request of that key is rejected outright until the ban
+	// ends, on every rate and on every Caddy instance sharing the Redis,
+	// with Retry-After at the ban's end; requests refused by the ban count
+	// as `banned` in caddy_redis_ratelimit_requests_total, and the event
+	// `rate_limit_banned` announces the ban once, when it starts. The ban is
+	// kept in Redis next to the key's rates (set by the decision that
+	// rejects, checked first by every decision; it expires when it ends),
+	// and each instance answers a ban it has seen from memory until its
+	// end. The admin API shows it (`banned_until`) and its DELETE lifts it
+	// with the quota, on every instance within a second. Bad input, a cost
+	// above a rate's capacity, dry_run, and requests that `wait` holds and
+	// admits never ban (a request `wait` cannot absorb does). At least 1ms.
+	// Default: 0 (no ban).
+	Ban caddy.Duration `json:"ban,omitempty"`
+
 	// The connection to Redis: one logical Redis (one `redis` address, a
 	// `cluster` or a `sentinel`).
 	RedisConfig
@@ -248,7 +265,7 @@ type RedisRateLimit struct {
 	client     *pooledClient
 	clientKey  string
 	deny       *ratelimit.DenyCache
-	fleet      *fleet           // nil without a deny cache and fail_local
+	fleet      *fleet           // fail_local; nil without
 	local      *localState      // fail_local; nil without
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
@@ -349,8 +366,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	series := newRateLimitSeries(h.label)
 	h.counters, h.waited = series.results, series.waited
 	h.obs = observeHandler("rl", h.label, h.logger, h.client)
-	if h.counts == nil {
-		h.deny = ratelimit.NewDenyCache(denyCacheSize)
+	if h.counts == nil || h.Ban > 0 {
+		// With count, it holds bans only (see remember).
+		h.deny = h.newDenyCache()
 	}
 	if err := adminRegister(ctx, h); err != nil {
 		return err
@@ -358,8 +376,14 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if h.FailLocal {
 		h.local = &localState{lim: ratelimit.NewLocal(localRatesMax, time.Now())}
 	}
-	h.startFleet(ctx, h.FailLocal)
+	registerResets(h)
+	h.startFleet(ctx)
 	return nil
+}
+
+// newDenyCache makes the handler's deny cache, on its clock.
+func (h *RedisRateLimit) newDenyCache() *ratelimit.DenyCache {
+	return ratelimit.NewDenyCache(denyCacheSize, ratelimit.ClockFunc(h.now))
 }
 
 // Validate checks the config; it repeats what the Caddyfile parser checks,
@@ -422,6 +446,9 @@ func (h *RedisRateLimit) Validate() error {
 	if h.Wait < 0 {
 		return fmt.Errorf("redis_ratelimit: wait: must not be negative, got %s", time.Duration(h.Wait))
 	}
+	if h.Ban < 0 || h.Ban > 0 && time.Duration(h.Ban) < time.Millisecond {
+		return fmt.Errorf("redis_ratelimit: ban: must be at least 1ms (or 0: no ban), got %s", time.Duration(h.Ban))
+	}
 	if h.Burst < 0 || h.Burst != 0 && algo != algoGCRA {
 		if h.Burst < 0 {
 			return fmt.Errorf("redis_ratelimit: burst: must be positive, got %d", h.Burst)
@@ -467,6 +494,7 @@ func checkRate(n int64, window time.Duration, algo string) error {
 // acquired).
 func (h *RedisRateLimit) Cleanup() error {
 	adminUnregister(h)
+	unregisterResets(h)
 	h.obs.release()
 	releaseClient(h.clientKey)
 	h.clientKey = ""
@@ -511,22 +539,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 	}
 	repl.Set("http.redis_ratelimit.remaining", d.Remaining)
 	repl.Set("http.redis_ratelimit.retry_after", retry)
-	if d.Allowed {
-		h.counters[resultAllowed].Inc()
-	} else {
-		h.counters[resultDenied].Inc()
-		if !d.Cached { // at most once per key per deny-cache period
-			h.events.emit(EventRateLimitExceeded, func() map[string]any {
-				return map[string]any{"handler": h.label, "key": id, "reason": "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded",
-					"retry_after": retry, "dry_run": h.DryRun}
-			})
-		}
-	}
-	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
-		c.Write(zap.String("key", id), zap.Bool("allowed", d.Allowed), zap.Int64("remaining", d.Remaining),
-			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.cost),
-			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.Cached))
-	}
+	h.report(id, p, d, retry)
 	if !d.Allowed && !h.DryRun {
 		if retry > 0 {
 			w.Header().Set(HeaderRetryAfter, strconv.FormatInt(retry, 10))
@@ -537,23 +550,69 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		return next.ServeHTTP(w, r)
 	}
 	if h.Wait > 0 && !h.DryRun {
-		if d.Hold > 0 {
-			t := time.NewTimer(d.Hold)
-			select {
-			case <-t.C:
-			case <-r.Context().Done():
-				t.Stop()
-				h.settle(id, p, d)
-				return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while held for its rate-limit slot: %w", r.Context().Err()))
-			}
+		if err := h.holdFor(r, id, p, d); err != nil {
+			return err
 		}
-		h.waited.Observe(d.Hold.Seconds())
 	}
 	if h.counts == nil {
 		return next.ServeHTTP(w, r)
 	}
+	return h.serveCounted(w, r, next, id, p, d)
+}
+
+// report counts a decision in the metrics (a request refused by a ban as
+// banned), announces a rejection (rate_limit_exceeded at most once per key
+// per deny-cache period, rate_limit_banned once, as the ban starts), and
+// logs it at debug level.
+func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
+	switch {
+	case d.Allowed:
+		h.counters[resultAllowed].Inc()
+	case d.Ban == ratelimit.Banned:
+		h.counters[resultBanned].Inc()
+	default:
+		h.counters[resultDenied].Inc()
+		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded"
+		if !d.Cached { // at most once per key per deny-cache period
+			h.events.emit(EventRateLimitExceeded, func() map[string]any {
+				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "dry_run": h.DryRun}
+			})
+		}
+		if d.Ban == ratelimit.BanStarted {
+			h.events.emit(EventRateLimitBanned, func() map[string]any {
+				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "ban": h.ban().String()}
+			})
+		}
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
+		c.Write(zap.String("key", id), zap.Bool("allowed", d.Allowed), zap.Int64("remaining", d.Remaining),
+			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.cost),
+			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.Cached), zap.Bool("banned", d.Ban != ratelimit.NotBanned))
+	}
+}
+
+// holdFor holds an admitted request until its slot (wait); a client that
+// goes away meanwhile gets its admission returned.
+func (h *RedisRateLimit) holdFor(r *http.Request, id string, p *plan, d decision) error {
+	if d.Hold > 0 {
+		t := time.NewTimer(d.Hold)
+		select {
+		case <-t.C:
+		case <-r.Context().Done():
+			t.Stop()
+			h.settle(id, p, d)
+			return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while held for its rate-limit slot: %w", r.Context().Err()))
+		}
+	}
+	h.waited.Observe(d.Hold.Seconds())
+	return nil
+}
+
+// serveCounted runs the rest of the route for an admission under count,
+// and returns the admission when the answer's status does not count.
+func (h *RedisRateLimit) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, id string, p *plan, d decision) error {
 	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
-	err = next.ServeHTTP(rec, r)
+	err := next.ServeHTTP(rec, r)
 	status := rec.Status()
 	if err != nil {
 		var he caddyhttp.HandlerError

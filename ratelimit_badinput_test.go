@@ -198,7 +198,7 @@ func TestRateLimitPlanMapWithoutDefault(t *testing.T) {
 			if resp, _ := get(t, srv.URL, "X-Plan", "pro"); resp == nil || resp.StatusCode != 200 || resp.Header.Get(HeaderRateLimit) != `"r0";r=599;t=60` {
 				t.Fatalf("pro request: %v, want 200 with r=599", resp)
 			}
-			keys, _ := r.Client().Keys(context.Background(), fmt.Sprintf("closed=%v:*", closed)).Result()
+			keys, _ := r.Client().Keys(context.Background(), fmt.Sprintf("closed=%v:*:sw:*", closed)).Result()
 			if len(keys) != 2 {
 				t.Fatalf("keys %v, want one per known plan", keys)
 			}

@@ -46,6 +46,10 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			Algorithm: "gcra", Burst: 20, Status: 503, Headers: &off, DryRun: true, FailClosed: true, Prefix: "api:rl:",
 			RedisConfig: RedisConfig{Addresses: []string{"redis://:secret@10.0.0.1:6380/2"}, Timeout: caddy.Duration(250 * time.Millisecond)},
 		}},
+		{"ban", `redis_ratelimit {
+			rate 5 10m
+			ban  1h
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 5, Window: caddy.Duration(10 * time.Minute)}}, Ban: caddy.Duration(time.Hour)}},
 		{"burst before algorithm", `redis_ratelimit {
 			burst 5
 			rate 1 1s
@@ -160,6 +164,11 @@ func TestRateLimitCaddyfileErrors(t *testing.T) {
 		{"wait bad", "redis_ratelimit {\n rate 1 1s\n wait forever\n}", []string{"wait:", "invalid duration", "Testfile:3"}},
 		{"wait negative", "redis_ratelimit {\n rate 1 1s\n wait -1s\n}", []string{"wait:", "negative", "Testfile:3"}},
 		{"wait two args", "redis_ratelimit {\n rate 1 1s\n wait 1s 2s\n}", []string{"wait:", "Testfile:3"}},
+		{"ban bad", "redis_ratelimit {\n rate 1 1s\n ban forever\n}", []string{"ban:", "invalid duration", "Testfile:3"}},
+		{"ban zero", "redis_ratelimit {\n rate 1 1s\n ban 0s\n}", []string{"ban:", "Testfile:3"}},
+		{"ban below 1ms", "redis_ratelimit {\n rate 1 1s\n ban 10us\n}", []string{"ban:", "1ms", "Testfile:3"}},
+		{"ban no arg", "redis_ratelimit {\n rate 1 1s\n ban\n}", []string{"ban:", "Testfile:3"}},
+		{"ban twice", "redis_ratelimit {\n rate 1 1s\n ban 1m\n ban 2m\n}", []string{"ban", "Testfile:4"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var h RedisRateLimit

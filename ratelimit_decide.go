@@ -28,12 +28,8 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if p.deny != "" {
 		cacheID = id + "\x00" + p.deny
 	}
-	// No deny cache with count: an answer that does not count returns its
-	// admission, on any instance, so no rejection is known to last.
-	if h.deny != nil {
-		if e, ok := h.deny.Get(cacheID, h.now(), p.cost); ok {
-			return decision{Tight: e.Tight, Remaining: e.Left, Wait: e.RetryAt.Sub(h.now()), Reset: e.RetryAt.Sub(h.now()), Cached: true}, nil
-		}
+	if d, ok := h.cached(cacheID, id, p); ok {
+		return d, nil
 	}
 	if h.local != nil {
 		if err := h.chargeFirst(ctx, id, p); err != nil {
@@ -42,6 +38,12 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	}
 	var keys [4]string
 	c := &ratelimit.Call{Script: h.script, Argv: p.argv, Keys: h.redisKeys(keys[:0], id, p)}
+	if h.ban() > 0 {
+		c.BanKey = h.banKey(id)
+	}
+	if h.dynamic {
+		c.IndexKey = h.indexKey(id)
+	}
 	sent := h.now()
 	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
@@ -55,19 +57,67 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if h.local != nil {
 		h.noteRedis(id, p, d, sent, got)
 	}
-	if !d.Allowed && h.deny != nil {
-		// The script ran after sent and before got, so the request passes
-		// no earlier than sent+wait (the cache holds until shortly before
-		// that, minus a margin for clock-rate differences) and surely by
-		// got+wait (what Retry-After reports from the cache).
-		margin := time.Millisecond + d.Wait/1000
-		h.deny.Put(cacheID, ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost}, got)
-		if h.fleet != nil { // look for admin resets of other instances meanwhile
-			h.fleet.noteDeny(sent.Add(d.Wait - margin))
-		}
+	if !d.Allowed {
+		h.remember(cacheID, id, p, d, sent, got)
 	}
 	return d, nil
 }
+
+// anyCost asks the deny cache for a ban only: no rejection of a request
+// has cost 0.
+const anyCost = 0
+
+// cached answers from the deny cache: a rejection of this plan and cost
+// (cacheID), or a ban of the key (id), under any plan.
+func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
+	if h.deny == nil {
+		return decision{}, false
+	}
+	e, ok := h.deny.Get(cacheID, p.cost)
+	if !ok && cacheID != id {
+		e, ok = h.deny.Get(id, anyCost)
+	}
+	if !ok {
+		return decision{}, false
+	}
+	now := h.now()
+	d := decision{Tight: e.Tight, Remaining: e.Left, Wait: e.RetryAt.Sub(now), Reset: e.RetryAt.Sub(now), Cached: true}
+	if e.Banned {
+		d.Ban = ratelimit.Banned
+	}
+	return d, true
+}
+
+// remember puts a rejection in the deny cache: a ban under the key (it
+// rejects every plan and cost), any other rejection under its plan and cost.
+// No rejection but a ban with count: an answer that does not count returns
+// its admission, on any instance, so no rejection is known to last.
+func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent, got time.Time) {
+	if h.deny == nil || d.Ban == ratelimit.NotBanned && h.counts != nil {
+		return
+	}
+	// The script ran after sent and before got, so the request passes
+	// no earlier than sent+wait (the cache holds until shortly before
+	// that, minus a margin for clock-rate differences) and surely by
+	// got+wait (what Retry-After reports from the cache).
+	margin := time.Millisecond + d.Wait/1000
+	e := ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost}
+	if d.Ban != ratelimit.NotBanned {
+		e.Banned, e.Left = true, 0
+		cacheID = id
+	}
+	h.deny.Put(cacheID, e)
+}
+
+// banKey is the Redis key of id's ban: it exists, and expires, while the
+// ban lasts.
+func (h *RedisRateLimit) banKey(id string) string { return h.keyHead + id + "}:ban" }
+
+// indexKey is the Redis key of id's rate index, for a handler whose rates
+// are rendered per request: a sorted set of the rate states id has, each
+// scored by its expiry (ms), expiring with the latest (the decision script
+// keeps it; the admin API reads it instead of scanning the keyspace).
+func (h *RedisRateLimit) indexKey(id string) string { return h.keyHead + id + "}:rates" }
 
 // redisKeys appends the Redis keys of id's rates in plan p to buf.
 func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {

@@ -1,31 +1,25 @@
 package redisdlm
 
-// The instances that share a rate-limit prefix, through Redis. Each
+// The instances that share a rate-limit prefix, through Redis. A fail_local
 // handler runs one loop (fleetLoop) that, every fleetTick:
-//   - while its deny cache may hold a rejection, reads the limit ids the
-//     admin API reset under its prefix since its last look, and forgets them
-//     in its deny cache: a reset reaches every instance within about a
-//     second;
-//   - with fail_local, records this instance's heartbeat every
-//     heartbeatEvery and reads how many instances keep one (N);
-//   - with fail_local, charges Redis with what it admitted locally while
-//     Redis was unreachable, once Redis answers (ratelimit_local.go); in
-//     local mode it tries every localTick.
-// An idle handler without fail_local calls nothing.
+//   - records this instance's heartbeat every heartbeatEvery and reads how
+//     many instances keep one (N);
+//   - charges Redis with what it admitted locally while Redis was
+//     unreachable, once Redis answers (ratelimit_local.go); in local mode it
+//     tries every localTick.
+// A handler without fail_local runs no loop. (Admin resets reach the other
+// instances through Pub/Sub: ratelimit_forget.go.)
 
 import (
 	"context"
 	_ "embed"
 	"fmt"
 	"runtime/debug"
-	"strconv"
 	"sync/atomic"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/google/uuid"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -51,24 +45,14 @@ const (
 	// A heartbeat lives about three periods: an instance that stops (or
 	// whose Redis link broke) no longer counts after it.
 	heartbeatLife = 3 * heartbeatEvery
-	// resetsKept is how long a reset stays listed for the other instances.
-	resetsKept = 10 * time.Second
 )
 
-// fleet is a handler's view of the other instances.
+// fleet is a fail_local handler's view of the other instances.
 type fleet struct {
-	// A rejection may be in the deny cache until then (UnixNano, local).
-	denyUntil atomic.Int64
 	// The number of instances seen in the last heartbeat read (0: none yet).
 	instances atomic.Int64
-	// The latest reset seen (its score, Redis TIME in µs); loop goroutine
-	// only.
-	since float64
-	// Record heartbeats (fail_local).
-	beats bool
-	// The handler's deny cache and logger as Provision left them: the loop
-	// reads no field a later change of the handler could race with.
-	deny   *ratelimit.DenyCache
+	// The handler's logger as Provision left it: the loop reads no field a
+	// later change of the handler could race with.
 	logger *zap.Logger
 	member string // this instance's heartbeat id
 	// Woken when Redis answered a decision while local admissions wait to
@@ -76,12 +60,10 @@ type fleet struct {
 	wake chan struct{}
 }
 
-// fleetKeys are the heartbeat and reset sets of the handler's prefix. The
-// hash tag holds a character no limit id starts with, and the suffixes are
-// none of a rate's, so they never mix with a limit's keys.
-func (h *RedisRateLimit) fleetKeys() []string {
-	return []string{h.Prefix + "{~fleet}:instances", h.Prefix + "{~fleet}:resets"}
-}
+// fleetKey is the heartbeat set of the handler's prefix. The hash tag holds
+// a character no limit id starts with, and the suffix is none of a rate's,
+// so it never mixes with a limit's keys.
+func (h *RedisRateLimit) fleetKey() string { return h.Prefix + "{~fleet}:instances" }
 
 // instance is this instance's heartbeat id.
 func (h *RedisRateLimit) instance() string {
@@ -91,32 +73,21 @@ func (h *RedisRateLimit) instance() string {
 	return instanceID
 }
 
-// noteDeny records that the deny cache holds a rejection until until.
-func (f *fleet) noteDeny(until time.Time) {
-	u := until.UnixNano()
-	for {
-		cur := f.denyUntil.Load()
-		if cur >= u || f.denyUntil.CompareAndSwap(cur, u) {
-			return
-		}
-	}
-}
-
 // startFleet starts the handler's fleet loop, stopped with ctx (the
 // config's). Its first call comes a tick later, so `caddy validate`
 // (Provision then Cleanup) calls no Redis.
-func (h *RedisRateLimit) startFleet(ctx context.Context, beats bool) {
-	if h.deny == nil && !beats {
+func (h *RedisRateLimit) startFleet(ctx context.Context) {
+	if h.local == nil {
 		return
 	}
-	h.fleet = &fleet{beats: beats, wake: make(chan struct{}, 1), deny: h.deny, logger: h.logger, member: h.instance()}
+	h.fleet = &fleet{wake: make(chan struct{}, 1), logger: h.logger, member: h.instance()}
 	go h.fleetLoop(ctx)
 }
 
 func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 	defer func() {
 		if v := recover(); v != nil {
-			h.fleet.logger.Error("rate-limit fleet loop panicked; resets from other instances and heartbeats stop for this handler",
+			h.fleet.logger.Error("rate-limit fleet loop panicked; heartbeats and charges of local admissions stop for this handler",
 				zap.Any("panic", v), zap.ByteString("stack", debug.Stack()))
 		}
 	}()
@@ -130,7 +101,7 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 		case <-t.C:
 		case <-h.fleet.wake:
 		}
-		local := h.local != nil && h.local.mode.Load()
+		local := h.local.mode.Load()
 		// In local mode the heartbeat is tried every localTick: its answer
 		// tells that Redis answers again, and the local admissions are
 		// charged at once (another instance may decide by Redis already).
@@ -140,72 +111,36 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 			t.Reset(fleetTick)
 		}
 		now := time.Now()
-		beat := h.fleet.beats && (now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || local)
-		ok := h.fleetCall(ctx, now, beat)
-		if ok && beat {
-			lastBeat = now
+		ok := false
+		if now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || local {
+			if ok = h.heartbeat(ctx); ok {
+				lastBeat = now
+			}
 		}
 		// Redis answers again: charge it with what was admitted locally.
-		if h.local != nil && (ok || !h.local.mode.Load()) && h.local.lim.Pending() {
+		if (ok || !h.local.mode.Load()) && h.local.lim.Pending() {
 			h.chargeLocal(ctx)
 		}
 	}
 }
 
-// fleetCall records a heartbeat (beat) and reads the count of instances,
-// and, while the deny cache may hold a rejection, reads the resets since
-// the last look (a plain ZRANGEBYSCORE: no script call, so a key answered
-// from the deny cache still costs Redis no script). It reports whether
-// Redis answered.
-func (h *RedisRateLimit) fleetCall(ctx context.Context, now time.Time, beat bool) bool {
-	poll := h.fleet.deny != nil && now.UnixNano() < h.fleet.denyUntil.Load()
-	if !beat && !poll {
-		return false
-	}
+// heartbeat records this instance's heartbeat and reads the count of
+// instances. It reports whether Redis answered.
+func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	keys := h.fleetKeys()
-	var err error
-	if beat {
-		var res []any
-		res, err = rateLimitFleetScript.Run(ctx, h.client.client, keys, h.fleet.member, heartbeatLife.Microseconds(), "", resetsKept.Microseconds()).Slice()
-		if err == nil && len(res) != 2 {
-			err = fmt.Errorf("unexpected answer of %d values", len(res))
-		}
-		if err == nil {
-			if n, _ := res[1].(int64); n > 0 {
-				h.fleet.instances.Store(n)
-			}
-		}
-	}
-	if poll && err == nil {
-		var zs []redis.Z
-		since := "(" + strconv.FormatFloat(h.fleet.since, 'f', -1, 64)
-		if zs, err = h.client.client.ZRangeByScoreWithScores(ctx, keys[1], &redis.ZRangeBy{Min: since, Max: "+inf"}).Result(); err == nil {
-			for _, z := range zs {
-				if id, ok := z.Member.(string); ok {
-					h.fleet.deny.Forget(id)
-					if h.local != nil {
-						h.local.lim.Forget(h.keyHead + id + "}")
-					}
-				}
-				h.fleet.since = max(h.fleet.since, z.Score)
-			}
-		}
+	res, err := rateLimitFleetScript.Run(ctx, h.client.client, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds()).Slice()
+	if err == nil && len(res) != 2 {
+		err = fmt.Errorf("unexpected answer of %d values", len(res))
 	}
 	if err != nil {
-		if c := h.fleet.logger.Check(zap.DebugLevel, "rate-limit fleet call failed"); c != nil {
+		if c := h.fleet.logger.Check(zap.DebugLevel, "rate-limit heartbeat failed"); c != nil {
 			c.Write(zap.Error(err))
 		}
 		return false
 	}
+	if n, _ := res[1].(int64); n > 0 {
+		h.fleet.instances.Store(n)
+	}
 	return true
-}
-
-// noticeReset tells the other instances that the quota of id was reset
-// (their deny caches forget it within about a second).
-func (h *RedisRateLimit) noticeReset(ctx context.Context, id string) error {
-	ctx, cancel := context.WithTimeout(ctx, h.timeout)
-	defer cancel()
-	return rateLimitFleetScript.Run(ctx, h.client.client, h.fleetKeys(), "", heartbeatLife.Microseconds(), id, resetsKept.Microseconds()).Err()
 }

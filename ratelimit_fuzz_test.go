@@ -109,7 +109,7 @@ func FuzzRateLimitHeaders(f *testing.F) {
 		if wait < int64(time.Millisecond) || wait > int64(1000*time.Hour) {
 			wait = int64(time.Millisecond)
 		}
-		h.deny.Put("k", ratelimit.DenyEntry{Until: now.Add(time.Duration(wait)), RetryAt: now.Add(time.Duration(wait)), Tight: 0}, now)
+		h.deny.Put("k", ratelimit.DenyEntry{Until: now.Add(time.Duration(wait)), RetryAt: now.Add(time.Duration(wait)), Tight: 0})
 		req := httptest.NewRequest("GET", "/", nil)
 		req = req.WithContext(context.WithValue(req.Context(), caddy.ReplacerCtxKey, caddy.NewReplacer()))
 		w := httptest.NewRecorder()

@@ -31,7 +31,7 @@ type gcraAdm struct{ at, tat, sum int64 }
 
 func (k *gcraKey) admit() (gcraAdm, bool) {
 	k.t.Helper()
-	res, err := decideOnce(context.Background(), k.c, ratelimit.GCRAScript, []string{k.key}, 1, k.hold, k.n, k.w, k.n).Result()
+	res, err := decideOnce(context.Background(), k.c, ratelimit.GCRAScript, []string{k.key}, 1, k.hold, 0, k.n, k.w, k.n).Result()
 	if err != nil || len(res) != 6 {
 		k.t.Fatalf("decision: %v %v", res, err)
 	}
@@ -223,9 +223,12 @@ func TestRateLimitGCRACountOverlapping(t *testing.T) {
 				h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
 				h.Count = []string{"401"}
 			})
-			answer := func(code int, sleep time.Duration) caddyhttp.HandlerFunc {
+			answer := func(code int, sleep time.Duration, admitted chan<- struct{}) caddyhttp.HandlerFunc {
 				return func(w http.ResponseWriter, r *http.Request) error {
-					time.Sleep(sleep)
+					if admitted != nil {
+						close(admitted)
+					}
+					time.Sleep(sleep) // the upstream's work: the answers end in the order tested
 					w.WriteHeader(code)
 					return nil
 				}
@@ -233,21 +236,27 @@ func TestRateLimitGCRACountOverlapping(t *testing.T) {
 			var wg sync.WaitGroup
 			for _, s := range sleeps {
 				wg.Add(1)
+				admitted := make(chan struct{})
 				go func() {
 					defer wg.Done()
-					if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(200, s)); !a.passed {
+					if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(200, s, admitted)); !a.passed {
 						t.Errorf("overlapping request: %d", a.status)
+						close(admitted)
 					}
 				}()
-				time.Sleep(20 * time.Millisecond) // admitted in this order
+				select { // admitted in this order
+				case <-admitted:
+				case <-time.After(10 * time.Second):
+					t.Fatal("an overlapping request was never admitted")
+				}
 			}
 			wg.Wait()
 			for i := 0; i < 3; i++ {
-				if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0)); !a.passed {
+				if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0, nil)); !a.passed {
 					t.Fatalf("401 number %d rejected: the 200s' reservations were kept", i+1)
 				}
 			}
-			if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0)); a.passed {
+			if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0, nil)); a.passed {
 				t.Fatal("a fourth counted 401 admitted against rate 3 per minute")
 			}
 		})
@@ -303,7 +312,7 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 	rates := []int64{10, sec, 1, 5, sec, 4} // n, w, burst of j, then of i
 	admit := func() []int64 {
 		t.Helper()
-		argv := []any{1, 5 * sec}
+		argv := []any{1, 5 * sec, 0} // cost, hold, no ban
 		for _, v := range rates {
 			argv = append(argv, v)
 		}

@@ -15,8 +15,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -69,19 +69,15 @@ type quotaTarget struct {
 	tmpl   string // the rate template of a rendered rate
 }
 
-// maxScanCalls bounds the SCAN calls that look for one key's rendered rates
-// (COUNT scanCount each: 10 million keys on the key's node).
-const (
-	maxScanCalls = 10000
-	scanCount    = 1000
-	maxScanKeys  = 1000 // rendered rate states of one key listed at most
-)
+// maxIndexed bounds the rendered rate states of one key the admin API
+// reads from its rate index.
+const maxIndexed = 1000
 
 // quotaTargets lists the rate states of id: every literal rate, and, when
-// some rate is rendered per request, every rendered rate state the key has
-// in Redis, found by a SCAN of the key's own node for the key's prefix (its
-// hash tag puts them all in one slot). complete is false when the scan ran
-// into its bounds.
+// some rate is rendered per request, every rendered rate state the key's
+// rate index lists (indexKey; a missing or stale index lists nothing, or
+// states that are gone). complete is false when the index lists more than
+// maxIndexed states.
 func (h *RedisRateLimit) quotaTargets(ctx context.Context, id string) (targets []quotaTarget, complete bool, err error) {
 	var templates []int // the rates rendered per request
 	for i, s := range h.static.rates {
@@ -94,10 +90,13 @@ func (h *RedisRateLimit) quotaTargets(ctx context.Context, id string) (targets [
 	if len(templates) == 0 {
 		return targets, true, nil
 	}
-	found, complete, err := h.scanRates(ctx, id)
+	found, err := h.client.client.ZRange(ctx, h.indexKey(id), 0, maxIndexed).Result()
 	if err != nil {
 		return nil, false, err
 	}
+	complete = len(found) <= maxIndexed
+	found = found[:min(len(found), maxIndexed)]
+	slices.Sort(found)
 	policy, tmpl := "", ""
 	for _, i := range templates {
 		if tmpl != "" {
@@ -108,65 +107,18 @@ func (h *RedisRateLimit) quotaTargets(ctx context.Context, id string) (targets [
 	if len(templates) == 1 {
 		policy = "r" + strconv.Itoa(templates[0])
 	}
+	head := h.keyHead + id
 	for _, k := range found {
-		if slices.ContainsFunc(targets, func(t quotaTarget) bool { return t.key == k }) {
-			continue // a literal rate's state
+		if !strings.HasPrefix(k, head+"}:") || slices.ContainsFunc(targets, func(t quotaTarget) bool { return t.key == k }) {
+			continue // not this key's, or a literal rate's state
 		}
-		s, ok := h.parseRateKey(k[len(h.keyHead+id):])
+		s, ok := h.parseRateKey(k[len(head):])
 		if !ok {
 			continue
 		}
 		targets = append(targets, quotaTarget{key: k, spec: s, policy: policy, tmpl: tmpl})
 	}
 	return targets, complete, nil
-}
-
-// scanRates finds the Redis keys of id's rate states: SCAN with MATCH on
-// the key's prefix, on the node that holds the key's slot (a Cluster's
-// master for it), bounded by maxScanCalls and maxScanKeys. Sorted.
-func (h *RedisRateLimit) scanRates(ctx context.Context, id string) (keys []string, complete bool, err error) {
-	head := h.keyHead + id + "}"
-	var node interface {
-		Scan(ctx context.Context, cursor uint64, match string, count int64) *redis.ScanCmd
-	} = h.client.client
-	if cc, ok := h.client.client.(*redis.ClusterClient); ok {
-		if node, err = cc.MasterForKey(ctx, head); err != nil {
-			return nil, false, err
-		}
-	}
-	match := globEscape(head) + ":*"
-	var cursor uint64
-	for calls := 0; calls < maxScanCalls; calls++ {
-		var page []string
-		if page, cursor, err = node.Scan(ctx, cursor, match, scanCount).Result(); err != nil {
-			return nil, false, err
-		}
-		for _, k := range page {
-			if strings.HasPrefix(k, head+":") && !slices.Contains(keys, k) {
-				keys = append(keys, k)
-			}
-		}
-		if cursor == 0 || len(keys) >= maxScanKeys {
-			slices.Sort(keys)
-			return keys, cursor == 0, nil
-		}
-	}
-	slices.Sort(keys)
-	return keys, false, nil
-}
-
-// globEscape escapes the characters that Redis's MATCH patterns treat
-// specially.
-func globEscape(s string) string {
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		switch s[i] {
-		case '*', '?', '[', ']', '\\', '^', '-':
-			b.WriteByte('\\')
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // parseRateKey reads the rate from the tail of a rate state's Redis key,
@@ -216,7 +168,7 @@ func (h *RedisRateLimit) parseRateKey(tail string) (rateSpec, bool) {
 // peekQuota reads the quota of one limit id without recording anything.
 // found is false when no rate has state for it.
 func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quotaView, keys []string, complete, found bool, err error) {
-	ctx, cancel := context.WithTimeout(ctx, h.adminBound())
+	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
 	targets, complete, err := h.quotaTargets(ctx, id)
 	if err != nil {
@@ -243,7 +195,7 @@ func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quot
 		if raw != "" {
 			found = true
 		} else if t.tmpl != "" {
-			continue // expired between the scan and the read
+			continue // listed by the index, but gone (expired, or reset)
 		}
 		s := t.spec
 		var used, remaining int64
@@ -277,15 +229,6 @@ func (h *RedisRateLimit) templateViews(views []quotaView) []quotaView {
 		}
 	}
 	return views
-}
-
-// adminBound bounds one admin call on a limit: the scan of a key's
-// rendered rates may take many calls.
-func (h *RedisRateLimit) adminBound() time.Duration {
-	if h.dynamic {
-		return max(10*time.Second, 4*h.timeout)
-	}
-	return h.timeout
 }
 
 // peekSliding reads a sliding_window log (see
@@ -358,10 +301,13 @@ type quotaAnswer struct {
 	Algorithm string      `json:"algorithm"`
 	RedisKeys []string    `json:"redis_keys"`
 	Rates     []quotaView `json:"rates,omitempty"`
-	Reset     bool        `json:"reset,omitempty"` // DELETE: the quota was reset
-	// With rates rendered per request: false when the search for the key's
-	// rendered rates ran into its bounds (maxScanKeys states, or
-	// maxScanCalls SCAN calls), so some may be missing.
+	// While the key is under a ban (ban): when it ends (RFC 3339, Redis
+	// time) and the milliseconds until then.
+	BannedUntil string `json:"banned_until,omitempty"`
+	BanLeftMs   int64  `json:"ban_left_ms,omitempty"`
+	Reset       bool   `json:"reset,omitempty"` // DELETE: the quota was reset (and a ban lifted)
+	// With rates rendered per request: false when the key's rate index
+	// lists more than maxIndexed states, so some are missing.
 	Complete *bool `json:"complete,omitempty"`
 }
 
@@ -374,6 +320,23 @@ func (h *RedisRateLimit) completeField(complete bool) *bool {
 	return &complete
 }
 
+// peekBan reads id's ban: when it ends (Redis time), or zero when the key
+// is not under a ban.
+func (h *RedisRateLimit) peekBan(ctx context.Context, id string) (until time.Time, left time.Duration, err error) {
+	ctx, cancel := context.WithTimeout(ctx, h.timeout)
+	defer cancel()
+	pipe := h.client.client.Pipeline()
+	now := pipe.Time(ctx)
+	ttl := pipe.PTTL(ctx, h.banKey(id))
+	if _, err := pipe.Exec(ctx); err != nil {
+		return time.Time{}, 0, err
+	}
+	if left = ttl.Val(); left <= 0 {
+		return time.Time{}, 0, nil
+	}
+	return now.Val().Add(left), left, nil
+}
+
 func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty rate limit key")
@@ -383,24 +346,32 @@ func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key
 	if err != nil {
 		return adminError(http.StatusBadGateway, "reading the quota of %q: %v", key, err)
 	}
-	if !found {
+	banUntil, banLeft, err := h.peekBan(r.Context(), id)
+	if err != nil {
+		return adminError(http.StatusBadGateway, "reading the ban of %q: %v", key, err)
+	}
+	if !found && banLeft == 0 {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing counted in its windows)", key)
 	}
-	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)})
+	a := quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)}
+	if banLeft > 0 {
+		a.BannedUntil, a.BanLeftMs = banUntil.UTC().Format(time.RFC3339Nano), banLeft.Milliseconds()
+	}
+	return writeJSON(w, a)
 }
 
 // resetQuota deletes every rate state of a key (the literal rates', and
-// every rendered rate's that Redis holds for it), forgets the key in the
-// deny caches of copies (h and the copies of the same named handler in
-// other HTTP servers of the config), and tells the other instances through
-// Redis, whose deny caches then forget it within about a second (see
-// ratelimit_fleet.go).
+// every rendered rate's that Redis holds for it) and its ban, forgets the
+// key in the deny caches (and fail_local limiters) of copies (h and the
+// copies of the same named handler in other HTTP servers of the config),
+// and tells every instance to forget it in the deny caches and local
+// limiters of the handler's prefix (Pub/Sub, ratelimit_forget.go).
 func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copies []*RedisRateLimit, key string) error {
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty rate limit key")
 	}
 	id := adminLimitID(r, key)
-	ctx, cancel := context.WithTimeout(r.Context(), h.adminBound())
+	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
 	targets, complete, err := h.quotaTargets(ctx, id)
 	if err != nil {
@@ -410,10 +381,19 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	for _, t := range targets {
 		keys = append(keys, t.key)
 	}
-	if len(keys) == 0 {
-		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
+	if h.Ban > 0 {
+		keys = append(keys, h.banKey(id))
 	}
-	n, err := h.client.client.Del(ctx, keys...).Result()
+	// A ban set by another handler with the same prefix goes too, and the
+	// key's rate index.
+	del := keys
+	if h.Ban <= 0 {
+		del = append(slices.Clip(keys), h.banKey(id))
+	}
+	if h.dynamic {
+		del = append(slices.Clip(del), h.indexKey(id))
+	}
+	n, err := h.client.client.Del(ctx, del...).Result()
 	for _, o := range copies {
 		if o.deny != nil {
 			o.deny.Forget(id)
@@ -425,14 +405,13 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	if err != nil {
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
 	}
+	if err := ratelimit.PublishForget(ctx, h.client.client, h.Prefix, id); err != nil {
+		h.logger.Warn("telling the other instances of a quota reset failed; their deny caches forget the key when it expires there, their local limiters (fail_local) when its windows pass",
+			zap.String("key", key), zap.String("handler", handlerRef(h.Name)), zap.Error(err))
+	}
 	if n == 0 {
 		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
 	}
 	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key))
-	if err := h.noticeReset(ctx, id); err != nil {
-		// The quota is reset; other instances' deny caches may answer the
-		// key from memory until the rejection they learned runs out.
-		h.logger.Warn("telling other instances of a quota reset failed", zap.Error(err))
-	}
 	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true, Complete: h.completeField(complete)})
 }

@@ -3,6 +3,7 @@ package redisdlm
 import (
 	"encoding/json"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -12,6 +13,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -163,6 +165,57 @@ func TestFailLocalChargedBack(t *testing.T) {
 				t.Errorf("no warning that local mode ended")
 			}
 		})
+	}
+}
+
+// TestFailLocalResetReachesOtherInstance: an admin reset made through one
+// instance (A) clears the key in the fail_local limiter of another (B, its
+// own Redis client and reset listener on the same Redis), which only the
+// Pub/Sub reset reaches: while Redis answered, B noted its admissions of
+// the key (its local limiter starts from them), so in an outage after the
+// reset B admits the key's full share again, where without the reset it
+// would admit nothing.
+func TestFailLocalResetReachesOtherInstance(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	rates := []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
+	a := newRateLimit(t, r, func(h *RedisRateLimit) { h.Rates = rates })
+	b := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Rates = rates
+		h.FailLocal, h.Instances = true, 1
+		h.Timeout = caddy.Duration(400 * time.Millisecond) // another pool key: a client of its own
+	})
+	if a.client == b.client {
+		t.Fatal("both handlers share one client; want two instances")
+	}
+	const ip = "192.0.2.20"
+	if passed, statuses := countPassed(b, ip, 4); passed != 3 || statuses[429] != 1 {
+		t.Fatalf("B with Redis up: %d admitted (%v), want 3 and a 429", passed, statuses)
+	}
+	if b.deny.Len() != 1 {
+		t.Fatalf("B's deny cache holds %d entries, want the rejection", b.deny.Len())
+	}
+	admin := redis.NewClient(&redis.Options{Addr: r.Addr})
+	defer admin.Close()
+	// B's listener subscribes with its client's first decision.
+	if !waitFor(10*time.Second, func() bool {
+		n, err := admin.PubSubNumSub(t.Context(), ratelimit.ForgetChannel).Result()
+		return err == nil && n[ratelimit.ForgetChannel] >= 1
+	}) {
+		t.Fatal("no reset listener subscribed")
+	}
+	w := httptest.NewRecorder()
+	if err := resetQuota(w, httptest.NewRequest(http.MethodDelete, "/", nil), a, []*RedisRateLimit{a}, ip); err != nil {
+		t.Fatalf("reset through A: %v", err)
+	}
+	// The reset forgets the key in B's local limiter, then its deny cache.
+	if !waitFor(time.Second, func() bool { return b.deny.Len() == 0 }) {
+		t.Fatal("B's deny cache still holds the key a second after the reset")
+	}
+	r.Pause()
+	defer r.Resume()
+	if passed, statuses := countPassed(b, ip, 4); passed != 3 || statuses[429] != 1 {
+		t.Errorf("B locally after the reset: %d admitted (%v), want its share 3 again and a 429", passed, statuses)
 	}
 }
 

@@ -40,7 +40,7 @@ func measureRateLimitMemory(t testing.TB) {
 			pipe := c.Pipeline()
 			batch := min(1000, n-done)
 			for i := 0; i < batch; i++ {
-				decideOnce(ctx, pipe, ratelimit.SlidingScript, []string{key}, 1, 0, n, hour)
+				decideOnce(ctx, pipe, ratelimit.SlidingScript, []string{key}, 1, 0, 0, n, hour)
 			}
 			if _, err := pipe.Exec(ctx); err != nil {
 				t.Fatal(err)
@@ -54,7 +54,7 @@ func measureRateLimitMemory(t testing.TB) {
 		t.Logf("sliding_window n=%-6d full key: %8d bytes (%.1f bytes per admission)", n, b, float64(b)/float64(n))
 	}
 	key := "caddy:rl:{203.0.113.7}:gcra:100/1h0m0s:b100"
-	if err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{key}, 1, 0, 100, hour, 100).Err(); err != nil {
+	if err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{key}, 1, 0, 0, 100, hour, 100).Err(); err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("gcra any n: %d bytes", usage(key))

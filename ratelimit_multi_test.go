@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -32,7 +31,7 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 			h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
 			h.Prefix = "other:"
 		})
-		b := ratelimit.NewBatcher(h.client.client, 0, slog.Default)
+		b := ratelimit.NewBatcher(h.client.client, ratelimit.Options{})
 		defer b.Close()
 		if err := r.Client().RPush(context.Background(), h.keyHead+"bad"+h.static.rates[0].tail, "x").Err(); err != nil {
 			t.Fatal(err)
@@ -152,7 +151,7 @@ func TestRateLimitMultiFailures(t *testing.T) {
 		h := newRL(func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
 		})
-		b := ratelimit.NewBatcher(h.client.client, 0, slog.Default)
+		b := ratelimit.NewBatcher(h.client.client, ratelimit.Options{})
 		defer b.Close()
 		call := func(id string) *ratelimit.Call {
 			return &ratelimit.Call{Script: h.script, Argv: h.static.argv, Keys: h.redisKeys(nil, id, &h.static)}
@@ -251,7 +250,7 @@ func TestRejectionNamesARejectingRate(t *testing.T) {
 	k0, k1 := "rl:{x}:r0", "rl:{x}:r1"
 	c.Set(ctx, k0, fmt.Sprint(now+1_000_000), time.Hour)
 	c.Set(ctx, k1, fmt.Sprint(now+2_400_000_000), time.Hour)
-	res, err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{k0, k1}, 3, 500000, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
+	res, err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{k0, k1}, 3, 500000, 0, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -167,7 +167,7 @@ func (v *IntOrPlaceholder) UnmarshalJSON(b []byte) error {
 // plan is what one request is decided by.
 type plan struct {
 	rates  []rateSpec
-	argv   []any  // the script's arguments: cost, hold, every rate's n, window (and burst)
+	argv   []any  // the script's arguments: cost, hold, ban, every rate's n, window (and burst)
 	policy string // the RateLimit-Policy value
 	cost   int64
 	// over is the first rate whose capacity (n, or burst with gcra) is
@@ -198,7 +198,7 @@ func (h *RedisRateLimit) newSpec(i int, n int64, window time.Duration) rateSpec 
 // finish fills in the plan's arguments and policy from its rates and cost.
 func (h *RedisRateLimit) finish(p *plan, hold time.Duration) {
 	policies := make([]string, len(p.rates))
-	p.argv = append(make([]any, 0, 2+3*len(p.rates)), p.cost, hold.Microseconds())
+	p.argv = append(make([]any, 0, 3+3*len(p.rates)), p.cost, hold.Microseconds(), h.ban().Milliseconds())
 	p.over = -1
 	for i, s := range p.rates {
 		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, s.n, ceilSeconds(s.window))
@@ -269,6 +269,15 @@ func (h *RedisRateLimit) hold() time.Duration {
 		return 0 // a dry run never holds a request
 	}
 	return time.Duration(h.Wait)
+}
+
+// ban is how long a key its quota rejects stays rejected, as the script
+// takes it: 0 (none) under dry_run, which never rejects.
+func (h *RedisRateLimit) ban() time.Duration {
+	if h.DryRun {
+		return 0
+	}
+	return time.Duration(h.Ban)
 }
 
 // rateTemplate is the rate as written: `<n> <window>`.

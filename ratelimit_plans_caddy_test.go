@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -160,8 +161,8 @@ func TestWholeCaddyRateLimitPlanWithoutDefault(t *testing.T) {
 	if resp := call("/cost", "X-Cost", "7"); resp.StatusCode != 200 || resp.Header.Get("RateLimit") != `"r0";r=93;t=60` {
 		t.Fatalf("X-Cost 7: %d RateLimit %q, want 200 with r=93", resp.StatusCode, resp.Header.Get("RateLimit"))
 	}
-	if keys, _ := r.Client().Keys(context.Background(), "*").Result(); len(keys) != 2 {
-		t.Fatalf("keys %v, want the free plan's and the cost limit's", keys)
+	if keys, _ := r.Client().Keys(context.Background(), "*").Result(); len(keys) != 3 || !strings.Contains(strings.Join(keys, " "), "}:rates") {
+		t.Fatalf("keys %v, want the free plan's (and the key's rate index) and the cost limit's", keys)
 	}
 	mresp, err := http.Get(fmt.Sprintf("http://localhost:%d/metrics", admin))
 	if err != nil {

@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -249,7 +248,7 @@ func TestRateLimitCostSequence(t *testing.T) {
 		}
 		// gcra: 4 units take 4×6s to come back; the rejection says so.
 		if algo == algoGCRA {
-			h.deny = ratelimit.NewDenyCache(denyCacheSize)
+			h.deny = h.newDenyCache()
 			if a := serveRL(h, "192.0.2.72", cost(4)); a.passed || a.retryAfter() < 23 || a.retryAfter() > 24 {
 				t.Fatalf("gcra cost 4 on an empty bucket: Retry-After %d, want 24", a.retryAfter())
 			}
@@ -288,8 +287,10 @@ func TestRateLimitCountTwoInstances(t *testing.T) {
 		var reached atomic.Int64
 		login := func(status int) caddyhttp.HandlerFunc {
 			return func(w http.ResponseWriter, r *http.Request) error {
+				// Every admitted login stays until all n are inside: all in
+				// flight at once.
 				reached.Add(1)
-				time.Sleep(150 * time.Millisecond) // all in flight at once
+				waitFor(10*time.Second, func() bool { return reached.Load() >= n })
 				w.WriteHeader(status)
 				return nil
 			}
@@ -428,7 +429,9 @@ func TestRateLimitWaitPacing(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan rlAnswer, 1)
 		go func() { done <- serveRLWith(ctx, hc, "192.0.2.78", nil, nil) }()
-		time.Sleep(300 * time.Millisecond)
+		if !waitFor(10*time.Second, func() bool { return state() != before }) {
+			t.Fatal("the held request never reserved its slot")
+		}
 		cancel()
 		select {
 		case a := <-done:
@@ -678,16 +681,31 @@ func TestRateLimitGCRAReturnsOnlyItsOwnUnits(t *testing.T) {
 				return nil
 			})
 		}
+		// held waits until the key's TAT moved on from what it was: the
+		// request just sent is held, its slot reserved.
+		held := func(before string) string {
+			t.Helper()
+			var now string
+			if !waitFor(10*time.Second, func() bool {
+				now = r.Client().Get(context.Background(), "wait:{192.0.2.12}"+h.static.rates[0].suffix).Val()
+				return now != before
+			}) {
+				t.Fatal("a request was never held")
+			}
+			return now
+		}
 		wg.Add(1)
 		run(context.Background(), "w1") // passes at once
+		tat := held("")
 		ctx2, cancel2 := context.WithCancel(context.Background())
 		wg.Add(2)
-		go run(ctx2, "w2") // held for about 1 s
-		time.Sleep(50 * time.Millisecond)
+		w2 := make(chan struct{})
+		go func() { defer close(w2); run(ctx2, "w2") }() // held for about 1 s
+		tat = held(tat)
 		go run(context.Background(), "w3") // held for about 2 s
-		time.Sleep(300 * time.Millisecond)
+		held(tat)
 		cancel2() // w2 leaves: w3 keeps its moment
-		time.Sleep(50 * time.Millisecond)
+		<-w2
 		wg.Add(1)
 		go run(context.Background(), "n")
 		wg.Wait()

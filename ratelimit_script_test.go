@@ -213,8 +213,8 @@ func TestRateLimitSlidingScriptMatchesReference(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// The script takes cost 1 and no hold first.
-		res, err := decideOnce(ctx, c, ratelimit.SlidingScript, keysB, append([]any{1, 0}, args...)...).Result()
+		// The script takes cost 1, no hold and no ban first.
+		res, err := decideOnce(ctx, c, ratelimit.SlidingScript, keysB, append([]any{1, 0, 0}, args...)...).Result()
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -15,7 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -284,7 +283,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 					t.Fatalf("request %d past the per-second rate admitted", i)
 				}
 			}
-			h.deny = ratelimit.NewDenyCache(denyCacheSize) // ask Redis, not memory, below
+			h.deny = h.newDenyCache() // ask Redis, not memory, below
 			for i := 0; i < 3; i++ {
 				if a := serveRL(h, "192.0.2.3", nil); a.passed {
 					t.Fatalf("request %d past the per-second rate admitted", i)
@@ -297,7 +296,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 			// Both rates count only the 2 admitted requests: after a second
 			// the per-minute rate (3) has room for exactly one more.
 			time.Sleep(1100 * time.Millisecond)
-			h.deny = ratelimit.NewDenyCache(denyCacheSize)
+			h.deny = h.newDenyCache()
 			if a := serveRL(h, "192.0.2.3", nil); !a.passed {
 				t.Fatalf("third request after the per-second window: want admitted by both rates, got %d (RateLimit %q)", a.status, a.header.Get(HeaderRateLimit))
 			}

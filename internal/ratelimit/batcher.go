@@ -44,10 +44,42 @@ var (
 	ErrBatcherDone  = errors.New("redisdlm: redis client closed")
 )
 
+// Client is what the engine needs of a Redis client (a *redis.Client,
+// *redis.ClusterClient or *redis.Ring, or a test's wrapper of one that
+// injects what a real Redis cannot, e.g. an answer lost after the write).
+type Client interface {
+	Pipeline() redis.Pipeliner
+}
+
+// Clock tells the time to what depends on it (the breaker's probes, the
+// deny cache's expiry), so an engine test can move time without a sleep.
+type Clock interface {
+	Now() time.Time
+}
+
+// SystemClock is the real clock: time.Now.
+type SystemClock struct{}
+
+// Now is time.Now.
+func (SystemClock) Now() time.Time { return time.Now() }
+
+// Options are a Batcher's settings.
+type Options struct {
+	// Workers is the pipelines in flight at once: Workers in production, 0
+	// for a test that sends by hand (SendNow).
+	Workers int
+	// Logger returns the logger of the moment, for a worker's panic.
+	// Default: slog.Default.
+	Logger func() *slog.Logger
+	// Clock times the breaker's probes. Default: SystemClock.
+	Clock Clock
+}
+
 // Batcher sends the script calls of one Redis client in pipelines, and
 // keeps the breaker of that client.
 type Batcher struct {
-	client  redis.UniversalClient
+	client  Client
+	clock   Clock
 	logger  func() *slog.Logger // for a panic of a worker
 	cluster bool                // group batches per hash slot
 	queue   chan *Call
@@ -59,7 +91,9 @@ type Batcher struct {
 // Call is one request's script call.
 type Call struct {
 	Script   *redisconn.Script
-	Keys     []string
+	Keys     []string     // a decision: one per rate
+	BanKey   string       // a decision whose parameter set bans: the key's ban
+	IndexKey string       // a decision whose rates are rendered per request: the key's rate index
 	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
@@ -75,19 +109,24 @@ const (
 	callAbandoned
 )
 
-// NewBatcher starts workers (pipelines in flight at once; Workers in
-// production, 0 for a test that sends by hand) for client c; logger
-// returns the logger of the moment, for a worker's panic.
-func NewBatcher(c redis.UniversalClient, workers int, logger func() *slog.Logger) *Batcher {
+// NewBatcher starts o.Workers workers for client c.
+func NewBatcher(c Client, o Options) *Batcher {
 	_, cluster := c.(*redis.ClusterClient)
 	b := &Batcher{
 		client:  c,
-		logger:  logger,
+		clock:   o.Clock,
+		logger:  o.Logger,
 		cluster: cluster,
 		queue:   make(chan *Call, batchQueue),
 		stop:    make(chan struct{}),
 	}
-	for i := 0; i < workers; i++ {
+	if b.clock == nil {
+		b.clock = SystemClock{}
+	}
+	if b.logger == nil {
+		b.logger = slog.Default
+	}
+	for i := 0; i < o.Workers; i++ {
 		go b.work()
 	}
 	return b
@@ -113,7 +152,7 @@ type Observer interface {
 // while the breaker is open; otherwise its outcome (a Redis failure or an
 // answer) is what the breaker counts. obs is told of the breaker's changes.
 func (b *Batcher) Do(ctx context.Context, c *Call, timeout time.Duration, obs Observer) ([]int64, error) {
-	if !b.breaker.allow(time.Now()) {
+	if !b.breaker.allow(b.clock.Now()) {
 		return nil, ErrBreakerOpen
 	}
 	res, err := b.call(ctx, c, timeout)
@@ -123,7 +162,7 @@ func (b *Batcher) Do(ctx context.Context, c *Call, timeout time.Duration, obs Ob
 	case ctx.Err() != nil:
 		// The client went away: says nothing about Redis.
 	case errors.Is(err, ErrRedisTimeout) || redisconn.IsRedisDown(err) || isAuthFailure(err):
-		b.breaker.failure(time.Now(), obs)
+		b.breaker.failure(b.clock.Now(), obs)
 	}
 	return res, err
 }
@@ -269,6 +308,21 @@ func (b *Batcher) send(batch []*Call) {
 // sendUnits sends the units as one pipeline, within the earliest deadline of
 // their calls, and answers every call.
 func (b *Batcher) sendUnits(us []*rlUnit) {
+	ctx, cancel := context.WithDeadline(context.Background(), earliestDeadline(us))
+	defer cancel()
+	cmds, execErr := b.exec(ctx, us, bySHA)
+	cmds, execErr = b.resendUnknownScripts(ctx, us, cmds, execErr)
+	var alone []*rlUnit // decisions of a batch that failed before writing
+	for i, u := range us {
+		alone = u.answerCalls(unitError(ctx, u, cmds[i], execErr), alone)
+	}
+	if len(alone) > 0 {
+		b.sendUnits(alone)
+	}
+}
+
+// earliestDeadline is the earliest deadline of the units' calls.
+func earliestDeadline(us []*rlUnit) time.Time {
 	deadline := us[0].calls[0].deadline
 	for _, u := range us {
 		for _, c := range u.calls {
@@ -277,64 +331,73 @@ func (b *Batcher) sendUnits(us []*rlUnit) {
 			}
 		}
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), deadline)
-	defer cancel()
+	return deadline
+}
 
-	cmds, execErr := b.exec(ctx, us, false)
-	// After a Redis restart or SCRIPT FLUSH a script is unknown: send those
-	// units again with EVAL (which also caches the script). NOSCRIPT means
-	// the script did not run, so nothing is counted twice.
+// resendUnknownScripts sends again, with EVAL (which also caches the
+// script), the units whose script Redis did not know (after a restart or
+// SCRIPT FLUSH), and puts their answers in cmds. NOSCRIPT means the script
+// did not run, so nothing is counted twice.
+func (b *Batcher) resendUnknownScripts(ctx context.Context, us []*rlUnit, cmds []redis.Cmder, execErr error) ([]redis.Cmder, error) {
 	var retry []*rlUnit
 	for i, cmd := range cmds {
 		if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
 			retry = append(retry, us[i])
 		}
 	}
-	if len(retry) > 0 {
-		again, err := b.exec(ctx, retry, true)
-		for i, j := 0, 0; i < len(us) && j < len(retry); i++ {
-			if us[i] == retry[j] {
-				cmds[i] = again[j]
-				j++
-			}
-		}
-		execErr = err
+	if len(retry) == 0 {
+		return cmds, execErr
 	}
-	var alone []*rlUnit // decisions of a batch that failed before writing
-	for i, u := range us {
-		err := cmds[i].Err()
-		if err != nil && ctx.Err() != nil && redisconn.IsRedisDown(err) {
-			// The deadline of the first call in the pipeline passed.
-			err = fmt.Errorf("%w (%v)", ErrRedisTimeout, err)
-		}
-		if err == nil && execErr != nil && unanswered(cmds[i]) {
-			// The pipeline failed before this call got an answer (e.g. the
-			// connection's AUTH was refused): that failure is its answer.
-			err = execErr
-		}
-		if err == nil && u.batch && !u.answer(cmds[i].(redisconn.NoRetryInts).Val()) {
-			err = answerError(fmt.Sprintf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls)))
-		}
-		for _, c := range u.calls {
-			switch {
-			case err != nil || !u.batch:
-				c.finish(err)
-			case len(u.calls) > 1 && c.Res[0] == failedRead:
-				// Nothing of it was written: alone, it fails with Redis's
-				// own error (or, if its key changed meanwhile, is decided).
-				c.Res = nil
-				alone = append(alone, &rlUnit{calls: []*Call{c}, batch: true})
-			case c.Res[0] == failedRun:
-				c.Res = nil
-				c.finish(ErrFailedRun)
-			default:
-				c.finish(nil)
-			}
+	again, err := b.exec(ctx, retry, byText)
+	for i, j := 0, 0; i < len(us) && j < len(retry); i++ {
+		if us[i] == retry[j] {
+			cmds[i] = again[j]
+			j++
 		}
 	}
-	if len(alone) > 0 {
-		b.sendUnits(alone)
+	return cmds, err
+}
+
+// unitError is the failure of a unit's command (nil when it was answered),
+// and splits a batch's answer among its calls.
+func unitError(ctx context.Context, u *rlUnit, cmd redis.Cmder, execErr error) error {
+	err := cmd.Err()
+	if err != nil && ctx.Err() != nil && redisconn.IsRedisDown(err) {
+		// The deadline of the first call in the pipeline passed.
+		err = fmt.Errorf("%w (%v)", ErrRedisTimeout, err)
 	}
+	if err == nil && execErr != nil && unanswered(cmd) {
+		// The pipeline failed before this call got an answer (e.g. the
+		// connection's AUTH was refused): that failure is its answer.
+		err = execErr
+	}
+	if err == nil && u.batch && !u.answer(cmd.(redisconn.NoRetryInts).Val()) {
+		err = answerError(fmt.Sprintf("redis_ratelimit: unexpected answer to a batch of %d decisions", len(u.calls)))
+	}
+	return err
+}
+
+// answerCalls answers the unit's calls (err: the unit failed), and returns
+// alone with the decisions of a batch that failed before writing added:
+// they are sent again, each alone.
+func (u *rlUnit) answerCalls(err error, alone []*rlUnit) []*rlUnit {
+	for _, c := range u.calls {
+		switch {
+		case err != nil || !u.batch:
+			c.finish(err)
+		case len(u.calls) > 1 && c.Res[0] == failedRead:
+			// Nothing of it was written: alone, it fails with Redis's
+			// own error (or, if its key changed meanwhile, is decided).
+			c.Res = nil
+			alone = append(alone, &rlUnit{calls: []*Call{c}, batch: true})
+		case c.Res[0] == failedRun:
+			c.Res = nil
+			c.finish(ErrFailedRun)
+		default:
+			c.finish(nil)
+		}
+	}
+	return alone
 }
 
 // ErrFailedRun answers a decision of a batch that failed once it had begun
@@ -372,17 +435,26 @@ func unanswered(cmd redis.Cmder) bool {
 	return false
 }
 
-// exec sends the units as one pipeline (with EVAL when eval); a decision
+// sendAs is how a command names its script: by SHA1 (EVALSHA) or by its
+// text (EVAL).
+type sendAs int
+
+const (
+	bySHA sendAs = iota
+	byText
+)
+
+// exec sends the units as one pipeline (naming their scripts as), a decision
 // batch is read as a flat array of integers. No command is ever sent again
 // after a transport error (a Cluster client otherwise resends a pipeline
 // whose answers were lost, which would count its decisions twice, or return
 // an admission twice); a MOVED or ASK answer, which means the command did
 // not run, is still followed.
-func (b *Batcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.Cmder, error) {
+func (b *Batcher) exec(ctx context.Context, us []*rlUnit, as sendAs) ([]redis.Cmder, error) {
 	cmds := make([]redis.Cmder, len(us))
 	pipe := b.client.Pipeline()
 	for i, u := range us {
-		cmds[i] = u.cmd(ctx, eval)
+		cmds[i] = u.cmd(ctx, as)
 		_ = pipe.Process(ctx, cmds[i])
 	}
 	_, err := pipe.Exec(ctx)
@@ -390,11 +462,11 @@ func (b *Batcher) exec(ctx context.Context, us []*rlUnit, eval bool) ([]redis.Cm
 }
 
 // cmd is the unit's command, never resent by go-redis.
-func (u *rlUnit) cmd(ctx context.Context, eval bool) redis.Cmder {
+func (u *rlUnit) cmd(ctx context.Context, as sendAs) redis.Cmder {
 	if u.batch {
-		return redisconn.NoRetryInts{IntSliceCmd: redis.NewIntSliceCmd(ctx, u.command(eval)...)}
+		return redisconn.NoRetryInts{IntSliceCmd: redis.NewIntSliceCmd(ctx, u.command(as)...)}
 	}
-	return redisconn.NoRetry{Cmd: redis.NewCmd(ctx, u.command(eval)...)}
+	return redisconn.NoRetry{Cmd: redis.NewCmd(ctx, u.command(as)...)}
 }
 
 // breaker stops calling a Redis that failed breakerThreshold times in a row;

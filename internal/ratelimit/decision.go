@@ -14,22 +14,25 @@ type Decision struct {
 	Tight     int           // the rate reported in the RateLimit field
 	Remaining int64         // of rate tight
 	Reset     time.Duration // until rate tight's quota grows (0 = full)
+	Ban       BanState      // rejected: whether by a ban (then Wait lasts until its end)
 	Cached    bool          // answered from the deny cache
 	Ans       []int64       // the script's answer (settle reads what gcra wrote)
 }
 
 // ParseDecision reads one decision's answer: {hold when admitted (>= 0), else
-// minus the wait; time recorded; then per rate remaining, reset and, with
-// per = 4 (gcra), the TAT written and the key's sum of returns}.
+// minus the wait; time recorded when admitted, else the BanState; then per
+// rate remaining, reset and, with per = 4 (gcra), the TAT written and the
+// key's sum of returns}.
 func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
-	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun {
+	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun ||
+		vals[0] < 0 && (vals[1] < int64(NotBanned) || vals[1] > int64(BanStarted)) {
 		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
 	}
 	d := Decision{Allowed: vals[0] >= 0, Tight: -1, Ans: vals}
 	if d.Allowed {
 		d.Hold, d.At = time.Duration(vals[0])*time.Microsecond, vals[1]
 	} else {
-		d.Wait = time.Duration(-vals[0]) * time.Microsecond
+		d.Wait, d.Ban = time.Duration(-vals[0])*time.Microsecond, BanState(vals[1])
 	}
 	// The tightest rate: the least remaining, then the longest until it
 	// grows; of a rejected request, among the rates that reject it (their
@@ -49,6 +52,10 @@ func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
 	}
 	if d.Tight < 0 {
 		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v (rejected by no rate)", vals)
+	}
+	if d.Ban != NotBanned {
+		// No quota until the ban ends, whatever the rates' state.
+		d.Remaining, d.Reset = 0, d.Wait
 	}
 	return d, nil
 }

@@ -10,6 +10,7 @@ import (
 // without Redis until then. It holds at most max entries: when full, it
 // drops expired entries (at most once a second), else an arbitrary one.
 type DenyCache struct {
+	clock     Clock
 	mu        sync.Mutex
 	max       int
 	m         map[string]DenyEntry
@@ -23,17 +24,29 @@ type DenyEntry struct {
 	Tight   int       // the rate that rejects
 	Left    int64     // its remaining quota when Redis rejected (less than cost)
 	Cost    int64     // the rejected cost: only a request of this cost is answered here
+	Banned  bool      // a ban: every request of the key is answered here, whatever its cost
 }
 
-// NewDenyCache makes a cache of at most max entries.
-func NewDenyCache(max int) *DenyCache {
-	return &DenyCache{max: max, m: make(map[string]DenyEntry)}
+// NewDenyCache makes a cache of at most max entries, on clock (nil:
+// SystemClock); the entries' moments are of that clock.
+func NewDenyCache(max int, clock Clock) *DenyCache {
+	if clock == nil {
+		clock = SystemClock{}
+	}
+	return &DenyCache{clock: clock, max: max, m: make(map[string]DenyEntry)}
 }
+
+// ClockFunc is a Clock that calls f.
+type ClockFunc func() time.Time
+
+// Now calls f.
+func (f ClockFunc) Now() time.Time { return f() }
 
 // Get returns the entry of id if it still rejects a request of cost. Only
-// the same cost: a cheaper request may pass, and a costlier one passes
-// later than RetryAt, so both ask Redis.
-func (c *DenyCache) Get(id string, now time.Time, cost int64) (DenyEntry, bool) {
+// the same cost, unless it is a ban: a cheaper request may pass, and a
+// costlier one passes later than RetryAt, so both ask Redis.
+func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
+	now := c.clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e, ok := c.m[id]
@@ -44,41 +57,56 @@ func (c *DenyCache) Get(id string, now time.Time, cost int64) (DenyEntry, bool) 
 		delete(c.m, id)
 		return e, false
 	}
-	return e, cost == e.Cost
+	return e, e.Banned || cost == e.Cost
 }
 
 // Put remembers a rejection of id until e.Until (nothing once it is past).
-func (c *DenyCache) Put(id string, e DenyEntry, now time.Time) {
+func (c *DenyCache) Put(id string, e DenyEntry) {
+	now := c.clock.Now()
 	if !now.Before(e.Until) {
 		return
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if _, ok := c.m[id]; !ok && len(c.m) >= c.max {
-		if now.Sub(c.lastSweep) >= time.Second {
-			c.lastSweep = now
-			for k, v := range c.m {
-				if !now.Before(v.Until) {
-					delete(c.m, k)
-				}
-			}
-		}
-		// Still full: drop some entry; it only costs a Redis call later.
-		for k := range c.m {
-			if len(c.m) < c.max {
-				break
-			}
-			delete(c.m, k)
-		}
+		c.makeRoom(now)
 	}
 	c.m[id] = e
 }
 
-// Drop forgets id (its quota was given back).
+// makeRoom drops expired entries (at most once a second), and then, if the
+// cache is still full, some entry: it only costs a Redis call later.
+func (c *DenyCache) makeRoom(now time.Time) {
+	if now.Sub(c.lastSweep) >= time.Second {
+		c.lastSweep = now
+		for k, v := range c.m {
+			if !now.Before(v.Until) {
+				delete(c.m, k)
+			}
+		}
+	}
+	for k := range c.m {
+		if len(c.m) < c.max {
+			break
+		}
+		delete(c.m, k)
+	}
+}
+
+// Drop forgets id's rejection (its quota was given back); a ban stays.
 func (c *DenyCache) Drop(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	delete(c.m, id)
+	if !c.m[id].Banned {
+		delete(c.m, id)
+	}
+}
+
+// Clear forgets every entry (an admin reset may have been missed).
+func (c *DenyCache) Clear() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	clear(c.m)
 }
 
 // Len is the number of entries held.
@@ -88,7 +116,8 @@ func (c *DenyCache) Len() int {
 	return len(c.m)
 }
 
-// Forget drops a key from the deny cache, under every plan.
+// Forget drops a key from the deny cache, under every plan, its ban too
+// (an admin reset).
 func (c *DenyCache) Forget(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

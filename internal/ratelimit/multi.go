@@ -18,15 +18,6 @@ import (
 // instead of once per decision. The answer is one flat array of integers,
 // read without a value per element on either side.
 
-// The codes of a decision in a batch that failed (e.g. on a key of another
-// type): failedRead when nothing of it was written (it is sent again alone,
-// so that it gets Redis's own error), failedRun when it failed after writing
-// part of it (it gets ErrFailedRun).
-const (
-	failedRead = -1 << 62
-	failedRun  = -1 << 61
-)
-
 // rlUnit is one command of a pipeline: a decision batch, or a call alone.
 type rlUnit struct {
 	calls []*Call
@@ -34,31 +25,43 @@ type rlUnit struct {
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
-// batch, "evalsha", sha, keys, then D, S, the S parameter sets (each: its
-// number of rates, then the arguments its calls share) and, when S > 1, the
-// set of each decision.
-func (u *rlUnit) command(eval bool) []any {
+// batch, "evalsha", sha, keys (of each call its Keys, then its BanKey and
+// its IndexKey if any), then D, S, the S parameter sets (each: its number
+// of rates, whether it indexes, then the arguments its calls share) and,
+// when S > 1, the set of each decision.
+func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
+	eval := as == byText
 	if !u.batch {
 		return append(c0.Script.Head(eval, c0.Keys, len(c0.Argv)), c0.Argv...)
 	}
-	keys := make([]string, 0, len(u.calls)*len(c0.Keys))
+	keys := make([]string, 0, len(u.calls)*(len(c0.Keys)+1))
 	for _, c := range u.calls {
 		keys = append(keys, c.Keys...)
+		if c.BanKey != "" {
+			keys = append(keys, c.BanKey)
+		}
+		if c.IndexKey != "" {
+			keys = append(keys, c.IndexKey)
+		}
 	}
-	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(1+len(c0.Argv)))
+	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
-	var sets [][]any
+	var sets []*Call // the first call of each set
 	var idx []int
 	for _, c := range u.calls {
 		i := 0
-		for i < len(sets) && !sameArgs(sets[i], c.Argv) {
+		for i < len(sets) && !sameSet(sets[i], c) {
 			i++
 		}
 		if i == len(sets) {
-			sets = append(sets, c.Argv)
-			args = append(args, len(c.Keys))
+			sets = append(sets, c)
+			index := 0
+			if c.IndexKey != "" {
+				index = 1
+			}
+			args = append(args, len(c.Keys), index)
 			args = append(args, c.Argv...)
 		}
 		idx = append(idx, i+1)
@@ -77,7 +80,13 @@ func (u *rlUnit) command(eval bool) []any {
 // text (for tests and tools that run one decision).
 func BatchOfOne(c *Call) (evalsha, eval []any) {
 	u := &rlUnit{calls: []*Call{c}, batch: true}
-	return u.command(false), u.command(true)
+	return u.command(bySHA), u.command(byText)
+}
+
+// sameSet reports whether two calls share a parameter set: their
+// arguments, and whether they index.
+func sameSet(a, b *Call) bool {
+	return (a.IndexKey == "") == (b.IndexKey == "") && sameArgs(a.Argv, b.Argv)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same

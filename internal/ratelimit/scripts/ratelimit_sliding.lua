@@ -1,16 +1,12 @@
--- redis_ratelimit, algorithm sliding_window: an exact sliding log. One call
--- decides a batch of requests, one after the other, each checked for every
--- rate of its limit before anything of it is written.
+-- redis_ratelimit, algorithm sliding_window: an exact sliding log, the body
+-- of a decision script (ratelimit_batch.lua is the batch around it).
 --
--- ARGV[1]  D, the number of decisions; ARGV[2] S, the number of parameter
---          sets; then each set: r (its rates), c (the cost of a request,
---          1 <= c <= every rate's n), the longest hold in µs (wait: a
---          request that every rate admits within it is recorded at that
---          future moment and held until then), then per rate n, window w
---          in µs; then, when S > 1, the set of each decision (1..S).
--- KEYS     the keys of every decision in turn, one per rate of its set: the
---          log of that rate, a string of 8-byte big-endian doubles:
---          a 24-byte header {pos, lo, last}, then a ring of n slots.
+-- ARGN = 2 values per rate: n, window w in µs (1 <= c <= n). A request that
+--          every rate admits within the set's hold (wait) is recorded at
+--          that future moment and held until then.
+-- KEYS     one per rate: the log of that rate, a string of 8-byte
+--          big-endian doubles: a 24-byte header {pos, lo, last}, then a
+--          ring of n slots.
 --          pos  counts the slots ever written to the log; slot number j is
 --               in ring slot j % n, so the ring holds the last n, the oldest
 --               at ring slot pos % n. Times (µs, Redis TIME) never decrease;
@@ -23,8 +19,7 @@
 -- Rate i admits c at time T when its (n-c+1)-th latest slot is older than
 -- T - w. Then no closed interval of length w ever holds more than n slots.
 -- The request is recorded (in every log, at one time T) only when every
--- rate admits it within the hold. Decision d runs at Redis TIME + d-1 µs, as
--- if the calls had come one after the other.
+-- rate admits it within the hold.
 --
 -- The log is read with GETRANGE: its first PRE bytes (the header and the
 -- first slots) in one call, other slots 8 bytes at a time, or a few at once
@@ -34,18 +29,12 @@
 -- longer one with SETRANGEs and a PEXPIREAT. O(1) calls per request in the
 -- steady state; 2 (GETRANGE, SET) for a short log, and one TIME per call.
 --
--- Returns, for each decision in turn: the hold in µs when admitted (>= 0),
--- else minus the µs until it would be admitted; T (0 when rejected); then
--- for each rate: remaining quota (also when this request costs more than
--- it; -(remaining+1) for a rate that rejects the request), µs until it
--- grows (0 = full; for a rate that rejects the request, until it would
--- pass). In a batch,
--- a decision that fails (a key of another type, a value that is not a log)
--- answers -2^62 when it wrote nothing, -2^61 when it failed after writing a
--- rate's log, and the others still run; alone in its call (D = 1), it fails
--- with Redis's error instead.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- Answers, per decision: the hold in µs when admitted (>= 0), else minus
+-- the µs until it would be admitted; T (0 when rejected); then PER = 2 per
+-- rate: remaining quota (also when this request costs more than it;
+-- -(remaining+1) for a rate that rejects the request), µs until it grows
+-- (0 = full; for a rate that rejects the request, until it would pass). A
+-- decision fails on a key of another type or a value that is not a log.
 local HDR = 24
 local PRE = 256 -- bytes read first: the header and slots 0..28
 local STEP = 4 -- slots stepped through from the hint before a binary search
@@ -53,8 +42,8 @@ local STEP = 4 -- slots stepped through from the hint before a binary search
 -- a Lua number as a double (%.17g), which costs several times more.
 local PRE1 = string.format('%d', PRE - 1)
 local fmt = string.format
-local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
 local unpack, pack, max, min = struct.unpack, struct.pack, math.max, math.min
+local ARGN = 2
 
 -- slot reads slot j of the log at key k: from v (its first bytes), from c
 -- (bytes read from offset co), else from Redis.
@@ -77,13 +66,9 @@ local function splice(b, off, x)
 	return string.sub(b, 1, off) .. x .. string.sub(b, off + #x + 1)
 end
 
--- The parameter sets.
-local R, COST, HOLD, N, W = {}, {}, {}, {}, {}
-local a = 3
-for s = 1, S do
-	local r = tonumber(ARGV[a])
-	R[s], COST[s], HOLD[s] = r, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-	a = a + 3
+-- Each parameter set's rates: n and w.
+local N, W = {}, {}
+local function rates(s, r, a)
 	local n, w = {}, {}
 	for i = 1, r do
 		n[i], w[i] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -92,9 +77,6 @@ for s = 1, S do
 	N[s], W[s] = n, w
 end
 
--- The decision in hand: its parameter set, first key - 1, first answer
--- slot - 1, and whether it wrote anything yet.
-local out, o, k, set, wrote = {}, 0, 0, 1, false
 -- Per rate of the decision in hand: its first bytes, header, and the
 -- moment it admits the request.
 local V, POS, LO, LAST, AT = {}, {}, {}, {}, {}
@@ -187,7 +169,9 @@ local function decide()
 				end
 				local hdr = pack('>ddd', pos + cost, lo, T)
 				-- The log matters while its newest admission is in a window.
-				local exp = fmt('%d', math.ceil((T + w + 1) / 1000))
+				local expMs = math.ceil((T + w + 1) / 1000)
+				local exp = fmt('%d', expMs)
+				EXP[i] = expMs
 				if #v < PRE then
 					-- v is the whole log: the same bytes the SETRANGEs
 					-- below would leave, in one SET.
@@ -231,21 +215,3 @@ local function decide()
 		end
 	end
 end
-
-for d = 1, D do
-	if S > 1 then
-		set = tonumber(ARGV[a])
-		a = a + 1
-	end
-	wrote = false
-	if D == 1 then
-		decide()
-	elseif not pcall(decide) then
-		out[o + 1], out[o + 2] = wrote and -2305843009213693952 or -4611686018427387904, 0
-		for i = 1, R[set] do
-			out[o + 1 + 2 * i], out[o + 2 + 2 * i] = 0, 0
-		end
-	end
-	o, k, now = o + 2 + 2 * R[set], k + R[set], now + 1
-end
-return out

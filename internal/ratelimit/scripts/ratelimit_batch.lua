@@ -1,0 +1,161 @@
+-- redis_ratelimit: the batch driver of the decision scripts. Redis scripts
+-- cannot include each other, so Go (scripts.go) puts each decision script
+-- together from the constants it names once (FAILED_READ, FAILED_RUN, PER
+-- the integers of an answer per rate, BANNED and BAN_STARTED), this file up
+-- to the body mark,
+-- an algorithm's body (ratelimit_sliding.lua, ratelimit_gcra.lua), and the
+-- rest of this file. One call decides a batch of requests, one after the
+-- other, each checked for every rate of its limit before anything of it is
+-- written.
+--
+-- ARGV[1]  D, the number of decisions; ARGV[2] S, the number of parameter
+--          sets; then each set: r (its rates), whether it indexes (1) or
+--          not (0), c (the cost of a request, 1 <= c <= every rate's
+--          capacity), the longest hold in µs (wait), the ban in ms (0:
+--          none), then ARGN values per rate (the body's: see there); then,
+--          when S > 1, the set of each decision (1..S).
+-- KEYS     the keys of every decision in turn, one per rate of its set (the
+--          body says what each holds), then, when its set bans, its ban key,
+--          then, when its set indexes, its rate index.
+--
+-- A ban: a decision whose key is under a ban (its ban key exists; it
+-- expires when the ban ends) is rejected outright, on every rate, without
+-- reading them: it answers minus the µs until the ban ends, BANNED, then
+-- per rate -1 (no quota, rejecting), those µs, and zeros. A decision its
+-- quota rejects (beyond what the hold absorbs) starts a ban: the ban key is
+-- set to expire in the set's ban, and the answer is minus the ban in µs,
+-- BAN_STARTED, then what the body answered per rate (when Redis refuses
+-- that write, the rejection stands without a ban).
+--
+-- A rate index (sets whose rates are rendered per request, so the admin API
+-- finds a key's rates without a keyspace scan): a sorted set of the rate
+-- keys an admission of the decision wrote, each scored by the moment (ms,
+-- Redis time) its state expires (the body leaves it in EXP[i]). An
+-- admission adds its rates with ZADD GT and moves the index's expiry on to
+-- the latest of them with PEXPIREAT GT; only when a rate is new to the index
+-- are its expired members trimmed and its expiry set to its latest member.
+--
+-- The body defines ARGN, rates(s, r, a) (reads the r rates of set s from
+-- ARGV[a] on) and decide() (decides the decision in hand: its set, its
+-- first key - 1 in k, its first answer slot - 1 in o; it sets wrote before
+-- its first write). Decision d runs at Redis TIME + d-1 µs (now), as if the
+-- calls had come one after the other.
+--
+-- Returns, for each decision in turn, 2 + PER*r integers (the body says
+-- which). In a batch, a decision that fails (a key of another type, a value
+-- the script did not write, Redis refusing a write) answers FAILED_READ
+-- when it wrote nothing, FAILED_RUN when it failed after writing, then
+-- zeros, and the others still run; alone in its call (D = 1), it fails with
+-- Redis's error instead.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- Of each parameter set: its rates, the cost of a request, the longest hold,
+-- the ban (ms, as sent; 0: none), whether it indexes, and the keys of each
+-- decision.
+local R, COST, HOLD, BAN, INDEX, KEYN = {}, {}, {}, {}, {}, {}
+-- Per rate of the decision in hand, once the body admitted it: the moment
+-- (ms) its state expires.
+local EXP = {}
+local unpackArgs = unpack -- before the body, which may name its own unpack
+-- The decision in hand: its parameter set, first key - 1, first answer
+-- slot - 1, and whether it wrote anything yet.
+local out, o, k, set, wrote = {}, 0, 0, 1, false
+-- @body
+local a = 3
+for s = 1, S do
+	local r = tonumber(ARGV[a])
+	INDEX[s] = ARGV[a + 1] == '1'
+	R[s], COST[s], HOLD[s], BAN[s] = r, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
+	KEYN[s] = r
+	if BAN[s] ~= '0' then
+		KEYN[s] = KEYN[s] + 1
+	end
+	if INDEX[s] then
+		KEYN[s] = KEYN[s] + 1
+	end
+	rates(s, r, a + 5)
+	a = a + 5 + ARGN * r
+end
+
+-- banning decides a decision of a set that bans (see the top).
+local function banning()
+	local key = KEYS[k + R[set] + 1]
+	local left = redis.call('PTTL', key)
+	if left > 0 then
+		local wait = left * 1000
+		out[o + 1], out[o + 2] = -wait, BANNED
+		for p = o + 3, o + 2 + PER * R[set], PER do
+			out[p], out[p + 1] = -1, wait
+			for j = p + 2, p + PER - 1 do
+				out[j] = 0
+			end
+		end
+		return
+	end
+	decide()
+	if out[o + 1] < 0 then
+		-- A Redis that refuses the write (out of memory) still rejects the
+		-- request, only without a ban.
+		local set_ = redis.pcall('SET', key, '1', 'PX', BAN[set])
+		if type(set_) == 'table' and set_.err then
+			return
+		end
+		out[o + 1], out[o + 2] = -1000 * tonumber(BAN[set]), BAN_STARTED
+	end
+end
+
+-- indexing decides a decision of a set that indexes (see the top), and
+-- records the rates of an admission in the index.
+local function indexing()
+	if BAN[set] ~= '0' then
+		banning()
+	else
+		decide()
+	end
+	if out[o + 1] < 0 then
+		return
+	end
+	local r, key = R[set], KEYS[k + KEYN[set]]
+	local args, top = {}, 0
+	for i = 1, r do
+		args[2 * i - 1], args[2 * i] = string.format('%d', EXP[i]), KEYS[k + i]
+		if EXP[i] > top then
+			top = EXP[i]
+		end
+	end
+	if redis.call('ZADD', key, 'GT', unpackArgs(args)) == 0 then
+		-- Rates the index holds: it lives until the latest of them.
+		redis.call('PEXPIREAT', key, string.format('%d', top), 'GT')
+		return
+	end
+	-- A rate new to the index (or a new index): trim the expired members
+	-- and expire it with its latest one.
+	redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('(%d', math.floor(now / 1000)))
+	local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+	redis.call('PEXPIREAT', key, last[2])
+end
+
+for d = 1, D do
+	if S > 1 then
+		set = tonumber(ARGV[a])
+		a = a + 1
+	end
+	wrote = false
+	local run = decide
+	if INDEX[set] then
+		run = indexing
+	elseif KEYN[set] > R[set] then
+		run = banning
+	end
+	if D == 1 then
+		run()
+	elseif not pcall(run) then
+		out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
+		for i = o + 3, o + 2 + PER * R[set] do
+			out[i] = 0
+		end
+	end
+	o, k, now = o + 2 + PER * R[set], k + KEYN[set], now + 1
+end
+return out

@@ -1,0 +1,95 @@
+package redisdlm
+
+import (
+	"sync"
+
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+)
+
+// Admin resets across the fleet: the instance whose admin API resets a
+// key's quota or lifts its ban publishes it (ratelimit.PublishForget); every
+// instance's listener (one per pooled client, started with its batcher)
+// makes every handler on that client with that prefix forget the key: in
+// its deny cache, and with fail_local in its local limiter. This is the one
+// way a reset reaches the other instances.
+
+// resetRegistry holds the provisioned redis_ratelimit handlers that keep
+// something of a key in memory (a deny cache, a fail_local limiter), with
+// what a reset reaches of them, as Provision left it.
+var resetRegistry struct {
+	mu sync.Mutex
+	hs map[*RedisRateLimit]resetTarget
+}
+
+// resetTarget is what a reset reaches of one handler.
+type resetTarget struct {
+	client  *pooledClient
+	prefix  string
+	keyHead string
+	deny    *ratelimit.DenyCache // nil without
+	local   *ratelimit.Local     // fail_local; nil without
+}
+
+// forget drops id in t's deny cache and local limiter.
+func (t resetTarget) forget(id string) {
+	if t.local != nil {
+		t.local.Forget(t.keyHead + id + "}")
+	}
+	if t.deny != nil {
+		t.deny.Forget(id)
+	}
+}
+
+// registerResets adds h (its Provision), when it keeps anything a reset
+// must reach.
+func registerResets(h *RedisRateLimit) {
+	t := resetTarget{client: h.client, prefix: h.Prefix, keyHead: h.keyHead, deny: h.deny}
+	if h.local != nil {
+		t.local = h.local.lim
+	}
+	if t.deny == nil && t.local == nil {
+		return
+	}
+	resetRegistry.mu.Lock()
+	defer resetRegistry.mu.Unlock()
+	if resetRegistry.hs == nil {
+		resetRegistry.hs = make(map[*RedisRateLimit]resetTarget)
+	}
+	resetRegistry.hs[h] = t
+}
+
+// unregisterResets removes h (its Cleanup).
+func unregisterResets(h *RedisRateLimit) {
+	resetRegistry.mu.Lock()
+	defer resetRegistry.mu.Unlock()
+	delete(resetRegistry.hs, h)
+}
+
+// resetForgetter forgets what a reset published by any instance says, in
+// the handlers on one pooled client (the one whose listener heard it).
+type resetForgetter struct{ client *pooledClient }
+
+// Forget drops id in the handlers on the client under prefix.
+func (f resetForgetter) Forget(prefix, id string) {
+	resetRegistry.mu.Lock()
+	defer resetRegistry.mu.Unlock()
+	for _, t := range resetRegistry.hs {
+		if t.client == f.client && t.prefix == prefix {
+			t.forget(id)
+		}
+	}
+}
+
+// ForgetAll empties the deny caches of the handlers on the client (a reset
+// may have been missed). Local limiters keep their state: it holds
+// admissions not yet charged to Redis, and a missed reset only leaves them
+// stricter than needed until the key's windows pass.
+func (f resetForgetter) ForgetAll() {
+	resetRegistry.mu.Lock()
+	defer resetRegistry.mu.Unlock()
+	for _, t := range resetRegistry.hs {
+		if t.client == f.client && t.deny != nil {
+			t.deny.Clear()
+		}
+	}
+}
