@@ -3,12 +3,15 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
@@ -365,5 +368,67 @@ func TestBanOutOfMemory(t *testing.T) {
 	}
 	if n := c.Exists(ctx, "t:{oom}:ban").Val(); n != 0 {
 		t.Fatal("a ban was written while Redis refused writes")
+	}
+}
+
+// TestIndexInBatch: in one script call, decisions of sets that index (both
+// algorithms, with and without a ban) record their admitted rate states in
+// the key's index, scored by each state's expiry and expiring with the
+// latest; a rejection records nothing new; a set that does not index, with
+// the same arguments, writes no index.
+func TestIndexInBatch(t *testing.T) {
+	t.Parallel()
+	r := testredis.Start(t)
+	b := NewBatcher(r.Client(), Options{})
+	defer b.Close()
+	ctx := context.Background()
+	c := r.Client()
+	for n, algo := range []struct {
+		script *redisconn.Script
+		argv   []any // two rates: 2 a second and 5 a minute
+	}{
+		{SlidingScript, []any{1, 0, 0, 2, time.Second.Microseconds(), 5, time.Minute.Microseconds()}},
+		{GCRAScript, []any{1, 0, 0, 2, time.Second.Microseconds(), 2, 5, time.Minute.Microseconds(), 5}},
+		{SlidingScript, []any{1, 0, 60_000, 2, time.Second.Microseconds(), 5, time.Minute.Microseconds()}},
+	} {
+		p := fmt.Sprintf("i%d:", n)
+		call := func(id string, index bool) *Call {
+			c := &Call{Script: algo.script, Keys: []string{p + "{" + id + "}:a", p + "{" + id + "}:b"}, Argv: algo.argv}
+			if algo.argv[2] != 0 {
+				c.BanKey = p + "{" + id + "}:ban"
+			}
+			if index {
+				c.IndexKey = p + "{" + id + "}:rates"
+			}
+			return c
+		}
+		calls := []*Call{call("x", true), call("y", false), call("x", true), call("y", false), call("x", true)}
+		b.SendNow(calls)
+		for i, c := range calls {
+			<-c.Done()
+			d, err := ParseDecision(c.Res, len(c.Keys), PerRate(algo.script))
+			if c.Err != nil || err != nil || d.Allowed != (i < 4) {
+				t.Fatalf("%s decision %d: %+v %v %v, want the first two of each key admitted", p, i, d, c.Err, err)
+			}
+		}
+		index := p + "{x}:rates"
+		zs, err := c.ZRangeWithScores(ctx, index, 0, -1).Result()
+		if err != nil || len(zs) != 2 {
+			t.Fatalf("%s index %v (%v), want both rates", p, zs, err)
+		}
+		for _, z := range zs {
+			key := z.Member.(string)
+			at := c.PExpireTime(ctx, key).Val() // ms since the epoch
+			if math.Abs(z.Score-float64(at.Milliseconds())) > 1 {
+				t.Errorf("%s %s scored %v, its state expires at %d", p, key, z.Score, at.Milliseconds())
+			}
+		}
+		ttl := c.PTTL(ctx, index).Val()
+		if long := c.PTTL(ctx, p+"{x}:b").Val(); long <= time.Second || ttl < long || ttl > time.Minute+time.Second {
+			t.Errorf("%s index expires in %s, its longest state in %s: want the index with it", p, ttl, long)
+		}
+		if n := c.Exists(ctx, p+"{y}:rates").Val(); n != 0 {
+			t.Errorf("%s a set that does not index wrote an index", p)
+		}
 	}
 }
