@@ -78,6 +78,10 @@ func TestRateLimitErrorCauses(t *testing.T) {
 				"--tls-ca-cert-file", server+".crt", "--tls-auth-clients", "no")
 			return func(h *RedisRateLimit) {
 				h.Addresses, h.TLS, h.TLSCAFile = []string{"127.0.0.1:" + strconv.Itoa(port)}, true, other+".crt"
+				// A handshake under -race on a loaded machine can take
+				// longer than the default 500ms: the refusal, not a
+				// timeout, is what this case checks.
+				h.Timeout = caddy.Duration(5 * time.Second)
 			}, nil
 		}, []string{"x509"}, []string{"did not answer", "timeout"}},
 	} {
