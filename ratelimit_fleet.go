@@ -20,6 +20,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -58,6 +59,12 @@ type fleet struct {
 	// Woken when Redis answered a decision while local admissions wait to
 	// be charged.
 	wake chan struct{}
+	// conn is the loop's own connection for heartbeats (nil until the
+	// first, and after a failure): a beat a second through the shared pool
+	// would take each idle connection in turn (the pool hands out the
+	// oldest first) and keep every one a burst opened from ever idling
+	// long enough for the reaper.
+	conn *redis.Conn
 }
 
 // fleetKey is the heartbeat set of the handler's prefix. The hash tag holds
@@ -93,6 +100,7 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 	}()
 	t := time.NewTimer(fleetTick)
 	defer t.Stop()
+	defer h.dropFleetConn()
 	var lastBeat time.Time
 	for {
 		select {
@@ -129,11 +137,16 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	res, err := rateLimitFleetScript.Run(ctx, h.client.client, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds()).Slice()
+	var p redisconn.Processor = h.client.client
+	if c := h.fleetConn(ctx); c != nil {
+		p = c
+	}
+	res, err := rateLimitFleetScript.Run(ctx, p, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds()).Slice()
 	if err == nil && len(res) != 2 {
 		err = fmt.Errorf("unexpected answer of %d values", len(res))
 	}
 	if err != nil {
+		h.dropFleetConn() // a broken connection is not used again
 		if c := h.fleet.logger.Check(zap.DebugLevel, "rate-limit heartbeat failed"); c != nil {
 			c.Write(zap.Error(err))
 		}
@@ -143,4 +156,30 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 		h.fleet.instances.Store(n)
 	}
 	return true
+}
+
+// fleetConn returns the loop's own connection, taking one out of the pool
+// (of the master of the heartbeat key's slot on a Cluster) when it has
+// none; nil when none can be had (the beat then goes through the pool).
+func (h *RedisRateLimit) fleetConn(ctx context.Context) *redis.Conn {
+	if h.fleet.conn != nil {
+		return h.fleet.conn
+	}
+	switch c := h.client.client.(type) {
+	case *redis.Client:
+		h.fleet.conn = c.Conn()
+	case *redis.ClusterClient:
+		if m, err := c.MasterForKey(ctx, h.fleetKey()); err == nil {
+			h.fleet.conn = m.Conn()
+		}
+	}
+	return h.fleet.conn
+}
+
+// dropFleetConn closes the loop's own connection, if any.
+func (h *RedisRateLimit) dropFleetConn() {
+	if h.fleet.conn != nil {
+		_ = h.fleet.conn.Close()
+		h.fleet.conn = nil
+	}
 }
