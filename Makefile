@@ -54,7 +54,7 @@ prometheus:
 TEST_SOAK_SEED ?= 300568143
 test: redis-server prometheus
 	go vet ./...
-	go test -race -count=1 ./...
+	@tools/test-race.sh
 	@$(MAKE) --no-print-directory test-bench
 	@$(MAKE) --no-print-directory soak SOAK=30s SEED=$(TEST_SOAK_SEED)
 
