@@ -183,9 +183,12 @@ func connectedClients(t *testing.T, c *redis.Client) int {
 }
 
 // pausedBurst makes a lock handler's pool grow as a slow Redis does: n
-// requests meet a paused Redis, each holding a connection of its own, and
-// all succeed once it resumes. It returns the handler's server, a client of
-// the test's own and connected_clients before and after the burst.
+// calls on the handler's shared client meet a paused Redis, each holding a
+// connection of its own (the calls that go outside the pipe, redisconn.Pipe:
+// extensions, sync_replicas acquires, wait-queue updates), while n locked
+// requests wait in the pipe; all succeed once it resumes. It returns the
+// handler's server, a client of the test's own and connected_clients
+// before and after the burst.
 func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after int) {
 	t.Helper()
 	r := startRedis(t)
@@ -196,25 +199,68 @@ func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after
 	}
 	rc = r.Client()
 	base = connectedClients(t, rc)
+	shared := h.locker.Servers()[0].Client()
 	r.Pause()
 	var done []<-chan fetchResult
+	pings := make(chan error, n)
 	for i := 0; i < n; i++ {
 		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/k%d", s.URL, i)))
+		go func() { pings <- shared.Ping(context.Background()).Err() }()
 	}
-	// Every request waits on a connection of its own: wait until Redis
-	// has accepted them all (the kernel completes the handshakes).
-	waitFor(5*time.Second, func() bool { return int(h.locker.Servers()[0].Client().PoolStats().TotalConns) >= n/2 })
+	// Every ping waits on a connection of its own: wait until Redis has
+	// accepted them all (the kernel completes the handshakes).
+	waitFor(3*time.Second, func() bool { return int(shared.PoolStats().TotalConns) >= n })
 	r.Resume()
 	for i, ch := range done {
 		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
 			t.Fatalf("request %d: %d %v", i, res.status, res.err)
 		}
 	}
+	for i := 0; i < n; i++ {
+		if err := <-pings; err != nil {
+			t.Fatalf("ping %d: %v", i, err)
+		}
+	}
 	after = connectedClients(t, rc)
 	if after < base+n/2 {
-		t.Fatalf("%d connections after %d requests met a paused Redis, %d before: the burst did not grow the pool", after, n, base)
+		t.Fatalf("%d connections after %d calls met a paused Redis, %d before: the burst did not grow the pool", after, n, base)
 	}
 	return s.URL, rc, base, after
+}
+
+// TestPausedRedisLeavesLockPoolSmall: locked requests that meet a paused
+// Redis wait in the pipe (redisconn.Pipe) instead of each taking a
+// connection of its own: the pool grows by at most the pipelines in flight
+// and the background release, and every request is served once Redis
+// resumes.
+func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
+	s := handlerServer(t, h, okHandler)
+	if resp, _ := get(t, s.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("warm-up: %v", resp)
+	}
+	rc := r.Client()
+	base := connectedClients(t, rc)
+	r.Pause()
+	const n = 48
+	var done []<-chan fetchResult
+	for i := 0; i < n; i++ {
+		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/p%d", s.URL, i)))
+	}
+	srv := h.locker.Servers()[0]
+	waitFor(5*time.Second, func() bool { return srv.QueuedCalls() >= n-redisconn.PipeInFlight })
+	r.Resume()
+	for i, ch := range done {
+		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
+			t.Fatalf("request %d: %d %v", i, res.status, res.err)
+		}
+	}
+	if c := connectedClients(t, rc); c > base+redisconn.PipeInFlight+1 {
+		t.Fatalf("%d connections after %d locked requests met a paused Redis, %d before: want at most %d more (the pipelines in flight and the release)",
+			c, n, base, redisconn.PipeInFlight+1)
+	}
 }
 
 // TestPoolShrinksAfterSlowRedis: while Redis is paused, every request holds

@@ -32,6 +32,33 @@ func (f *faultClient) Process(ctx context.Context, cmd redis.Cmder) error {
 	return next()
 }
 
+// Pipeline is a pipeline whose commands each meet the hook, in order, as
+// they would on one connection.
+func (f *faultClient) Pipeline() redis.Pipeliner {
+	return &faultPipeline{Pipeliner: f.Client.Pipeline(), f: f}
+}
+
+type faultPipeline struct {
+	redis.Pipeliner
+	f    *faultClient
+	cmds []redis.Cmder
+}
+
+func (p *faultPipeline) Process(_ context.Context, cmd redis.Cmder) error {
+	p.cmds = append(p.cmds, cmd)
+	return nil
+}
+
+func (p *faultPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
+	var first error
+	for _, cmd := range p.cmds {
+		if err := p.f.Process(ctx, cmd); err != nil && first == nil {
+			first = err
+		}
+	}
+	return p.cmds, first
+}
+
 func (f *faultClient) setHook(h func(cmd redis.Cmder, next func() error) error) { f.hook.Store(&h) }
 
 // errLostAnswer is what a caller sees when the answer to a call that ran
@@ -287,4 +314,96 @@ func TestLostAcquireAnswer(t *testing.T) {
 			noKeyForever(t, rs)
 		})
 	}
+}
+
+// TestBatchedAcquiresLost: the acquires of concurrent requests that leave
+// in one pipeline, whose answers are all lost after Redis ran them, each
+// fail as an outcome nobody knows (nothing is sent again): every request
+// gets ErrUnavailable, and its undo removes what the acquire took and
+// marks its token dead, so no key stays held (SPEC §7: a lost batch makes
+// every call in it an unknown outcome).
+func TestBatchedAcquiresLost(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 1)
+	l, fcs := testLocker(t, rs, testOptions())
+	const n = 10
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("caddy:lock:{batch%d}", i)
+	}
+	hold := make(chan struct{})
+	var holdOnce sync.Once
+	unhold := func() { holdOnce.Do(func() { close(hold) }) }
+	defer unhold()
+	var held, ran atomic.Int32
+	var tokens sync.Map // key -> token of its acquire
+	fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
+		s, tok := scriptCall(cmd)
+		if s != AcquireScript {
+			return next()
+		}
+		key := cmd.Args()[3].(string)
+		if key == keys[0] || key == keys[1] {
+			// The first two are on their way while the others queue.
+			held.Add(1)
+			<-hold
+			return next()
+		}
+		tokens.Store(key, tok)
+		if err := next(); err != nil {
+			return err
+		}
+		ran.Add(1)
+		cmd.SetErr(errLostAnswer)
+		return errLostAnswer
+	})
+	errs := make([]error, n)
+	leases := make([]*Lease, n)
+	var wg sync.WaitGroup
+	acquire := func(i int) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			leases[i], errs[i] = l.Acquire(context.Background(), []string{keys[i]})
+		}()
+	}
+	acquire(0)
+	acquire(1)
+	if !waitFor(10*time.Second, func() bool { return held.Load() == 2 }) {
+		t.Fatal("the first two acquires never went out")
+	}
+	for i := 2; i < n; i++ {
+		acquire(i)
+	}
+	if !waitFor(10*time.Second, func() bool { return l.servers[0].pipe.Queued() == n-2 }) {
+		t.Fatalf("%d acquires queued, want %d", l.servers[0].pipe.Queued(), n-2)
+	}
+	unhold()
+	wg.Wait()
+	for i := 0; i < 2; i++ {
+		if errs[i] != nil {
+			t.Fatalf("acquire %d (answered): %v", i, errs[i])
+		}
+		leases[i].Release()
+	}
+	if ran.Load() != n-2 {
+		t.Fatalf("%d of the batched acquires ran, want %d (each once)", ran.Load(), n-2)
+	}
+	for i := 2; i < n; i++ {
+		if !errors.Is(errs[i], ErrUnavailable) {
+			t.Errorf("acquire %d, answer lost: %v, want ErrUnavailable", i, errs[i])
+		}
+	}
+	for i := 0; i < n; i++ {
+		if !allFree(10*time.Second, keys[i], rs) {
+			t.Fatalf("%s is still held", keys[i])
+		}
+	}
+	for i := 2; i < n; i++ {
+		tok, _ := tokens.Load(keys[i])
+		if _, err := rs[0].Client().ZScore(context.Background(), DeadKey(keys[i]), tok.(string)).Result(); err != nil {
+			t.Errorf("%s: the lost acquire's token is not marked dead: %v", keys[i], err)
+		}
+	}
+	noKeyForever(t, rs)
 }

@@ -64,6 +64,10 @@ func (s *Server) Client() redis.UniversalClient { return s.conn.Client }
 // SetLogger replaces the server's logger.
 func (s *Server) SetLogger(lg func() *slog.Logger) { s.logger = lg }
 
+// QueuedCalls is how many acquires and releases wait in the server's pipe
+// for a pipeline (for tests).
+func (s *Server) QueuedCalls() int { return s.pipe.Queued() }
+
 // PendingReleases is how many releases the server still owes.
 func (s *Server) PendingReleases() int { return s.rel.pendingCount() }
 

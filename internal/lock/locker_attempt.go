@@ -141,7 +141,7 @@ func (t *try) ask(ctx context.Context, s *Server, k string) ([]int64, string, er
 	}
 	cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
 	defer cancel()
-	return acquireReply(AcquireScript.Run(cctx, s.client, a.keys, l.acquireArgv(a)...))
+	return acquireReply(AcquireScript.Run(cctx, s.batched(), a.keys, l.acquireArgv(a)...))
 }
 
 // late handles an answer for k that came after the outcome was decided:

@@ -18,10 +18,14 @@ import (
 // the server's Pub/Sub wake-up listener, and the releases it still owes
 // (retried in the background).
 type Server struct {
-	id      string
-	name    string // for log lines: the address (never a password)
-	conn    *redisconn.Conn
-	client  Client        // conn's, or a test's wrapper of it
+	id     string
+	name   string // for log lines: the address (never a password)
+	conn   *redisconn.Conn
+	client Client // conn's, or a test's wrapper of it
+	// pipe batches the acquires and releases of concurrent requests on
+	// client (see redisconn.Pipe); an acquire with sync_replicas stays out,
+	// since its WAIT must follow its own write on the same connection.
+	pipe    redisconn.Pipe
 	timeout time.Duration // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
@@ -43,6 +47,9 @@ type Client interface {
 	redisconn.Processor
 	Pipeline() redis.Pipeliner
 }
+
+// batched is the server's client through its pipe.
+func (s *Server) batched() redisconn.Processor { return s.pipe.Via(s.client) }
 
 // masterForKey is a Cluster client's way to the master of a key's slot.
 type masterForKey interface {

@@ -1,0 +1,242 @@
+package redisconn
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Pipe sends the commands that concurrent callers hand it at the same
+// moment as one pipeline: one write and one read on one connection for all
+// of them, on Caddy's side and on Redis's, instead of a round trip each.
+//
+// There is no worker and no timer. A caller that finds fewer than
+// PipeInFlight pipelines on their way sends at once, with whatever else
+// waits (a lone call goes as a plain call, exactly as without the pipe);
+// otherwise it waits in the queue, and the first caller whose pipeline is
+// answered hands the queue on to a waiting caller, who sends it. An idle
+// pipe is nothing but a mutex and an empty queue.
+//
+// A pipeline is never sent again: a command of it whose answer was lost
+// (a timeout, a dropped connection) gets that error, which for a script
+// means an outcome nobody knows, for every command the pipeline had not
+// answered yet. Its context ends at the earliest deadline of its calls.
+// The commands given to a Pipe must never be resent by go-redis (see
+// NoRetry): Script calls are.
+//
+// A Pipe is used by its zero value; it carries no client: each call names
+// the one to send on (the same for every call in practice, or a test's
+// wrapper of it).
+type Pipe struct {
+	mu       sync.Mutex
+	queue    []*pipeCall
+	inflight int // pipelines on their way (each sent by a caller)
+}
+
+// PipeInFlight is the pipelines one Pipe has on their way at once. Two, not
+// one: a pipeline that is slow to answer (a lost packet, a paused
+// connection until its timeout) does not hold up every other call of the
+// client meanwhile, and a caller arriving while one pipeline is on its way
+// is sent at once rather than a round trip later. Under load each still
+// carries what arrived while the other was out.
+const PipeInFlight = 2
+
+// pipeMax bounds the commands in one pipeline; the rest wait for the next.
+const pipeMax = 256
+
+// pipeCall is one caller's command in the queue.
+type pipeCall struct {
+	ctx   context.Context
+	cmd   redis.Cmder
+	state atomic.Int32 // pipePending, pipeTaken or pipeAbandoned
+	lead  bool         // set before wake is closed: the caller sends the queue
+	wake  chan struct{}
+}
+
+const (
+	pipePending int32 = iota
+	pipeTaken
+	pipeAbandoned
+)
+
+// Via is p as a Processor that sends on c (a Script's call goes through
+// the pipe with Script.Run(ctx, p.Via(c), ...)).
+func (p *Pipe) Via(c Pipeliner) Processor { return piped{p, c} }
+
+// Pipeliner is a client that sends a command alone or in a pipeline.
+type Pipeliner interface {
+	Processor
+	Pipeline() redis.Pipeliner
+}
+
+type piped struct {
+	p *Pipe
+	c Pipeliner
+}
+
+func (v piped) Process(ctx context.Context, cmd redis.Cmder) error { return v.p.process(ctx, v.c, cmd) }
+
+// process sends cmd with the commands of other callers and waits for its
+// answer (cmd's own error is returned, as Process does). A call whose
+// context ends while it waits in the queue is never sent and answers
+// ctx.Err(); one already on its way is answered by its pipeline (bounded
+// by the earliest deadline in it, and the client's own timeouts).
+func (p *Pipe) process(ctx context.Context, c Pipeliner, cmd redis.Cmder) error {
+	call := &pipeCall{ctx: ctx, cmd: cmd}
+	p.mu.Lock()
+	if p.inflight < PipeInFlight {
+		p.inflight++
+		p.mu.Unlock()
+		call.state.Store(pipeTaken)
+		p.lead(c, call)
+		return cmd.Err()
+	}
+	call.wake = make(chan struct{})
+	p.queue = append(p.queue, call)
+	p.mu.Unlock()
+	select {
+	case <-call.wake:
+	case <-ctx.Done():
+		if call.state.CompareAndSwap(pipePending, pipeAbandoned) {
+			cmd.SetErr(ctx.Err())
+			return ctx.Err()
+		}
+		<-call.wake // taken: its pipeline answers it
+	}
+	if call.lead {
+		p.lead(c, call)
+	}
+	return cmd.Err()
+}
+
+// lead sends own (taken already) with what waits in the queue, then hands
+// the queue on to a waiting caller, or ends one pipeline in flight.
+func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
+	var batch []*pipeCall
+	defer func() {
+		r := recover()
+		if r != nil {
+			// A hook of the client panicked: every call of the batch gets
+			// the panic as its error, and the panic goes on in the
+			// leader's own call (whose caller logs it) once the others
+			// are answered and the queue is handed on.
+			err := fmt.Errorf("redisdlm: panic sending a pipeline: %v", r)
+			for _, call := range batch {
+				if call.cmd.Err() == nil {
+					call.cmd.SetErr(err)
+				}
+			}
+		}
+		for _, call := range batch {
+			if call != own {
+				close(call.wake)
+			}
+		}
+		p.handOn()
+		if r != nil {
+			panic(r)
+		}
+	}()
+	if p.waiting() {
+		// Let the requests running right now reach their call first: they
+		// join this pipeline instead of the next (with nothing else to
+		// run, this returns at once).
+		runtime.Gosched()
+	}
+	batch = p.take(own)
+	switch len(batch) {
+	case 0:
+		return
+	case 1:
+		_ = c.Process(batch[0].ctx, batch[0].cmd)
+		return
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), earliestDeadline(batch))
+	defer cancel()
+	pipe := c.Pipeline()
+	for _, call := range batch {
+		_ = pipe.Process(ctx, call.cmd)
+	}
+	_, _ = pipe.Exec(ctx) // each command holds its own answer or error
+}
+
+// waiting reports whether calls wait in the queue.
+func (p *Pipe) waiting() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.queue) > 0
+}
+
+// take makes the batch: own and the queued calls whose callers still
+// wait, up to pipeMax. A call whose context ended meanwhile is answered at
+// once with its context's error, unsent (it would end the whole
+// pipeline's context).
+func (p *Pipe) take(own *pipeCall) []*pipeCall {
+	batch := make([]*pipeCall, 0, 1+p.Queued())
+	if err := own.ctx.Err(); err != nil {
+		own.cmd.SetErr(err)
+	} else {
+		batch = append(batch, own)
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for n < len(p.queue) && len(batch) < pipeMax {
+		call := p.queue[n]
+		n++
+		if !call.state.CompareAndSwap(pipePending, pipeTaken) {
+			continue
+		}
+		if err := call.ctx.Err(); err != nil {
+			call.cmd.SetErr(err)
+			close(call.wake)
+			continue
+		}
+		batch = append(batch, call)
+	}
+	p.queue = append(p.queue[:0], p.queue[n:]...)
+	return batch
+}
+
+// handOn makes the first waiting caller send the queue, or ends a pipeline
+// in flight when nobody waits.
+func (p *Pipe) handOn() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for len(p.queue) > 0 {
+		next := p.queue[0]
+		p.queue = p.queue[1:]
+		if next.state.CompareAndSwap(pipePending, pipeTaken) {
+			next.lead = true
+			close(next.wake)
+			return
+		}
+	}
+	p.queue = nil
+	p.inflight--
+}
+
+// earliestDeadline is the earliest deadline of the calls' contexts, or a
+// minute from now when none has one (the client's own read and write
+// timeouts bound a pipeline long before that).
+func earliestDeadline(batch []*pipeCall) time.Time {
+	first := time.Now().Add(time.Minute)
+	for _, call := range batch {
+		if d, ok := call.ctx.Deadline(); ok && d.Before(first) {
+			first = d
+		}
+	}
+	return first
+}
+
+// Queued is how many calls wait in the queue (for tests).
+func (p *Pipe) Queued() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.queue)
+}

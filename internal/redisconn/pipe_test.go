@@ -1,0 +1,250 @@
+package redisconn
+
+import (
+	"context"
+	"errors"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
+	"github.com/redis/go-redis/v9"
+)
+
+// countScript counts its calls on KEYS[1] and answers the count.
+var countScript = NewScript("return redis.call('INCR', KEYS[1])")
+
+// pipeClient wraps a real client: it counts lone calls and pipelines (and
+// their sizes), can hold lone calls back until released, and can lose
+// every answer of a pipeline after Redis ran it.
+type pipeClient struct {
+	*redis.Client
+	hold      chan struct{} // lone calls each wait for a value, or its close (nil: none)
+	held      atomic.Int32  // lone calls waiting on hold
+	lone      atomic.Int32
+	loseBatch atomic.Bool
+	mu        sync.Mutex
+	sizes     []int
+}
+
+func (c *pipeClient) Process(ctx context.Context, cmd redis.Cmder) error {
+	c.lone.Add(1)
+	if c.hold != nil {
+		c.held.Add(1)
+		<-c.hold
+	}
+	return c.Client.Process(ctx, cmd)
+}
+
+func (c *pipeClient) Pipeline() redis.Pipeliner {
+	return &countedPipeline{Pipeliner: c.Client.Pipeline(), c: c}
+}
+
+type countedPipeline struct {
+	redis.Pipeliner
+	c *pipeClient
+	n int
+}
+
+func (p *countedPipeline) Process(ctx context.Context, cmd redis.Cmder) error {
+	p.n++
+	return p.Pipeliner.Process(ctx, cmd)
+}
+
+func (p *countedPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
+	p.c.mu.Lock()
+	p.c.sizes = append(p.c.sizes, p.n)
+	p.c.mu.Unlock()
+	cmds, err := p.Pipeliner.Exec(ctx)
+	if p.c.loseBatch.Load() {
+		// Redis ran every command; the answers are lost on the way back.
+		for _, cmd := range cmds {
+			cmd.SetErr(errLost)
+		}
+		return cmds, errLost
+	}
+	return cmds, err
+}
+
+var errLost = errors.New("i/o timeout (answers lost after the write)")
+
+func (c *pipeClient) batchSizes() []int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]int(nil), c.sizes...)
+}
+
+func newPipeClient(t *testing.T) (*pipeClient, *testredis.Server) {
+	t.Helper()
+	r := testredis.Start(t)
+	rc := redis.NewClient(&redis.Options{Addr: r.Addr, MaxRetries: -1})
+	t.Cleanup(func() { rc.Close() })
+	if err := rc.ScriptLoad(context.Background(), countScript.Source()).Err(); err != nil {
+		t.Fatal(err)
+	}
+	return &pipeClient{Client: rc}, r
+}
+
+// waitUntil polls cond for up to 10 s.
+func waitUntil(cond func() bool) bool {
+	for end := time.Now().Add(10 * time.Second); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
+
+// TestPipeSharesPipelines: the calls that wait while PipeInFlight calls
+// are on their way leave together, as one pipeline, each answered with its
+// own reply; a call alone goes as a plain call.
+func TestPipeSharesPipelines(t *testing.T) {
+	t.Parallel()
+	c, _ := newPipeClient(t)
+	var p Pipe
+	ctx := context.Background()
+
+	// Alone: a plain call, no pipeline.
+	if n, err := countScript.Run(ctx, p.Via(c), []string{"alone"}).Int64(); err != nil || n != 1 {
+		t.Fatalf("a lone call: %v, %v; want 1", n, err)
+	}
+	if c.lone.Load() != 1 || len(c.batchSizes()) != 0 {
+		t.Fatalf("a lone call went as %d plain calls and pipelines %v; want 1 plain call", c.lone.Load(), c.batchSizes())
+	}
+
+	// Two calls held on their way, 30 more arrive meanwhile; one of the
+	// two is answered first.
+	c.lone.Store(0)
+	c.hold = make(chan struct{})
+	const n = 32
+	got := make([]int64, n)
+	errs := make([]error, n)
+	var first, rest sync.WaitGroup
+	start := func(wg *sync.WaitGroup, i int) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			got[i], errs[i] = countScript.Run(ctx, p.Via(c), []string{"shared"}).Int64()
+		}()
+	}
+	start(&first, 0)
+	start(&first, 1)
+	if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
+		t.Fatalf("%d calls on their way, want %d", c.held.Load(), PipeInFlight)
+	}
+	for i := 2; i < n; i++ {
+		start(&rest, i)
+	}
+	if !waitUntil(func() bool { return p.Queued() == n-PipeInFlight }) {
+		t.Fatalf("%d calls queued, want %d", p.Queued(), n-PipeInFlight)
+	}
+	c.hold <- struct{}{}
+	rest.Wait()
+	if sizes := c.batchSizes(); len(sizes) != 1 || sizes[0] != n-PipeInFlight {
+		t.Fatalf("pipelines %v; want one of %d (the calls that waited)", sizes, n-PipeInFlight)
+	}
+	close(c.hold)
+	first.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	sort.Slice(got, func(i, j int) bool { return got[i] < got[j] })
+	for i, v := range got {
+		if v != int64(i+1) {
+			t.Fatalf("answers %v: want 1..%d, each call its own answer", got, n)
+		}
+	}
+	if c.lone.Load() != PipeInFlight {
+		t.Fatalf("%d plain calls, want %d", c.lone.Load(), PipeInFlight)
+	}
+	if v := c.Client.Get(ctx, "shared").Val(); v != "32" {
+		t.Fatalf("redis counted %s calls, want 32", v)
+	}
+}
+
+// TestPipeLostBatch: when a pipeline's answers are lost after Redis ran
+// it, every call in it fails (an outcome nobody knows), and nothing is
+// sent again: Redis ran each call exactly once.
+func TestPipeLostBatch(t *testing.T) {
+	t.Parallel()
+	c, _ := newPipeClient(t)
+	var p Pipe
+	ctx := context.Background()
+	c.hold = make(chan struct{})
+	c.loseBatch.Store(true)
+	const n = 10
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		if i == PipeInFlight {
+			if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
+				t.Fatal("the first calls never went out")
+			}
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = countScript.Run(ctx, p.Via(c), []string{"lost"}).Err()
+		}()
+	}
+	if !waitUntil(func() bool { return p.Queued() == n-PipeInFlight }) {
+		t.Fatalf("%d calls queued, want %d", p.Queued(), n-PipeInFlight)
+	}
+	close(c.hold)
+	wg.Wait()
+	for i := PipeInFlight; i < n; i++ {
+		if !errors.Is(errs[i], errLost) {
+			t.Errorf("call %d of the lost pipeline: %v, want its lost answer", i, errs[i])
+		}
+	}
+	if v := c.Client.Get(ctx, "lost").Val(); v != "10" {
+		t.Fatalf("redis ran the calls %s times, want 10 (once each, none resent)", v)
+	}
+}
+
+// TestPipeAbandonedCall: a caller whose context ends while its call waits
+// in the queue gets its context's error, and the call is never sent.
+func TestPipeAbandonedCall(t *testing.T) {
+	t.Parallel()
+	c, _ := newPipeClient(t)
+	var p Pipe
+	c.hold = make(chan struct{})
+	var wg sync.WaitGroup
+	for i := 0; i < PipeInFlight; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = countScript.Run(context.Background(), p.Via(c), []string{"held"}).Err()
+		}()
+	}
+	if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
+		t.Fatal("the first calls never went out")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- countScript.Run(ctx, p.Via(c), []string{"gave-up"}).Err() }()
+	if !waitUntil(func() bool { return p.Queued() == 1 }) {
+		t.Fatal("the call never queued")
+	}
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("abandoned call: %v, want context.Canceled", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the abandoned call did not return")
+	}
+	close(c.hold)
+	wg.Wait()
+	if ex := c.Client.Exists(context.Background(), "gave-up").Val(); ex != 0 {
+		t.Fatal("the abandoned call ran")
+	}
+	if p.Queued() != 0 {
+		t.Fatalf("%d calls left in the queue", p.Queued())
+	}
+}
