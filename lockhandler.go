@@ -548,7 +548,10 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	// is what the route added, and a 503 after a lost lease goes back to it.
 	var before http.Header
 	if h.Replay > 0 || h.OnLost == "cancel" {
-		before = w.Header().Clone()
+		before = noHeader // most routes set nothing before the lock
+		if len(w.Header()) > 0 {
+			before = w.Header().Clone()
+		}
 	}
 	var rec *recorder
 	base := r.Context()
@@ -696,6 +699,10 @@ type startedWriter struct {
 	started bool
 	refused bool
 }
+
+// noHeader is the header before the lock when handlers before it set
+// none: read only, never written.
+var noHeader = http.Header{}
 
 // restoreHeader puts the header back as it was before the lock: the 503 of
 // a refused response carries nothing the route set without the lock (a

@@ -111,7 +111,7 @@ func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*fa
 		s := NewServer(fmt.Sprintf("%s/%d/%s", t.Name(), i, r.Addr), redisconn.NewConn(c, o.Timeout), discard)
 		t.Cleanup(func() { s.wake.stop() })
 		fc := &faultClient{Client: s.client}
-		s.client = fc
+		s.setClient(fc)
 		servers, fcs = append(servers, s), append(fcs, fc)
 	}
 	l := New(servers, o, slog.New(slog.DiscardHandler))

@@ -145,9 +145,8 @@ func (l *Locker) unuseServers() {
 func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*Lease, error) {
 	wt := &waiting{l: l, ctx: ctx, q: q, w: w, keys: keys, last: unknownBusy}
 	if l.opts.Wait > 0 {
-		t := time.NewTimer(l.opts.Wait)
-		defer t.Stop()
-		wt.deadline = t.C
+		wt.end = time.Now().Add(l.opts.Wait)
+		defer wt.stopDeadline()
 	}
 	if ls, err := wt.awaitTurn(); ls != nil || err != nil {
 		return ls, err
@@ -171,12 +170,13 @@ func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string
 
 // waiting is one waiter's turn in progress.
 type waiting struct {
-	l        *Locker
-	ctx      context.Context
-	q        *keyQueue
-	w        *waiter
-	keys     []string
-	deadline <-chan time.Time // the end of the wait; nil with wait 0
+	l         *Locker
+	ctx       context.Context
+	q         *keyQueue
+	w         *waiter
+	keys      []string
+	end       time.Time   // the end of the wait; zero with wait 0
+	deadlineT *time.Timer // fires at end; made when the waiter first waits
 
 	local      bool          // this instance holds every permit
 	retryAfter time.Duration // the last attempt's: until the earliest lease ends
@@ -185,6 +185,25 @@ type waiting struct {
 	busyKey    int
 	split      bool // the last attempt took part of what it needed
 	subscribed bool
+}
+
+// deadline fires at the end of the wait (never with wait 0). Its timer is
+// made at the first wait: a request that gets the lock at once, as most
+// do, makes none.
+func (wt *waiting) deadline() <-chan time.Time {
+	if wt.end.IsZero() {
+		return nil
+	}
+	if wt.deadlineT == nil {
+		wt.deadlineT = time.NewTimer(time.Until(wt.end))
+	}
+	return wt.deadlineT.C
+}
+
+func (wt *waiting) stopDeadline() {
+	if wt.deadlineT != nil {
+		wt.deadlineT.Stop()
+	}
 }
 
 // waitStep is what follows one step of a wait.
@@ -218,7 +237,7 @@ func (wt *waiting) awaitTurn() (*Lease, error) {
 		return g, nil
 	case <-wt.ctx.Done():
 		return nil, wt.ctx.Err()
-	case <-wt.deadline:
+	case <-wt.deadline():
 		return nil, wt.busy(wt.q.retryHint())
 	}
 }
@@ -329,7 +348,7 @@ func (wt *waiting) pause(n int) (*Lease, error) {
 			return nil, nil
 		case <-wt.ctx.Done():
 			return nil, wt.ctx.Err()
-		case <-wt.deadline:
+		case <-wt.deadline():
 			return nil, wt.busy(wt.last)
 		}
 	}

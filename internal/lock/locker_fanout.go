@@ -119,8 +119,11 @@ func tally(res []result) (granted, busy, errs int) {
 // sent. An error that Redis answered (out of memory, a script error, BUSY)
 // is a known outcome: the call will not run later.
 func unknownOutcome(err error) bool {
+	if err == nil {
+		return false
+	}
 	var re redis.Error
-	return err != nil && !errors.As(err, &re)
+	return !errors.As(err, &re)
 }
 
 // refusedUnrun reports whether Redis refused a call without running it
@@ -128,6 +131,9 @@ func unknownOutcome(err error) bool {
 // ...): it took nothing. An error raised while a script ran names the
 // script, and may come after some of its writes.
 func refusedUnrun(err error) bool {
+	if err == nil {
+		return false
+	}
 	var re redis.Error
 	if !errors.As(err, &re) {
 		return false

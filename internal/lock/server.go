@@ -26,6 +26,7 @@ type Server struct {
 	// client (see redisconn.Pipe); an acquire with sync_replicas stays out,
 	// since its WAIT must follow its own write on the same connection.
 	pipe    redisconn.Pipe
+	batch   redisconn.Processor // client through pipe (see setClient)
 	timeout time.Duration // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
@@ -49,7 +50,14 @@ type Client interface {
 }
 
 // batched is the server's client through its pipe.
-func (s *Server) batched() redisconn.Processor { return s.pipe.Via(s.client) }
+func (s *Server) batched() redisconn.Processor { return s.batch }
+
+// setClient sets the client the server calls (conn's, or a test's wrapper
+// of it).
+func (s *Server) setClient(c Client) {
+	s.client = c
+	s.batch = s.pipe.Via(c)
+}
 
 // masterForKey is a Cluster client's way to the master of a key's slot.
 type masterForKey interface {
@@ -60,7 +68,8 @@ type masterForKey interface {
 // logger returns the logger of the moment (the server outlives configs).
 func NewServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *Server {
 	c := conn.Client
-	s := &Server{id: id, name: redisconn.ClientName(c), conn: conn, client: c, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
+	s := &Server{id: id, name: redisconn.ClientName(c), conn: conn, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
+	s.setClient(c)
 	s.rel.s = s
 	s.rel.warn = throttle.New(10 * time.Second)
 	return s

@@ -53,7 +53,7 @@ const pipeMax = 256
 type pipeCall struct {
 	ctx   context.Context
 	cmd   redis.Cmder
-	state atomic.Int32 // pipePending, pipeTaken or pipeAbandoned
+	state atomic.Int32 // pipePending or pipeTaken
 	lead  bool         // set before wake is closed: the caller sends the queue
 	wake  chan struct{}
 }
@@ -61,7 +61,6 @@ type pipeCall struct {
 const (
 	pipePending int32 = iota
 	pipeTaken
-	pipeAbandoned
 )
 
 // Via is p as a Processor that sends on c (a Script's call goes through
@@ -83,9 +82,10 @@ func (v piped) Process(ctx context.Context, cmd redis.Cmder) error { return v.p.
 
 // process sends cmd with the commands of other callers and waits for its
 // answer (cmd's own error is returned, as Process does). A call whose
-// context ends while it waits in the queue is never sent and answers
-// ctx.Err(); one already on its way is answered by its pipeline (bounded
-// by the earliest deadline in it, and the client's own timeouts).
+// context ended while it waited in the queue is never sent and answers
+// ctx.Err() when the next pipeline leaves; one already on its way is
+// answered by its pipeline (bounded by the earliest deadline in it, and
+// the client's own timeouts).
 func (p *Pipe) process(ctx context.Context, c Pipeliner, cmd redis.Cmder) error {
 	call := &pipeCall{ctx: ctx, cmd: cmd}
 	p.mu.Lock()
@@ -99,15 +99,10 @@ func (p *Pipe) process(ctx context.Context, c Pipeliner, cmd redis.Cmder) error 
 	call.wake = make(chan struct{})
 	p.queue = append(p.queue, call)
 	p.mu.Unlock()
-	select {
-	case <-call.wake:
-	case <-ctx.Done():
-		if call.state.CompareAndSwap(pipePending, pipeAbandoned) {
-			cmd.SetErr(ctx.Err())
-			return ctx.Err()
-		}
-		<-call.wake // taken: its pipeline answers it
-	}
+	// No wait on ctx (its Done channel costs an allocation per call): a
+	// call whose context ended meanwhile is answered unsent as soon as the
+	// next pipeline leaves, at most a pipeline's round trip later.
+	<-call.wake
 	if call.lead {
 		p.lead(c, call)
 	}

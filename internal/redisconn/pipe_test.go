@@ -207,7 +207,8 @@ func TestPipeLostBatch(t *testing.T) {
 }
 
 // TestPipeAbandonedCall: a caller whose context ends while its call waits
-// in the queue gets its context's error, and the call is never sent.
+// in the queue gets its context's error once the next pipeline leaves, and
+// the call is never sent.
 func TestPipeAbandonedCall(t *testing.T) {
 	t.Parallel()
 	c, _ := newPipeClient(t)
@@ -231,6 +232,7 @@ func TestPipeAbandonedCall(t *testing.T) {
 		t.Fatal("the call never queued")
 	}
 	cancel()
+	close(c.hold)
 	select {
 	case err := <-done:
 		if !errors.Is(err, context.Canceled) {
@@ -239,7 +241,6 @@ func TestPipeAbandonedCall(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the abandoned call did not return")
 	}
-	close(c.hold)
 	wg.Wait()
 	if ex := c.Client.Exists(context.Background(), "gave-up").Val(); ex != 0 {
 		t.Fatal("the abandoned call ran")

@@ -34,18 +34,51 @@
 -- instance's turn or the token is dead); {2, 0, answer} when an earlier
 -- holder's answer is stored (then nothing is taken: the request is
 -- answered with it).
-if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
-	return {0, 0}
-end
 if ARGV[7] == '1' then
 	local stored = redis.call('GET', KEYS[4])
 	if stored then
+		if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
+			return {0, 0}
+		end
 		return {2, 0, stored}
 	end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
+-- The fencing token: the counter, never below TIME in µs (see the top).
+local function fence(expireAt)
+	local k = tonumber(ARGV[6])
+	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
+	-- The counter outlives the newest lease by a ttl; after that the time
+	-- floor alone keeps tokens increasing.
+	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', expireAt + ttl)
+	return f
+end
+-- A grant's lock_delay entry: the lease's end + the delay.
+local function delayEntry()
+	local delay = tonumber(ARGV[9])
+	if delay > 0 then
+		redis.call('ZADD', KEYS[6], now + ttl + delay, ARGV[1])
+		local dl = redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')
+		redis.call('PEXPIREAT', KEYS[6], tonumber(dl[2]))
+	end
+end
+-- The uncontended path: no lease, no wait list, no dead token and no delay
+-- entry on the key (one EXISTS for the four), so the key is free and
+-- nothing needs trimming or checking: what the path below would do comes
+-- down to the grant's own writes.
+if redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5], KEYS[6]) == 0 then
+	redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+	redis.call('PEXPIREAT', KEYS[1], now + ttl)
+	local f = fence(now + ttl)
+	delayEntry()
+	return {1, f}
+end
+if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
+	return {0, 0}
+end
 local permits = tonumber(ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local life = tonumber(ARGV[5])
@@ -81,18 +114,8 @@ if free or held then
 	local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 	redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]))
 	redis.call('ZREM', KEYS[3], ARGV[4])
-	local k = tonumber(ARGV[6])
-	local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-	local f = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') + k, us + k - 1)
-	-- The counter outlives the newest lease by a ttl; after that the time
-	-- floor alone keeps tokens increasing.
-	redis.call('SET', KEYS[2], string.format('%d', f), 'PXAT', tonumber(last[2]) + ttl)
-	local delay = tonumber(ARGV[9])
-	if delay > 0 then
-		redis.call('ZADD', KEYS[6], now + ttl + delay, ARGV[1])
-		local dl = redis.call('ZRANGE', KEYS[6], -1, -1, 'WITHSCORES')
-		redis.call('PEXPIREAT', KEYS[6], tonumber(dl[2]))
-	end
+	local f = fence(tonumber(last[2]))
+	delayEntry()
 	return {1, f}
 end
 -- Busy: queue this instance and say when the earliest lease ends. An entry

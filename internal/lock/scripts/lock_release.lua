@@ -25,6 +25,14 @@
 -- ended without its release (expired, force-released) keeps its entry.
 -- Returns 1 when this token held the lock, 0 otherwise.
 local dead = tonumber(ARGV[9])
+-- The uncontended path: nothing to mark dead, write back or store, no
+-- lock_delay to start, and no delay entry or wait list on the key (one
+-- EXISTS for both): the release is the owner-checked ZREM alone (nobody
+-- waits elsewhere, so there is no wake-up to send).
+if dead == 0 and ARGV[4] == '0' and ARGV[6] == '' and (ARGV[10] ~= '1' or ARGV[11] == '0')
+	and redis.call('EXISTS', KEYS[4], KEYS[6]) == 0 then
+	return redis.call('ZREM', KEYS[1], ARGV[1])
+end
 if dead > 0 then
 	local t = redis.call('TIME')
 	local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
