@@ -52,7 +52,7 @@ func stateOf(t *testing.T, r *testredis.Server, key string) keyState {
 	c := r.Client()
 	st := keyState{holders: c.ZCard(ctx, key).Val(), leaseMs: c.PTTL(ctx, key).Val().Milliseconds(),
 		fenceMs: c.PTTL(ctx, FenceKey(key)).Val().Milliseconds(),
-		waitq: c.Exists(ctx, WaitqKey(key)).Val(), dead: c.Exists(ctx, DeadKey(key)).Val()}
+		waitq:   c.Exists(ctx, WaitqKey(key)).Val(), dead: c.Exists(ctx, DeadKey(key)).Val()}
 	if zs := c.ZRangeWithScores(ctx, key, 0, 0).Val(); len(zs) == 1 {
 		now, _ := c.Time(ctx).Result()
 		st.scoreLeft = int64(zs[0].Score) - now.UnixMilli()
