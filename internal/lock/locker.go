@@ -50,6 +50,13 @@ type Locker struct {
 	opts    Options
 	dom     *domain
 	logger  *slog.Logger
+	argv    constArgv
+}
+
+// constArgv are the acquire script's arguments that never change for a
+// locker, boxed once instead of per call.
+type constArgv struct {
+	ttlMs, permits, self, life, delayMs any
 }
 
 // New builds a locker over servers (1, 3, 5 or 7). It does not dial.
@@ -67,13 +74,16 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 		opts.Clock = realClock{}
 	}
 	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d|delay=%d", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas, opts.LockDelay)
-	return &Locker{
+	l := &Locker{
 		servers: servers,
 		quorum:  len(servers)/2 + 1,
 		opts:    opts,
 		dom:     acquireDomain(domKey),
 		logger:  logger,
 	}
+	l.argv = constArgv{ttlMs: opts.TTL.Milliseconds(), permits: opts.Permits, self: l.dom.id,
+		life: l.waitqLife().Milliseconds(), delayMs: opts.LockDelay.Milliseconds()}
+	return l
 }
 
 // close drops this locker's reference to its shared queue domain.
@@ -94,9 +104,11 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	}
 	l.useServers()
 	ls, err := l.wait(ctx, q, w, keys)
-	var busy *BusyError
-	if errors.As(err, &busy) {
-		busy.ahead = q.position(w)
+	if err != nil {
+		var busy *BusyError
+		if errors.As(err, &busy) {
+			busy.ahead = q.position(w)
+		}
 	}
 	// Leave the queue; a lease handed on just as the wait ended is taken
 	// when the caller still wants it, and passed on otherwise.

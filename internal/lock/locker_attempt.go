@@ -135,13 +135,12 @@ func (t *try) takeKey(i int, k string) (a attempt, over bool) {
 func (t *try) ask(ctx context.Context, s *Server, k string) ([]int64, string, error) {
 	l := t.l
 	a := acquireArgs{keys: []string{k, FenceKey(k), WaitqKey(k), ReplayKey(k), DeadKey(k), DelayKey(k)}, token: t.token,
-		ttlMs: l.opts.TTL.Milliseconds(), life: l.waitqLife().Milliseconds(), chain: t.chain, turns: l.turnsFlag(len(t.keys))}
+		chain: t.chain, turns: l.turnsFlag(len(t.keys))}
 	if l.opts.SyncReplicas > 0 {
 		return l.acquireSynced(ctx, s.client, a)
 	}
-	cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
-	defer cancel()
-	return acquireReply(AcquireScript.Run(cctx, s.batched(), a.keys, l.acquireArgv(a)...))
+	// The pipe bounds the call by the server's timeout.
+	return acquireReply(AcquireScript.Run(ctx, s.batched(), a.keys, l.acquireArgv(a)...))
 }
 
 // late handles an answer for k that came after the outcome was decided:
@@ -279,16 +278,16 @@ func (l *Locker) validity(start time.Time) time.Duration {
 
 // acquireArgs are the arguments of one acquire script call.
 type acquireArgs struct {
-	keys        []string // the lock key and its companions
-	token       string
-	ttlMs, life int64 // the lease, and the wait-list entry's life
-	chain       int   // fencing tokens to reserve
-	turns       string
+	keys  []string // the lock key and its companions
+	token string
+	chain int // fencing tokens to reserve
+	turns string
 }
 
 // acquireArgv is the acquire script's ARGV.
 func (l *Locker) acquireArgv(a acquireArgs) []any {
-	return []any{a.token, a.ttlMs, l.opts.Permits, l.dom.id, a.life, a.chain, l.replayFlag(), a.turns, l.opts.LockDelay.Milliseconds()}
+	c := &l.argv
+	return []any{a.token, c.ttlMs, c.permits, c.self, c.life, a.chain, l.replayFlag(), a.turns, c.delayMs}
 }
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the

@@ -59,9 +59,7 @@ func (l *Locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.U
 			if skip&(1<<i) != 0 {
 				return notAsked{}, nil
 			}
-			cctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
-			defer cancel()
-			ok, err := job.run(cctx, s)
+			ok, err := job.run(ctx, s) // bounded by the pipe
 			if err == nil && ok && removed != nil && len(jobs) == 1 {
 				removed.Or(1 << i)
 			}

@@ -56,7 +56,7 @@ func (s *Server) batched() redisconn.Processor { return s.batch }
 // of it).
 func (s *Server) setClient(c Client) {
 	s.client = c
-	s.batch = s.pipe.Via(c)
+	s.batch = s.pipe.Via(c, s.timeout)
 }
 
 // masterForKey is a Cluster client's way to the master of a key's slot.

@@ -51,11 +51,12 @@ const pipeMax = 256
 
 // pipeCall is one caller's command in the queue.
 type pipeCall struct {
-	ctx   context.Context
-	cmd   redis.Cmder
-	state atomic.Int32 // pipePending or pipeTaken
-	lead  bool         // set before wake is closed: the caller sends the queue
-	wake  chan struct{}
+	ctx      context.Context
+	deadline time.Time // the call's: its context's, or timeout from the call
+	cmd      redis.Cmder
+	state    atomic.Int32 // pipePending or pipeTaken
+	lead     bool         // set before wake is closed: the caller sends the queue
+	wake     chan struct{}
 }
 
 const (
@@ -63,9 +64,12 @@ const (
 	pipeTaken
 )
 
-// Via is p as a Processor that sends on c (a Script's call goes through
-// the pipe with Script.Run(ctx, p.Via(c), ...)).
-func (p *Pipe) Via(c Pipeliner) Processor { return piped{p, c} }
+// Via is p as a Processor that sends on c, each call bounded by timeout
+// (or its context's deadline, when earlier): a Script's call goes through
+// the pipe with Script.Run(ctx, p.Via(c, timeout), ...). The caller needs
+// no context with a deadline of its own: under load a call's bound costs
+// nothing but the pipeline's one context.
+func (p *Pipe) Via(c Pipeliner, timeout time.Duration) Processor { return piped{p, c, timeout} }
 
 // Pipeliner is a client that sends a command alone or in a pipeline.
 type Pipeliner interface {
@@ -74,11 +78,14 @@ type Pipeliner interface {
 }
 
 type piped struct {
-	p *Pipe
-	c Pipeliner
+	p       *Pipe
+	c       Pipeliner
+	timeout time.Duration
 }
 
-func (v piped) Process(ctx context.Context, cmd redis.Cmder) error { return v.p.process(ctx, v.c, cmd) }
+func (v piped) Process(ctx context.Context, cmd redis.Cmder) error {
+	return v.p.process(ctx, v.c, v.timeout, cmd)
+}
 
 // process sends cmd with the commands of other callers and waits for its
 // answer (cmd's own error is returned, as Process does). A call whose
@@ -86,8 +93,11 @@ func (v piped) Process(ctx context.Context, cmd redis.Cmder) error { return v.p.
 // ctx.Err() when the next pipeline leaves; one already on its way is
 // answered by its pipeline (bounded by the earliest deadline in it, and
 // the client's own timeouts).
-func (p *Pipe) process(ctx context.Context, c Pipeliner, cmd redis.Cmder) error {
-	call := &pipeCall{ctx: ctx, cmd: cmd}
+func (p *Pipe) process(ctx context.Context, c Pipeliner, timeout time.Duration, cmd redis.Cmder) error {
+	call := &pipeCall{ctx: ctx, cmd: cmd, deadline: time.Now().Add(timeout)}
+	if d, ok := ctx.Deadline(); ok && d.Before(call.deadline) {
+		call.deadline = d
+	}
 	p.mu.Lock()
 	if p.inflight < PipeInFlight {
 		p.inflight++
@@ -148,7 +158,9 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 	case 0:
 		return
 	case 1:
-		_ = c.Process(batch[0].ctx, batch[0].cmd)
+		ctx, cancel := context.WithDeadline(batch[0].ctx, batch[0].deadline)
+		defer cancel()
+		_ = c.Process(ctx, batch[0].cmd)
 		return
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), earliestDeadline(batch))
@@ -216,14 +228,12 @@ func (p *Pipe) handOn() {
 	p.inflight--
 }
 
-// earliestDeadline is the earliest deadline of the calls' contexts, or a
-// minute from now when none has one (the client's own read and write
-// timeouts bound a pipeline long before that).
+// earliestDeadline is the earliest deadline of the calls.
 func earliestDeadline(batch []*pipeCall) time.Time {
-	first := time.Now().Add(time.Minute)
-	for _, call := range batch {
-		if d, ok := call.ctx.Deadline(); ok && d.Before(first) {
-			first = d
+	first := batch[0].deadline
+	for _, call := range batch[1:] {
+		if call.deadline.Before(first) {
+			first = call.deadline
 		}
 	}
 	return first

@@ -107,7 +107,7 @@ func TestPipeSharesPipelines(t *testing.T) {
 	ctx := context.Background()
 
 	// Alone: a plain call, no pipeline.
-	if n, err := countScript.Run(ctx, p.Via(c), []string{"alone"}).Int64(); err != nil || n != 1 {
+	if n, err := countScript.Run(ctx, p.Via(c, 5*time.Second), []string{"alone"}).Int64(); err != nil || n != 1 {
 		t.Fatalf("a lone call: %v, %v; want 1", n, err)
 	}
 	if c.lone.Load() != 1 || len(c.batchSizes()) != 0 {
@@ -126,7 +126,7 @@ func TestPipeSharesPipelines(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			got[i], errs[i] = countScript.Run(ctx, p.Via(c), []string{"shared"}).Int64()
+			got[i], errs[i] = countScript.Run(ctx, p.Via(c, 5*time.Second), []string{"shared"}).Int64()
 		}()
 	}
 	start(&first, 0)
@@ -188,7 +188,7 @@ func TestPipeLostBatch(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = countScript.Run(ctx, p.Via(c), []string{"lost"}).Err()
+			errs[i] = countScript.Run(ctx, p.Via(c, 5*time.Second), []string{"lost"}).Err()
 		}()
 	}
 	if !waitUntil(func() bool { return p.Queued() == n-PipeInFlight }) {
@@ -219,7 +219,7 @@ func TestPipeAbandonedCall(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			_ = countScript.Run(context.Background(), p.Via(c), []string{"held"}).Err()
+			_ = countScript.Run(context.Background(), p.Via(c, 5*time.Second), []string{"held"}).Err()
 		}()
 	}
 	if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
@@ -227,7 +227,7 @@ func TestPipeAbandonedCall(t *testing.T) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- countScript.Run(ctx, p.Via(c), []string{"gave-up"}).Err() }()
+	go func() { done <- countScript.Run(ctx, p.Via(c, 5*time.Second), []string{"gave-up"}).Err() }()
 	if !waitUntil(func() bool { return p.Queued() == 1 }) {
 		t.Fatal("the call never queued")
 	}

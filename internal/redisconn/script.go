@@ -14,11 +14,15 @@ import (
 // It has no other way to be called (go-redis's own Script methods would
 // send commands that may be resent).
 type Script struct {
-	hash, src string
+	hash, src       string
+	hashArg, srcArg any // the same, boxed once (not per call)
 }
 
 // NewScript prepares src; nothing is sent until a call.
-func NewScript(src string) *Script { return &Script{hash: redis.NewScript(src).Hash(), src: src} }
+func NewScript(src string) *Script {
+	h := redis.NewScript(src).Hash()
+	return &Script{hash: h, src: src, hashArg: h, srcArg: src}
+}
 
 // Hash is the script's SHA1, the name EVALSHA calls it by.
 func (s *Script) Hash() string { return s.hash }
@@ -36,7 +40,7 @@ type Processor interface {
 // not run).
 func (s *Script) Run(ctx context.Context, p Processor, keys []string, args ...any) *redis.Cmd {
 	cmd := s.call(ctx, p, false, keys, args)
-	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
+	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
 		cmd = s.call(ctx, p, true, keys, args)
 	}
 	return cmd
@@ -59,9 +63,9 @@ func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string
 // Head starts a call of the script: "evalsha", its SHA1 (or "eval", its
 // text), the number of keys and the keys, with room for more arguments.
 func (s *Script) Head(eval bool, keys []string, more int) []any {
-	name, script := "evalsha", s.hash
+	name, script := "evalsha", s.hashArg
 	if eval {
-		name, script = "eval", s.src
+		name, script = "eval", s.srcArg
 	}
 	a := make([]any, 0, 3+len(keys)+more)
 	a = append(a, name, script, len(keys))
