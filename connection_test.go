@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -182,6 +183,19 @@ func connectedClients(t *testing.T, c *redis.Client) int {
 	return int(infoInt(t, c, "clients", "connected_clients"))
 }
 
+// warmLock is a lock handler (timeout 5s, wait 0) on a Redis of its own,
+// served, after one request.
+func warmLock(t *testing.T) (*testRedis, *RedisLock, *httptest.Server) {
+	t.Helper()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
+	s := handlerServer(t, h, okHandler)
+	if resp, _ := get(t, s.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
+		t.Fatalf("warm-up: %v", resp)
+	}
+	return r, h, s
+}
+
 // pausedBurst makes a lock handler's pool grow as a slow Redis does: n
 // calls on the handler's shared client meet a paused Redis, each holding a
 // connection of its own (the calls that go outside the pipe, redisconn.Pipe:
@@ -191,12 +205,7 @@ func connectedClients(t *testing.T, c *redis.Client) int {
 // before and after the burst.
 func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after int) {
 	t.Helper()
-	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
-	s := handlerServer(t, h, okHandler)
-	if resp, _ := get(t, s.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
-		t.Fatalf("warm-up: %v", resp)
-	}
+	r, h, s := warmLock(t)
 	rc = r.Client()
 	base = connectedClients(t, rc)
 	shared := h.locker.Servers()[0].Client()
@@ -235,12 +244,7 @@ func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after
 // resumes.
 func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
-	s := handlerServer(t, h, okHandler)
-	if resp, _ := get(t, s.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
-		t.Fatalf("warm-up: %v", resp)
-	}
+	r, h, s := warmLock(t)
 	rc := r.Client()
 	base := connectedClients(t, rc)
 	r.Pause()

@@ -97,6 +97,22 @@ func waitUntil(cond func() bool) bool {
 	return cond()
 }
 
+// holdInFlight starts PipeInFlight calls on key that go out as plain calls
+// and wait on c.hold, and waits until they do; wg ends with them.
+func holdInFlight(t *testing.T, c *pipeClient, p *Pipe, key string, wg *sync.WaitGroup) {
+	t.Helper()
+	for i := 0; i < PipeInFlight; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_ = countScript.Run(context.Background(), p.Via(c, 5*time.Second), []string{key}).Err()
+		}()
+	}
+	if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
+		t.Fatalf("%d calls on their way, want %d", c.held.Load(), PipeInFlight)
+	}
+}
+
 // TestPipeSharesPipelines: the calls that wait while PipeInFlight calls
 // are on their way leave together, as one pipeline, each answered with its
 // own reply; a call alone goes as a plain call.
@@ -179,12 +195,8 @@ func TestPipeLostBatch(t *testing.T) {
 	const n = 10
 	errs := make([]error, n)
 	var wg sync.WaitGroup
-	for i := 0; i < n; i++ {
-		if i == PipeInFlight {
-			if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
-				t.Fatal("the first calls never went out")
-			}
-		}
+	holdInFlight(t, c, &p, "lost", &wg)
+	for i := PipeInFlight; i < n; i++ {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -215,16 +227,7 @@ func TestPipeAbandonedCall(t *testing.T) {
 	var p Pipe
 	c.hold = make(chan struct{})
 	var wg sync.WaitGroup
-	for i := 0; i < PipeInFlight; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_ = countScript.Run(context.Background(), p.Via(c, 5*time.Second), []string{"held"}).Err()
-		}()
-	}
-	if !waitUntil(func() bool { return c.held.Load() == PipeInFlight }) {
-		t.Fatal("the first calls never went out")
-	}
+	holdInFlight(t, c, &p, "held", &wg)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- countScript.Run(ctx, p.Via(c, 5*time.Second), []string{"gave-up"}).Err() }()
