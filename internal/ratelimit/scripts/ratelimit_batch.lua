@@ -54,6 +54,8 @@ local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
 -- the ban (ms, as sent; 0: none), whether it indexes, and the keys of each
 -- decision.
 local R, COST, HOLD, BAN, INDEX, KEYN = {}, {}, {}, {}, {}, {}
+-- Whether a set's decisions take the body's fast path first (decide1).
+local FAST = {}
 -- Per rate of the decision in hand, once the body admitted it: the moment
 -- (ms) its state expires.
 local EXP = {}
@@ -61,6 +63,13 @@ local unpackArgs = unpack -- before the body, which may name its own unpack
 -- The decision in hand: its parameter set, first key - 1, first answer
 -- slot - 1, and whether it wrote anything yet.
 local out, o, k, set, wrote = {}, 0, 0, 1, false
+-- The body may set decide1(call), the fast path of a decision of one rate
+-- that neither bans nor indexes: it decides exactly as decide() would, with
+-- call (redis.call alone in the call, which fails with Redis's error;
+-- redis.pcall in a batch, so that no pcall per decision is needed), or
+-- returns false having written nothing, for decide() to decide it; and
+-- load1(s), which readies decide1 for the decisions of set s.
+local decide1, load1
 -- @body
 local a = 3
 for s = 1, S do
@@ -76,6 +85,7 @@ for s = 1, S do
 	end
 	rates(s, r, a + 5)
 	a = a + 5 + ARGN * r
+	FAST[s] = decide1 ~= nil and KEYN[s] == 1
 end
 
 -- banning decides a decision of a set that bans (see the top).
@@ -136,26 +146,42 @@ local function indexing()
 	redis.call('PEXPIREAT', key, last[2])
 end
 
+-- Of each set: what decides its decisions (in a pcall in a batch), the
+-- integers of a decision's answer, and its keys.
+local RUN, WIDTH = {}, {}
+for s = 1, S do
+	RUN[s], WIDTH[s] = decide, 2 + PER * R[s]
+	if INDEX[s] then
+		RUN[s] = indexing
+	elseif KEYN[s] > R[s] then
+		RUN[s] = banning
+	end
+end
+
+local call = D == 1 and redis.call or redis.pcall
+local loaded -- the set decide1 has loaded (load1)
 for d = 1, D do
 	if S > 1 then
 		set = tonumber(ARGV[a])
 		a = a + 1
 	end
-	wrote = false
-	local run = decide
-	if INDEX[set] then
-		run = indexing
-	elseif KEYN[set] > R[set] then
-		run = banning
+	if FAST[set] and loaded ~= set then
+		load1(set)
+		loaded = set
 	end
-	if D == 1 then
-		run()
-	elseif not pcall(run) then
-		out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
-		for i = o + 3, o + 2 + PER * R[set] do
-			out[i] = 0
+	if FAST[set] and decide1(call) then
+		-- Decided by the fast path.
+	elseif D == 1 then
+		RUN[set]()
+	else
+		wrote = false
+		if not pcall(RUN[set]) then
+			out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
+			for i = o + 3, o + WIDTH[set] do
+				out[i] = 0
+			end
 		end
 	end
-	o, k, now = o + 2 + PER * R[set], k + KEYN[set], now + 1
+	o, k, now = o + WIDTH[set], k + KEYN[set], now + 1
 end
 return out

@@ -44,6 +44,16 @@ end
 
 local tats, ats, sums, exps, lists = {}, {}, {}, {}, {}
 
+-- pxat formats an expiry (ms) as an integer; the decisions of a call
+-- mostly expire in the same millisecond, so the last one is kept.
+local lastPX, lastPXS = nil, nil
+local function pxat(ms)
+	if ms ~= lastPX then
+		lastPX, lastPXS = ms, fmt('%d', ms)
+	end
+	return lastPXS
+end
+
 local function decide()
 	local r, cost, maxwait = R[set], COST[set], HOLD[set]
 	local u, tau, burst = UNIT[set], TAU[set], BURST[set]
@@ -91,20 +101,20 @@ local function decide()
 			if tat == floor(tat) then
 				v = fmt('%d', tat)
 			end
-			local pxat = ceil(tat / 1000)
+			local px = ceil(tat / 1000)
 			wrote = true
 			if sum then
 				-- Returns happened: the key lives until X at least.
-				if exps[i] > pxat then
-					pxat = exps[i]
+				if exps[i] > px then
+					px = exps[i]
 				end
 				if v == tat then
 					v = fmt('%.17g', tat)
 				end
-				v = fmt('%s %d %d%s', v, sum, pxat, lists[i])
+				v = fmt('%s %d %d%s', v, sum, px, lists[i])
 			end
-			redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', pxat))
-			EXP[i] = pxat
+			redis.call('SET', KEYS[k + i], v, 'PXAT', pxat(px))
+			EXP[i] = px
 			out[p + 2] = floor(tat)
 		else
 			out[p + 2] = 0
@@ -127,4 +137,69 @@ local function decide()
 			out[p + 1] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
 		end
 	end
+end
+
+-- decide1 is decide() for a set of one rate that neither bans nor indexes,
+-- on a key without returns (a plain TAT, or none): the same steps and
+-- arithmetic (cost*T computed once per set: the same double), without the
+-- tables of many rates (ratelimit_batch.lua).
+local U1, TAU1, BURST1, CT1, HOLD1 -- of the set load1 readied
+function load1(s)
+	U1, TAU1, BURST1, HOLD1 = UNIT[s][1], TAU[s][1], BURST[s][1], HOLD[s]
+	CT1 = COST[s] * U1
+end
+
+function decide1(call)
+	local key = KEYS[k + 1]
+	local v = call('GET', key)
+	local tat = now
+	if v then
+		-- An error (in a batch), returns or no TAT: decide() decides.
+		tat = tonumber(v)
+		if not tat then
+			return false
+		end
+		if tat < now then
+			tat = now
+		end
+	end
+	local at = tat + CT1 - TAU1
+	local A = now
+	if at > A then
+		A = at
+	end
+	local hold = ceil(A - now)
+	local admit = hold <= HOLD1
+	if admit then
+		if A > tat then
+			tat = A
+		end
+		tat = tat + CT1
+		local v = tat
+		if tat == floor(tat) then
+			v = fmt('%d', tat)
+		end
+		wrote = true
+		local ok = call('SET', key, v, 'PXAT', pxat(ceil(tat / 1000)))
+		if ok.err then
+			out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6] = FAILED_RUN, 0, 0, 0, 0, 0
+			return true
+		end
+		out[o + 1], out[o + 2], out[o + 5], out[o + 6] = hold, ceil(A), floor(tat), 0
+	else
+		out[o + 1], out[o + 2], out[o + 5], out[o + 6] = -math.max(1, hold - HOLD1), 0, 0, 0
+	end
+	local debt = tat - now
+	local rem = floor((TAU1 - debt + 0.5) / U1)
+	if rem < 0 then
+		rem = 0
+	end
+	if not admit and at - now > HOLD1 then
+		out[o + 3], out[o + 4] = -rem - 1, ceil(at - now)
+	elseif rem >= BURST1 then
+		out[o + 3], out[o + 4] = rem, 0
+	else
+		out[o + 3], out[o + 4] = rem, math.max(1, ceil(debt - TAU1 + (rem + 1) * U1))
+	end
+	return true
 end
