@@ -8,6 +8,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
@@ -40,15 +41,28 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 	c := r.Client()
 	ctx := context.Background()
 	for _, tc := range []struct {
-		name          string
-		body          string
-		per           int
-		giveBack      string
-		argv          func(rng *rand.Rand) []any // a parameter set: cost, hold, ban, then per rate n, w (µs) [, burst]
-		rates, argn   int
-		hasFast, junk bool
+		name     string
+		body     string
+		per      int
+		script   *redisconn.Script
+		giveBack string
+		// rate is one rate's arguments (n, w in µs[, burst]) and its
+		// capacity (what a cost may be at most).
+		rate func(rng *rand.Rand) (args []int64, capacity int64)
+		// ret is the return script's arguments for an admission of one
+		// rate: of its call's argv, and its answer.
+		ret func(argv []any, res []int64) []any
 	}{
-		{name: "gcra", body: gcraLua, per: perGCRA, giveBack: gcraReturnLua, argn: 3, hasFast: true, junk: true},
+		{
+			name: "gcra", body: gcraLua, per: perGCRA, script: GCRAScript, giveBack: gcraReturnLua,
+			rate: func(rng *rand.Rand) ([]int64, int64) {
+				n := []int64{1, 3, 10, 1000000}[rng.Intn(4)]
+				w := []int64{1000000, 10000000, 60000000, 7000001}[rng.Intn(4)]
+				burst := 1 + rng.Int63n(n)
+				return []int64{n, w, burst}, burst
+			},
+			ret: func(a []any, res []int64) []any { return []any{a[0], a[3], a[4], a[5], res[4], res[5]} },
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			fast := decisionScript(tc.body, tc.per)
@@ -57,32 +71,28 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 				t.Fatal("the scripts do not differ")
 			}
 			rng := rand.New(rand.NewSource(int64(len(tc.name)) * 7919))
-			sets := []struct {
-				rates []int64 // n, w, burst per rate
-				cost  int64
-				hold  int64
-			}{}
-			for i := 0; i < 6; i++ {
+			type paramSet struct {
+				rates      []int64 // every rate's arguments
+				nrates     int
+				cost, hold int64
+			}
+			var sets []paramSet
+			for i := 0; i < 7; i++ {
 				nr := 1
-				if i == 5 {
+				if i == 6 {
 					nr = 2 // a set of two rates: the general path on both sides
 				}
-				var rates []int64
+				ps := paramSet{nrates: nr, cost: 1, hold: []int64{0, 0, 500000, 3000000}[rng.Intn(4)]}
+				capacity := int64(1 << 62)
 				for j := 0; j < nr; j++ {
-					n := []int64{1, 3, 10, 1000000}[rng.Intn(4)]
-					w := []int64{1000000, 10000000, 60000000, 7000001}[rng.Intn(4)]
-					rates = append(rates, n, w, 1+rng.Int63n(n))
+					args, c := tc.rate(rng)
+					ps.rates = append(ps.rates, args...)
+					capacity = min(capacity, c)
 				}
-				cost := int64(1)
 				if i%2 == 1 {
-					cost = 1 + rng.Int63n(min(rates[2], 3))
+					ps.cost = 1 + rng.Int63n(min(capacity, 3))
 				}
-				hold := []int64{0, 0, 500000, 3000000}[rng.Intn(4)]
-				sets = append(sets, struct {
-					rates []int64
-					cost  int64
-					hold  int64
-				}{rates, cost, hold})
+				sets = append(sets, ps)
 			}
 			ids := []string{"a", "b", "c"}
 			// Redis's own time: what the scripts write expires by it.
@@ -98,10 +108,9 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 				}
 				return ks
 			}
-			if tc.junk {
-				for _, p := range []string{"f:", "g:"} {
-					c.Set(ctx, p+"junk:0", "not-a-tat", 0)
-				}
+			for _, p := range []string{"f:", "g:"} {
+				// A value that is not the script's state.
+				c.Set(ctx, p+"junk:0", "not-a-tat", 0)
 			}
 			run := func(prefix, src string, calls []*Call) ([]int64, error) {
 				u := &rlUnit{calls: calls, batch: true}
@@ -130,12 +139,11 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 						argv = append(argv, x)
 					}
 					id := ids[rng.Intn(len(ids))]
-					if tc.junk && len(s.rates) == 3 && rng.Intn(20) == 0 {
+					if s.nrates == 1 && rng.Intn(20) == 0 {
 						id = "junk"
 					}
-					nr := len(s.rates) / tc.argn
-					fc = append(fc, &Call{Script: GCRAScript, Keys: keysOf("f:", id, nr), Argv: argv})
-					gc = append(gc, &Call{Script: GCRAScript, Keys: keysOf("g:", id, nr), Argv: argv})
+					fc = append(fc, &Call{Script: tc.script, Keys: keysOf("f:", id, s.nrates), Argv: argv})
+					gc = append(gc, &Call{Script: tc.script, Keys: keysOf("g:", id, s.nrates), Argv: argv})
 				}
 				fres, ferr := run("f:", atClock(t, fast, clock), fc)
 				gres, gerr := run("g:", atClock(t, general, clock), gc)
@@ -160,12 +168,14 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 					// Return an admission now and then (a key with returns
 					// then takes the general path on both sides).
 					u := &rlUnit{calls: fc, batch: true}
-					if u.answer(fres) && fres[0] >= 0 && len(fc[0].Keys) == 1 {
-						a := fc[0].Argv
-						ret := atClock(t, tc.giveBack, clock)
+					if u.answer(fres) && fres[0] >= 0 && len(fc[0].Keys) == 1 && !strings.Contains(fc[0].Keys[0], "junk") {
+						ret := tc.giveBack
+						if strings.Contains(ret, timeLine) {
+							ret = atClock(t, ret, clock)
+						}
 						for _, p := range []string{"f:", "g:"} {
 							key := strings.Replace(fc[0].Keys[0], "f:", p, 1)
-							err := c.Eval(ctx, ret, []string{key}, a[0], a[3], a[4], a[5], fres[4], fres[5]).Err()
+							err := c.Eval(ctx, ret, []string{key}, tc.ret(fc[0].Argv, fc[0].Res)...).Err()
 							if err != nil && err != redis.Nil {
 								t.Fatalf("returning an admission: %v", err)
 							}
