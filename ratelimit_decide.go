@@ -36,8 +36,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			return decision{}, err
 		}
 	}
-	var keys [4]string
-	c := &ratelimit.Call{Script: h.script, Argv: p.argv, Keys: h.redisKeys(keys[:0], id, p)}
+	dc := &decisionCall{}
+	c := &dc.Call
+	c.Script, c.Argv, c.Keys = h.script, p.argv, h.redisKeys(dc.keys[:0], id, p)
 	if h.ban() > 0 {
 		c.BanKey = h.banKey(id)
 	}
@@ -61,6 +62,13 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		h.remember(cacheID, id, p, d, sent, got)
 	}
 	return d, nil
+}
+
+// decisionCall is a decision's script call with room for the keys of a
+// few rates: one allocation for both.
+type decisionCall struct {
+	ratelimit.Call
+	keys [4]string
 }
 
 // anyCost asks the deny cache for a ban only: no rejection of a request

@@ -22,6 +22,11 @@ import (
 type rlUnit struct {
 	calls []*Call
 	batch bool // a decision batch (its answer is split among its calls)
+	// keyRefs: the batch's keys go to go-redis as *string (no allocation
+	// per key to box it in an interface). Only for a plain *redis.Client:
+	// a Cluster or Ring client reads a command's keys as strings to route
+	// it.
+	keyRefs bool
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
@@ -45,7 +50,19 @@ func (u *rlUnit) command(as sendAs) []any {
 			keys = append(keys, c.IndexKey)
 		}
 	}
-	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
+	name, script := "evalsha", c0.Script.Hash()
+	if eval {
+		name, script = "eval", c0.Script.Source()
+	}
+	args := make([]any, 0, 5+len(keys)+len(u.calls)+2*(2+len(c0.Argv)))
+	args = append(args, name, script, len(keys))
+	for i := range keys {
+		if u.keyRefs {
+			args = append(args, &keys[i])
+		} else {
+			args = append(args, keys[i])
+		}
+	}
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets []*Call // the first call of each set
