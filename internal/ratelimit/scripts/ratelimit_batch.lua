@@ -54,8 +54,6 @@ local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
 -- the ban (ms, as sent; 0: none), whether it indexes, and the keys of each
 -- decision.
 local R, COST, HOLD, BAN, INDEX, KEYN = {}, {}, {}, {}, {}, {}
--- Whether a set's decisions take the body's fast path first (decide1).
-local FAST = {}
 -- Per rate of the decision in hand, once the body admitted it: the moment
 -- (ms) its state expires.
 local EXP = {}
@@ -85,7 +83,6 @@ for s = 1, S do
 	end
 	rates(s, r, a + 5)
 	a = a + 5 + ARGN * r
-	FAST[s] = decide1 ~= nil and KEYN[s] == 1
 end
 
 -- banning decides a decision of a set that bans (see the top).
@@ -146,18 +143,6 @@ local function indexing()
 	redis.call('PEXPIREAT', key, last[2])
 end
 
--- Of each set: what decides its decisions (in a pcall in a batch), the
--- integers of a decision's answer, and its keys.
-local RUN, WIDTH = {}, {}
-for s = 1, S do
-	RUN[s], WIDTH[s] = decide, 2 + PER * R[s]
-	if INDEX[s] then
-		RUN[s] = indexing
-	elseif KEYN[s] > R[s] then
-		RUN[s] = banning
-	end
-end
-
 local call = D == 1 and redis.call or redis.pcall
 local loaded -- the set decide1 has loaded (load1)
 for d = 1, D do
@@ -165,23 +150,33 @@ for d = 1, D do
 		set = tonumber(ARGV[a])
 		a = a + 1
 	end
-	if FAST[set] and loaded ~= set then
+	local keyn, width = KEYN[set], 2 + PER * R[set]
+	local fast = keyn == 1 and decide1
+	if fast and loaded ~= set then
 		load1(set)
 		loaded = set
 	end
-	if FAST[set] and decide1(call) then
+	if fast and decide1(call) then
 		-- Decided by the fast path.
-	elseif D == 1 then
-		RUN[set]()
 	else
-		wrote = false
-		if not pcall(RUN[set]) then
-			out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
-			for i = o + 3, o + WIDTH[set] do
-				out[i] = 0
+		local run = decide
+		if INDEX[set] then
+			run = indexing
+		elseif keyn > R[set] then
+			run = banning
+		end
+		if D == 1 then
+			run()
+		else
+			wrote = false
+			if not pcall(run) then
+				out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
+				for i = o + 3, o + width do
+					out[i] = 0
+				end
 			end
 		end
 	end
-	o, k, now = o + WIDTH[set], k + KEYN[set], now + 1
+	o, k, now = o + width, k + keyn, now + 1
 end
 return out

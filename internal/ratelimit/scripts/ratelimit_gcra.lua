@@ -42,7 +42,9 @@ local function rates(s, r, a)
 	UNIT[s], TAU[s], BURST[s] = u, tau, b
 end
 
-local tats, ats, sums, exps, lists = {}, {}, {}, {}, {}
+-- Per rate of the decision in hand (made by the first decide(): decide1
+-- needs none).
+local tats, ats, sums, exps, lists
 
 -- pxat formats an expiry (ms) as an integer; the decisions of a call
 -- mostly expire in the same millisecond, so the last one is kept.
@@ -57,6 +59,9 @@ end
 local function decide()
 	local r, cost, maxwait = R[set], COST[set], HOLD[set]
 	local u, tau, burst = UNIT[set], TAU[set], BURST[set]
+	if not tats then
+		tats, ats, sums, exps, lists = {}, {}, {}, {}, {}
+	end
 	-- The earliest moment A every rate admits the request.
 	local A = now
 	for i = 1, r do
