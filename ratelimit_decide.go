@@ -39,6 +39,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	dc := &decisionCall{}
 	c := &dc.Call
 	c.Script, c.Argv, c.Keys = h.script, p.argv, h.redisKeys(dc.keys[:0], id, p)
+	// Without count and wait no admission is ever returned (settle): the
+	// answer need not say what returning it would take.
+	c.Lean = h.counts == nil && h.Wait == 0
 	if h.ban() > 0 {
 		c.BanKey = h.banKey(id)
 	}
@@ -51,7 +54,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if err != nil {
 		return decision{}, err
 	}
-	d, err := ratelimit.ParseDecision(res, len(p.rates), ratelimit.PerRate(h.script))
+	d, err := ratelimit.ParseDecision(res, len(p.rates), c.PerRate())
 	if err != nil {
 		return decision{}, err
 	}

@@ -96,6 +96,7 @@ type Call struct {
 	BanKey   string       // a decision whose parameter set bans: the key's ban
 	IndexKey string       // a decision whose rates are rendered per request: the key's rate index
 	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
+	Lean     bool         // a decision whose admission is never returned: its answer has 2 integers per rate (PerRate)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
 	Res      []int64      // a decision's answer (see the decision scripts)

@@ -34,7 +34,9 @@ func atClock(t *testing.T, src string, us int64) string {
 // answer, every value written and every expiry must be equal. The sequence
 // holds batches and calls alone, one and several parameter sets, sets of
 // two rates and of one, held and rejected requests, keys with returns and
-// a key that holds no TAT.
+// a key that holds no TAT. The same decisions with lean answers (a set
+// whose admissions are never returned) answer the same without the
+// integers past the first two of each rate, and write the same.
 func TestRateLimitFastPathSameAnswers(t *testing.T) {
 	t.Parallel()
 	r := testredis.Start(t)
@@ -108,7 +110,7 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 				}
 				return ks
 			}
-			for _, p := range []string{"f:", "g:"} {
+			for _, p := range []string{"f:", "g:", "l:"} {
 				// A value that is not the script's state.
 				c.Set(ctx, p+"junk:0", "not-a-tat", 0)
 			}
@@ -125,7 +127,7 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 				if rng.Intn(3) > 0 {
 					n = 2 + rng.Intn(6)
 				}
-				var fc, gc []*Call
+				var fc, gc, lc []*Call // fast path, general path, lean answers
 				oneSet := rng.Intn(2) == 0
 				s0 := rng.Intn(len(sets))
 				for i := 0; i < n; i++ {
@@ -144,11 +146,33 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 					}
 					fc = append(fc, &Call{Script: tc.script, Keys: keysOf("f:", id, s.nrates), Argv: argv})
 					gc = append(gc, &Call{Script: tc.script, Keys: keysOf("g:", id, s.nrates), Argv: argv})
+					lc = append(lc, &Call{Script: tc.script, Keys: keysOf("l:", id, s.nrates), Argv: argv, Lean: true})
 				}
 				fres, ferr := run("f:", atClock(t, fast, clock), fc)
 				gres, gerr := run("g:", atClock(t, general, clock), gc)
 				if (ferr != nil) != (gerr != nil) || !slices.Equal(fres, gres) {
 					t.Fatalf("step %d (%d decisions): fast path %v %v, general path %v %v", step, n, fres, ferr, gres, gerr)
+				}
+				lres, lerr := run("l:", atClock(t, fast, clock), lc)
+				if (ferr != nil) != (lerr != nil) {
+					t.Fatalf("step %d: lean answers %v %v, full ones %v %v", step, lres, lerr, fres, ferr)
+				}
+				if ferr == nil {
+					// A lean answer is the full one without the integers
+					// past the first two of each rate.
+					if u := (&rlUnit{calls: lc, batch: true}); !u.answer(lres) {
+						t.Fatalf("step %d: lean answers %v: not of their length", step, lres)
+					}
+					(&rlUnit{calls: fc, batch: true}).answer(fres)
+					for i, c := range fc {
+						want := append([]int64(nil), c.Res[:2]...)
+						for r := 0; r < len(c.Keys); r++ {
+							want = append(want, c.Res[2+tc.per*r:4+tc.per*r]...)
+						}
+						if !slices.Equal(lc[i].Res, want) {
+							t.Fatalf("step %d, decision %d: lean answer %v, full one %v", step, i, lc[i].Res, c.Res)
+						}
+					}
 				}
 				if u := (&rlUnit{calls: fc, batch: true}); ferr == nil && u.answer(fres) {
 					for _, c := range fc {
@@ -173,7 +197,7 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 						if strings.Contains(ret, timeLine) {
 							ret = atClock(t, ret, clock)
 						}
-						for _, p := range []string{"f:", "g:"} {
+						for _, p := range []string{"f:", "g:", "l:"} {
 							key := strings.Replace(fc[0].Keys[0], "f:", p, 1)
 							err := c.Eval(ctx, ret, []string{key}, tc.ret(fc[0].Argv, fc[0].Res)...).Err()
 							if err != nil && err != redis.Nil {
@@ -184,13 +208,15 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 				}
 				for _, id := range append(ids, "junk") {
 					for j := 0; j < 2; j++ {
-						fk, gk := fmt.Sprintf("f:%s:%d", id, j), fmt.Sprintf("g:%s:%d", id, j)
+						fk := fmt.Sprintf("f:%s:%d", id, j)
 						fv, _ := c.Get(ctx, fk).Result()
-						gv, _ := c.Get(ctx, gk).Result()
 						fx, _ := c.Do(ctx, "PEXPIRETIME", fk).Int64()
-						gx, _ := c.Do(ctx, "PEXPIRETIME", gk).Int64()
-						if fv != gv || fx != gx {
-							t.Fatalf("step %d: %s holds %q (expires %d), %s holds %q (expires %d)", step, fk, fv, fx, gk, gv, gx)
+						for _, gk := range []string{"g" + fk[1:], "l" + fk[1:]} {
+							gv, _ := c.Get(ctx, gk).Result()
+							gx, _ := c.Do(ctx, "PEXPIRETIME", gk).Int64()
+							if fv != gv || fx != gx {
+								t.Fatalf("step %d: %s holds %q (expires %d), %s holds %q (expires %d)", step, fk, fv, fx, gk, gv, gx)
+							}
 						}
 					}
 				}

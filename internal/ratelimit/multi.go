@@ -74,11 +74,14 @@ func (u *rlUnit) command(as sendAs) []any {
 		}
 		if i == len(sets) {
 			sets = append(sets, c)
-			index := 0
+			flags := 0 // 1: it indexes; 2: lean answers
 			if c.IndexKey != "" {
-				index = 1
+				flags |= 1
 			}
-			args = append(args, len(c.Keys), index)
+			if c.Lean {
+				flags |= 2
+			}
+			args = append(args, len(c.Keys), flags)
 			args = append(args, c.Argv...)
 		}
 		idx = append(idx, i+1)
@@ -101,9 +104,9 @@ func BatchOfOne(c *Call) (evalsha, eval []any) {
 }
 
 // sameSet reports whether two calls share a parameter set: their
-// arguments, and whether they index.
+// arguments, whether they index, and whether their answers are lean.
 func sameSet(a, b *Call) bool {
-	return (a.IndexKey == "") == (b.IndexKey == "") && sameArgs(a.Argv, b.Argv)
+	return (a.IndexKey == "") == (b.IndexKey == "") && a.Lean == b.Lean && sameArgs(a.Argv, b.Argv)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same
@@ -116,18 +119,18 @@ func sameArgs(a, b []any) bool {
 }
 
 // answer splits a batch's answer among its calls: 2 integers each, then a
-// few per rate (decisionScripts). It reports whether the answer had the
+// few per rate (PerRate). It reports whether the answer had the
 // expected length.
 func (u *rlUnit) answer(vals []int64) bool {
 	n := 0
 	for _, c := range u.calls {
-		n += 2 + decisionScripts[c.Script]*len(c.Keys)
+		n += 2 + c.PerRate()*len(c.Keys)
 	}
 	if len(vals) != n {
 		return false
 	}
 	for _, c := range u.calls {
-		w := 2 + decisionScripts[c.Script]*len(c.Keys)
+		w := 2 + c.PerRate()*len(c.Keys)
 		c.Res, vals = vals[:w:w], vals[w:]
 	}
 	return true

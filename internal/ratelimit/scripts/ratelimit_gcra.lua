@@ -24,8 +24,9 @@
 -- rate that rejects the request, until it would pass), the TAT this
 -- admission wrote, in whole µs (0 when rejected), and the key's S then (0
 -- for a plain TAT), by which ratelimit_gcra_return.lua knows how much of
--- this admission is still in the schedule. A decision fails on a key of
--- another type or a value that is not a TAT.
+-- this admission is still in the schedule (a set with lean answers: the
+-- first two only). A decision fails on a key of another type or a value
+-- that is not a TAT.
 local ceil, floor, fmt = math.ceil, math.floor, string.format
 local ARGN = 3
 
@@ -92,8 +93,9 @@ local function decide()
 	else
 		out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
 	end
+	local per = PERS[set]
 	for i = 1, r do
-		local tat, ui, p, sum = tats[i], u[i], o + 4 * i - 1, sums[i]
+		local tat, ui, p, sum = tats[i], u[i], o + 3 + per * (i - 1), sums[i]
 		if admit then
 			if A > tat then
 				tat = A
@@ -120,11 +122,15 @@ local function decide()
 			end
 			redis.call('SET', KEYS[k + i], v, 'PXAT', pxat(px))
 			EXP[i] = px
-			out[p + 2] = floor(tat)
-		else
+			if per == 4 then
+				out[p + 2] = floor(tat)
+			end
+		elseif per == 4 then
 			out[p + 2] = 0
 		end
-		out[p + 3] = sum or 0
+		if per == 4 then
+			out[p + 3] = sum or 0
+		end
 		local debt = tat - now
 		-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
 		local rem = floor((tau[i] - debt + 0.5) / ui)
@@ -148,10 +154,10 @@ end
 -- on a key without returns (a plain TAT, or none): the same steps and
 -- arithmetic (cost*T computed once per set: the same double), without the
 -- tables of many rates (ratelimit_batch.lua).
-local U1, TAU1, BURST1, CT1, HOLD1 -- of the set load1 readied
+local U1, TAU1, BURST1, CT1, HOLD1, FULL1 -- of the set load1 readied
 function load1(s)
 	U1, TAU1, BURST1, HOLD1 = UNIT[s][1], TAU[s][1], BURST[s][1], HOLD[s]
-	CT1 = COST[s] * U1
+	CT1, FULL1 = COST[s] * U1, PERS[s] == 4
 end
 
 function decide1(call)
@@ -187,12 +193,21 @@ function decide1(call)
 		wrote = true
 		local ok = call('SET', key, v, 'PXAT', pxat(ceil(tat / 1000)))
 		if ok.err then
-			out[o + 1], out[o + 2], out[o + 3], out[o + 4], out[o + 5], out[o + 6] = FAILED_RUN, 0, 0, 0, 0, 0
+			out[o + 1], out[o + 2], out[o + 3], out[o + 4] = FAILED_RUN, 0, 0, 0
+			if FULL1 then
+				out[o + 5], out[o + 6] = 0, 0
+			end
 			return true
 		end
-		out[o + 1], out[o + 2], out[o + 5], out[o + 6] = hold, ceil(A), floor(tat), 0
+		out[o + 1], out[o + 2] = hold, ceil(A)
+		if FULL1 then
+			out[o + 5], out[o + 6] = floor(tat), 0
+		end
 	else
-		out[o + 1], out[o + 2], out[o + 5], out[o + 6] = -math.max(1, hold - HOLD1), 0, 0, 0
+		out[o + 1], out[o + 2] = -math.max(1, hold - HOLD1), 0
+		if FULL1 then
+			out[o + 5], out[o + 6] = 0, 0
+		end
 	end
 	local debt = tat - now
 	local rem = floor((TAU1 - debt + 0.5) / U1)
