@@ -32,8 +32,8 @@ type rlUnit struct {
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
 // batch, "evalsha", sha, keys (of each call its Keys, then its BanKey and
 // its IndexKey if any), then D, S, the S parameter sets (each: its number
-// of rates, whether it indexes, then the arguments its calls share) and,
-// when S > 1, the set of each decision.
+// of rates, its flags (1: it indexes, 2: lean answers), then the arguments
+// its calls share) and, when S > 1, the set of each decision.
 func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
 	eval := as == byText
