@@ -36,8 +36,12 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			return decision{}, err
 		}
 	}
-	var keys [4]string
-	c := &ratelimit.Call{Script: h.script, Argv: p.argv, Keys: h.redisKeys(keys[:0], id, p)}
+	dc := &decisionCall{}
+	c := &dc.Call
+	c.Script, c.Argv, c.Keys = h.script, p.argv, h.redisKeys(dc.keys[:0], id, p)
+	// Without count and wait no admission is ever returned (settle): the
+	// answer need not say what returning it would take.
+	c.Lean = h.counts == nil && h.Wait == 0
 	if h.ban() > 0 {
 		c.BanKey = h.banKey(id)
 	}
@@ -50,7 +54,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if err != nil {
 		return decision{}, err
 	}
-	d, err := ratelimit.ParseDecision(res, len(p.rates), ratelimit.PerRate(h.script))
+	d, err := ratelimit.ParseDecision(res, len(p.rates), c.PerRate())
 	if err != nil {
 		return decision{}, err
 	}
@@ -61,6 +65,13 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		h.remember(cacheID, id, p, d, sent, got)
 	}
 	return d, nil
+}
+
+// decisionCall is a decision's script call with room for the keys of a
+// few rates: one allocation for both.
+type decisionCall struct {
+	ratelimit.Call
+	keys [4]string
 }
 
 // anyCost asks the deny cache for a ban only: no rejection of a request

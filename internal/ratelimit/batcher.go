@@ -82,6 +82,7 @@ type Batcher struct {
 	clock   Clock
 	logger  func() *slog.Logger // for a panic of a worker
 	cluster bool                // group batches per hash slot
+	keyRefs bool                // a plain *redis.Client (see rlUnit)
 	queue   chan *Call
 	stop    chan struct{}
 	once    sync.Once
@@ -95,6 +96,7 @@ type Call struct {
 	BanKey   string       // a decision whose parameter set bans: the key's ban
 	IndexKey string       // a decision whose rates are rendered per request: the key's rate index
 	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
+	Lean     bool         // a decision whose admission is never returned: its answer has 2 integers per rate (PerRate)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
 	Res      []int64      // a decision's answer (see the decision scripts)
@@ -112,11 +114,13 @@ const (
 // NewBatcher starts o.Workers workers for client c.
 func NewBatcher(c Client, o Options) *Batcher {
 	_, cluster := c.(*redis.ClusterClient)
+	_, plain := c.(*redis.Client)
 	b := &Batcher{
 		client:  c,
 		clock:   o.Clock,
 		logger:  o.Logger,
 		cluster: cluster,
+		keyRefs: plain,
 		queue:   make(chan *Call, batchQueue),
 		stop:    make(chan struct{}),
 	}
@@ -302,7 +306,11 @@ func (b *Batcher) send(batch []*Call) {
 			}
 		}
 	}()
-	b.sendUnits(units(batch, b.cluster))
+	us := units(batch, b.cluster)
+	for _, u := range us {
+		u.keyRefs = b.keyRefs
+	}
+	b.sendUnits(us)
 }
 
 // sendUnits sends the units as one pipeline, within the earliest deadline of

@@ -22,13 +22,18 @@ import (
 type rlUnit struct {
 	calls []*Call
 	batch bool // a decision batch (its answer is split among its calls)
+	// keyRefs: the batch's keys go to go-redis as *string (no allocation
+	// per key to box it in an interface). Only for a plain *redis.Client:
+	// a Cluster or Ring client reads a command's keys as strings to route
+	// it.
+	keyRefs bool
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
 // batch, "evalsha", sha, keys (of each call its Keys, then its BanKey and
 // its IndexKey if any), then D, S, the S parameter sets (each: its number
-// of rates, whether it indexes, then the arguments its calls share) and,
-// when S > 1, the set of each decision.
+// of rates, its flags (1: it indexes, 2: lean answers), then the arguments
+// its calls share) and, when S > 1, the set of each decision.
 func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
 	eval := as == byText
@@ -45,7 +50,19 @@ func (u *rlUnit) command(as sendAs) []any {
 			keys = append(keys, c.IndexKey)
 		}
 	}
-	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
+	name, script := "evalsha", c0.Script.Hash()
+	if eval {
+		name, script = "eval", c0.Script.Source()
+	}
+	args := make([]any, 0, 5+len(keys)+len(u.calls)+2*(2+len(c0.Argv)))
+	args = append(args, name, script, len(keys))
+	for i := range keys {
+		if u.keyRefs {
+			args = append(args, &keys[i])
+		} else {
+			args = append(args, keys[i])
+		}
+	}
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets []*Call // the first call of each set
@@ -57,11 +74,14 @@ func (u *rlUnit) command(as sendAs) []any {
 		}
 		if i == len(sets) {
 			sets = append(sets, c)
-			index := 0
+			flags := 0 // 1: it indexes; 2: lean answers
 			if c.IndexKey != "" {
-				index = 1
+				flags |= 1
 			}
-			args = append(args, len(c.Keys), index)
+			if c.Lean {
+				flags |= 2
+			}
+			args = append(args, len(c.Keys), flags)
 			args = append(args, c.Argv...)
 		}
 		idx = append(idx, i+1)
@@ -84,9 +104,9 @@ func BatchOfOne(c *Call) (evalsha, eval []any) {
 }
 
 // sameSet reports whether two calls share a parameter set: their
-// arguments, and whether they index.
+// arguments, whether they index, and whether their answers are lean.
 func sameSet(a, b *Call) bool {
-	return (a.IndexKey == "") == (b.IndexKey == "") && sameArgs(a.Argv, b.Argv)
+	return (a.IndexKey == "") == (b.IndexKey == "") && a.Lean == b.Lean && sameArgs(a.Argv, b.Argv)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same
@@ -99,18 +119,18 @@ func sameArgs(a, b []any) bool {
 }
 
 // answer splits a batch's answer among its calls: 2 integers each, then a
-// few per rate (decisionScripts). It reports whether the answer had the
+// few per rate (PerRate). It reports whether the answer had the
 // expected length.
 func (u *rlUnit) answer(vals []int64) bool {
 	n := 0
 	for _, c := range u.calls {
-		n += 2 + decisionScripts[c.Script]*len(c.Keys)
+		n += 2 + c.PerRate()*len(c.Keys)
 	}
 	if len(vals) != n {
 		return false
 	}
 	for _, c := range u.calls {
-		w := 2 + decisionScripts[c.Script]*len(c.Keys)
+		w := 2 + c.PerRate()*len(c.Keys)
 		c.Res, vals = vals[:w:w], vals[w:]
 	}
 	return true

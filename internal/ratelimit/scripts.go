@@ -80,3 +80,13 @@ var decisionScripts = map[*redisconn.Script]int{SlidingScript: perSliding, GCRAS
 // PerRate is how many integers a decision script's answer has per rate
 // (after its first two); 0 for a script that takes no batch.
 func PerRate(s *redisconn.Script) int { return decisionScripts[s] }
+
+// PerRate is how many integers the answer of decision c has per rate
+// (after its first two): its script's, or 2 when its answer is lean (the
+// remaining quota and when it grows; not what returning it would need).
+func (c *Call) PerRate() int {
+	if c.Lean && decisionScripts[c.Script] > 2 {
+		return 2
+	}
+	return decisionScripts[c.Script]
+}

@@ -9,8 +9,9 @@
 -- written.
 --
 -- ARGV[1]  D, the number of decisions; ARGV[2] S, the number of parameter
---          sets; then each set: r (its rates), whether it indexes (1) or
---          not (0), c (the cost of a request, 1 <= c <= every rate's
+--          sets; then each set: r (its rates), its flags (1: it indexes;
+--          2: its answers are lean, the first 2 integers per rate only, for
+--          a set whose admissions are never returned; 0: neither), c (the cost of a request, 1 <= c <= every rate's
 --          capacity), the longest hold in µs (wait), the ban in ms (0:
 --          none), then ARGN values per rate (the body's: see there); then,
 --          when S > 1, the set of each decision (1..S).
@@ -54,6 +55,8 @@ local D, S = tonumber(ARGV[1]), tonumber(ARGV[2])
 -- the ban (ms, as sent; 0: none), whether it indexes, and the keys of each
 -- decision.
 local R, COST, HOLD, BAN, INDEX, KEYN = {}, {}, {}, {}, {}, {}
+-- Of each set: its answer's integers per rate (PER, or 2 when lean).
+local PERS = {}
 -- Per rate of the decision in hand, once the body admitted it: the moment
 -- (ms) its state expires.
 local EXP = {}
@@ -61,11 +64,19 @@ local unpackArgs = unpack -- before the body, which may name its own unpack
 -- The decision in hand: its parameter set, first key - 1, first answer
 -- slot - 1, and whether it wrote anything yet.
 local out, o, k, set, wrote = {}, 0, 0, 1, false
+-- The body may set decide1(call), the fast path of a decision of one rate
+-- that neither bans nor indexes: it decides exactly as decide() would, with
+-- call (redis.call alone in the call, which fails with Redis's error;
+-- redis.pcall in a batch, so that no pcall per decision is needed), or
+-- returns false having written nothing, for decide() to decide it; and
+-- load1(s), which readies decide1 for the decisions of set s.
+local decide1, load1
 -- @body
 local a = 3
 for s = 1, S do
 	local r = tonumber(ARGV[a])
-	INDEX[s] = ARGV[a + 1] == '1'
+	local flags = tonumber(ARGV[a + 1])
+	INDEX[s], PERS[s] = flags % 2 == 1, flags >= 2 and 2 or PER
 	R[s], COST[s], HOLD[s], BAN[s] = r, tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), ARGV[a + 4]
 	KEYN[s] = r
 	if BAN[s] ~= '0' then
@@ -85,9 +96,10 @@ local function banning()
 	if left > 0 then
 		local wait = left * 1000
 		out[o + 1], out[o + 2] = -wait, BANNED
-		for p = o + 3, o + 2 + PER * R[set], PER do
+		local per = PERS[set]
+		for p = o + 3, o + 2 + per * R[set], per do
 			out[p], out[p + 1] = -1, wait
-			for j = p + 2, p + PER - 1 do
+			for j = p + 2, p + per - 1 do
 				out[j] = 0
 			end
 		end
@@ -136,26 +148,40 @@ local function indexing()
 	redis.call('PEXPIREAT', key, last[2])
 end
 
+local call = D == 1 and redis.call or redis.pcall
+local loaded -- the set decide1 has loaded (load1)
 for d = 1, D do
 	if S > 1 then
 		set = tonumber(ARGV[a])
 		a = a + 1
 	end
-	wrote = false
-	local run = decide
-	if INDEX[set] then
-		run = indexing
-	elseif KEYN[set] > R[set] then
-		run = banning
+	local keyn, width = KEYN[set], 2 + PERS[set] * R[set]
+	local fast = keyn == 1 and decide1
+	if fast and loaded ~= set then
+		load1(set)
+		loaded = set
 	end
-	if D == 1 then
-		run()
-	elseif not pcall(run) then
-		out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
-		for i = o + 3, o + 2 + PER * R[set] do
-			out[i] = 0
+	if fast and decide1(call) then
+		-- Decided by the fast path.
+	else
+		local run = decide
+		if INDEX[set] then
+			run = indexing
+		elseif keyn > R[set] then
+			run = banning
+		end
+		if D == 1 then
+			run()
+		else
+			wrote = false
+			if not pcall(run) then
+				out[o + 1], out[o + 2] = wrote and FAILED_RUN or FAILED_READ, 0
+				for i = o + 3, o + width do
+					out[i] = 0
+				end
+			end
 		end
 	end
-	o, k, now = o + 2 + PER * R[set], k + KEYN[set], now + 1
+	o, k, now = o + width, k + keyn, now + 1
 end
 return out

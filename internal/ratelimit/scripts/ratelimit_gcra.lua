@@ -24,8 +24,9 @@
 -- rate that rejects the request, until it would pass), the TAT this
 -- admission wrote, in whole µs (0 when rejected), and the key's S then (0
 -- for a plain TAT), by which ratelimit_gcra_return.lua knows how much of
--- this admission is still in the schedule. A decision fails on a key of
--- another type or a value that is not a TAT.
+-- this admission is still in the schedule (a set with lean answers: the
+-- first two only). A decision fails on a key of another type or a value
+-- that is not a TAT.
 local ceil, floor, fmt = math.ceil, math.floor, string.format
 local ARGN = 3
 
@@ -42,11 +43,26 @@ local function rates(s, r, a)
 	UNIT[s], TAU[s], BURST[s] = u, tau, b
 end
 
-local tats, ats, sums, exps, lists = {}, {}, {}, {}, {}
+-- Per rate of the decision in hand (made by the first decide(): decide1
+-- needs none).
+local tats, ats, sums, exps, lists
+
+-- pxat formats an expiry (ms) as an integer; the decisions of a call
+-- mostly expire in the same millisecond, so the last one is kept.
+local lastPX, lastPXS = nil, nil
+local function pxat(ms)
+	if ms ~= lastPX then
+		lastPX, lastPXS = ms, fmt('%d', ms)
+	end
+	return lastPXS
+end
 
 local function decide()
 	local r, cost, maxwait = R[set], COST[set], HOLD[set]
 	local u, tau, burst = UNIT[set], TAU[set], BURST[set]
+	if not tats then
+		tats, ats, sums, exps, lists = {}, {}, {}, {}, {}
+	end
 	-- The earliest moment A every rate admits the request.
 	local A = now
 	for i = 1, r do
@@ -77,8 +93,9 @@ local function decide()
 	else
 		out[o + 1], out[o + 2] = -math.max(1, hold - maxwait), 0
 	end
+	local per = PERS[set]
 	for i = 1, r do
-		local tat, ui, p, sum = tats[i], u[i], o + 4 * i - 1, sums[i]
+		local tat, ui, p, sum = tats[i], u[i], o + 3 + per * (i - 1), sums[i]
 		if admit then
 			if A > tat then
 				tat = A
@@ -91,25 +108,29 @@ local function decide()
 			if tat == floor(tat) then
 				v = fmt('%d', tat)
 			end
-			local pxat = ceil(tat / 1000)
+			local px = ceil(tat / 1000)
 			wrote = true
 			if sum then
 				-- Returns happened: the key lives until X at least.
-				if exps[i] > pxat then
-					pxat = exps[i]
+				if exps[i] > px then
+					px = exps[i]
 				end
 				if v == tat then
 					v = fmt('%.17g', tat)
 				end
-				v = fmt('%s %d %d%s', v, sum, pxat, lists[i])
+				v = fmt('%s %d %d%s', v, sum, px, lists[i])
 			end
-			redis.call('SET', KEYS[k + i], v, 'PXAT', fmt('%d', pxat))
-			EXP[i] = pxat
-			out[p + 2] = floor(tat)
-		else
+			redis.call('SET', KEYS[k + i], v, 'PXAT', pxat(px))
+			EXP[i] = px
+			if per == 4 then
+				out[p + 2] = floor(tat)
+			end
+		elseif per == 4 then
 			out[p + 2] = 0
 		end
-		out[p + 3] = sum or 0
+		if per == 4 then
+			out[p + 3] = sum or 0
+		end
 		local debt = tat - now
 		-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
 		local rem = floor((tau[i] - debt + 0.5) / ui)
@@ -127,4 +148,78 @@ local function decide()
 			out[p + 1] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
 		end
 	end
+end
+
+-- decide1 is decide() for a set of one rate that neither bans nor indexes,
+-- on a key without returns (a plain TAT, or none): the same steps and
+-- arithmetic (cost*T computed once per set: the same double), without the
+-- tables of many rates (ratelimit_batch.lua).
+local U1, TAU1, BURST1, CT1, HOLD1, FULL1 -- of the set load1 readied
+function load1(s)
+	U1, TAU1, BURST1, HOLD1 = UNIT[s][1], TAU[s][1], BURST[s][1], HOLD[s]
+	CT1, FULL1 = COST[s] * U1, PERS[s] == 4
+end
+
+function decide1(call)
+	local key = KEYS[k + 1]
+	local v = call('GET', key)
+	local tat = now
+	if v then
+		-- An error (in a batch), returns or no TAT: decide() decides.
+		tat = tonumber(v)
+		if not tat then
+			return false
+		end
+		if tat < now then
+			tat = now
+		end
+	end
+	local at = tat + CT1 - TAU1
+	local A = now
+	if at > A then
+		A = at
+	end
+	local hold = ceil(A - now)
+	local admit = hold <= HOLD1
+	if admit then
+		if A > tat then
+			tat = A
+		end
+		tat = tat + CT1
+		local v = tat
+		if tat == floor(tat) then
+			v = fmt('%d', tat)
+		end
+		wrote = true
+		local ok = call('SET', key, v, 'PXAT', pxat(ceil(tat / 1000)))
+		if ok.err then
+			out[o + 1], out[o + 2], out[o + 3], out[o + 4] = FAILED_RUN, 0, 0, 0
+			if FULL1 then
+				out[o + 5], out[o + 6] = 0, 0
+			end
+			return true
+		end
+		out[o + 1], out[o + 2] = hold, ceil(A)
+		if FULL1 then
+			out[o + 5], out[o + 6] = floor(tat), 0
+		end
+	else
+		out[o + 1], out[o + 2] = -math.max(1, hold - HOLD1), 0
+		if FULL1 then
+			out[o + 5], out[o + 6] = 0, 0
+		end
+	end
+	local debt = tat - now
+	local rem = floor((TAU1 - debt + 0.5) / U1)
+	if rem < 0 then
+		rem = 0
+	end
+	if not admit and at - now > HOLD1 then
+		out[o + 3], out[o + 4] = -rem - 1, ceil(at - now)
+	elseif rem >= BURST1 then
+		out[o + 3], out[o + 4] = rem, 0
+	else
+		out[o + 3], out[o + 4] = rem, math.max(1, ceil(debt - TAU1 + (rem + 1) * U1))
+	end
+	return true
 end

@@ -80,6 +80,9 @@ end
 -- Per rate of the decision in hand: its first bytes, header, and the
 -- moment it admits the request.
 local V, POS, LO, LAST, AT = {}, {}, {}, {}, {}
+-- The last expiry formatted (ms): the decisions of a call mostly expire in
+-- the same millisecond.
+local lastExp, lastExpS = nil, nil
 
 local function decide()
 	local r, cost, maxwait, ns, ws = R[set], COST[set], HOLD[set], N[set], W[set]
@@ -170,7 +173,10 @@ local function decide()
 				local hdr = pack('>ddd', pos + cost, lo, T)
 				-- The log matters while its newest admission is in a window.
 				local expMs = math.ceil((T + w + 1) / 1000)
-				local exp = fmt('%d', expMs)
+				if expMs ~= lastExp then
+					lastExp, lastExpS = expMs, fmt('%d', expMs)
+				end
+				local exp = lastExpS
 				EXP[i] = expMs
 				if #v < PRE then
 					-- v is the whole log: the same bytes the SETRANGEs
