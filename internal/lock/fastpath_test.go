@@ -60,7 +60,9 @@ func stateOf(t *testing.T, r *testredis.Server, key string) keyState {
 	return st
 }
 
-func near(a, b int64) bool { return math.Abs(float64(a-b)) <= 50 }
+// near: the same within 2 s (the reads of two keys come at different
+// moments, on a loaded machine; a wrong expiry is off by a ttl or has none).
+func near(a, b int64) bool { return math.Abs(float64(a-b)) <= 2000 }
 
 // TestUncontendedPathsAgree: a fresh key takes the uncontended paths; a
 // key whose wait list holds only this instance's own stale entry takes the
