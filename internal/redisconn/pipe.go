@@ -25,7 +25,9 @@ import (
 // A pipeline is never sent again: a command of it whose answer was lost
 // (a timeout, a dropped connection) gets that error, which for a script
 // means an outcome nobody knows, for every command the pipeline had not
-// answered yet. Its context ends at the earliest deadline of its calls.
+// answered yet. Its context ends at the latest deadline of its calls (at
+// most the timeout from when it leaves); a call whose own deadline passed
+// while it waited in the queue is answered unsent.
 // The commands given to a Pipe must never be resent by go-redis (see
 // NoRetry): Script calls are.
 //
@@ -69,7 +71,29 @@ const (
 // the pipe with Script.Run(ctx, p.Via(c, timeout), ...). The caller needs
 // no context with a deadline of its own: under load a call's bound costs
 // nothing but the pipeline's one context.
-func (p *Pipe) Via(c Pipeliner, timeout time.Duration) Processor { return piped{p, c, timeout} }
+//
+// On a Cluster client the calls go one by one (each bounded by timeout):
+// go-redis sends a pipeline as one sub-pipeline per node and waits for all
+// of them, so one slow or failing node would hold up the calls of every
+// other node in the same pipeline.
+func (p *Pipe) Via(c Pipeliner, timeout time.Duration) Processor {
+	if _, cluster := c.(*redis.ClusterClient); cluster {
+		return timed{c, timeout}
+	}
+	return piped{p, c, timeout}
+}
+
+// timed sends each call alone, bounded by timeout.
+type timed struct {
+	c       Processor
+	timeout time.Duration
+}
+
+func (t timed) Process(ctx context.Context, cmd redis.Cmder) error {
+	ctx, cancel := context.WithTimeout(ctx, t.timeout)
+	defer cancel()
+	return t.c.Process(ctx, cmd)
+}
 
 // Pipeliner is a client that sends a command alone or in a pipeline.
 type Pipeliner interface {
@@ -163,7 +187,7 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 		_ = c.Process(ctx, batch[0].cmd)
 		return
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), earliestDeadline(batch))
+	ctx, cancel := context.WithDeadline(context.Background(), latestDeadline(batch))
 	defer cancel()
 	pipe := c.Pipeline()
 	for _, call := range batch {
@@ -179,13 +203,13 @@ func (p *Pipe) waiting() bool {
 	return len(p.queue) > 0
 }
 
-// take makes the batch: own and the queued calls whose callers still
-// wait, up to pipeMax. A call whose context ended meanwhile is answered at
-// once with its context's error, unsent (it would end the whole
-// pipeline's context).
+// take makes the batch: own and the queued calls, up to pipeMax. A call
+// whose context ended or whose own deadline passed while it waited is
+// answered at once with that error, unsent.
 func (p *Pipe) take(own *pipeCall) []*pipeCall {
 	batch := make([]*pipeCall, 0, 1+p.Queued())
-	if err := own.ctx.Err(); err != nil {
+	now := time.Now()
+	if err := own.expired(now); err != nil {
 		own.cmd.SetErr(err)
 	} else {
 		batch = append(batch, own)
@@ -199,7 +223,7 @@ func (p *Pipe) take(own *pipeCall) []*pipeCall {
 		if !call.state.CompareAndSwap(pipePending, pipeTaken) {
 			continue
 		}
-		if err := call.ctx.Err(); err != nil {
+		if err := call.expired(now); err != nil {
 			call.cmd.SetErr(err)
 			close(call.wake)
 			continue
@@ -228,15 +252,32 @@ func (p *Pipe) handOn() {
 	p.inflight--
 }
 
-// earliestDeadline is the earliest deadline of the calls.
-func earliestDeadline(batch []*pipeCall) time.Time {
-	first := batch[0].deadline
+// latestDeadline is the latest deadline of the calls: at most the timeout
+// from now, since every call of the batch came before now. Not the
+// earliest: a call that waited long in the queue (behind a pipeline Redis
+// was slow to answer) would cut the time of every other call of the batch
+// to what it had left; it gets at most the timeout more, from the moment
+// its pipeline leaves.
+func latestDeadline(batch []*pipeCall) time.Time {
+	last := batch[0].deadline
 	for _, call := range batch[1:] {
-		if call.deadline.Before(first) {
-			first = call.deadline
+		if call.deadline.After(last) {
+			last = call.deadline
 		}
 	}
-	return first
+	return last
+}
+
+// expired is the error of a call that must not be sent any more: its
+// context ended, or its deadline passed while it waited.
+func (c *pipeCall) expired(now time.Time) error {
+	if err := c.ctx.Err(); err != nil {
+		return err
+	}
+	if !now.Before(c.deadline) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }
 
 // Queued is how many calls wait in the queue (for tests).

@@ -252,3 +252,66 @@ func TestPipeAbandonedCall(t *testing.T) {
 		t.Fatalf("%d calls left in the queue", p.Queued())
 	}
 }
+
+// TestPipeExpiredCallLeftOut: a call whose own deadline passes while it
+// waits in the queue (behind pipelines Redis is slow to answer) is
+// answered unsent, and does not cut the time of the calls that leave with
+// it: they are answered.
+func TestPipeExpiredCallLeftOut(t *testing.T) {
+	t.Parallel()
+	c, _ := newPipeClient(t)
+	var p Pipe
+	c.hold = make(chan struct{})
+	var held sync.WaitGroup
+	holdInFlight(t, c, &p, "held", &held)
+	short := make(chan error, 1)
+	go func() { short <- countScript.Run(context.Background(), p.Via(c, 100*time.Millisecond), []string{"short"}).Err() }()
+	if !waitUntil(func() bool { return p.Queued() == 1 }) {
+		t.Fatal("the short call never queued")
+	}
+	const n = 8
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = countScript.Run(context.Background(), p.Via(c, 5*time.Second), []string{"long"}).Err()
+		}()
+	}
+	if !waitUntil(func() bool { return p.Queued() == 1+n }) {
+		t.Fatalf("%d calls queued, want %d", p.Queued(), 1+n)
+	}
+	time.Sleep(200 * time.Millisecond) // the short call's deadline passes in the queue
+	close(c.hold)
+	held.Wait()
+	wg.Wait()
+	if err := <-short; !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the call whose deadline passed in the queue: %v, want context.DeadlineExceeded", err)
+	}
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("call %d, queued with time left: %v", i, err)
+		}
+	}
+	if ex := c.Client.Exists(context.Background(), "short").Val(); ex != 0 {
+		t.Fatal("the expired call was sent")
+	}
+}
+
+// TestPipeClusterCallsAlone: on a Cluster client every call goes alone
+// (go-redis waits for every node of a pipeline, so one slow node would hold
+// up the calls of all the others).
+func TestPipeClusterCallsAlone(t *testing.T) {
+	var p Pipe
+	cc := redis.NewClusterClient(&redis.ClusterOptions{Addrs: []string{"127.0.0.1:1"}})
+	defer cc.Close()
+	if _, alone := p.Via(cc, time.Second).(timed); !alone {
+		t.Fatalf("a Cluster client's calls go through %T, want each call alone", p.Via(cc, time.Second))
+	}
+	plain := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
+	defer plain.Close()
+	if _, piped := p.Via(plain, time.Second).(piped); !piped {
+		t.Fatal("a plain client's calls do not go through the pipe")
+	}
+}
