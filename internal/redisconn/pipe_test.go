@@ -265,7 +265,9 @@ func TestPipeExpiredCallLeftOut(t *testing.T) {
 	var held sync.WaitGroup
 	holdInFlight(t, c, &p, "held", &held)
 	short := make(chan error, 1)
-	go func() { short <- countScript.Run(context.Background(), p.Via(c, 100*time.Millisecond), []string{"short"}).Err() }()
+	go func() {
+		short <- countScript.Run(context.Background(), p.Via(c, 100*time.Millisecond), []string{"short"}).Err()
+	}()
 	if !waitUntil(func() bool { return p.Queued() == 1 }) {
 		t.Fatal("the short call never queued")
 	}
