@@ -113,6 +113,18 @@ func holdInFlight(t *testing.T, c *pipeClient, p *Pipe, key string, wg *sync.Wai
 	}
 }
 
+// heldPipe is a pipe over a new pipeClient whose PipeInFlight first calls,
+// on key, are held on their way (holdInFlight); held ends with them once
+// c.hold is closed.
+func heldPipe(t *testing.T, key string) (c *pipeClient, p *Pipe, held *sync.WaitGroup) {
+	t.Helper()
+	c, _ = newPipeClient(t)
+	p, held = new(Pipe), new(sync.WaitGroup)
+	c.hold = make(chan struct{})
+	holdInFlight(t, c, p, key, held)
+	return c, p, held
+}
+
 // TestPipeSharesPipelines: the calls that wait while PipeInFlight calls
 // are on their way leave together, as one pipeline, each answered with its
 // own reply; a call alone goes as a plain call.
@@ -187,15 +199,11 @@ func TestPipeSharesPipelines(t *testing.T) {
 // sent again: Redis ran each call exactly once.
 func TestPipeLostBatch(t *testing.T) {
 	t.Parallel()
-	c, _ := newPipeClient(t)
-	var p Pipe
+	c, p, wg := heldPipe(t, "lost")
 	ctx := context.Background()
-	c.hold = make(chan struct{})
-	c.loseBatch.Store(true)
+	c.loseBatch.Store(true) // the held calls go alone: only the pipeline loses its answers
 	const n = 10
 	errs := make([]error, n)
-	var wg sync.WaitGroup
-	holdInFlight(t, c, &p, "lost", &wg)
 	for i := PipeInFlight; i < n; i++ {
 		wg.Add(1)
 		go func() {
@@ -223,11 +231,7 @@ func TestPipeLostBatch(t *testing.T) {
 // the call is never sent.
 func TestPipeAbandonedCall(t *testing.T) {
 	t.Parallel()
-	c, _ := newPipeClient(t)
-	var p Pipe
-	c.hold = make(chan struct{})
-	var wg sync.WaitGroup
-	holdInFlight(t, c, &p, "held", &wg)
+	c, p, wg := heldPipe(t, "held")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- countScript.Run(ctx, p.Via(c, 5*time.Second), []string{"gave-up"}).Err() }()
@@ -259,11 +263,7 @@ func TestPipeAbandonedCall(t *testing.T) {
 // it: they are answered.
 func TestPipeExpiredCallLeftOut(t *testing.T) {
 	t.Parallel()
-	c, _ := newPipeClient(t)
-	var p Pipe
-	c.hold = make(chan struct{})
-	var held sync.WaitGroup
-	holdInFlight(t, c, &p, "held", &held)
+	c, p, held := heldPipe(t, "held")
 	short := make(chan error, 1)
 	go func() {
 		short <- countScript.Run(context.Background(), p.Via(c, 100*time.Millisecond), []string{"short"}).Err()
