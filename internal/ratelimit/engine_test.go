@@ -6,35 +6,20 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/testclock"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
 
-// fakeClock is a Clock that moves only when told to.
-type fakeClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
+// fakeClock is a Clock that moves only when a test moves it.
+type fakeClock = testclock.Fake
 
-func newFakeClock() *fakeClock { return &fakeClock{t: time.Unix(1_700_000_000, 0)} }
-
-func (c *fakeClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *fakeClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
+func newFakeClock() *fakeClock { return testclock.New() }
 
 // The faults faultClient injects into a pipeline.
 const (
