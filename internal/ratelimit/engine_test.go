@@ -81,6 +81,18 @@ func slidingCall(key string, n int) *Call {
 	return &Call{Script: SlidingScript, Keys: []string{key}, Argv: []any{1, 0, 0, n, time.Minute.Microseconds()}}
 }
 
+// faultyBatcher is a batcher with one worker on a fake clock, over a
+// faultClient of a redis-server of its own, and the observer of its breaker.
+func faultyBatcher(t *testing.T) (*testredis.Server, *faultClient, *fakeClock, *Batcher, *countObserver) {
+	t.Helper()
+	r := testredis.Start(t)
+	f := &faultClient{Client: r.Client()}
+	clock := newFakeClock()
+	b := NewBatcher(f, Options{Workers: 1, Clock: clock})
+	t.Cleanup(b.Close)
+	return r, f, clock, b, &countObserver{}
+}
+
 // TestBatcherLostAnswer: a pipeline whose answer is lost after Redis ran it
 // makes each of its calls an error, never an answer and never sent again:
 // every lost decision was counted once in Redis, none twice. Lost answers
@@ -89,12 +101,7 @@ func slidingCall(key string, n int) *Call {
 // through a second later and closes the breaker.
 func TestBatcherLostAnswer(t *testing.T) {
 	t.Parallel()
-	r := testredis.Start(t)
-	f := &faultClient{Client: r.Client()}
-	clock := newFakeClock()
-	b := NewBatcher(f, Options{Workers: 1, Clock: clock})
-	defer b.Close()
-	obs := &countObserver{}
+	r, f, clock, b, obs := faultyBatcher(t)
 	ctx := context.Background()
 	const key, n = "t:{lost}:sw", 10
 	// Loaded, so that EVALSHA runs (a NOSCRIPT answer lost would hide the
@@ -150,12 +157,7 @@ func TestBatcherLostAnswer(t *testing.T) {
 // probe keeps it open for another second.
 func TestBatcherBreakerProbes(t *testing.T) {
 	t.Parallel()
-	r := testredis.Start(t)
-	f := &faultClient{Client: r.Client()}
-	clock := newFakeClock()
-	b := NewBatcher(f, Options{Workers: 1, Clock: clock})
-	defer b.Close()
-	obs := &countObserver{}
+	_, f, clock, b, obs := faultyBatcher(t)
 	ctx := context.Background()
 	call := func() error {
 		_, err := b.Do(ctx, slidingCall("t:{probe}:sw", 100), 5*time.Second, obs)
