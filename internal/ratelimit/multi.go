@@ -50,19 +50,11 @@ func (u *rlUnit) command(as sendAs) []any {
 			keys = append(keys, c.IndexKey)
 		}
 	}
-	name, script := "evalsha", c0.Script.Hash()
-	if eval {
-		name, script = "eval", c0.Script.Source()
+	head := c0.Script.Head
+	if u.keyRefs {
+		head = c0.Script.HeadByRef
 	}
-	args := make([]any, 0, 5+len(keys)+len(u.calls)+2*(2+len(c0.Argv)))
-	args = append(args, name, script, len(keys))
-	for i := range keys {
-		if u.keyRefs {
-			args = append(args, &keys[i])
-		} else {
-			args = append(args, keys[i])
-		}
-	}
+	args := head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets []*Call // the first call of each set

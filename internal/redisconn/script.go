@@ -63,16 +63,32 @@ func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string
 // Head starts a call of the script: "evalsha", its SHA1 (or "eval", its
 // text), the number of keys and the keys, with room for more arguments.
 func (s *Script) Head(eval bool, keys []string, more int) []any {
-	name, script := "evalsha", s.hashArg
-	if eval {
-		name, script = "eval", s.srcArg
-	}
-	a := make([]any, 0, 3+len(keys)+more)
-	a = append(a, name, script, len(keys))
+	a := s.start(eval, len(keys), len(keys)+more)
 	for _, k := range keys {
 		a = append(a, k)
 	}
 	return a
+}
+
+// HeadByRef is Head with each key as a *string, which costs no allocation
+// to box (go-redis writes it as the string). Only for a plain client: a
+// Cluster or Ring client routes a command by its keys as strings. keys
+// must stay as they are until the command is written.
+func (s *Script) HeadByRef(eval bool, keys []string, more int) []any {
+	a := s.start(eval, len(keys), len(keys)+more)
+	for i := range keys {
+		a = append(a, &keys[i])
+	}
+	return a
+}
+
+// start is a call's name, script and number of keys, with room for more.
+func (s *Script) start(eval bool, nkeys, more int) []any {
+	name, script := "evalsha", s.hashArg
+	if eval {
+		name, script = "eval", s.srcArg
+	}
+	return append(make([]any, 0, 3+more), name, script, nkeys)
 }
 
 // NoRetry and NoRetryInts are commands go-redis must not resend.
