@@ -4,6 +4,7 @@ package lock
 // the engine, besides Acquire.
 
 import (
+	"slices"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -30,10 +31,7 @@ func (l *Locker) Local(redisKey string) (waiters, held int) {
 	d := l.dom
 	d.mu.Lock()
 	w := WakeID(redisKey)
-	qs := make([]*keyQueue, 0, len(d.byWake[w]))
-	for q := range d.byWake[w] {
-		qs = append(qs, q)
-	}
+	qs := slices.Clone(d.byWake[w])
 	d.mu.Unlock()
 	for _, q := range qs {
 		q.mu.Lock()

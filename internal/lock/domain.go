@@ -4,6 +4,7 @@ package lock
 // and lease options, across handlers and config reloads.
 
 import (
+	"slices"
 	"strings"
 	"sync"
 
@@ -19,8 +20,8 @@ type domain struct {
 	refs int    // guarded by domainsMu
 
 	mu     sync.Mutex
-	queues map[string]*keyQueue              // by joined key set
-	byWake map[string]map[*keyQueue]struct{} // by the WakeID of each key
+	queues map[string]*keyQueue   // by joined key set
+	byWake map[string][]*keyQueue // by the WakeID of each key (mostly one queue)
 }
 
 var (
@@ -33,7 +34,7 @@ func acquireDomain(key string) *domain {
 	defer domainsMu.Unlock()
 	d := domains[key]
 	if d == nil {
-		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byWake: map[string]map[*keyQueue]struct{}{}}
+		d = &domain{key: key, id: uuid.NewString(), queues: map[string]*keyQueue{}, byWake: map[string][]*keyQueue{}}
 		domains[key] = d
 	}
 	d.refs++
@@ -69,17 +70,13 @@ func (d *domain) queue(keys []string) *keyQueue {
 	defer d.mu.Unlock()
 	q := d.queues[id]
 	if q == nil {
-		q = &keyQueue{id: id, keys: keys, wakeIDs: make([]string, len(keys))}
+		wake := make([]string, 2*len(keys))
+		q = &keyQueue{id: id, keys: keys, wakeIDs: wake[:len(keys)], wakeMsgs: wake[len(keys):]}
 		d.queues[id] = q
 		for i, k := range keys {
 			w := WakeID(k)
-			q.wakeIDs[i] = w
-			m := d.byWake[w]
-			if m == nil {
-				m = map[*keyQueue]struct{}{}
-				d.byWake[w] = m
-			}
-			m[q] = struct{}{}
+			q.wakeIDs[i], q.wakeMsgs[i] = w, wakeMessage(d.id, w)
+			d.byWake[w] = append(d.byWake[w], q)
 		}
 	}
 	q.refs++
@@ -94,9 +91,11 @@ func (d *domain) putQueue(q *keyQueue) {
 	if q.refs == 0 {
 		delete(d.queues, q.id)
 		for _, w := range q.wakeIDs {
-			delete(d.byWake[w], q)
-			if len(d.byWake[w]) == 0 {
+			qs := slices.DeleteFunc(d.byWake[w], func(o *keyQueue) bool { return o == q })
+			if len(qs) == 0 {
 				delete(d.byWake, w)
+			} else {
+				d.byWake[w] = qs
 			}
 		}
 	}
@@ -108,7 +107,7 @@ func (d *domain) othersWaiting(q *keyQueue) bool {
 	d.mu.Lock()
 	var qs []*keyQueue
 	for _, w := range q.wakeIDs {
-		for o := range d.byWake[w] {
+		for _, o := range d.byWake[w] {
 			if o != q {
 				qs = append(qs, o)
 			}
@@ -139,7 +138,7 @@ func (d *domain) wake(ids []string) {
 	d.mu.Lock()
 	var qs []*keyQueue
 	for _, w := range ids {
-		for q := range d.byWake[w] {
+		for _, q := range d.byWake[w] {
 			qs = append(qs, q)
 		}
 	}

@@ -83,7 +83,7 @@ func scriptCall(cmd redis.Cmder) (script *redisconn.Script, token string) {
 	for _, s := range []*redisconn.Script{AcquireScript, ReleaseScript, ExtendScript} {
 		if (name == "evalsha" && body == s.Hash()) || (name == "eval" && body == s.Source()) {
 			if len(a) > 3+nkeys {
-				token, _ = a[3+nkeys].(string)
+				token, _ = redisconn.Arg(a[3+nkeys])
 			}
 			return s, token
 		}
@@ -342,7 +342,7 @@ func TestBatchedAcquiresLost(t *testing.T) {
 		if s != AcquireScript {
 			return next()
 		}
-		key := cmd.Args()[3].(string)
+		key, _ := redisconn.Arg(cmd.Args()[3])
 		if key == keys[0] || key == keys[1] {
 			// The first two are on their way while the others queue.
 			held.Add(1)

@@ -139,7 +139,11 @@ func (ls *Lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
-	ls.l.releaseLease(leaseRelease{keys: ls.keys, token: ls.token, raise: ls.raise, removed: ls.removed,
+	var msgs []string
+	if ls.q != nil {
+		msgs = ls.q.wakeMsgs
+	}
+	ls.l.releaseLease(leaseRelease{keys: ls.keys, msgs: msgs, token: ls.token, raise: ls.raise, removed: ls.removed,
 		unknown: ls.outcomeUnknown(), answer: answer, unclean: ls.unclean.Load() || ls.lost.Load()})
 }
 

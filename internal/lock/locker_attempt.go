@@ -73,12 +73,27 @@ type try struct {
 	// answer (busy, or a call Redis refused without running it): it holds
 	// nothing of this attempt there, so an undo has nothing to release on it.
 	refused []uint64
+	// own holds the shared records above (and, for one key, the per-key ones).
+	own struct {
+		released   atomic.Bool
+		removed    atomic.Uint64
+		unknown    atomic.Bool
+		inflight   atomic.Int32
+		keyUnknown [1]atomic.Bool
+		refused    [1]uint64
+	}
 }
 
 func (l *Locker) newTry(ctx context.Context, keys []string, chain, first int) *try {
-	t := &try{l: l, ctx: ctx, keys: keys, token: uuid.NewString(), chain: chain, start: l.now(),
-		released: new(atomic.Bool), removed: new(atomic.Uint64), unknown: new(atomic.Bool), inflight: new(atomic.Int32),
-		keyUnknown: make([]atomic.Bool, len(keys)), refused: make([]uint64, len(keys))}
+	t := &try{l: l, ctx: ctx, keys: keys, token: uuid.NewString(), chain: chain, start: l.now()}
+	// What the lease shares with the attempt, and the per-key records: in
+	// the try's own allocation.
+	t.released, t.removed, t.unknown, t.inflight = &t.own.released, &t.own.removed, &t.own.unknown, &t.own.inflight
+	if len(keys) == 1 {
+		t.keyUnknown, t.refused, t.order = t.own.keyUnknown[:], t.own.refused[:], keys
+		return t
+	}
+	t.keyUnknown, t.refused = make([]atomic.Bool, len(keys)), make([]uint64, len(keys))
 	t.order = make([]string, 0, len(keys))
 	if first > 0 && first < len(keys) {
 		t.order = append(t.order, keys[first])
@@ -134,8 +149,7 @@ func (t *try) takeKey(i int, k string) (a attempt, over bool) {
 // ask runs the acquire script for key k on one server.
 func (t *try) ask(ctx context.Context, s *Server, k string) ([]int64, string, error) {
 	l := t.l
-	a := acquireArgs{keys: []string{k, FenceKey(k), WaitqKey(k), ReplayKey(k), DeadKey(k), DelayKey(k)}, token: t.token,
-		chain: t.chain, turns: l.turnsFlag(len(t.keys))}
+	a := acquireArgs{keys: keyNames(k).acquireKeys(), token: &t.token, chain: t.chain, turns: l.turnsFlag(len(t.keys))}
 	if l.opts.SyncReplicas > 0 {
 		return l.acquireSynced(ctx, s.client, a)
 	}
@@ -279,8 +293,8 @@ func (l *Locker) validity(start time.Time) time.Duration {
 // acquireArgs are the arguments of one acquire script call.
 type acquireArgs struct {
 	keys  []string // the lock key and its companions
-	token string
-	chain int // fencing tokens to reserve
+	token *string  // the attempt's (passed by reference: no allocation to box it)
+	chain int      // fencing tokens to reserve
 	turns string
 }
 

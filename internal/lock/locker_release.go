@@ -12,6 +12,7 @@ import (
 // leaseRelease is the release of a held lease.
 type leaseRelease struct {
 	keys  []string
+	msgs  []string // the wake-up of each key (its queue's wakeMsgs); nil: made here
 	token string
 	raise int64 // Redlock: the fencing counter to write back (0: none)
 	// removed, with one key: bit i is set when server i answers that it
@@ -35,7 +36,11 @@ func (l *Locker) releaseLease(r leaseRelease) {
 	for i, k := range r.keys {
 		jobs[i] = l.releaseJob(k, r.token)
 		jobs[i].raise, jobs[i].unknown, jobs[i].answer, jobs[i].unclean = r.raise, r.unknown, r.answer, r.unclean
-		jobs[i].msg = l.dom.id + " " + WakeID(k)
+		if r.msgs != nil {
+			jobs[i].msg = r.msgs[i]
+		} else {
+			jobs[i].msg = wakeMessage(l.dom.id, WakeID(k))
+		}
 	}
 	l.releaseJobs(jobs, nil, r.removed)
 }

@@ -10,10 +10,11 @@ import (
 // keyQueue is the FIFO of this instance's waiters for one key set. Only
 // the head asks Redis; the others wait for their turn.
 type keyQueue struct {
-	id      string
-	keys    []string
-	wakeIDs []string
-	refs    int // guarded by domain.mu
+	id       string
+	keys     []string
+	wakeIDs  []string // WakeID of each key
+	wakeMsgs []string // the wake-up a release of each key announces: "<domain id> <WakeID>"
+	refs     int      // guarded by domain.mu
 
 	mu      sync.Mutex
 	waiters []*waiter

@@ -59,8 +59,8 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 	if j.unclean {
 		unclean = "1"
 	}
-	n, err := script.Run(ctx, s.batched(), []string{j.key, FenceKey(j.key), ReplayKey(j.key), WaitqKey(j.key), DeadKey(j.key), DelayKey(j.key)},
-		j.token, WakeChannel, j.msg, j.raise, j.ttlMs, j.answer, j.replayMs, j.self, dead, unclean, j.delayMs).Int64()
+	n, err := script.Run(ctx, s.batched(), keyNames(j.key).releaseKeys(),
+		&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, unclean, &j.delayMs).Int64()
 	if j.answer != "" && isOOM(err) {
 		j.answer = ""
 		return j.run(ctx, s)

@@ -82,7 +82,6 @@ type Batcher struct {
 	clock   Clock
 	logger  func() *slog.Logger // for a panic of a worker
 	cluster bool                // group batches per hash slot
-	keyRefs bool                // a plain *redis.Client (see rlUnit)
 	queue   chan *Call
 	stop    chan struct{}
 	once    sync.Once
@@ -114,13 +113,11 @@ const (
 // NewBatcher starts o.Workers workers for client c.
 func NewBatcher(c Client, o Options) *Batcher {
 	_, cluster := c.(*redis.ClusterClient)
-	_, plain := c.(*redis.Client)
 	b := &Batcher{
 		client:  c,
 		clock:   o.Clock,
 		logger:  o.Logger,
 		cluster: cluster,
-		keyRefs: plain,
 		queue:   make(chan *Call, batchQueue),
 		stop:    make(chan struct{}),
 	}
@@ -306,11 +303,7 @@ func (b *Batcher) send(batch []*Call) {
 			}
 		}
 	}()
-	us := units(batch, b.cluster)
-	for _, u := range us {
-		u.keyRefs = b.keyRefs
-	}
-	b.sendUnits(us)
+	b.sendUnits(units(batch, b.cluster))
 }
 
 // sendUnits sends the units as one pipeline, within the earliest deadline of

@@ -22,11 +22,6 @@ import (
 type rlUnit struct {
 	calls []*Call
 	batch bool // a decision batch (its answer is split among its calls)
-	// keyRefs: the batch's keys go to go-redis as *string (no allocation
-	// per key to box it in an interface). Only for a plain *redis.Client:
-	// a Cluster or Ring client reads a command's keys as strings to route
-	// it.
-	keyRefs bool
 }
 
 // command is the unit's EVALSHA (or EVAL, with the script's text): for a
@@ -50,11 +45,7 @@ func (u *rlUnit) command(as sendAs) []any {
 			keys = append(keys, c.IndexKey)
 		}
 	}
-	head := c0.Script.Head
-	if u.keyRefs {
-		head = c0.Script.HeadByRef
-	}
-	args := head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
+	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets []*Call // the first call of each set

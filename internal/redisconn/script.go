@@ -62,24 +62,30 @@ func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string
 
 // Head starts a call of the script: "evalsha", its SHA1 (or "eval", its
 // text), the number of keys and the keys, with room for more arguments.
+// Each key goes in as a *string, which costs no allocation to box: go-redis
+// writes it as the string, and routes a Cluster or Ring command by it as
+// by a string. keys must stay as they are until the command is answered
+// (a MOVED answer, or NOSCRIPT, sends them again).
 func (s *Script) Head(eval bool, keys []string, more int) []any {
-	a := s.start(eval, len(keys), len(keys)+more)
-	for _, k := range keys {
-		a = append(a, k)
-	}
-	return a
-}
-
-// HeadByRef is Head with each key as a *string, which costs no allocation
-// to box (go-redis writes it as the string). Only for a plain client: a
-// Cluster or Ring client routes a command by its keys as strings. keys
-// must stay as they are until the command is written.
-func (s *Script) HeadByRef(eval bool, keys []string, more int) []any {
 	a := s.start(eval, len(keys), len(keys)+more)
 	for i := range keys {
 		a = append(a, &keys[i])
 	}
 	return a
+}
+
+// Arg is a command's argument as the string it stands for (a *string as
+// Head and the engines' argument lists pass them, or a string).
+func Arg(a any) (string, bool) {
+	switch v := a.(type) {
+	case string:
+		return v, true
+	case *string:
+		if v != nil {
+			return *v, true
+		}
+	}
+	return "", false
 }
 
 // start is a call's name, script and number of keys, with room for more.
