@@ -49,6 +49,7 @@ type costSample struct {
 	ops      int64         // requests (or reference operations) that succeeded
 	dur      time.Duration // measured time
 	caddyCPU float64       // seconds
+	selfCPU  float64       // seconds: this process's (the load generator, or a reference's go-redis client)
 	redisCPU float64       // seconds
 	conns    int64         // total_connections_received growth
 	errs     int64
@@ -128,10 +129,11 @@ func measureLoad(l *costLoad, clients int, warm, measure time.Duration, caddyPid
 		}
 		return cpuSeconds(caddyPid)
 	}
-	c0, r0, n0, t0 := caddy(), redisCPU(info), redisInfoInt(info, "stats", "total_connections_received"), time.Now()
+	self := os.Getpid()
+	c0, r0, m0, n0, t0 := caddy(), redisCPU(info), cpuSeconds(self), redisInfoInt(info, "stats", "total_connections_received"), time.Now()
 	ok, bad := loop(measure)
 	s.dur = time.Since(t0)
-	s.caddyCPU, s.redisCPU = caddy()-c0, redisCPU(info)-r0
+	s.caddyCPU, s.redisCPU, s.selfCPU = caddy()-c0, redisCPU(info)-r0, cpuSeconds(self)-m0
 	s.conns = redisInfoInt(info, "stats", "total_connections_received") - n0
 	s.ops, s.errs = ok*max(l.perCall, 1), bad
 	return s
@@ -428,6 +430,7 @@ func runCostGoals(step func(string, ...any)) *costResult {
 	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor; %d clients)", clients), rlLoads, *costRLRounds, clients, *costRLMeasure, pid, rlInfo)
 
 	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
+	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL))
 	for _, l := range append(lockLoads, rlLoads...) {
 		var errs int64
 		for _, s := range l.samples {
@@ -447,6 +450,22 @@ func runCostGoals(step func(string, ...any)) *costResult {
 		fmt.Sprintf("Rate limit: `redis_ratelimit { key {http.request.header.X-Key} rate … }` + `respond`, limits that never reject (sliding_window `rate 100000 1s`, gcra `rate 1000000 1s`), the %d clients over %d keys; Envoy-style: a go-redis pipeline of `INCRBY` + `PEXPIRE` per decision, %d callers; exact floor: one `EVALSHA` per %d decisions doing only `GET` + `SET … PX 1000` on each of its %d keys, %d callers; both on the rate limiter's redis-server.", clients, keys, clients, floorBatch, floorBatch, clients),
 		"Load generator, Caddy and both redis-servers share the machine's cores: a ratio compares two loads under the same conditions; the absolute values beside it are for orientation only.")
 	return res
+}
+
+// clientFloorNote compares what the lock adds to Caddy's CPU with the
+// client side of the lock floor: this process's CPU per SET NX PX + DEL
+// script pair while it ran the floor load (go-redis, one round trip per
+// command, the same callers), in the same rounds.
+func clientFloorNote(plainL, lockedL, floorL *costLoad) string {
+	var floorX, addedX []float64
+	for r := 0; r < len(plainL.samples) && r < len(lockedL.samples) && r < len(floorL.samples); r++ {
+		p, l, f := plainL.samples[r], lockedL.samples[r], floorL.samples[r]
+		base, client := p.per(p.caddyCPU), f.per(f.selfCPU)
+		floorX = append(floorX, client/max(base, 1e-9))
+		addedX = append(addedX, (l.per(l.caddyCPU)-base)/max(client, 1e-9))
+	}
+	return fmt.Sprintf("The lock floor's client side, for scale: the bench process's own CPU per SET NX PX + DEL script pair while it ran the floor load (go-redis, %d callers, two round trips) is **%.2f ×** the `respond` request's Caddy CPU (rounds %s); what `redis_lock` adds to Caddy's CPU per request (handler, pipe and both calls) is %.2f × that client cost (rounds %s).",
+		*costClients, median(floorX), roundsText(floorX, "%.2f"), median(addedX), roundsText(addedX, "%.2f"))
 }
 
 // costFigures names the rows, in order (also for a part that failed).
