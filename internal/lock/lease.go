@@ -126,7 +126,7 @@ func (ls *Lease) releaseWith(answer string, mode releaseMode) {
 		ls.q.releaseStarted()
 	}
 	if mode == releaseInBackground {
-		go ls.releaseInRedis(answer)
+		goBackground(func() { ls.releaseInRedis(answer) })
 	} else {
 		ls.releaseInRedis(answer)
 	}
