@@ -564,7 +564,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		base, stopDetached = h.detach(r.Context(), hd.lease)
 		defer stopDetached()
 	}
-	rw := &startedWriter{ResponseWriterWrapper: &caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: before}
+	rw := &startedWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: before}
 
 	reqCtx, cancel := context.WithCancelCause(base)
 	var lost atomic.Bool
@@ -693,7 +693,7 @@ func (h *RedisLock) detach(client context.Context, ls *lease) (ctx context.Conte
 // lease is lost with on_lost cancel, lets no response start any more (a
 // next handler that ignores its context must not answer without the lock).
 type startedWriter struct {
-	*caddyhttp.ResponseWriterWrapper
+	caddyhttp.ResponseWriterWrapper // in the same allocation
 	before  http.Header // the header as handlers before the lock left it
 	mu      sync.Mutex
 	started bool

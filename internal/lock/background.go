@@ -12,43 +12,48 @@ import (
 	"time"
 )
 
-const (
-	// backgroundIdle is how long an idle background goroutine waits for
-	// work before it ends.
-	backgroundIdle = 10 * time.Second
-	// backgroundKept bounds the goroutines that wait for work: after a
-	// burst, the rest end as soon as their work is done.
-	backgroundKept = 64
-)
+// workers runs functions on long-lived goroutines: an idle one takes the
+// next function, or a new one starts when none is idle (Go never waits).
+// After a burst at most kept of them stay, each until it was idle for idle.
+type workers struct {
+	jobs   chan func() // idle goroutines wait here
+	n      atomic.Int32
+	starts atomic.Int64 // goroutines started so far
+	kept   int32
+	idle   time.Duration
+}
 
-var (
-	backgroundJobs    = make(chan func()) // idle goroutines wait here
-	backgroundWorkers atomic.Int32
-)
+// background runs the process's background work (workers outlive configs).
+var background = newWorkers(64, 10*time.Second)
 
-// goBackground runs f on an idle background goroutine, or on a new one
-// when none is idle: it never waits. f recovers its own panics.
-func goBackground(f func()) {
+func newWorkers(kept int32, idle time.Duration) *workers {
+	return &workers{jobs: make(chan func()), kept: kept, idle: idle}
+}
+
+// Go runs f on an idle goroutine, or on a new one. f recovers its own
+// panics.
+func (w *workers) Go(f func()) {
 	select {
-	case backgroundJobs <- f:
+	case w.jobs <- f:
 	default:
-		backgroundWorkers.Add(1)
-		go backgroundWorker(f)
+		w.n.Add(1)
+		w.starts.Add(1)
+		go w.run(f)
 	}
 }
 
-func backgroundWorker(f func()) {
-	defer backgroundWorkers.Add(-1)
-	idle := time.NewTimer(backgroundIdle)
+func (w *workers) run(f func()) {
+	defer w.n.Add(-1)
+	idle := time.NewTimer(w.idle)
 	defer idle.Stop()
 	for {
 		f()
-		if backgroundWorkers.Load() > backgroundKept {
+		if w.n.Load() > w.kept {
 			return
 		}
-		idle.Reset(backgroundIdle)
+		idle.Reset(w.idle)
 		select {
-		case f = <-backgroundJobs:
+		case f = <-w.jobs:
 		case <-idle.C:
 			return
 		}

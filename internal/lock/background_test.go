@@ -6,37 +6,39 @@ import (
 	"time"
 )
 
-// Background work one after the other reuses one goroutine; a burst gets
-// a goroutine per job at once (none waits for another), and after it at
-// most backgroundKept stay.
-func TestBackgroundGoroutines(t *testing.T) {
-	waitFor := func(what string, ok func() bool) {
+// Work one job after the other reuses one goroutine; a burst gets a
+// goroutine per job at once (none waits for another); after it at most
+// kept stay, and an idle one ends.
+func TestBackgroundWorkers(t *testing.T) {
+	const kept = 4
+	w := newWorkers(kept, 300*time.Millisecond)
+	waitFor := func(what string, ok func(n int32) bool) {
 		t.Helper()
-		for end := time.Now().Add(10 * time.Second); !ok(); {
+		for end := time.Now().Add(10 * time.Second); !ok(w.n.Load()); {
 			if time.Now().After(end) {
-				t.Fatalf("%s: %d background goroutines", what, backgroundWorkers.Load())
+				t.Fatalf("%s: %d goroutines", what, w.n.Load())
 			}
 			time.Sleep(time.Millisecond)
 		}
 	}
-	base := backgroundWorkers.Load()
 	for i := 0; i < 50; i++ {
 		done := make(chan struct{})
-		goBackground(func() { close(done) })
+		w.Go(func() { close(done) })
 		<-done
-		// The goroutine is back waiting for work before the next job.
-		waitFor("sequential", func() bool { return backgroundWorkers.Load() <= base+1 })
+		// Back waiting for work before the next job (if it is still on its
+		// way there, the next job starts a goroutine of its own).
+		time.Sleep(2 * time.Millisecond)
 	}
-	if n := backgroundWorkers.Load(); n > base+1 {
-		t.Fatalf("50 jobs one after the other: %d goroutines, want at most %d", n, base+1)
+	if n := w.starts.Load(); n > 10 {
+		t.Fatalf("50 jobs one after the other started %d goroutines, want them reused", n)
 	}
 
-	const burst = 3 * backgroundKept
+	const burst = 5 * kept
 	gate := make(chan struct{})
 	var started sync.WaitGroup
 	started.Add(burst)
 	for i := 0; i < burst; i++ {
-		goBackground(func() { started.Done(); <-gate })
+		w.Go(func() { started.Done(); <-gate })
 	}
 	ran := make(chan struct{})
 	go func() { started.Wait(); close(ran) }()
@@ -46,5 +48,6 @@ func TestBackgroundGoroutines(t *testing.T) {
 		t.Fatal("the jobs of a burst did not all start at once")
 	}
 	close(gate)
-	waitFor("after the burst", func() bool { return backgroundWorkers.Load() <= backgroundKept })
+	waitFor("after the burst", func(n int32) bool { return n <= kept })
+	waitFor("idle", func(n int32) bool { return n == 0 })
 }

@@ -72,6 +72,7 @@ func (d *domain) queue(keys []string) *keyQueue {
 	if q == nil {
 		wake := make([]string, 2*len(keys))
 		q = &keyQueue{id: id, keys: keys, wakeIDs: wake[:len(keys)], wakeMsgs: wake[len(keys):]}
+		q.waiters = q.first[:0]
 		d.queues[id] = q
 		for i, k := range keys {
 			w := WakeID(k)

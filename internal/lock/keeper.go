@@ -37,14 +37,14 @@ type keeper struct {
 	stopped bool
 	running bool
 	cancel  context.CancelFunc
-	done    chan struct{} // closed by a running fire that finds the keeper stopped
+	done    chan struct{} // made by a stop that finds a fire running, closed by that fire
 }
 
 // newKeeper starts keeping ls: with o.Extend, it is extended every ttl/3
 // (owner-checked) until stop or o.MaxHold; a lease that is not extended (any
 // more) is reported lost when its validity ends. o.OnLost runs at most once.
 func newKeeper(ls *Lease, o KeepOptions) *keeper {
-	k := &keeper{ls: ls, extend: o.Extend, maxHold: o.MaxHold, onLost: o.OnLost, done: make(chan struct{})}
+	k := &keeper{ls: ls, extend: o.Extend, maxHold: o.MaxHold, onLost: o.OnLost}
 	k.mu.Lock()
 	k.t = time.AfterFunc(k.next(), k.fire)
 	k.mu.Unlock()
@@ -108,7 +108,9 @@ func (k *keeper) fire() {
 	defer k.mu.Unlock()
 	k.running = false
 	if k.stopped {
-		close(k.done)
+		if k.done != nil {
+			close(k.done)
+		}
 		return
 	}
 	if lost != nil {
@@ -144,12 +146,16 @@ func (k *keeper) stop() {
 	}
 	k.stopped = true
 	k.t.Stop()
-	running := k.running
-	if running && k.cancel != nil {
-		k.cancel()
+	var done chan struct{}
+	if k.running {
+		done = make(chan struct{})
+		k.done = done
+		if k.cancel != nil {
+			k.cancel()
+		}
 	}
 	k.mu.Unlock()
-	if running {
-		<-k.done
+	if done != nil {
+		<-done
 	}
 }

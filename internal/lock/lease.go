@@ -126,7 +126,7 @@ func (ls *Lease) releaseWith(answer string, mode releaseMode) {
 		ls.q.releaseStarted()
 	}
 	if mode == releaseInBackground {
-		goBackground(func() { ls.releaseInRedis(answer) })
+		background.Go(func() { ls.releaseInRedis(answer) })
 	} else {
 		ls.releaseInRedis(answer)
 	}

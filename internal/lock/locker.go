@@ -426,12 +426,17 @@ func (l *Locker) turns(keys int) bool {
 	return len(l.servers) == 1 && keys == 1
 }
 
-func (l *Locker) turnsFlag(keys int) string {
-	if l.turns(keys) {
-		return "1"
+func (l *Locker) turnsFlag(keys int) any { return flagArg(l.turns(keys)) }
+
+// flagArg is a script's 0/1 argument, boxed once (not per call).
+func flagArg(on bool) any {
+	if on {
+		return flagArgs[1]
 	}
-	return "0"
+	return flagArgs[0]
 }
+
+var flagArgs = [2]any{"0", "1"}
 
 // leaveWaitq removes this instance from the keys' Redis wait lists on
 // every server at once, then gives back the servers that Acquire took.

@@ -295,7 +295,7 @@ type acquireArgs struct {
 	keys  []string // the lock key and its companions
 	token *string  // the attempt's (passed by reference: no allocation to box it)
 	chain int      // fencing tokens to reserve
-	turns string
+	turns any      // "0" or "1" (flagArg)
 }
 
 // acquireArgv is the acquire script's ARGV.
@@ -352,12 +352,7 @@ func (l *Locker) acquireSynced(ctx context.Context, c Client, a acquireArgs) ([]
 }
 
 // replayFlag tells the acquire script to look for a stored answer.
-func (l *Locker) replayFlag() string {
-	if l.opts.Replay > 0 {
-		return "1"
-	}
-	return "0"
-}
+func (l *Locker) replayFlag() any { return flagArg(l.opts.Replay > 0) }
 
 // acquireReply reads the acquire script's answer: {code, n} and, for code
 // 2, the stored answer.

@@ -30,17 +30,8 @@ type result struct {
 // a crash of the process.
 func (l *Locker) callAll(ctx context.Context, f func(ctx context.Context, i int, s *Server) (any, error), decide func(res []result, n int) bool, late func(i int, r result)) []result {
 	res := make([]result, len(l.servers))
-	safe := func(i int) (v any, err error) {
-		defer func() {
-			if r := recover(); r != nil {
-				l.logPanic("calling redis", r)
-				v, err = nil, fmt.Errorf("redisdlm: panic calling redis: %v", r)
-			}
-		}()
-		return f(ctx, i, l.servers[i])
-	}
 	if len(l.servers) == 1 {
-		v, err := safe(0)
+		v, err := l.safeCall(ctx, f, 0)
 		res[0] = result{v: v, err: err, done: true}
 		return res
 	}
@@ -49,7 +40,7 @@ func (l *Locker) callAll(ctx context.Context, f func(ctx context.Context, i int,
 	arrived := make(chan struct{}, len(l.servers))
 	for i := range l.servers {
 		go func(i int) {
-			v, err := safe(i)
+			v, err := l.safeCall(ctx, f, i)
 			r := result{v: v, err: err, done: true}
 			mu.Lock()
 			if closed {
@@ -85,6 +76,17 @@ func (l *Locker) callAll(ctx context.Context, f func(ctx context.Context, i int,
 		mu.Unlock()
 	}
 	return res
+}
+
+// safeCall is f on server i, a panic in it that server's error.
+func (l *Locker) safeCall(ctx context.Context, f func(ctx context.Context, i int, s *Server) (any, error), i int) (v any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			l.logPanic("calling redis", r)
+			v, err = nil, fmt.Errorf("redisdlm: panic calling redis: %v", r)
+		}
+	}()
+	return f(ctx, i, l.servers[i])
 }
 
 // majorityAnswered ends a fan-out once a majority answered without error.

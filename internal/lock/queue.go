@@ -18,8 +18,9 @@ type keyQueue struct {
 
 	mu      sync.Mutex
 	waiters []*waiter
-	held    int       // leases of this key set held in this instance
-	hint    busyFacts // last known facts of the holder
+	first   [1]*waiter // the waiters' first backing array
+	held    int        // leases of this key set held in this instance
+	hint    busyFacts  // last known facts of the holder
 	// releasing of the held leases are being released in Redis (in the
 	// background, after the answer); releaseEnd is closed (and replaced) as
 	// each of those ends.
@@ -44,6 +45,11 @@ func (w *waiter) head() bool {
 	}
 }
 
+// headTurn is the turn of a waiter that heads its queue when it arrives
+// (most do): closed already, and shared. A waiter that arrives behind
+// others gets a turn of its own, closed when it becomes head.
+var headTurn = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
 // enqueue appends a waiter; false when maxWaiters (>0) are already waiting.
 func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	q.mu.Lock()
@@ -51,11 +57,13 @@ func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	if maxWaiters > 0 && len(q.waiters) >= maxWaiters {
 		return nil, false
 	}
-	w := &waiter{q: q, turn: make(chan struct{}), wake: make(chan struct{}, 1), grant: make(chan *Lease, 1)}
-	q.waiters = append(q.waiters, w)
-	if len(q.waiters) == 1 {
-		close(w.turn)
+	w := &waiter{q: q, wake: make(chan struct{}, 1), grant: make(chan *Lease, 1)}
+	if len(q.waiters) == 0 {
+		w.turn = headTurn // its turn now: nobody closes it again
+	} else {
+		w.turn = make(chan struct{})
 	}
+	q.waiters = append(q.waiters, w)
 	return w, true
 }
 

@@ -55,12 +55,8 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 		// delayed on its way to Redis is refused until then.
 		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
 	}
-	unclean := "0"
-	if j.unclean {
-		unclean = "1"
-	}
 	n, err := script.Run(ctx, s.batched(), keyNames(j.key).releaseKeys(),
-		&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, unclean, &j.delayMs).Int64()
+		&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs).Int64()
 	if j.answer != "" && isOOM(err) {
 		j.answer = ""
 		return j.run(ctx, s)

@@ -182,19 +182,30 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 	case 0:
 		return
 	case 1:
-		ctx, cancel := context.WithDeadline(batch[0].ctx, batch[0].deadline)
-		defer cancel()
-		_ = c.Process(ctx, batch[0].cmd)
+		_ = c.Process(bounded{batch[0].ctx, batch[0].deadline}, batch[0].cmd)
 		return
 	}
-	ctx, cancel := context.WithDeadline(context.Background(), latestDeadline(batch))
-	defer cancel()
+	ctx := bounded{context.Background(), latestDeadline(batch)}
 	pipe := c.Pipeline()
 	for _, call := range batch {
 		_ = pipe.Process(ctx, call.cmd)
 	}
 	_, _ = pipe.Exec(ctx) // each command holds its own answer or error
 }
+
+// bounded is its parent with a deadline added, for go-redis alone: with
+// ContextTimeoutEnabled it bounds the connection's reads and writes by the
+// context's deadline, and a call whose deadline passed fails with an i/o
+// timeout. Nothing else waits on it, so it needs no timer of its own (what
+// context.WithDeadline starts per call, and registers with a cancelable
+// parent, then stops). Done and Err are the parent's: a caller that went
+// away still ends a wait for a pooled connection at once.
+type bounded struct {
+	context.Context
+	deadline time.Time
+}
+
+func (b bounded) Deadline() (time.Time, bool) { return b.deadline, true }
 
 // waiting reports whether calls wait in the queue.
 func (p *Pipe) waiting() bool {

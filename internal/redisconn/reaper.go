@@ -62,9 +62,12 @@ func (r *reaper) dialer(dial func(context.Context, string, string) (net.Conn, er
 			r.timer = time.AfterFunc(r.every, r.sweep)
 		}
 		r.mu.Unlock()
-		if _, ok := c.(syscall.Conn); ok {
-			// The pool's health check peeks at the socket through it.
-			return &reapSysConn{rc}, nil
+		if sc, ok := c.(syscall.Conn); ok {
+			// The pool's health check peeks at the socket through it,
+			// each time a call takes the connection: made once here.
+			if raw, err := sc.SyscallConn(); err == nil {
+				return &reapSysConn{rc, raw}, nil
+			}
 		}
 		return rc, nil
 	}
@@ -152,8 +155,9 @@ func (c *reapConn) Close() error {
 
 // reapSysConn is a reapConn over a plain TCP connection: go-redis's health
 // check of an idle connection (a peek at the socket) still works through it.
-type reapSysConn struct{ *reapConn }
-
-func (c *reapSysConn) SyscallConn() (syscall.RawConn, error) {
-	return c.Conn.(syscall.Conn).SyscallConn()
+type reapSysConn struct {
+	*reapConn
+	raw syscall.RawConn
 }
+
+func (c *reapSysConn) SyscallConn() (syscall.RawConn, error) { return c.raw, nil }

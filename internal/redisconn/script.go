@@ -90,12 +90,15 @@ func Arg(a any) (string, bool) {
 
 // start is a call's name, script and number of keys, with room for more.
 func (s *Script) start(eval bool, nkeys, more int) []any {
-	name, script := "evalsha", s.hashArg
+	name, script := evalshaArg, s.hashArg
 	if eval {
-		name, script = "eval", s.srcArg
+		name, script = evalArg, s.srcArg
 	}
 	return append(make([]any, 0, 3+more), name, script, nkeys)
 }
+
+// The command names, boxed once (not per call).
+var evalshaArg, evalArg any = "evalsha", "eval"
 
 // NoRetry and NoRetryInts are commands go-redis must not resend.
 type (
