@@ -693,11 +693,11 @@ func (h *RedisLock) detach(client context.Context, ls *lease) (ctx context.Conte
 // lease is lost with on_lost cancel, lets no response start any more (a
 // next handler that ignores its context must not answer without the lock).
 type startedWriter struct {
-	caddyhttp.ResponseWriterWrapper // in the same allocation
-	before  http.Header // the header as handlers before the lock left it
-	mu      sync.Mutex
-	started bool
-	refused bool
+	caddyhttp.ResponseWriterWrapper             // in the same allocation
+	before                          http.Header // the header as handlers before the lock left it
+	mu                              sync.Mutex
+	started                         bool
+	refused                         bool
 }
 
 // noHeader is the header before the lock when handlers before it set
@@ -784,8 +784,9 @@ func (w *startedWriter) FlushError() error {
 // streaming, rather than use a ResponseController).
 func (w *startedWriter) Flush() { _ = w.FlushError() }
 
-// Unwrap lets http.ResponseController reach the underlying writer.
-func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper }
+// Unwrap is the writer it wraps (http.ResponseController reaches Hijack,
+// deadlines and full duplex through it: reverse_proxy's upgrades).
+func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper.ResponseWriter }
 
 // releaseReplay releases a replay lock, storing the holder's answer with
 // the release when it can be replayed.

@@ -182,30 +182,23 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 	case 0:
 		return
 	case 1:
-		_ = c.Process(bounded{batch[0].ctx, batch[0].deadline}, batch[0].cmd)
+		// A context that ends at the deadline, not only one that reports
+		// it: go-redis waits on Done for a pooled connection and for a
+		// new one, and only the socket's reads and writes take the
+		// deadline itself.
+		ctx, cancel := context.WithDeadline(batch[0].ctx, batch[0].deadline)
+		defer cancel()
+		_ = c.Process(ctx, batch[0].cmd)
 		return
 	}
-	ctx := bounded{context.Background(), latestDeadline(batch)}
+	ctx, cancel := context.WithDeadline(context.Background(), latestDeadline(batch))
+	defer cancel()
 	pipe := c.Pipeline()
 	for _, call := range batch {
 		_ = pipe.Process(ctx, call.cmd)
 	}
 	_, _ = pipe.Exec(ctx) // each command holds its own answer or error
 }
-
-// bounded is its parent with a deadline added, for go-redis alone: with
-// ContextTimeoutEnabled it bounds the connection's reads and writes by the
-// context's deadline, and a call whose deadline passed fails with an i/o
-// timeout. Nothing else waits on it, so it needs no timer of its own (what
-// context.WithDeadline starts per call, and registers with a cancelable
-// parent, then stops). Done and Err are the parent's: a caller that went
-// away still ends a wait for a pooled connection at once.
-type bounded struct {
-	context.Context
-	deadline time.Time
-}
-
-func (b bounded) Deadline() (time.Time, bool) { return b.deadline, true }
 
 // waiting reports whether calls wait in the queue.
 func (p *Pipe) waiting() bool {

@@ -3,6 +3,7 @@ package redisconn
 import (
 	"context"
 	"errors"
+	"net"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -315,5 +316,49 @@ func TestPipeClusterCallsAlone(t *testing.T) {
 	defer plain.Close()
 	if _, piped := p.Via(plain, time.Second).(piped); !piped {
 		t.Fatal("a plain client's calls do not go through the pipe")
+	}
+}
+
+// A piped call ends by its bound even when it must first wait for the
+// pool's only connection and then for a dial that never completes (a SYN
+// lost after a failover): the context go-redis gets must end at the
+// deadline, not only report it (the pool's wait and the wait for a new
+// connection watch Done, bounded by PoolTimeout and DialTimeout, here far
+// longer than the call's bound).
+func TestPipeCallEndsByItsBound(t *testing.T) {
+	r := testredis.Start(t)
+	const bound = 300 * time.Millisecond
+	var dials atomic.Int32
+	c := redis.NewClient(&redis.Options{Addr: r.Addr, PoolSize: 1, PoolTimeout: 3 * time.Second, DialTimeout: 3 * time.Second,
+		ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second, MaxRetries: -1, DialerRetries: 1, ContextTimeoutEnabled: true, Protocol: 2,
+		Dialer: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if dials.Add(1) == 1 {
+				return (&net.Dialer{}).DialContext(ctx, network, addr)
+			}
+			<-ctx.Done() // blackholed
+			return nil, ctx.Err()
+		}})
+	defer c.Close()
+	held := make(chan struct{})
+	go func() {
+		// Holds the only connection until just before the call's bound
+		// ends, then loses it to a timeout: the call needs a new one.
+		ctx, cancel := context.WithTimeout(context.Background(), bound-50*time.Millisecond)
+		defer cancel()
+		close(held)
+		c.BLPop(ctx, 10*time.Second, "pipe:nokey")
+	}()
+	<-held
+	time.Sleep(20 * time.Millisecond)
+	var p Pipe
+	cmd := NoRetry{redis.NewCmd(context.Background(), "ping")}
+	start := time.Now()
+	err := p.Via(c, bound).Process(context.Background(), cmd)
+	took := time.Since(start)
+	if err == nil {
+		t.Fatal("the call succeeded without a connection")
+	}
+	if took > bound+time.Second {
+		t.Fatalf("the call took %v (%v), its bound is %v", took.Round(time.Millisecond), err, bound)
 	}
 }
