@@ -5,23 +5,31 @@ package lock
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"strings"
+)
+
+// The companions' suffixes, in the order of names below.
+const (
+	fenceSuffix  = ":fence"
+	waitqSuffix  = ":waitq"
+	replaySuffix = ":replay"
+	deadSuffix   = ":dead"
+	delaySuffix  = ":delay"
 )
 
 // FenceKey is the fencing counter of a lock key; WaitqKey the list of
 // instances waiting for it. Both share the lock key's hash tag.
-func FenceKey(lockKey string) string  { return lockKey + ":fence" }
-func ReplayKey(lockKey string) string { return lockKey + ":replay" }
-func WaitqKey(lockKey string) string  { return lockKey + ":waitq" }
+func FenceKey(lockKey string) string  { return lockKey + fenceSuffix }
+func ReplayKey(lockKey string) string { return lockKey + replaySuffix }
+func WaitqKey(lockKey string) string  { return lockKey + waitqSuffix }
 
 // DeadKey holds the tokens of attempts given up while their outcome was
 // unknown: the acquire script never grants them (see lock_acquire.lua).
-func DeadKey(lockKey string) string { return lockKey + ":dead" }
+func DeadKey(lockKey string) string { return lockKey + deadSuffix }
 
 // DelayKey holds the lock_delay ends of a lock key: after a lease ends
 // without its holder's release, nobody is granted it until then (see
 // lock_acquire.lua).
-func DelayKey(lockKey string) string { return lockKey + ":delay" }
+func DelayKey(lockKey string) string { return lockKey + delaySuffix }
 
 // WakeID is how a wake-up names a lock key on the Pub/Sub channel: an
 // opaque digest, so a client of a shared Redis that subscribes learns
@@ -37,22 +45,15 @@ func WakeID(lockKey string) string {
 type names struct{ lease, fence, waitq, replay, dead, delay string }
 
 func keyNames(k string) names {
-	var b strings.Builder
-	b.Grow(5*len(k) + len(":fence:waitq:replay:dead:delay"))
-	for _, sfx := range [...]string{":fence", ":waitq", ":replay", ":dead", ":delay"} {
-		b.WriteString(k)
-		b.WriteString(sfx)
-	}
-	all, n := b.String(), len(k)
-	cut := func(from, sfx int) (string, int) { return all[from : from+n+sfx], from + n + sfx }
-	ks := names{lease: k}
+	// One concatenation is one allocation; each name is a slice of it.
+	all := k + fenceSuffix + k + waitqSuffix + k + replaySuffix + k + deadSuffix + k + delaySuffix
+	var cut [5]string
 	at := 0
-	ks.fence, at = cut(at, len(":fence"))
-	ks.waitq, at = cut(at, len(":waitq"))
-	ks.replay, at = cut(at, len(":replay"))
-	ks.dead, at = cut(at, len(":dead"))
-	ks.delay, _ = cut(at, len(":delay"))
-	return ks
+	for i, sfx := range [5]string{fenceSuffix, waitqSuffix, replaySuffix, deadSuffix, delaySuffix} {
+		end := at + len(k) + len(sfx)
+		cut[i], at = all[at:end], end
+	}
+	return names{lease: k, fence: cut[0], waitq: cut[1], replay: cut[2], dead: cut[3], delay: cut[4]}
 }
 
 // acquireKeys are the acquire script's KEYS (lock_acquire.lua).
