@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -246,24 +247,51 @@ func TestRetryAfterHolderOnAnotherInstance(t *testing.T) {
 func TestRetryAfterCountsWaitersElsewhere(t *testing.T) {
 	r := startRedis(t)
 	up := newJobUpstream(t)
-	urls, _ := runRetryAfterCaddy(t, r.Addr, up,
-		"ttl 20s; wait 0s; timeout 500ms",  // A: asks
-		"ttl 20s; wait 0s; timeout 510ms",  // B: holds
-		"ttl 20s; wait 30s; timeout 520ms", // C: waits
-		"ttl 20s; wait 30s; timeout 530ms") // D: waits
+	urls, admin := runRetryAfterCaddy(t, r.Addr, up,
+		"ttl 20s; wait 0s; timeout 500ms; name a",  // A: asks
+		"ttl 20s; wait 0s; timeout 510ms; name b",  // B: holds
+		"ttl 20s; wait 30s; timeout 520ms; name c", // C: waits
+		"ttl 20s; wait 30s; timeout 530ms; name d") // D: waits
 	a, b, c, d := urls[0], urls[1], urls[2], urls[3]
 	learnHolds(t, up, a, 2, 3000)
 
 	holder := job(b, "hot", -1)
 	up.awaitEntered(t, "hot")
 	rc := r.Client()
-	waitq := lock.WaitqKey(storedKey(DefaultLockPrefix, "hot"))
-	listed := func(n int64) {
+	// listed waits until the key's Redis wait list holds exactly the
+	// instances named, as each instance's admin view of hot says. By
+	// identity, not by count: A's own entry from its last ask leaves the
+	// list only after its answer (in the background), so a count of 2
+	// could be A and C before D has asked at all.
+	listed := func(want ...string) {
 		t.Helper()
-		// A's own entry from its last ask leaves the list once its request is done.
-		if !waitFor(20*time.Second, func() bool { x, _ := rc.ZCard(context.Background(), waitq).Result(); return x == n }) {
-			x, _ := rc.ZCard(context.Background(), waitq).Result()
-			t.Fatalf("wait list of hot: %d instances, want %d", x, n)
+		var last string
+		if !waitFor(20*time.Second, func() bool {
+			var got []string
+			total := -1
+			for _, name := range []string{"a", "b", "c", "d"} {
+				var v struct {
+					Servers []struct {
+						InstancesWaiting int  `json:"instances_waiting"`
+						ThisInstanceWait bool `json:"this_instance_waiting"`
+					} `json:"servers"`
+				}
+				resp, body := get(t, admin+"/redisdlm/locks/"+name+"/hot")
+				if resp == nil || resp.StatusCode != http.StatusOK || json.Unmarshal([]byte(body), &v) != nil || len(v.Servers) != 1 {
+					last = fmt.Sprintf("%s: %s", name, body)
+					return false
+				}
+				if v.Servers[0].ThisInstanceWait {
+					got = append(got, name)
+				}
+				if total < 0 {
+					total = v.Servers[0].InstancesWaiting
+				}
+			}
+			last = fmt.Sprintf("%d instances, of them %v", total, got)
+			return total == len(want) && slices.Equal(got, want)
+		}) {
+			t.Fatalf("wait list of hot: %s; want exactly %v", last, want)
 		}
 	}
 	// When each answer says the lock is free: compared as moments, so the
@@ -275,14 +303,14 @@ func TestRetryAfterCountsWaitersElsewhere(t *testing.T) {
 		ras = append(ras, ra)
 		return time.Now().Add(time.Duration(ra) * time.Second)
 	}
-	listed(0)
+	listed()
 	free0 := free()
-	listed(0)
+	listed()
 	waiterC := job(c, "hot", 10)
-	listed(1)
+	listed("c")
 	free1 := free()
 	waiterD := job(d, "hot", 10)
-	listed(2)
+	listed("c", "d")
 	free2 := free()
 	if ras[1] <= ras[0] || ras[2] <= ras[1] {
 		t.Errorf("Retry-After with 0, 1, 2 other instances waiting: %v; want it to grow with each", ras)
