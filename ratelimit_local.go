@@ -9,16 +9,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"strconv"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -151,14 +150,19 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 	now := time.Now()
 	// In the background: time enough for a Redis just back, so that few
-	// answers are lost (a lost one is not charged again).
+	// charges wait for the next try.
 	if err := h.charge(ctx, h.local.lim.TakeCharges(now), now, max(4*h.timeout, 2*time.Second)); err != nil {
 		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.Error(err))
 	}
 }
 
 // charge runs the charge script for each batch, each call bounded by
-// timeout; the batches it did not send go back to the local limiter.
+// timeout. A batch whose call failed, and those after it, go back to the
+// local limiter and are sent again with the next charge: a call whose
+// answer was lost may have run, and the script skips the charges it
+// already applied (ChargeMarker), so each counts once. Only a batch that
+// Redis refused for good (an error reply of a live server, such as a key
+// of another type) is dropped: sent again, it would fail again.
 func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, now time.Time, timeout time.Duration) error {
 	offset := h.local.offset.Load()
 	var charged int64
@@ -169,19 +173,17 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 			script = ratelimit.GCRAChargeScript
 			args = append(args, b.Rate.Burst)
 		}
+		args = append(args, ratelimit.ChargeMarkerTTL(b.Rate).Milliseconds())
 		for _, c := range b.Charges {
-			args = append(args, c.At.UnixMicro()+offset, c.Cost)
+			args = append(args, c.At.UnixMicro()+offset, c.Cost, c.Seq)
 		}
 		cctx, cancel := context.WithTimeout(ctx, timeout)
-		err := script.Run(cctx, h.client.client, []string{b.Rate.Key}, args...).Err()
+		err := script.Run(cctx, h.client.client, []string{b.Rate.Key, h.local.lim.ChargeMarker(b.Rate.Key)}, args...).Err()
 		cancel()
 		if err != nil {
-			// A call that may have run (its answer lost, or a script
-			// error) is not sent again: charging twice would take the
-			// quota of admissions never made. What was never sent is.
-			from := i + 1
-			if notSent(err) {
-				from = i
+			from := i
+			if !redisconn.IsRedisDown(err) {
+				from = i + 1
 			}
 			for _, rest := range batches[from:] {
 				h.local.lim.Untake(rest, now)
@@ -198,11 +200,4 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 		}
 	}
 	return nil
-}
-
-// notSent reports whether a call surely never reached Redis: no connection
-// could be made or taken from the pool.
-func notSent(err error) bool {
-	var op *net.OpError
-	return errors.Is(err, redis.ErrPoolTimeout) || errors.As(err, &op) && op.Op == "dial"
 }

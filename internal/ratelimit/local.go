@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/google/uuid"
 )
 
 // The local limiter of fail_local: while Redis is unreachable, each
@@ -17,6 +18,12 @@ import (
 // admissions of the current window (noted while Redis decides, see Note),
 // and what it admits is kept to be charged to Redis once Redis answers
 // again (TakeCharges, and the charge scripts).
+//
+// A charge is safe to send again: each carries a sequence number of this
+// limiter, and the charge script keeps, per rate's key and limiter, the
+// highest it applied (ChargeMarker), skipping what it already ran. So a
+// charge whose answer was lost (a timeout, a dropped connection) goes back
+// with Untake and is sent again, and counts once.
 //
 // Per rate of a key it keeps a ring of localBuckets+1 counts over the
 // rate's horizon (its window; with gcra the longer of the window and the
@@ -66,11 +73,16 @@ func Share(n, instances int64) int64 {
 	return max(1, (n+instances-1)/instances)
 }
 
-// Charge is admissions made locally in one bucket: the latest time and
-// their sum of costs.
+// Charge is admissions made locally in one bucket: the latest time, their
+// sum of costs, and the charge's sequence number (unique in its limiter,
+// ascending in a key's charges). A charge once taken is sealed: new
+// admissions of its bucket make a charge of their own, since Redis may
+// have applied the sealed one already.
 type Charge struct {
-	At   time.Time
-	Cost int64
+	At     time.Time
+	Cost   int64
+	Seq    int64
+	sealed bool
 }
 
 // ChargeBatch is what one rate's key is to be charged with.
@@ -94,14 +106,26 @@ type Local struct {
 	max     int
 	epoch   time.Time
 	m       map[string]*localRate
-	charged int // entries with charges
+	charged int    // entries with charges
+	id      string // names this limiter in the charge markers
+	seq     int64  // the last charge's sequence number
 }
 
 // NewLocal makes a local limiter of at most max rates of keys; epoch is
 // any moment before the first call (bucket numbers count from it).
 func NewLocal(max int, epoch time.Time) *Local {
-	return &Local{max: max, epoch: epoch, m: make(map[string]*localRate)}
+	return &Local{max: max, epoch: epoch, m: make(map[string]*localRate), id: uuid.NewString()}
 }
+
+// ChargeMarker is the Redis key where the charge script keeps the highest
+// sequence number of this limiter it applied to the rate's key: the
+// rate's key (so the same hash slot) and the limiter's id.
+func (l *Local) ChargeMarker(key string) string { return key + ":charged:" + l.id }
+
+// ChargeMarkerTTL is how long a charge marker must outlive the charge it
+// records: a charge is sent (again) only within its rate's horizon of its
+// time, and the marker is written no earlier than that time.
+func ChargeMarkerTTL(r LocalRate) time.Duration { return r.horizon() + time.Minute }
 
 // bucket is the number of the bucket of e at t.
 func (l *Local) bucket(e *localRate, t time.Time) int64 {
@@ -221,8 +245,8 @@ func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) L
 	d.Remaining = max(0, d.Remaining-cost)
 	for _, e := range es {
 		l.add(e, now, cost)
-		if n := len(e.charges); n > 0 && l.bucket(e, e.charges[n-1].At) == l.bucket(e, now) {
-			e.charges[n-1] = Charge{At: now, Cost: e.charges[n-1].Cost + cost}
+		if n := len(e.charges); n > 0 && !e.charges[n-1].sealed && l.bucket(e, e.charges[n-1].At) == l.bucket(e, now) {
+			e.charges[n-1].At, e.charges[n-1].Cost = now, e.charges[n-1].Cost+cost
 			continue
 		}
 		if len(e.charges) == 0 {
@@ -235,7 +259,8 @@ func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) L
 				keep = append(keep, c)
 			}
 		}
-		e.charges = append(keep, Charge{At: now, Cost: cost})
+		l.seq++
+		e.charges = append(keep, Charge{At: now, Cost: cost, Seq: l.seq})
 	}
 	return d
 }
@@ -379,6 +404,7 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 	var cs []Charge
 	for _, c := range e.charges {
 		if now.Sub(c.At) <= e.rate.horizon() {
+			c.sealed = true
 			cs = append(cs, c)
 		}
 	}
@@ -390,7 +416,9 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 	return out
 }
 
-// Untake gives back a batch that could not be charged.
+// Untake gives back a batch whose charge did not surely go through (never
+// sent, or its answer lost): it is sent again with the next charge of its
+// key, and the charge script skips what of it already ran.
 func (l *Local) Untake(b ChargeBatch, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()

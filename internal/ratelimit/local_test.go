@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"strings"
 	"testing"
 	"time"
 )
@@ -138,5 +139,41 @@ func TestLocalForget(t *testing.T) {
 	}
 	if bs := l.TakeCharges(now); len(bs) != 2 || l.Pending() {
 		t.Errorf("charges after Forget: %v", bs)
+	}
+}
+
+// TestLocalChargesSealedWhenTaken: a charge handed over and given back
+// (its call failed, perhaps after Redis ran it) keeps its sequence number,
+// and admissions of its bucket after the hand-over go into a charge of
+// their own, so that a charge sent again is the same charge: the charge
+// script skips by sequence number what it already applied.
+func TestLocalChargesSealedWhenTaken(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	l := NewLocal(100, epoch)
+	r := LocalRate{Key: "k:sw:20/1m", N: 20, Window: time.Minute}
+	now := epoch.Add(time.Second)
+	for i := 0; i < 2; i++ {
+		l.Admit([]LocalRate{r}, 1, 1, now) // one bucket: one charge of 2
+	}
+	bs := l.TakeCharges(now)
+	if len(bs) != 1 || len(bs[0].Charges) != 1 || bs[0].Charges[0].Cost != 2 {
+		t.Fatalf("charges %+v, want one of cost 2", bs)
+	}
+	first := bs[0].Charges[0]
+	l.Untake(bs[0], now)
+	l.Admit([]LocalRate{r}, 1, 1, now) // the same bucket, after the hand-over
+	bs = l.TakeCharges(now)
+	if len(bs) != 1 || len(bs[0].Charges) != 2 {
+		t.Fatalf("charges %+v, want the given-back one and a new one", bs)
+	}
+	got, added := bs[0].Charges[0], bs[0].Charges[1]
+	if got.Seq != first.Seq || got.Cost != 2 || !got.At.Equal(first.At) {
+		t.Errorf("given-back charge %+v, want %+v again", got, first)
+	}
+	if added.Seq <= got.Seq || added.Cost != 1 {
+		t.Errorf("new charge %+v, want cost 1 and a later sequence number than %d", added, got.Seq)
+	}
+	if l.ChargeMarker(r.Key) == NewLocal(100, epoch).ChargeMarker(r.Key) || !strings.HasPrefix(l.ChargeMarker(r.Key), r.Key+":") {
+		t.Errorf("charge marker %q: want the rate's key and a name of its own limiter", l.ChargeMarker(r.Key))
 	}
 }

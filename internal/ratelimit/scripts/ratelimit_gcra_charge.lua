@@ -3,9 +3,16 @@
 -- unreachable (fail_local), whatever the TAT is: they were admitted already.
 --
 -- KEYS[1]  the TAT of the rate (format in ratelimit_gcra.lua).
--- ARGV[1]  n; ARGV[2] the window w in µs; ARGV[3] burst; then pairs: the
---          time of an admission (µs, Redis TIME as the instance estimates
---          it), ascending, and its cost.
+-- KEYS[2]  the charge marker of the instance's local limiter on this key:
+--          the highest sequence number of its charges applied here.
+-- ARGV[1]  n; ARGV[2] the window w in µs; ARGV[3] burst; ARGV[4] how long
+--          the marker lives (ms); then triples: the time of an admission
+--          (µs, Redis TIME as the instance estimates it), ascending, its
+--          cost, and its charge's sequence number (ascending).
+--
+-- A charge whose sequence number the marker already holds ran before (its
+-- answer was lost, and the instance sent it again): it is skipped, so a
+-- charge counts once however often it is sent.
 --
 -- The admissions are scheduled on their own (each cost * w/n from no
 -- earlier than its time), and what is left of that schedule at now is added
@@ -32,13 +39,21 @@ if v then
 	end
 end
 local before = tat
+local done = tonumber(redis.call('GET', KEYS[2]) or '0')
+local top = done
 local own = 0
-for a = 4, #ARGV - 1, 2 do
-	local at, c = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-	if at > own then
-		own = at
+for a = 5, #ARGV - 2, 3 do
+	local at, c, seq = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+	if seq > done then
+		if at > own then
+			own = at
+		end
+		own = own + c * u
+		top = seq
 	end
-	own = own + c * u
+end
+if top > done then
+	redis.call('SET', KEYS[2], fmt('%d', top), 'PX', ARGV[4])
 end
 if own > now then
 	tat = math.min(tat + own - now, math.max(before, now + burst * u))

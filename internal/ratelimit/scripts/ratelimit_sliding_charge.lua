@@ -3,9 +3,16 @@
 -- (fail_local), whatever the log holds: they were admitted already.
 --
 -- KEYS[1]  the log of the rate (format in ratelimit_sliding.lua).
--- ARGV[1]  n; ARGV[2] the window w in µs; then pairs: the time of an
---          admission (µs, Redis TIME as the instance estimates it),
---          ascending, and its cost.
+-- KEYS[2]  the charge marker of the instance's local limiter on this key:
+--          the highest sequence number of its charges applied here.
+-- ARGV[1]  n; ARGV[2] the window w in µs; ARGV[3] how long the marker
+--          lives (ms); then triples: the time of an admission (µs, Redis
+--          TIME as the instance estimates it), ascending, its cost, and
+--          its charge's sequence number (ascending).
+--
+-- A charge whose sequence number the marker already holds ran before (its
+-- answer was lost, and the instance sent it again): it is skipped, so a
+-- charge counts once however often it is sent.
 --
 -- An admission that has left the window (time < now - w) is skipped. The
 -- others are written at their time, but after the log's latest slot (times
@@ -27,10 +34,15 @@ if #v >= HDR then
 		slots[j] = string.sub(v, HDR + 8 * j + 1, HDR + 8 * j + 8)
 	end
 end
+local done = tonumber(redis.call('GET', KEYS[2]) or '0')
+local top = done
 local written = 0
-for a = 3, #ARGV - 1, 2 do
-	local at, c = tonumber(ARGV[a]), math.min(tonumber(ARGV[a + 1]), n)
-	if at >= now - w and c >= 1 then
+for a = 4, #ARGV - 2, 3 do
+	local at, c, seq = tonumber(ARGV[a]), math.min(tonumber(ARGV[a + 1]), n), tonumber(ARGV[a + 2])
+	if seq > top then
+		top = seq
+	end
+	if seq > done and at >= now - w and c >= 1 then
 		local T = math.max(at, last + 1)
 		local rec = pack('>d', T)
 		for _ = 1, c do
@@ -39,6 +51,9 @@ for a = 3, #ARGV - 1, 2 do
 		end
 		last, written = T, written + c
 	end
+end
+if top > done then
+	redis.call('SET', KEYS[2], string.format('%d', top), 'PX', ARGV[3])
 end
 if written == 0 then
 	return 0
