@@ -429,8 +429,28 @@ func runCostGoals(step func(string, ...any)) *costResult {
 	rlLoads := []*costLoad{plainR, swL, gcraL, envoyL, exactL}
 	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor; %d clients)", clients), rlLoads, *costRLRounds, clients, *costRLMeasure, pid, rlInfo)
 
+	// The exact floor again, paced to each algorithm's own decision rate
+	// (Redis idles between calls, as under the limited loads): a reference
+	// printed beside the table, not one of its rows.
+	const pacedRounds = 3
+	paced := make([]*costLoad, 2)
+	for k, l := range []*costLoad{swL, gcraL} {
+		rate := median(perLoad(l, func(s costSample) float64 { return s.rate() }))
+		paced[k] = pacedFloorLoad(fmt.Sprintf("exact floor paced to %s", l.name), rate, floorBatch, func(j int) []string {
+			ks := make([]string, floorBatch)
+			for x := range ks {
+				ks[x] = fmt.Sprintf("paced-%s-%d", tag, (j*floorBatch+x)%keys)
+			}
+			return ks
+		}, rlRC)
+		step("cost goals, rate limit: the exact floor paced to the %s load's %.0f decisions/s, %d rounds", l.name, rate, pacedRounds)
+		for r := 0; r < pacedRounds; r++ {
+			paced[k].samples = append(paced[k].samples, measureLoad(paced[k], 1, *costWarm, *costRLMeasure, pid, rlInfo))
+		}
+	}
+
 	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
-	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL))
+	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL), pacedFloorNote(swL, gcraL, exactL, paced))
 	for _, l := range append(lockLoads, rlLoads...) {
 		var errs int64
 		for _, s := range l.samples {
@@ -466,6 +486,38 @@ func clientFloorNote(plainL, lockedL, floorL *costLoad) string {
 	}
 	return fmt.Sprintf("The lock floor's client side, for scale: the bench process's own CPU per SET NX PX + DEL script pair while it ran the floor load (go-redis, %d callers, two round trips) is **%.2f ×** the `respond` request's Caddy CPU (rounds %s); what `redis_lock` adds to Caddy's CPU per request (handler, pipe and both calls) is %.2f × that client cost (rounds %s).",
 		*costClients, median(floorX), roundsText(floorX, "%.2f"), median(addedX), roundsText(addedX, "%.2f"))
+}
+
+// pacedFloorLoad is the exact floor sent by one caller at rate decisions/s:
+// one script of batch decisions every batch ÷ rate seconds, on the keys
+// keysFor gives the j-th call (a call that falls behind is sent at once).
+func pacedFloorLoad(name string, rate float64, batch int, keysFor func(j int) []string, rc *redis.Client) *costLoad {
+	every := time.Duration(float64(batch) / max(rate, 1) * float64(time.Second))
+	var next time.Time
+	return &costLoad{name: name, perCall: int64(batch), do: func(ctx context.Context, _, i int) error {
+		if now := time.Now(); next.Before(now) {
+			next = now
+		}
+		time.Sleep(time.Until(next))
+		next = next.Add(every)
+		return floorScript.Run(ctx, rc, keysFor(i)).Err()
+	}}
+}
+
+// pacedFloorNote compares each algorithm's Redis CPU per decision with the
+// exact floor paced to that algorithm's decision rate.
+func pacedFloorNote(swL, gcraL, exactL *costLoad, paced []*costLoad) string {
+	redisUs := func(s costSample) float64 { return s.per(s.redisCPU) }
+	rate := func(s costSample) float64 { return s.rate() }
+	var parts []string
+	for k, l := range []*costLoad{swL, gcraL} {
+		p := paced[k]
+		at, per := median(perLoad(p, rate)), median(perLoad(p, redisUs))
+		parts = append(parts, fmt.Sprintf("%s: the floor at %.0f decisions/s costs Redis %.1f µs per decision (rounds %s), and the limited load's %.1f µs is **%.2f ×** that",
+			l.name, at, per, roundsText(perLoad(p, redisUs), "%.1f"), median(perLoad(l, redisUs)), median(perLoad(l, redisUs))/max(per, 1e-9)))
+	}
+	return fmt.Sprintf("The exact floor at the limited loads' own rate, for scale (not a row of the table): one caller sends the floor's script of 25 decisions every 25 ÷ rate seconds, so Redis idles between calls as it does under the limited loads (one pipeline in flight per Caddy), where the table's floor keeps it busy with %d callers (%.0f decisions/s, %.1f µs per decision). %s.",
+		*costClients, median(perLoad(exactL, rate)), median(perLoad(exactL, redisUs)), strings.Join(parts, "; "))
 }
 
 // costFigures names the rows, in order (also for a part that failed).
