@@ -11,13 +11,14 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -59,7 +60,16 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 		return errLocalPending
 	}
 	now := time.Now()
-	return h.charge(ctx, h.local.lim.TakeFor(rates, now), now, h.timeout)
+	batches, onTheirWay := h.local.lim.TakeFor(rates, now)
+	if err := h.charge(ctx, batches, now, h.timeout); err != nil {
+		return err
+	}
+	if onTheirWay {
+		// Another caller's charge of a key of this request has not
+		// landed yet: Redis would decide without it.
+		return errLocalPending
+	}
+	return nil
 }
 
 // localRates are the rates of id in plan p, as the local limiter takes them.
@@ -157,15 +167,18 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 }
 
 // charge runs the charge script for each batch, each call bounded by
-// timeout. A batch whose call failed, and those after it, go back to the
-// local limiter and are sent again with the next charge: a call whose
-// answer was lost may have run, and the script skips the charges it
-// already applied (ChargeMarker), so each counts once. Only a batch that
-// Redis refused for good (an error reply of a live server, such as a key
-// of another type) is dropped: sent again, it would fail again.
+// timeout. A batch whose call failed in a way that may pass next time (no
+// answer, a connection lost, Redis loading, read-only in a failover, out of
+// memory, busy) goes back to the local limiter with those after it, and is
+// sent again with the key's next charge: a call whose answer was lost may
+// have run, and the script skips the charges it already applied
+// (ChargeMarker), so each counts once. Only a batch that Redis refused for
+// good (a key of another type, an error in the script) is dropped; the
+// others go on.
 func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, now time.Time, timeout time.Duration) error {
 	offset := h.local.offset.Load()
 	var charged int64
+	var errs []error
 	for i, b := range batches {
 		script := ratelimit.SlidingChargeScript
 		args := []any{b.Rate.N, b.Rate.Window.Microseconds()}
@@ -180,18 +193,20 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 		cctx, cancel := context.WithTimeout(ctx, timeout)
 		err := script.Run(cctx, h.client.client, []string{b.Rate.Key, h.local.lim.ChargeMarker(b.Rate.Key)}, args...).Err()
 		cancel()
-		if err != nil {
-			from := i
-			if !redisconn.IsRedisDown(err) {
-				from = i + 1
+		switch {
+		case err == nil:
+			h.local.lim.Done(b)
+			for _, c := range b.Charges {
+				charged += c.Cost
 			}
-			for _, rest := range batches[from:] {
+		case refusedForGood(err):
+			h.local.lim.Done(b)
+			errs = append(errs, fmt.Errorf("charging local admissions to %s (dropped): %w", b.Rate.Key, err))
+		default:
+			for _, rest := range batches[i:] {
 				h.local.lim.Untake(rest, now)
 			}
-			return fmt.Errorf("charging local admissions: %w", err)
-		}
-		for _, c := range b.Charges {
-			charged += c.Cost
+			return errors.Join(append(errs, fmt.Errorf("charging local admissions: %w", err))...)
 		}
 	}
 	if len(batches) > 0 {
@@ -199,5 +214,18 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 			c.Write(zap.Int("rates", len(batches)), zap.Int64("cost", charged))
 		}
 	}
-	return nil
+	return errors.Join(errs...)
+}
+
+// refusedForGood reports whether Redis refused a charge call in a way that
+// a second send would meet again: a key of another type, or an error in the
+// script itself.
+func refusedForGood(err error) bool {
+	var re redis.Error
+	if !errors.As(err, &re) {
+		return false
+	}
+	msg := re.Error()
+	return strings.HasPrefix(msg, "WRONGTYPE") || strings.HasPrefix(msg, "CROSSSLOT") ||
+		strings.Contains(msg, "user_script") || strings.Contains(msg, "Error running script")
 }

@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -297,13 +301,14 @@ func TestFailLocalChargeSentAgain(t *testing.T) {
 					if !bytes.Contains(chunk, []byte(script.Hash())) || !armed.CompareAndSwap(true, false) {
 						return true
 					}
+					// The client's side goes first, so no answer can reach it.
+					client.Close()
 					if lost == "answer" {
 						// Forwarded: the charge lands (its log or TAT
-						// changes), then the connection drops unanswered.
+						// appears) while its caller waits in vain.
 						server.Write(chunk)
 						waitFor(5*time.Second, func() bool { return rc.Exists(context.Background(), rateKey).Val() == 1 })
 					}
-					client.Close()
 					server.Close()
 					return false
 				})
@@ -369,4 +374,96 @@ func TestFailLocalChargeSentAgain(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestFailLocalChargesOfAKeyInOrder: while a batch of a key's charges is on
+// its way (taken by one sender), a request of the key neither sends the
+// key's newer charges nor is decided by Redis (which does not know the
+// batch yet): it is decided locally. Newer charges sent first would move
+// the key's charge marker past the batch, which the script would then
+// skip: charged 1 of 4 (seen before the fix).
+func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
+	t.Parallel()
+	for _, algo := range []string{algoSliding, algoGCRA} {
+		t.Run(algo, func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			h := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.FailLocal, h.Instances, h.Algorithm = true, 1, algo
+				h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+			})
+			// The fleet loop charges in the background too: try again on
+			// a fresh key when it took the batch first.
+			for try := 0; try < 5; try++ {
+				ip := fmt.Sprintf("192.0.2.%d", 40+try)
+				rates := h.localRates(ip, &h.static)
+				for i := 0; i < 3; i++ {
+					h.local.lim.Admit(rates, 1, 1, time.Now())
+				}
+				now := time.Now()
+				batches := h.local.lim.TakeCharges(now)
+				mine := slices.IndexFunc(batches, func(b ratelimit.ChargeBatch) bool { return b.Rate.Key == rates[0].Key })
+				if mine < 0 {
+					for _, b := range batches {
+						h.local.lim.Untake(b, now)
+					}
+					continue
+				}
+				h.local.lim.Admit(rates, 1, 1, time.Now()) // a fourth, while the three are on their way
+				if err := h.chargeFirst(t.Context(), ip, &h.static); !errors.Is(err, errLocalPending) {
+					t.Fatalf("a request of the key while its batch is on its way: %v, want it decided locally (%v)", err, errLocalPending)
+				}
+				if views, _, _, _, err := h.peekQuota(t.Context(), ip); err != nil || len(views) != 1 || views[0].Used != 0 {
+					t.Fatalf("Redis holds %+v (%v) before the batch lands, want nothing: the newer charge must wait", views, err)
+				}
+				if err := h.charge(t.Context(), batches, now, 5*time.Second); err != nil {
+					t.Fatal(err)
+				}
+				if !waitFor(10*time.Second, func() bool {
+					h.chargeLocal(t.Context())
+					return !h.local.lim.PendingFor(rates)
+				}) {
+					t.Fatal("the fourth admission was never charged")
+				}
+				views, _, _, found, err := h.peekQuota(t.Context(), ip)
+				if err != nil || !found || len(views) != 1 || views[0].Used != 4 {
+					t.Fatalf("Redis holds %+v (%v, %v), want used 4: every local admission, once", views, found, err)
+				}
+				return
+			}
+			t.Fatal("the fleet loop took the batch first in every try")
+		})
+	}
+}
+
+// replyError is an error reply of a live Redis, as go-redis gives it.
+type replyError string
+
+func (e replyError) Error() string { return string(e) }
+func (replyError) RedisError()     {}
+
+// TestChargeRefusedForGood: only a charge that a second send would meet
+// again is dropped; what happens around an outage (no answer, a lost
+// connection, a failover's read-only replica, a loading or busy Redis, out
+// of memory) is sent again.
+func TestChargeRefusedForGood(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		drop bool
+	}{
+		{replyError("WRONGTYPE Operation against a key holding the wrong kind of value script: 1f0a, on @user_script:12."), true},
+		{replyError("ERR user_script:30: attempt to compare nil with number script: 1f0a, on @user_script:30."), true},
+		{replyError("READONLY You can't write against a read only replica."), false},
+		{replyError("LOADING Redis is loading the dataset in memory"), false},
+		{replyError("BUSY Redis is busy running a script."), false},
+		{replyError("OOM command not allowed when used memory > 'maxmemory'."), false},
+		{replyError("ERR max number of clients reached"), false},
+		{context.DeadlineExceeded, false},
+		{io.EOF, false},
+	} {
+		if got := refusedForGood(c.err); got != c.drop {
+			t.Errorf("refusedForGood(%q) = %v, want %v", c.err, got, c.drop)
+		}
+	}
+	var _ redis.Error = replyError("")
 }

@@ -23,7 +23,10 @@ import (
 // limiter, and the charge script keeps, per rate's key and limiter, the
 // highest it applied (ChargeMarker), skipping what it already ran. So a
 // charge whose answer was lost (a timeout, a dropped connection) goes back
-// with Untake and is sent again, and counts once.
+// with Untake and is sent again, and counts once. For that, a key's
+// charges reach Redis in the order of their numbers: one batch of a key is
+// on its way at a time (taking skips a key whose batch is out until Done or
+// Untake), and a batch given back goes before the charges made since.
 //
 // Per rate of a key it keeps a ring of localBuckets+1 counts over the
 // rate's horizon (its window; with gcra the longer of the window and the
@@ -97,8 +100,14 @@ type localRate struct {
 	stamps  [localBuckets + 1]int64
 	counts  [localBuckets + 1]int64
 	charges []Charge // admitted locally, not yet charged; one per bucket
-	last    time.Time
+	// A batch of this key's charges is on its way to Redis (taken, not yet
+	// Done or given back): nothing more of the key is taken meanwhile.
+	inflight bool
+	last     time.Time
 }
+
+// pending reports whether e has charges to send or on their way.
+func (e *localRate) pending() bool { return len(e.charges) > 0 || e.inflight }
 
 // Local is one handler's local limiter.
 type Local struct {
@@ -106,7 +115,7 @@ type Local struct {
 	max     int
 	epoch   time.Time
 	m       map[string]*localRate
-	charged int    // entries with charges
+	charged int    // entries with charges pending (to send or on their way)
 	id      string // names this limiter in the charge markers
 	seq     int64  // the last charge's sequence number
 }
@@ -155,7 +164,7 @@ func (l *Local) entry(r LocalRate, now time.Time) *localRate {
 // without charges, else any.
 func (l *Local) evict(now time.Time) {
 	for k, e := range l.m {
-		if now.Sub(e.last) > e.rate.horizon() && len(e.charges) == 0 {
+		if now.Sub(e.last) > e.rate.horizon() && !e.pending() {
 			delete(l.m, k)
 		}
 	}
@@ -165,11 +174,11 @@ func (l *Local) evict(now time.Time) {
 	var any string
 	for k, e := range l.m {
 		any = k
-		if len(e.charges) == 0 {
+		if !e.pending() {
 			break
 		}
 	}
-	if len(l.m[any].charges) > 0 {
+	if l.m[any].pending() {
 		l.charged--
 	}
 	delete(l.m, any)
@@ -249,7 +258,7 @@ func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) L
 			e.charges[n-1].At, e.charges[n-1].Cost = now, e.charges[n-1].Cost+cost
 			continue
 		}
-		if len(e.charges) == 0 {
+		if !e.pending() {
 			l.charged++
 		}
 		// Charges older than the horizon no longer matter in Redis.
@@ -355,7 +364,8 @@ func (l *Local) Pending() bool {
 
 // TakeCharges hands over the local admissions to charge to Redis, per
 // rate's key, leaving none; those older than their rate's horizon at now are
-// dropped (they no longer matter). Give back what could not be charged
+// dropped (they no longer matter). A key whose batch is on its way already
+// is left for later. Report each batch's end with Done, or give it back
 // with Untake.
 func (l *Local) TakeCharges(now time.Time) []ChargeBatch {
 	l.mu.Lock()
@@ -368,7 +378,7 @@ func (l *Local) TakeCharges(now time.Time) []ChargeBatch {
 }
 
 // PendingFor reports whether local admissions on any of these rates' keys
-// wait to be charged.
+// wait to be charged, or are on their way.
 func (l *Local) PendingFor(rates []LocalRate) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -376,29 +386,32 @@ func (l *Local) PendingFor(rates []LocalRate) bool {
 		return false
 	}
 	for _, r := range rates {
-		if e := l.m[r.Key]; e != nil && len(e.charges) > 0 {
+		if e := l.m[r.Key]; e != nil && e.pending() {
 			return true
 		}
 	}
 	return false
 }
 
-// TakeFor is TakeCharges for these rates only.
-func (l *Local) TakeFor(rates []LocalRate, now time.Time) []ChargeBatch {
+// TakeFor is TakeCharges for these rates only; onTheirWay reports whether
+// a batch of any of their keys was on its way already (taken by another
+// caller, not yet Done): Redis does not know all of them yet.
+func (l *Local) TakeFor(rates []LocalRate, now time.Time) (out []ChargeBatch, onTheirWay bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	var out []ChargeBatch
 	for _, r := range rates {
 		if e := l.m[r.Key]; e != nil {
+			onTheirWay = onTheirWay || e.inflight
 			out = l.take(e, now, out)
 		}
 	}
-	return out
+	return out, onTheirWay
 }
 
-// take appends e's charges of use at now to out and leaves e none.
+// take appends e's charges of use at now to out as one batch, on its way
+// from now on, and leaves e none; nothing while a batch of e is on its way.
 func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBatch {
-	if len(e.charges) == 0 {
+	if e.inflight || len(e.charges) == 0 {
 		return out
 	}
 	var cs []Charge
@@ -409,23 +422,42 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 		}
 	}
 	e.charges = nil
-	l.charged--
-	if len(cs) > 0 {
-		out = append(out, ChargeBatch{Rate: e.rate, Charges: cs})
+	if len(cs) == 0 {
+		l.charged--
+		return out
 	}
-	return out
+	e.inflight = true
+	return append(out, ChargeBatch{Rate: e.rate, Charges: cs})
+}
+
+// Done ends a batch taken: Redis applied it (or refused it for good); the
+// key's next charges may go.
+func (l *Local) Done(b ChargeBatch) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	e := l.m[b.Rate.Key]
+	if e == nil || !e.inflight {
+		return // forgotten meanwhile (an admin reset)
+	}
+	e.inflight = false
+	if !e.pending() {
+		l.charged--
+	}
 }
 
 // Untake gives back a batch whose charge did not surely go through (never
-// sent, or its answer lost): it is sent again with the next charge of its
-// key, and the charge script skips what of it already ran.
+// sent, or its answer lost): it goes before the key's charges made since
+// (their numbers are higher), is sent again with them, and the charge
+// script skips what of it already ran. A key forgotten meanwhile (an admin
+// reset) takes nothing back.
 func (l *Local) Untake(b ChargeBatch, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	e := l.entry(b.Rate, now)
-	if len(e.charges) == 0 {
-		l.charged++
+	e := l.m[b.Rate.Key]
+	if e == nil || !e.inflight {
+		return
 	}
+	e.inflight = false
 	e.charges = append(b.Charges, e.charges...)
 }
 
@@ -437,7 +469,7 @@ func (l *Local) Forget(prefix string) {
 	defer l.mu.Unlock()
 	for k, e := range l.m {
 		if strings.HasPrefix(k, prefix) {
-			if len(e.charges) > 0 {
+			if e.pending() {
 				l.charged--
 			}
 			delete(l.m, k)

@@ -49,8 +49,11 @@ func TestLocalSlidingExact(t *testing.T) {
 		t.Fatal("no charges pending")
 	}
 	bs := l.TakeCharges(now)
-	if len(bs) != 1 || l.Pending() {
-		t.Fatalf("charges %v, pending %v", bs, l.Pending())
+	if len(bs) != 1 || len(l.TakeCharges(now)) != 0 {
+		t.Fatalf("charges %v, then %v", bs, l.TakeCharges(now))
+	}
+	if l.Done(bs[0]); l.Pending() {
+		t.Fatal("pending after its batch was done")
 	}
 	var sum int64
 	for _, c := range bs[0].Charges {
@@ -137,7 +140,11 @@ func TestLocalForget(t *testing.T) {
 	if l.Admit([]LocalRate{b}, 1, 1, now).Allowed {
 		t.Error("b: forgotten with a")
 	}
-	if bs := l.TakeCharges(now); len(bs) != 2 || l.Pending() {
+	bs := l.TakeCharges(now)
+	for _, x := range bs {
+		l.Done(x)
+	}
+	if len(bs) != 2 || l.Pending() {
 		t.Errorf("charges after Forget: %v", bs)
 	}
 }
@@ -175,5 +182,41 @@ func TestLocalChargesSealedWhenTaken(t *testing.T) {
 	}
 	if l.ChargeMarker(r.Key) == NewLocal(100, epoch).ChargeMarker(r.Key) || !strings.HasPrefix(l.ChargeMarker(r.Key), r.Key+":") {
 		t.Errorf("charge marker %q: want the rate's key and a name of its own limiter", l.ChargeMarker(r.Key))
+	}
+}
+
+// TestLocalOneBatchOfAKeyOnItsWay: a key's batch once taken is on its way
+// until Done or Untake: nothing more of the key is taken meanwhile (its
+// charges reach Redis in the order of their numbers), it still counts as
+// pending, and a batch given back goes before the charges made since.
+func TestLocalOneBatchOfAKeyOnItsWay(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	l := NewLocal(100, epoch)
+	r := LocalRate{Key: "k:sw:20/1m", N: 20, Window: time.Minute}
+	other := LocalRate{Key: "o:sw:20/1m", N: 20, Window: time.Minute}
+	now := epoch.Add(time.Second)
+	l.Admit([]LocalRate{r}, 1, 1, now)
+	first := l.TakeCharges(now)
+	if len(first) != 1 {
+		t.Fatalf("charges %+v, want one batch", first)
+	}
+	l.Admit([]LocalRate{r}, 1, 1, now)     // made while the first is on its way
+	l.Admit([]LocalRate{other}, 1, 1, now) // another key: not held up
+	if !l.Pending() || !l.PendingFor([]LocalRate{r}) {
+		t.Fatal("a key whose batch is on its way is not pending")
+	}
+	bs, onTheirWay := l.TakeFor([]LocalRate{r, other}, now)
+	if !onTheirWay || len(bs) != 1 || bs[0].Rate.Key != other.Key {
+		t.Fatalf("TakeFor while r's batch is on its way: %+v (on their way %v), want only the other key's", bs, onTheirWay)
+	}
+	l.Done(bs[0])
+	l.Untake(first[0], now) // its answer was lost
+	bs = l.TakeCharges(now)
+	if len(bs) != 1 || len(bs[0].Charges) != 2 || bs[0].Charges[0].Seq != first[0].Charges[0].Seq || bs[0].Charges[1].Seq <= bs[0].Charges[0].Seq {
+		t.Fatalf("after the batch came back: %+v, want it first, then the newer charge", bs)
+	}
+	l.Done(bs[0])
+	if l.Pending() {
+		t.Error("pending after every batch was done")
 	}
 }

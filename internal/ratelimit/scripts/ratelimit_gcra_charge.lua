@@ -49,7 +49,9 @@ for a = 5, #ARGV - 2, 3 do
 			own = at
 		end
 		own = own + c * u
-		top = seq
+		if seq > top then
+			top = seq
+		end
 	end
 end
 if top > done then
