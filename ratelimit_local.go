@@ -42,6 +42,12 @@ type localState struct {
 // decided locally (a Redis decision without them could double the limit).
 var errLocalPending = errors.New("redis_ratelimit: local admissions wait to be charged to redis")
 
+// errChargeOnItsWay is the answer of a decision whose key's charge another
+// caller has on its way while Redis answers: it is decided locally until
+// the charge lands (Redis would decide without it), and local mode does not
+// start for it.
+var errChargeOnItsWay = errors.New("redis_ratelimit: a charge of this key's local admissions is on its way to redis")
+
 // chargeFirst charges the local admissions of this request's rates before
 // Redis decides it, so that Redis decides with them. While Redis is not
 // known to answer (local mode, or the breaker open), the request is decided
@@ -65,9 +71,7 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 		return err
 	}
 	if onTheirWay {
-		// Another caller's charge of a key of this request has not
-		// landed yet: Redis would decide without it.
-		return errLocalPending
+		return errChargeOnItsWay
 	}
 	return nil
 }
@@ -127,7 +131,7 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		w.Header().Set(HeaderRetryAfter, "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
 	}
-	if !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
+	if !errors.Is(cause, errChargeOnItsWay) && !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
 		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
 			zap.String("redis", h.client.settings.Display()), zap.Int64("instances", n), zap.Error(cause))
 	}

@@ -381,7 +381,8 @@ func TestFailLocalChargeSentAgain(t *testing.T) {
 // key's newer charges nor is decided by Redis (which does not know the
 // batch yet): it is decided locally. Newer charges sent first would move
 // the key's charge marker past the batch, which the script would then
-// skip: charged 1 of 4 (seen before the fix).
+// skip: charged 1 of 4 (seen before the fix). The request is admitted
+// locally without starting local mode (Redis answers).
 func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 	t.Parallel()
 	for _, algo := range []string{algoSliding, algoGCRA} {
@@ -410,8 +411,12 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 					continue
 				}
 				h.local.lim.Admit(rates, 1, 1, time.Now()) // a fourth, while the three are on their way
-				if err := h.chargeFirst(t.Context(), ip, &h.static); !errors.Is(err, errLocalPending) {
-					t.Fatalf("a request of the key while its batch is on its way: %v, want it decided locally (%v)", err, errLocalPending)
+				if err := h.chargeFirst(t.Context(), ip, &h.static); !errors.Is(err, errChargeOnItsWay) {
+					t.Fatalf("a request of the key while its batch is on its way: %v, want it decided locally (%v)", err, errChargeOnItsWay)
+				}
+				// Decided locally, without local mode (Redis answers).
+				if a := serveRL(h, ip, nil); !a.passed || h.local.mode.Load() {
+					t.Fatalf("the request while its key's batch is on its way: passed %v, local mode %v; want admitted locally, not in local mode", a.passed, h.local.mode.Load())
 				}
 				if views, _, _, _, err := h.peekQuota(t.Context(), ip); err != nil || len(views) != 1 || views[0].Used != 0 {
 					t.Fatalf("Redis holds %+v (%v) before the batch lands, want nothing: the newer charge must wait", views, err)
@@ -423,11 +428,11 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 					h.chargeLocal(t.Context())
 					return !h.local.lim.PendingFor(rates)
 				}) {
-					t.Fatal("the fourth admission was never charged")
+					t.Fatal("the newer admissions were never charged")
 				}
 				views, _, _, found, err := h.peekQuota(t.Context(), ip)
-				if err != nil || !found || len(views) != 1 || views[0].Used != 4 {
-					t.Fatalf("Redis holds %+v (%v, %v), want used 4: every local admission, once", views, found, err)
+				if err != nil || !found || len(views) != 1 || views[0].Used != 5 {
+					t.Fatalf("Redis holds %+v (%v, %v), want used 5: every local admission (3, the fourth, the request decided locally), once", views, found, err)
 				}
 				return
 			}
