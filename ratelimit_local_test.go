@@ -462,6 +462,8 @@ func TestChargeRefusedForGood(t *testing.T) {
 		{replyError("LOADING Redis is loading the dataset in memory"), false},
 		{replyError("BUSY Redis is busy running a script."), false},
 		{replyError("OOM command not allowed when used memory > 'maxmemory'."), false},
+		{replyError("OOM command not allowed when used memory > 'maxmemory'. script: 1f0a, on @user_script:40."), false},
+		{replyError("READONLY You can't write against a read only replica. script: 1f0a, on @user_script:40."), false},
 		{replyError("ERR max number of clients reached"), false},
 		{context.DeadlineExceeded, false},
 		{io.EOF, false},
