@@ -67,7 +67,7 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 	}
 	now := time.Now()
 	batches, onTheirWay := h.local.lim.TakeFor(rates, now)
-	if err := h.charge(ctx, batches, now, h.timeout); err != nil {
+	if err := h.charge(ctx, batches, h.timeout); err != nil {
 		return err
 	}
 	if onTheirWay {
@@ -165,7 +165,7 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 	now := time.Now()
 	// In the background: time enough for a Redis just back, so that few
 	// charges wait for the next try.
-	if err := h.charge(ctx, h.local.lim.TakeCharges(now), now, max(4*h.timeout, 2*time.Second)); err != nil {
+	if err := h.charge(ctx, h.local.lim.TakeCharges(now), max(4*h.timeout, 2*time.Second)); err != nil {
 		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.Error(err))
 	}
 }
@@ -179,7 +179,7 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 // (ChargeMarker), so each counts once. Only a batch that Redis refused for
 // good (a key of another type, an error in the script) is dropped; the
 // others go on.
-func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, now time.Time, timeout time.Duration) error {
+func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, timeout time.Duration) error {
 	offset := h.local.offset.Load()
 	var charged int64
 	var errs []error
@@ -208,7 +208,7 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 			errs = append(errs, fmt.Errorf("charging local admissions to %s (dropped): %w", b.Rate.Key, err))
 		default:
 			for _, rest := range batches[i:] {
-				h.local.lim.Untake(rest, now)
+				h.local.lim.Untake(rest)
 			}
 			return errors.Join(append(errs, fmt.Errorf("charging local admissions: %w", err))...)
 		}

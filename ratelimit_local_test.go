@@ -406,7 +406,7 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 				mine := slices.IndexFunc(batches, func(b ratelimit.ChargeBatch) bool { return b.Rate.Key == rates[0].Key })
 				if mine < 0 {
 					for _, b := range batches {
-						h.local.lim.Untake(b, now)
+						h.local.lim.Untake(b)
 					}
 					continue
 				}
@@ -421,7 +421,7 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 				if views, _, _, _, err := h.peekQuota(t.Context(), ip); err != nil || len(views) != 1 || views[0].Used != 0 {
 					t.Fatalf("Redis holds %+v (%v) before the batch lands, want nothing: the newer charge must wait", views, err)
 				}
-				if err := h.charge(t.Context(), batches, now, 5*time.Second); err != nil {
+				if err := h.charge(t.Context(), batches, 5*time.Second); err != nil {
 					t.Fatal(err)
 				}
 				if !waitFor(10*time.Second, func() bool {

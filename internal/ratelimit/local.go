@@ -450,7 +450,7 @@ func (l *Local) Done(b ChargeBatch) {
 // (their numbers are higher), is sent again with them, and the charge
 // script skips what of it already ran. A key forgotten meanwhile (an admin
 // reset) takes nothing back.
-func (l *Local) Untake(b ChargeBatch, now time.Time) {
+func (l *Local) Untake(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	e := l.m[b.Rate.Key]

@@ -167,7 +167,7 @@ func TestLocalChargesSealedWhenTaken(t *testing.T) {
 		t.Fatalf("charges %+v, want one of cost 2", bs)
 	}
 	first := bs[0].Charges[0]
-	l.Untake(bs[0], now)
+	l.Untake(bs[0])
 	l.Admit([]LocalRate{r}, 1, 1, now) // the same bucket, after the hand-over
 	bs = l.TakeCharges(now)
 	if len(bs) != 1 || len(bs[0].Charges) != 2 {
@@ -210,7 +210,7 @@ func TestLocalOneBatchOfAKeyOnItsWay(t *testing.T) {
 		t.Fatalf("TakeFor while r's batch is on its way: %+v (on their way %v), want only the other key's", bs, onTheirWay)
 	}
 	l.Done(bs[0])
-	l.Untake(first[0], now) // its answer was lost
+	l.Untake(first[0]) // its answer was lost
 	bs = l.TakeCharges(now)
 	if len(bs) != 1 || len(bs[0].Charges) != 2 || bs[0].Charges[0].Seq != first[0].Charges[0].Seq || bs[0].Charges[1].Seq <= bs[0].Charges[0].Seq {
 		t.Fatalf("after the batch came back: %+v, want it first, then the newer charge", bs)
