@@ -67,7 +67,7 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 	}
 	now := time.Now()
 	batches, onTheirWay := h.local.lim.TakeFor(rates, now)
-	if err := h.charge(ctx, batches, h.timeout); err != nil {
+	if err := h.charge(ctx, h.logger, batches, h.timeout); err != nil {
 		return err
 	}
 	if onTheirWay {
@@ -135,7 +135,9 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
 			zap.String("redis", h.client.settings.Display()), zap.Int64("instances", n), zap.Error(cause))
 	}
-	h.local.n.Add(1)
+	if !errors.Is(cause, errChargeOnItsWay) {
+		h.local.n.Add(1)
+	}
 	h.counters[resultLocal].Inc()
 	ld := h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
 	d := decision{Allowed: ld.Allowed, Wait: ld.Wait, Tight: ld.Tight, Remaining: ld.Remaining, Reset: ld.Reset}
@@ -165,7 +167,7 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 	now := time.Now()
 	// In the background: time enough for a Redis just back, so that few
 	// charges wait for the next try.
-	if err := h.charge(ctx, h.local.lim.TakeCharges(now), max(4*h.timeout, 2*time.Second)); err != nil {
+	if err := h.charge(ctx, h.fleet.logger, h.local.lim.TakeCharges(now), max(4*h.timeout, 2*time.Second)); err != nil {
 		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.Error(err))
 	}
 }
@@ -176,13 +178,13 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 // memory, busy) goes back to the local limiter with those after it, and is
 // sent again with the key's next charge: a call whose answer was lost may
 // have run, and the script skips the charges it already applied
-// (ChargeMarker), so each counts once. Only a batch that Redis refused for
-// good (a key of another type, an error in the script) is dropped; the
-// others go on.
-func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeBatch, timeout time.Duration) error {
+// (ChargeMarker), so each counts once; that error is returned. A batch
+// that Redis refused for good (a key of another type, an error in the
+// script) is dropped with a warning to log, and the others go on: Redis
+// answers, so it is no reason to decide locally.
+func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []ratelimit.ChargeBatch, timeout time.Duration) error {
 	offset := h.local.offset.Load()
 	var charged int64
-	var errs []error
 	for i, b := range batches {
 		script := ratelimit.SlidingChargeScript
 		args := []any{b.Rate.N, b.Rate.Window.Microseconds()}
@@ -205,20 +207,21 @@ func (h *RedisRateLimit) charge(ctx context.Context, batches []ratelimit.ChargeB
 			}
 		case refusedForGood(err):
 			h.local.lim.Done(b)
-			errs = append(errs, fmt.Errorf("charging local admissions to %s (dropped): %w", b.Rate.Key, err))
+			log.Warn("redis refused a charge of local admissions (fail_local); dropped",
+				zap.String("key", b.Rate.Key), zap.Error(err))
 		default:
 			for _, rest := range batches[i:] {
 				h.local.lim.Untake(rest)
 			}
-			return errors.Join(append(errs, fmt.Errorf("charging local admissions: %w", err))...)
+			return fmt.Errorf("charging local admissions: %w", err)
 		}
 	}
 	if len(batches) > 0 {
-		if c := h.fleet.logger.Check(zap.InfoLevel, "local admissions (fail_local) charged to redis"); c != nil {
+		if c := log.Check(zap.InfoLevel, "local admissions (fail_local) charged to redis"); c != nil {
 			c.Write(zap.Int("rates", len(batches)), zap.Int64("cost", charged))
 		}
 	}
-	return errors.Join(errs...)
+	return nil
 }
 
 // refusedForGood reports whether Redis refused a charge call in a way that

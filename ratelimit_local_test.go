@@ -421,7 +421,7 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 				if views, _, _, _, err := h.peekQuota(t.Context(), ip); err != nil || len(views) != 1 || views[0].Used != 0 {
 					t.Fatalf("Redis holds %+v (%v) before the batch lands, want nothing: the newer charge must wait", views, err)
 				}
-				if err := h.charge(t.Context(), batches, 5*time.Second); err != nil {
+				if err := h.charge(t.Context(), h.logger, batches, 5*time.Second); err != nil {
 					t.Fatal(err)
 				}
 				if !waitFor(10*time.Second, func() bool {
@@ -473,4 +473,50 @@ func TestChargeRefusedForGood(t *testing.T) {
 		}
 	}
 	var _ redis.Error = replyError("")
+}
+
+// TestFailLocalChargeRefusedGoesOnToRedis: a request whose key's charge
+// Redis refuses for good (here its charge marker holds a key of another
+// type) is decided by Redis, which answers: the charge is dropped with a
+// warning, and neither a local decision nor local mode follows.
+func TestFailLocalChargeRefusedGoesOnToRedis(t *testing.T) {
+	t.Parallel()
+	for _, algo := range []string{algoSliding, algoGCRA} {
+		t.Run(algo, func(t *testing.T) {
+			t.Parallel()
+			r := startRedis(t)
+			rc := r.Client()
+			h := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.FailLocal, h.Instances, h.Algorithm = true, 1, algo
+				h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+			})
+			core, logs := observer.New(zapcore.WarnLevel)
+			h.logger = zap.New(core)
+			ip := "192.0.2.60"
+			rates := h.localRates(ip, &h.static)
+			if err := rc.HSet(t.Context(), h.local.lim.ChargeMarker(rates[0].Key), "f", "v").Err(); err != nil {
+				t.Fatal(err)
+			}
+			for i := 0; i < 2; i++ {
+				h.local.lim.Admit(rates, 1, 1, time.Now())
+			}
+			before := counterValue(t, h.counters[resultLocal])
+			if a := serveRL(h, ip, nil); !a.passed || a.err != nil {
+				t.Fatalf("request: passed %v, %v", a.passed, a.err)
+			}
+			if h.local.mode.Load() || counterValue(t, h.counters[resultLocal]) != before {
+				t.Fatalf("local mode %v, local decisions +%v: want the request decided by redis", h.local.mode.Load(), counterValue(t, h.counters[resultLocal])-before)
+			}
+			if h.local.lim.PendingFor(rates) {
+				t.Error("the refused charge is still pending")
+			}
+			views, _, _, found, err := h.peekQuota(t.Context(), ip)
+			if err != nil || !found || len(views) != 1 || views[0].Used != 1 {
+				t.Fatalf("Redis holds %+v (%v, %v), want used 1: the request, decided by redis; the refused charge dropped", views, found, err)
+			}
+			if logs.FilterMessageSnippet("refused a charge").Len() == 0 {
+				t.Error("no warning for the dropped charge")
+			}
+		})
+	}
 }

@@ -92,6 +92,7 @@ type Charge struct {
 type ChargeBatch struct {
 	Rate    LocalRate
 	Charges []Charge // ascending
+	e       *localRate
 }
 
 type localRate struct {
@@ -141,18 +142,23 @@ func (l *Local) bucket(e *localRate, t time.Time) int64 {
 	return int64(t.Sub(l.epoch) / e.width)
 }
 
-func (l *Local) entry(r LocalRate, now time.Time) *localRate {
+// entry is the state of rate r, made when missing (or kept for another
+// rate of the key: a plan changed); keep are the rates of the call, which
+// making room never evicts.
+func (l *Local) entry(r LocalRate, now time.Time, keep []LocalRate) *localRate {
 	e := l.m[r.Key]
 	if e != nil && e.rate == r {
 		return e
 	}
 	if e == nil && len(l.m) >= l.max {
-		l.evict(now)
+		l.evict(now, keep)
 	}
-	if e != nil && len(e.charges) > 0 {
+	if e != nil && e.pending() {
+		// Its batch on its way, if any, ends with nothing to go back to
+		// (Done and Untake know their entry).
 		l.charged--
 	}
-	e = &localRate{rate: r, width: max(time.Microsecond, r.horizon()/localBuckets)}
+	e = &localRate{rate: r, width: max(time.Microsecond, r.horizon()/localBuckets), last: now}
 	for i := range e.stamps {
 		e.stamps[i] = -1
 	}
@@ -161,8 +167,10 @@ func (l *Local) entry(r LocalRate, now time.Time) *localRate {
 }
 
 // evict makes room: rates whose admissions no longer matter go, else one
-// without charges, else any.
-func (l *Local) evict(now time.Time) {
+// without charges, else any but one whose batch is on its way (Done and
+// Untake must find it) or one of the calling rates keep. When every entry
+// is one of those, the map is over max by at most their number, for now.
+func (l *Local) evict(now time.Time, keep []LocalRate) {
 	for k, e := range l.m {
 		if now.Sub(e.last) > e.rate.horizon() && !e.pending() {
 			delete(l.m, k)
@@ -171,17 +179,32 @@ func (l *Local) evict(now time.Time) {
 	if len(l.m) < l.max {
 		return
 	}
-	var any string
+	kept := func(k string) bool {
+		for _, r := range keep {
+			if r.Key == k {
+				return true
+			}
+		}
+		return false
+	}
+	var victim string
+	var ve *localRate
 	for k, e := range l.m {
-		any = k
+		if e.inflight || kept(k) {
+			continue
+		}
+		victim, ve = k, e
 		if !e.pending() {
 			break
 		}
 	}
-	if l.m[any].pending() {
+	if ve == nil {
+		return
+	}
+	if ve.pending() {
 		l.charged--
 	}
-	delete(l.m, any)
+	delete(l.m, victim)
 }
 
 // add counts cost in e's bucket of now.
@@ -200,7 +223,7 @@ func (l *Local) Note(rates []LocalRate, cost int64, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, r := range rates {
-		l.add(l.entry(r, now), now, cost)
+		l.add(l.entry(r, now, rates), now, cost)
 	}
 }
 
@@ -222,7 +245,7 @@ func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) L
 	d := LocalDecision{Allowed: true, Tight: -1}
 	es := make([]*localRate, len(rates))
 	for i, r := range rates {
-		e := l.entry(r, now)
+		e := l.entry(r, now, rates)
 		es[i] = e
 		share := Share(r.N, instances)
 		var ok bool
@@ -427,7 +450,7 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 		return out
 	}
 	e.inflight = true
-	return append(out, ChargeBatch{Rate: e.rate, Charges: cs})
+	return append(out, ChargeBatch{Rate: e.rate, Charges: cs, e: e})
 }
 
 // Done ends a batch taken: Redis applied it (or refused it for good); the
@@ -435,9 +458,9 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 func (l *Local) Done(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	e := l.m[b.Rate.Key]
-	if e == nil || !e.inflight {
-		return // forgotten meanwhile (an admin reset)
+	e := b.e
+	if e == nil || l.m[b.Rate.Key] != e || !e.inflight {
+		return // forgotten or replaced meanwhile (an admin reset, a plan changed)
 	}
 	e.inflight = false
 	if !e.pending() {
@@ -449,12 +472,12 @@ func (l *Local) Done(b ChargeBatch) {
 // sent, or its answer lost): it goes before the key's charges made since
 // (their numbers are higher), is sent again with them, and the charge
 // script skips what of it already ran. A key forgotten meanwhile (an admin
-// reset) takes nothing back.
+// reset) or replaced (a plan changed) takes nothing back.
 func (l *Local) Untake(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	e := l.m[b.Rate.Key]
-	if e == nil || !e.inflight {
+	e := b.e
+	if e == nil || l.m[b.Rate.Key] != e || !e.inflight {
 		return
 	}
 	e.inflight = false

@@ -220,3 +220,84 @@ func TestLocalOneBatchOfAKeyOnItsWay(t *testing.T) {
 		t.Error("pending after every batch was done")
 	}
 }
+
+// TestLocalFullMapKeepsCallersRates: with the map full, making room for a
+// request's second rate never evicts its first (made in the same call),
+// so every admission's charge stays findable and Pending ends.
+func TestLocalFullMapKeepsCallersRates(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	l := NewLocal(1, epoch)
+	a := LocalRate{Key: "k:sw:5/1m", N: 5, Window: time.Minute}
+	b := LocalRate{Key: "k:sw:50/1h", N: 50, Window: time.Hour}
+	now := epoch.Add(time.Second)
+	if !l.Admit([]LocalRate{a, b}, 1, 1, now).Allowed {
+		t.Fatal("first request rejected")
+	}
+	bs := l.TakeCharges(now)
+	if len(bs) != 2 {
+		t.Fatalf("charges %+v, want one batch per rate", bs)
+	}
+	for _, x := range bs {
+		l.Done(x)
+	}
+	if l.Pending() {
+		t.Error("pending after every batch was done")
+	}
+}
+
+// TestLocalBatchOnItsWayNotEvicted: a key whose batch is on its way is not
+// evicted to make room, so that the key's next charges wait for it: two
+// batches of one key are never on their way at once.
+func TestLocalBatchOnItsWayNotEvicted(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	l := NewLocal(1, epoch)
+	a := LocalRate{Key: "a:sw:5/1m", N: 5, Window: time.Minute}
+	b := LocalRate{Key: "b:sw:5/1m", N: 5, Window: time.Minute}
+	now := epoch.Add(time.Second)
+	l.Admit([]LocalRate{a}, 1, 1, now)
+	first := l.TakeCharges(now)
+	l.Admit([]LocalRate{b}, 1, 1, now) // the map is full: a is on its way
+	l.Admit([]LocalRate{a}, 1, 1, now)
+	bs, onTheirWay := l.TakeFor([]LocalRate{a}, now)
+	if !onTheirWay || len(bs) != 0 {
+		t.Fatalf("TakeFor(a) while a's batch is on its way: %+v (on their way %v), want nothing, on its way", bs, onTheirWay)
+	}
+	l.Done(first[0])
+	for _, x := range l.TakeCharges(now) {
+		l.Done(x)
+	}
+	if l.Pending() {
+		t.Error("pending after every batch was done")
+	}
+}
+
+// TestLocalReplacedEntryIgnoresOldBatch: a key whose rate changed (a plan
+// changed) starts a new entry; the old entry's batch, when it ends, leaves
+// the new one's batch on its way.
+func TestLocalReplacedEntryIgnoresOldBatch(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	l := NewLocal(10, epoch)
+	old := LocalRate{Key: "k:sw", N: 5, Window: time.Minute}
+	cur := LocalRate{Key: "k:sw", N: 6, Window: time.Minute}
+	now := epoch.Add(time.Second)
+	l.Admit([]LocalRate{old}, 1, 1, now)
+	b1 := l.TakeCharges(now)
+	l.Admit([]LocalRate{cur}, 1, 1, now)
+	b2 := l.TakeCharges(now)
+	if len(b1) != 1 || len(b2) != 1 {
+		t.Fatalf("batches %+v %+v, want one each", b1, b2)
+	}
+	l.Done(b1[0])
+	l.Untake(b1[0])
+	l.Admit([]LocalRate{cur}, 1, 1, now)
+	if bs, onTheirWay := l.TakeFor([]LocalRate{cur}, now); !onTheirWay || len(bs) != 0 {
+		t.Fatalf("after the old entry's batch ended: %+v (on their way %v), want the new one's still on its way", bs, onTheirWay)
+	}
+	l.Done(b2[0])
+	for _, x := range l.TakeCharges(now) {
+		l.Done(x)
+	}
+	if l.Pending() {
+		t.Error("pending after every batch was done")
+	}
+}
