@@ -240,9 +240,7 @@ func TestLocalFullMapKeepsCallersRates(t *testing.T) {
 	for _, x := range bs {
 		l.Done(x)
 	}
-	if l.Pending() {
-		t.Error("pending after every batch was done")
-	}
+	doneAll(t, l, now)
 }
 
 // TestLocalBatchOnItsWayNotEvicted: a key whose batch is on its way is not
@@ -263,12 +261,7 @@ func TestLocalBatchOnItsWayNotEvicted(t *testing.T) {
 		t.Fatalf("TakeFor(a) while a's batch is on its way: %+v (on their way %v), want nothing, on its way", bs, onTheirWay)
 	}
 	l.Done(first[0])
-	for _, x := range l.TakeCharges(now) {
-		l.Done(x)
-	}
-	if l.Pending() {
-		t.Error("pending after every batch was done")
-	}
+	doneAll(t, l, now)
 }
 
 // TestLocalReplacedEntryIgnoresOldBatch: a key whose rate changed (a plan
@@ -294,6 +287,13 @@ func TestLocalReplacedEntryIgnoresOldBatch(t *testing.T) {
 		t.Fatalf("after the old entry's batch ended: %+v (on their way %v), want the new one's still on its way", bs, onTheirWay)
 	}
 	l.Done(b2[0])
+	doneAll(t, l, now)
+}
+
+// doneAll takes what is left to charge, ends every batch as applied, and
+// checks that nothing is pending then.
+func doneAll(t *testing.T, l *Local, now time.Time) {
+	t.Helper()
 	for _, x := range l.TakeCharges(now) {
 		l.Done(x)
 	}
