@@ -180,11 +180,20 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 // have run, and the script skips the charges it already applied
 // (ChargeMarker), so each counts once; that error is returned. A batch
 // that Redis refused for good (a key of another type, an error in the
-// script) is dropped with a warning to log, and the others go on: Redis
-// answers, so it is no reason to decide locally.
+// script) is dropped, and the others go on (one warning to log per call,
+// naming the first): Redis answers, so it is no reason to decide locally.
 func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []ratelimit.ChargeBatch, timeout time.Duration) error {
 	offset := h.local.offset.Load()
 	var charged int64
+	var dropped int
+	var dropKey string
+	var dropErr error
+	defer func() {
+		if dropped > 0 {
+			log.Warn("redis refused charges of local admissions (fail_local); dropped",
+				zap.Int("rates", dropped), zap.String("key", dropKey), zap.Error(dropErr))
+		}
+	}()
 	for i, b := range batches {
 		script := ratelimit.SlidingChargeScript
 		args := []any{b.Rate.N, b.Rate.Window.Microseconds()}
@@ -207,8 +216,9 @@ func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []
 			}
 		case refusedForGood(err):
 			h.local.lim.Done(b)
-			log.Warn("redis refused a charge of local admissions (fail_local); dropped",
-				zap.String("key", b.Rate.Key), zap.Error(err))
+			if dropped++; dropped == 1 {
+				dropKey, dropErr = b.Rate.Key, err
+			}
 		default:
 			for _, rest := range batches[i:] {
 				h.local.lim.Untake(rest)

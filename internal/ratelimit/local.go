@@ -167,18 +167,11 @@ func (l *Local) entry(r LocalRate, now time.Time, keep []LocalRate) *localRate {
 }
 
 // evict makes room: rates whose admissions no longer matter go, else one
-// without charges, else any but one whose batch is on its way (Done and
-// Untake must find it) or one of the calling rates keep. When every entry
+// without charges, else any; never one whose batch is on its way (Done and
+// Untake must find it) nor one of the calling rates keep (the call holds
+// their entries). When every entry
 // is one of those, the map is over max by at most their number, for now.
 func (l *Local) evict(now time.Time, keep []LocalRate) {
-	for k, e := range l.m {
-		if now.Sub(e.last) > e.rate.horizon() && !e.pending() {
-			delete(l.m, k)
-		}
-	}
-	if len(l.m) < l.max {
-		return
-	}
 	kept := func(k string) bool {
 		for _, r := range keep {
 			if r.Key == k {
@@ -186,6 +179,14 @@ func (l *Local) evict(now time.Time, keep []LocalRate) {
 			}
 		}
 		return false
+	}
+	for k, e := range l.m {
+		if now.Sub(e.last) > e.rate.horizon() && !e.pending() && !kept(k) {
+			delete(l.m, k)
+		}
+	}
+	if len(l.m) < l.max {
+		return
 	}
 	var victim string
 	var ve *localRate

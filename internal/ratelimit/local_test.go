@@ -241,6 +241,24 @@ func TestLocalFullMapKeepsCallersRates(t *testing.T) {
 		l.Done(x)
 	}
 	doneAll(t, l, now)
+
+	// A rate of the request whose entry is stale (its admissions no longer
+	// matter) is not dropped to make room for the request's next rate.
+	l = NewLocal(1, epoch)
+	short := LocalRate{Key: "k:sw:5/1s", N: 5, Window: time.Second}
+	l.Note([]LocalRate{short}, 1, now)
+	later := now.Add(time.Minute)
+	if !l.Admit([]LocalRate{short, b}, 1, 1, later).Allowed {
+		t.Fatal("request with a stale rate rejected")
+	}
+	if bs := l.TakeCharges(later); len(bs) != 2 {
+		t.Fatalf("charges %+v, want one batch per rate", bs)
+	} else {
+		for _, x := range bs {
+			l.Done(x)
+		}
+	}
+	doneAll(t, l, later)
 }
 
 // TestLocalBatchOnItsWayNotEvicted: a key whose batch is on its way is not
