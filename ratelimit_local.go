@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -243,12 +244,8 @@ func refusedForGood(err error) bool {
 		return false
 	}
 	msg := re.Error()
-	// Redis 7 ends a refusal inside a script with "script: …, on
-	// @user_script:…": a refusal that passes later is told by its prefix.
-	for _, p := range []string{"OOM", "READONLY", "BUSY", "LOADING", "MASTERDOWN", "MISCONF", "TRYAGAIN", "CLUSTERDOWN", "NOREPLICAS"} {
-		if strings.HasPrefix(msg, p) {
-			return false
-		}
+	if redisconn.RefusedForNow(msg) {
+		return false
 	}
 	return strings.HasPrefix(msg, "WRONGTYPE") || strings.HasPrefix(msg, "CROSSSLOT") ||
 		strings.Contains(msg, "user_script") || strings.Contains(msg, "Error running script")

@@ -393,11 +393,7 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 				h.FailLocal, h.Instances, h.Algorithm = true, 1, algo
 				h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
 			})
-			// The fleet loop charges in the background too: try again on
-			// a fresh key when it took the batch first.
-			for try := 0; try < 5; try++ {
-				ip := fmt.Sprintf("192.0.2.%d", 40+try)
-				rates := h.localRates(ip, &h.static)
+			onFreshKey(t, h, 40, "the fleet loop took the batch first in every try", func(ip string, rates []ratelimit.LocalRate) bool {
 				for i := 0; i < 3; i++ {
 					h.local.lim.Admit(rates, 1, 1, time.Now())
 				}
@@ -408,7 +404,7 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 					for _, b := range batches {
 						h.local.lim.Untake(b)
 					}
-					continue
+					return false
 				}
 				h.local.lim.Admit(rates, 1, 1, time.Now()) // a fourth, while the three are on their way
 				if err := h.chargeFirst(t.Context(), ip, &h.static); !errors.Is(err, errChargeOnItsWay) {
@@ -434,9 +430,8 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 				if err != nil || !found || len(views) != 1 || views[0].Used != 5 {
 					t.Fatalf("Redis holds %+v (%v, %v), want used 5: every local admission (3, the fourth, the request decided locally), once", views, found, err)
 				}
-				return
-			}
-			t.Fatal("the fleet loop took the batch first in every try")
+				return true
+			})
 		})
 	}
 }
@@ -492,12 +487,9 @@ func TestFailLocalChargeRefusedGoesOnToRedis(t *testing.T) {
 			})
 			core, logs := observer.New(zapcore.WarnLevel)
 			h.logger = zap.New(core)
-			// The fleet loop charges in the background too: try again on
-			// a fresh key when it took the batch first (its warning goes
-			// to its own logger).
-			for try := 0; try < 5; try++ {
-				ip := fmt.Sprintf("192.0.2.%d", 60+try)
-				rates := h.localRates(ip, &h.static)
+			// A key whose batch the fleet loop took first logs its warning
+			// to the loop's logger: try the next.
+			onFreshKey(t, h, 60, "no warning of the request's refused charge in any try (the fleet loop took the batch first every time, or the request never charged)", func(ip string, rates []ratelimit.LocalRate) bool {
 				if err := rc.HSet(t.Context(), h.local.lim.ChargeMarker(rates[0].Key), "f", "v").Err(); err != nil {
 					t.Fatal(err)
 				}
@@ -507,7 +499,7 @@ func TestFailLocalChargeRefusedGoesOnToRedis(t *testing.T) {
 				before := counterValue(t, h.counters[resultLocal])
 				a := serveRL(h, ip, nil)
 				if logs.FilterMessageSnippet("refused charges").FilterField(zap.String("key", rates[0].Key)).Len() == 0 {
-					continue
+					return false
 				}
 				if !a.passed || a.err != nil {
 					t.Fatalf("request: passed %v, %v", a.passed, a.err)
@@ -522,9 +514,23 @@ func TestFailLocalChargeRefusedGoesOnToRedis(t *testing.T) {
 				if err != nil || !found || len(views) != 1 || views[0].Used != 1 {
 					t.Fatalf("Redis holds %+v (%v, %v), want used 1: the request, decided by redis; the refused charge dropped", views, found, err)
 				}
-				return
-			}
-			t.Fatal("no warning of the request's refused charge in any try (the fleet loop took the batch first every time, or the request never charged)")
+				return true
+			})
 		})
 	}
+}
+
+// onFreshKey runs try on a fresh client key of h (192.0.2.<base+n>) until
+// one returns true, and fails the test after 5: the fleet loop charges in
+// the background too, and may take a key's batch first. msg says what
+// failed every time.
+func onFreshKey(t *testing.T, h *RedisRateLimit, base int, msg string, try func(ip string, rates []ratelimit.LocalRate) bool) {
+	t.Helper()
+	for n := 0; n < 5; n++ {
+		ip := fmt.Sprintf("192.0.2.%d", base+n)
+		if try(ip, h.localRates(ip, &h.static)) {
+			return
+		}
+	}
+	t.Fatal(msg)
 }

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -144,12 +145,7 @@ func refusedUnrun(err error) bool {
 	if strings.Contains(msg, "user_script") {
 		return false
 	}
-	for _, p := range []string{"OOM ", "READONLY ", "NOSCRIPT ", "BUSY ", "LOADING ", "MASTERDOWN ", "MISCONF ", "NOREPLICAS ", "CLUSTERDOWN ", "TRYAGAIN ", "NOPERM "} {
-		if strings.HasPrefix(msg, p) {
-			return true
-		}
-	}
-	return false
+	return redisconn.RefusedForNow(msg) || strings.HasPrefix(msg, "NOSCRIPT ") || strings.HasPrefix(msg, "NOPERM ")
 }
 
 // anyUnknown reports whether any answered call of res has an unknown outcome.

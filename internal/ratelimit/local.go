@@ -169,8 +169,8 @@ func (l *Local) entry(r LocalRate, now time.Time, keep []LocalRate) *localRate {
 // evict makes room: rates whose admissions no longer matter go, else one
 // without charges, else any; never one whose batch is on its way (Done and
 // Untake must find it) nor one of the calling rates keep (the call holds
-// their entries). When every entry
-// is one of those, the map is over max by at most their number, for now.
+// their entries). When every entry is one of those, the map is over max by
+// at most their number, for now.
 func (l *Local) evict(now time.Time, keep []LocalRate) {
 	kept := func(k string) bool {
 		for _, r := range keep {

@@ -113,6 +113,20 @@ func IsRedisDown(err error) bool {
 	return true
 }
 
+// RefusedForNow reports whether msg, an error reply of a live Redis, is a
+// refusal that may pass later: out of memory, a read-only replica, busy,
+// loading, a master or cluster down, a misconfigured save, too few
+// replicas, a slot moving. Redis 7 ends one raised inside a script with
+// "script: …, on @user_script:…"; its prefix tells it all the same.
+func RefusedForNow(msg string) bool {
+	for _, p := range []string{"OOM ", "READONLY ", "BUSY ", "LOADING ", "MASTERDOWN ", "MISCONF ", "NOREPLICAS ", "CLUSTERDOWN ", "TRYAGAIN "} {
+		if strings.HasPrefix(msg, p) {
+			return true
+		}
+	}
+	return false
+}
+
 // ClientName names a client's server in log lines: its address, the
 // addresses of a Cluster, or "sentinel" for a Sentinel group.
 func ClientName(c redis.UniversalClient) string {
