@@ -407,3 +407,66 @@ func TestBatchedAcquiresLost(t *testing.T) {
 	}
 	noKeyForever(t, rs)
 }
+
+// TestBackgroundReleaseLost: a lease of one key on one server released in
+// the background leaves with the next pipeline and nobody waits for its
+// answer; when that answer is lost (the release never ran, or it ran and
+// only its answer was lost), the server's releaser sends it again, the
+// key is free, and the next acquire gets it. Twenty leases are released at
+// once, so most releases ride in a pipeline with others.
+func TestBackgroundReleaseLost(t *testing.T) {
+	t.Parallel()
+	for _, ran := range []bool{false, true} {
+		t.Run(fmt.Sprintf("ran=%v", ran), func(t *testing.T) {
+			t.Parallel()
+			rs := startServers(t, 1)
+			l, fcs := testLocker(t, rs, testOptions())
+			const n = 20
+			lost := "caddy:lock:{bg-lost-7}"
+			var sent atomic.Int32
+			fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
+				key, _ := redisconn.Arg(cmd.Args()[3])
+				if s, _ := scriptCall(cmd); s == ReleaseScript && key == lost {
+					if sent.Add(1) == 1 {
+						if ran {
+							if err := next(); err != nil {
+								return err
+							}
+						}
+						cmd.SetErr(errLostAnswer)
+						return errLostAnswer
+					}
+				}
+				return next()
+			})
+			ctx := context.Background()
+			leases := make([]*Lease, n)
+			for i := range leases {
+				var err error
+				if leases[i], err = l.Acquire(ctx, []string{fmt.Sprintf("caddy:lock:{bg-lost-%d}", i)}); err != nil {
+					t.Fatalf("acquire %d: %v", i, err)
+				}
+			}
+			for _, ls := range leases {
+				ls.ReleaseInBackground("")
+			}
+			for i := range leases {
+				if key := fmt.Sprintf("caddy:lock:{bg-lost-%d}", i); !allFree(10*time.Second, key, rs) {
+					t.Fatalf("%s is still held after its release", key)
+				}
+			}
+			if got := sent.Load(); got < 2 {
+				t.Fatalf("the lost release was sent %d times, want it sent again", got)
+			}
+			if !waitFor(10*time.Second, func() bool { return l.servers[0].rel.pendingCount() == 0 }) {
+				t.Fatal("releases still owed")
+			}
+			ls, err := l.Acquire(ctx, []string{lost})
+			if err != nil {
+				t.Fatalf("the next acquire: %v", err)
+			}
+			ls.Release()
+			noKeyForever(t, rs)
+		})
+	}
+}

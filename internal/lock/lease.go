@@ -126,7 +126,9 @@ func (ls *Lease) releaseWith(answer string, mode releaseMode) {
 		ls.q.releaseStarted()
 	}
 	if mode == releaseInBackground {
-		background.Go(func() { ls.releaseInRedis(answer) })
+		if !ls.releaseDetached(answer) {
+			background.Go(func() { ls.releaseInRedis(answer) })
+		}
 	} else {
 		ls.releaseInRedis(answer)
 	}
@@ -139,12 +141,38 @@ func (ls *Lease) releaseInRedis(answer string) {
 	defer ls.dropRefs()
 	defer ls.releaseEnded()
 	defer ls.l.recoverPanic("releasing a lease")
+	ls.l.releaseLease(ls.release(answer))
+}
+
+// releaseDetached is releaseInRedis for the lean case, a lease of one key
+// on one server with no answer to store: the release leaves with the next
+// pipeline and no goroutine waits for its answer (see redisconn.Sender).
+// It reports false, doing nothing, for any other lease.
+func (ls *Lease) releaseDetached(answer string) bool {
+	if answer != "" || len(ls.keys) != 1 || len(ls.l.servers) != 1 {
+		return false
+	}
+	job := ls.l.releaseJobs(ls.release(answer))[0]
+	job.start(ls.l.servers[0], func(removed bool, err error) {
+		defer ls.dropRefs()
+		defer ls.releaseEnded()
+		defer ls.l.recoverPanic("releasing a lease")
+		if err == nil && removed && ls.removed != nil {
+			ls.removed.Or(1)
+		}
+		ls.l.settleRelease(0, job, result{v: removed, err: err, done: true})
+	})
+	return true
+}
+
+// release is the release of the lease, storing answer ("" for none).
+func (ls *Lease) release(answer string) leaseRelease {
 	var msgs []string
 	if ls.q != nil {
 		msgs = ls.q.wakeMsgs
 	}
-	ls.l.releaseLease(leaseRelease{keys: ls.keys, msgs: msgs, token: ls.token, raise: ls.raise, removed: ls.removed,
-		unknown: ls.outcomeUnknown(), answer: answer, unclean: ls.unclean.Load() || ls.lost.Load()})
+	return leaseRelease{keys: ls.keys, msgs: msgs, token: ls.token, raise: ls.raise, removed: ls.removed,
+		unknown: ls.outcomeUnknown(), answer: answer, unclean: ls.unclean.Load() || ls.lost.Load()}
 }
 
 // outcomeUnknown reports whether some server may hold the lease in a way

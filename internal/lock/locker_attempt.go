@@ -241,7 +241,7 @@ func (t *try) undo(n int, mark deadMark) {
 		jobs, skip = append(jobs, job), append(skip, t.refused[j])
 	}
 	if len(jobs) > 0 {
-		t.l.releaseJobs(jobs, skip, t.removed)
+		t.l.runReleaseJobs(jobs, skip, t.removed)
 	}
 }
 

@@ -32,6 +32,11 @@ type leaseRelease struct {
 // majority released each key; a server that fails or does not answer in
 // time gets the release again in the background.
 func (l *Locker) releaseLease(r leaseRelease) {
+	l.runReleaseJobs(l.releaseJobs(r), nil, r.removed)
+}
+
+// releaseJobs are the jobs of r, one per key.
+func (l *Locker) releaseJobs(r leaseRelease) []releaseJob {
 	jobs := make([]releaseJob, len(r.keys))
 	for i, k := range r.keys {
 		jobs[i] = l.releaseJob(k, r.token)
@@ -42,7 +47,7 @@ func (l *Locker) releaseLease(r leaseRelease) {
 			jobs[i].msg = wakeMessage(l.dom.id, WakeID(k))
 		}
 	}
-	l.releaseJobs(jobs, nil, r.removed)
+	return jobs
 }
 
 // releaseJob is the release of token on key k, with nothing to write back,
@@ -55,10 +60,10 @@ func (l *Locker) releaseJob(k, token string) releaseJob {
 // notAsked is the answer of a server that a release skips.
 type notAsked struct{}
 
-// releaseJobs runs jobs (one per key) on every server, in parallel, as
+// runReleaseJobs runs jobs (one per key) on every server, in parallel, as
 // releaseLease says; bit i of skip[j] (skip may be nil) spares server i
 // the release of jobs[j]: it is known to hold nothing of it.
-func (l *Locker) releaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
+func (l *Locker) runReleaseJobs(jobs []releaseJob, skip []uint64, removed *atomic.Uint64) {
 	one := func(job releaseJob, skip uint64) {
 		res := l.callAll(context.Background(), func(ctx context.Context, i int, s *Server) (any, error) {
 			if skip&(1<<i) != 0 {

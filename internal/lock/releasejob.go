@@ -49,17 +49,31 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 	if j.answer != "" {
 		script = ReleaseStoreScript
 	}
+	n, err := script.Run(ctx, s.batched(), keyNames(j.key).releaseKeys(), j.args()...).Int64()
+	if j.answer != "" && isOOM(err) {
+		j.answer = ""
+		return j.run(ctx, s)
+	}
+	return n == 1, err
+}
+
+// start sends a release that stores no answer without waiting for it:
+// done gets what run would return, on a goroutine of the server's pipe
+// (see redisconn.Sender), so it must not block.
+func (j releaseJob) start(s *Server, done func(removed bool, err error)) {
+	ReleaseScript.Go(s.batched(), keyNames(j.key).releaseKeys(), j.args(), background.Go, func(cmd *redis.Cmd) {
+		n, err := cmd.Int64()
+		done(n == 1, err)
+	})
+}
+
+// args are the release script's arguments.
+func (j *releaseJob) args() []any {
 	dead := int64(0)
 	if j.unknown {
 		// Kept as long as the releaser would retry this undo: an attempt
 		// delayed on its way to Redis is refused until then.
 		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
 	}
-	n, err := script.Run(ctx, s.batched(), keyNames(j.key).releaseKeys(),
-		&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs).Int64()
-	if j.answer != "" && isOOM(err) {
-		j.answer = ""
-		return j.run(ctx, s)
-	}
-	return n == 1, err
+	return []any{&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs}
 }

@@ -26,7 +26,7 @@ type Server struct {
 	// client (see redisconn.Pipe); an acquire with sync_replicas stays out,
 	// since its WAIT must follow its own write on the same connection.
 	pipe    redisconn.Pipe
-	batch   redisconn.Processor // client through pipe (see setClient)
+	batch   redisconn.Sender // client through pipe (see setClient)
 	timeout time.Duration       // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
@@ -50,7 +50,7 @@ type Client interface {
 }
 
 // batched is the server's client through its pipe.
-func (s *Server) batched() redisconn.Processor { return s.batch }
+func (s *Server) batched() redisconn.Sender { return s.batch }
 
 // setClient sets the client the server calls (conn's, or a test's wrapper
 // of it).

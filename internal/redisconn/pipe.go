@@ -59,6 +59,12 @@ type pipeCall struct {
 	state    atomic.Int32 // pipePending or pipeTaken
 	lead     bool         // set before wake is closed: the caller sends the queue
 	wake     chan struct{}
+	// A call nobody waits for (Pipe.Go): done runs once it is answered,
+	// instead of a wake-up; when it must lead, spawn starts the goroutine
+	// that sends it on c.
+	done  func()
+	spawn func(func())
+	c     Pipeliner
 }
 
 const (
@@ -76,7 +82,7 @@ const (
 // go-redis sends a pipeline as one sub-pipeline per node and waits for all
 // of them, so one slow or failing node would hold up the calls of every
 // other node in the same pipeline.
-func (p *Pipe) Via(c Pipeliner, timeout time.Duration) Processor {
+func (p *Pipe) Via(c Pipeliner, timeout time.Duration) Sender {
 	if _, cluster := c.(*redis.ClusterClient); cluster {
 		return timed{c, timeout}
 	}
@@ -109,6 +115,46 @@ type piped struct {
 
 func (v piped) Process(ctx context.Context, cmd redis.Cmder) error {
 	return v.p.process(ctx, v.c, v.timeout, cmd)
+}
+
+// Sender is a Processor (one of Via) that also sends a command its caller
+// does not wait for: done runs once cmd is answered, or failed (cmd holds
+// the answer or the error), on a goroutine of the pipe's, never the
+// caller's; spawn starts such a goroutine (it recovers its own panics).
+// done must not block: it runs with the done of other calls.
+type Sender interface {
+	Processor
+	Go(cmd redis.Cmder, done func(), spawn func(func()))
+}
+
+func (v piped) Go(cmd redis.Cmder, done func(), spawn func(func())) {
+	v.p.send(v.c, v.timeout, cmd, done, spawn)
+}
+
+func (t timed) Go(cmd redis.Cmder, done func(), spawn func(func())) {
+	spawn(func() {
+		_ = t.Process(context.Background(), cmd)
+		done()
+	})
+}
+
+// send queues cmd for the next pipeline, or, when fewer than PipeInFlight
+// are on their way, has spawn start one that carries it at once. Under
+// load a call nobody waits for costs no goroutine of its own: a pipeline
+// that leaves takes it, and its done runs with the others of that
+// pipeline.
+func (p *Pipe) send(c Pipeliner, timeout time.Duration, cmd redis.Cmder, done func(), spawn func(func())) {
+	call := &pipeCall{ctx: context.Background(), cmd: cmd, deadline: time.Now().Add(timeout), done: done, spawn: spawn, c: c}
+	p.mu.Lock()
+	if p.inflight < PipeInFlight {
+		p.inflight++
+		p.mu.Unlock()
+		call.state.Store(pipeTaken)
+		spawn(func() { p.lead(c, call) })
+		return
+	}
+	p.queue = append(p.queue, call)
+	p.mu.Unlock()
 }
 
 // process sends cmd with the commands of other callers and waits for its
@@ -144,9 +190,13 @@ func (p *Pipe) process(ctx context.Context, c Pipeliner, timeout time.Duration, 
 }
 
 // lead sends own (taken already) with what waits in the queue, then hands
-// the queue on to a waiting caller, or ends one pipeline in flight.
+// the queue on to a waiting caller, or ends one pipeline in flight. The
+// calls nobody waits for (own too, when it is one) then run their done:
+// on this goroutine when own is one of them (a goroutine of the pipe's),
+// else on one spawned for them all, so that the caller's answer does not
+// wait for theirs.
 func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
-	var batch []*pipeCall
+	var batch, detached []*pipeCall
 	defer func() {
 		r := recover()
 		if r != nil {
@@ -162,12 +212,24 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 			}
 		}
 		for _, call := range batch {
-			if call != own {
+			switch {
+			case call.done != nil:
+				if call != own {
+					detached = append(detached, call)
+				}
+			case call != own:
 				close(call.wake)
 			}
 		}
 		p.handOn()
-		if r != nil {
+		switch {
+		case own.done != nil:
+			own.done()
+			runDone(detached)
+		case len(detached) > 0:
+			detached[0].spawn(func() { runDone(detached) })
+		}
+		if r != nil && own.done == nil {
 			panic(r)
 		}
 	}()
@@ -177,7 +239,7 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 		// run, this returns at once).
 		runtime.Gosched()
 	}
-	batch = p.take(own)
+	batch, detached = p.take(own)
 	switch len(batch) {
 	case 0:
 		return
@@ -207,11 +269,19 @@ func (p *Pipe) waiting() bool {
 	return len(p.queue) > 0
 }
 
+// runDone runs the done of calls nobody waits for.
+func runDone(calls []*pipeCall) {
+	for _, call := range calls {
+		call.done()
+	}
+}
+
 // take makes the batch: own and the queued calls, up to pipeMax. A call
 // whose context ended or whose own deadline passed while it waited is
-// answered at once with that error, unsent.
-func (p *Pipe) take(own *pipeCall) []*pipeCall {
-	batch := make([]*pipeCall, 0, 1+p.Queued())
+// answered at once with that error, unsent (expired: those of them nobody
+// waits for, whose done is still to run).
+func (p *Pipe) take(own *pipeCall) (batch, expired []*pipeCall) {
+	batch = make([]*pipeCall, 0, 1+p.Queued())
 	now := time.Now()
 	if err := own.expired(now); err != nil {
 		own.cmd.SetErr(err)
@@ -229,13 +299,17 @@ func (p *Pipe) take(own *pipeCall) []*pipeCall {
 		}
 		if err := call.expired(now); err != nil {
 			call.cmd.SetErr(err)
-			close(call.wake)
+			if call.done != nil {
+				expired = append(expired, call)
+			} else {
+				close(call.wake)
+			}
 			continue
 		}
 		batch = append(batch, call)
 	}
 	p.queue = append(p.queue[:0], p.queue[n:]...)
-	return batch
+	return batch, expired
 }
 
 // handOn makes the first waiting caller send the queue, or ends a pipeline
@@ -247,6 +321,10 @@ func (p *Pipe) handOn() {
 		next := p.queue[0]
 		p.queue = p.queue[1:]
 		if next.state.CompareAndSwap(pipePending, pipeTaken) {
+			if next.done != nil {
+				next.spawn(func() { p.lead(next.c, next) })
+				return
+			}
 			next.lead = true
 			close(next.wake)
 			return

@@ -19,13 +19,15 @@ var countScript = NewScript("return redis.call('INCR', KEYS[1])")
 
 // pipeClient wraps a real client: it counts lone calls and pipelines (and
 // their sizes), can hold lone calls back until released, and can lose
-// every answer of a pipeline after Redis ran it.
+// every answer after Redis ran the call (a lone call's or a pipeline's:
+// which of the two the queued calls of a test leave in depends on which
+// caller takes them first).
 type pipeClient struct {
 	*redis.Client
 	hold      chan struct{} // lone calls each wait for a value, or its close (nil: none)
 	held      atomic.Int32  // lone calls waiting on hold
 	lone      atomic.Int32
-	loseBatch atomic.Bool
+	loseAll   atomic.Bool
 	mu        sync.Mutex
 	sizes     []int
 }
@@ -36,7 +38,13 @@ func (c *pipeClient) Process(ctx context.Context, cmd redis.Cmder) error {
 		c.held.Add(1)
 		<-c.hold
 	}
-	return c.Client.Process(ctx, cmd)
+	err := c.Client.Process(ctx, cmd)
+	if c.loseAll.Load() {
+		// Redis ran it; the answer is lost on the way back.
+		cmd.SetErr(errLost)
+		return errLost
+	}
+	return err
 }
 
 func (c *pipeClient) Pipeline() redis.Pipeliner {
@@ -59,7 +67,7 @@ func (p *countedPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
 	p.c.sizes = append(p.c.sizes, p.n)
 	p.c.mu.Unlock()
 	cmds, err := p.Pipeliner.Exec(ctx)
-	if p.c.loseBatch.Load() {
+	if p.c.loseAll.Load() {
 		// Redis ran every command; the answers are lost on the way back.
 		for _, cmd := range cmds {
 			cmd.SetErr(errLost)
@@ -202,7 +210,7 @@ func TestPipeLostBatch(t *testing.T) {
 	t.Parallel()
 	c, p, wg := heldPipe(t, "lost")
 	ctx := context.Background()
-	c.loseBatch.Store(true) // the held calls go alone: only the pipeline loses its answers
+	c.loseAll.Store(true)
 	const n = 10
 	errs := make([]error, n)
 	for i := PipeInFlight; i < n; i++ {

@@ -51,12 +51,30 @@ func (s *Script) Eval(ctx context.Context, p Processor, keys []string, args ...a
 	return s.call(ctx, p, true, keys, args)
 }
 
+// Go is Run for a caller that does not wait: done gets the answer (see
+// Sender; NOSCRIPT sends EVAL from a goroutine spawn starts).
+func (s *Script) Go(p Sender, keys []string, args []any, spawn func(func()), done func(*redis.Cmd)) {
+	cmd := s.newCmd(context.Background(), false, keys, args)
+	p.Go(NoRetry{cmd}, func() {
+		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			spawn(func() { done(s.call(context.Background(), p, true, keys, args)) })
+			return
+		}
+		done(cmd)
+	}, spawn)
+}
+
 func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string, args []any) *redis.Cmd {
+	cmd := s.newCmd(ctx, eval, keys, args)
+	_ = p.Process(ctx, NoRetry{cmd})
+	return cmd
+}
+
+func (s *Script) newCmd(ctx context.Context, eval bool, keys []string, args []any) *redis.Cmd {
 	cmd := redis.NewCmd(ctx, append(s.Head(eval, keys, len(args)), args...)...)
 	if len(keys) > 0 {
 		cmd.SetFirstKeyPos(3)
 	}
-	_ = p.Process(ctx, NoRetry{cmd})
 	return cmd
 }
 
