@@ -27,7 +27,7 @@ type Server struct {
 	// since its WAIT must follow its own write on the same connection.
 	pipe    redisconn.Pipe
 	batch   redisconn.Sender // client through pipe (see setClient)
-	timeout time.Duration       // bound of one call: conn's
+	timeout time.Duration    // bound of one call: conn's
 	wake    *wakeListener
 	rel     releaser
 	logger  func() *slog.Logger

@@ -24,12 +24,12 @@ var countScript = NewScript("return redis.call('INCR', KEYS[1])")
 // caller takes them first).
 type pipeClient struct {
 	*redis.Client
-	hold      chan struct{} // lone calls each wait for a value, or its close (nil: none)
-	held      atomic.Int32  // lone calls waiting on hold
-	lone      atomic.Int32
-	loseAll   atomic.Bool
-	mu        sync.Mutex
-	sizes     []int
+	hold    chan struct{} // lone calls each wait for a value, or its close (nil: none)
+	held    atomic.Int32  // lone calls waiting on hold
+	lone    atomic.Int32
+	loseAll atomic.Bool
+	mu      sync.Mutex
+	sizes   []int
 }
 
 func (c *pipeClient) Process(ctx context.Context, cmd redis.Cmder) error {
