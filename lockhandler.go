@@ -544,19 +544,16 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 // can be replayed, stored by the release.
 func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, hd held) (err error) {
 	h.announceLock(r, hd)
+	rw := &startedWriter{}
 	// The header as handlers before the lock left it: what a replay stores
 	// is what the route added, and a 503 after a lost lease goes back to it.
-	var before http.Header
 	if h.Replay > 0 || h.OnLost == "cancel" {
-		before = noHeader // most routes set nothing before the lock
-		if len(w.Header()) > 0 {
-			before = w.Header().Clone()
-		}
+		rw.before.save(w.Header())
 	}
 	var rec *recorder
 	base := r.Context()
 	if h.Replay > 0 {
-		rec = newRecorder(w, r.Context(), h.ReplayMax, before)
+		rec = newRecorder(w, r.Context(), h.ReplayMax, rw.before.header())
 		w = rec
 		// The answer outlives the client: the route runs to its end, the
 		// lock held, and its answer is stored for the client's retry.
@@ -564,26 +561,25 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		base, stopDetached = h.detach(r.Context(), hd.lease)
 		defer stopDetached()
 	}
-	rw := &startedWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: w}, before: before}
+	rw.ResponseWriter = w
 
 	reqCtx, cancel := context.WithCancelCause(base)
-	var lost atomic.Bool
-	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd, rw, &lost, cancel)})
+	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd, rw, cancel)})
 	completed := false // next returned (did not panic)
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
 		keep.Stop()
-		end := routeEnd{err: err, broken: !completed || lost.Load(), clientGone: r.Context().Err() != nil}
+		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil}
 		cancel(nil)
 		h.release(hd, r, rec, end)
-		if err == nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
+		if err == nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 			rw.restoreHeader()
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
 		}
 	}()
 	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
 	completed = true
-	if err != nil && lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
+	if err != nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 		rw.restoreHeader()
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))
 	}
@@ -604,9 +600,9 @@ func (h *RedisLock) announceLock(r *http.Request, hd held) {
 // onLost is what the keeper calls when the lease is found lost: it logs,
 // counts and announces it, and with on_lost cancel stops the route (a
 // response not started yet never starts: the client gets 503).
-func (h *RedisLock) onLost(hd held, rw *startedWriter, lost *atomic.Bool, cancel context.CancelCauseFunc) func(error) {
+func (h *RedisLock) onLost(hd held, rw *startedWriter, cancel context.CancelCauseFunc) func(error) {
 	return func(cause error) {
-		lost.Store(true)
+		rw.lost.Store(true)
 		h.m.lost.Inc()
 		if h.LockDelay > 0 {
 			h.m.delayLost.Inc()
@@ -693,16 +689,61 @@ func (h *RedisLock) detach(client context.Context, ls *lease) (ctx context.Conte
 // lease is lost with on_lost cancel, lets no response start any more (a
 // next handler that ignores its context must not answer without the lock).
 type startedWriter struct {
-	caddyhttp.ResponseWriterWrapper             // in the same allocation
-	before                          http.Header // the header as handlers before the lock left it
+	caddyhttp.ResponseWriterWrapper                // in the same allocation
+	before                          headerSnapshot // the header as handlers before the lock left it
+	lost                            atomic.Bool    // the lease was lost while the route ran
 	mu                              sync.Mutex
 	started                         bool
 	refused                         bool
 }
 
+// headerSnapshot is a header as it was at one moment. Most routes set a
+// field or two before the lock (Caddy's Server): those are kept inline,
+// with no copy of the map; a larger header, or a field without exactly one
+// value, is cloned.
+type headerSnapshot struct {
+	n     int
+	keys  [2]string
+	vals  [2]string
+	clone http.Header // the header, when it does not fit inline
+}
+
 // noHeader is the header before the lock when handlers before it set
 // none: read only, never written.
 var noHeader = http.Header{}
+
+func (s *headerSnapshot) save(h http.Header) {
+	if len(h) <= len(s.keys) {
+		n := 0
+		for k, v := range h {
+			if len(v) != 1 {
+				break
+			}
+			s.keys[n], s.vals[n] = k, v[0]
+			n++
+		}
+		if n == len(h) {
+			s.n = n
+			return
+		}
+	}
+	s.clone = h.Clone()
+}
+
+// header is the snapshot as a header of its own (read only when empty).
+func (s *headerSnapshot) header() http.Header {
+	if s.clone != nil {
+		return s.clone
+	}
+	if s.n == 0 {
+		return noHeader
+	}
+	h := make(http.Header, s.n)
+	for i := range s.n {
+		h[s.keys[i]] = []string{s.vals[i]}
+	}
+	return h
+}
 
 // restoreHeader puts the header back as it was before the lock: the 503 of
 // a refused response carries nothing the route set without the lock (a
@@ -710,7 +751,7 @@ var noHeader = http.Header{}
 func (w *startedWriter) restoreHeader() {
 	h := w.Header()
 	clear(h)
-	for k, v := range w.before {
+	for k, v := range w.before.header() {
 		h[k] = v
 	}
 }

@@ -63,5 +63,11 @@ func (ks names) acquireKeys() []string {
 
 // releaseKeys are the release scripts' KEYS (lock_release.lua).
 func (ks names) releaseKeys() []string {
-	return []string{ks.lease, ks.fence, ks.replay, ks.waitq, ks.dead, ks.delay}
+	a := ks.releaseKeyArray()
+	return a[:]
+}
+
+// releaseKeyArray is releaseKeys in an array (in a caller's allocation).
+func (ks names) releaseKeyArray() [6]string {
+	return [6]string{ks.lease, ks.fence, ks.replay, ks.waitq, ks.dead, ks.delay}
 }

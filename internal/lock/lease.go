@@ -152,17 +152,28 @@ func (ls *Lease) releaseDetached(answer string) bool {
 	if answer != "" || len(ls.keys) != 1 || len(ls.l.servers) != 1 {
 		return false
 	}
-	job := ls.l.releaseJobs(ls.release(answer))[0]
-	job.start(ls.l.servers[0], func(removed bool, err error) {
-		defer ls.dropRefs()
-		defer ls.releaseEnded()
-		defer ls.l.recoverPanic("releasing a lease")
-		if err == nil && removed && ls.removed != nil {
-			ls.removed.Or(1)
-		}
-		ls.l.settleRelease(0, job, result{v: removed, err: err, done: true})
-	})
+	d := &detachedRelease{ls: ls, job: ls.l.leaseJob(ls.release(answer), 0)}
+	d.job.start(ls.l.servers[0], &d.call, ls.l.spawn, d.settle)
 	return true
+}
+
+// detachedRelease is a release nobody waits for, in one allocation.
+type detachedRelease struct {
+	ls   *Lease
+	job  releaseJob
+	call releaseCall
+}
+
+// settle is what releaseInRedis does once the server answered.
+func (d *detachedRelease) settle(removed bool, err error) {
+	ls := d.ls
+	defer ls.dropRefs()
+	defer ls.releaseEnded()
+	defer ls.l.recoverPanic("releasing a lease")
+	if err == nil && removed && ls.removed != nil {
+		ls.removed.Or(1)
+	}
+	ls.l.settleRelease(0, d.job, result{v: removed, err: err, done: true})
 }
 
 // release is the release of the lease, storing answer ("" for none).

@@ -51,6 +51,9 @@ type Locker struct {
 	dom     *domain
 	logger  *slog.Logger
 	argv    constArgv
+	// spawn runs a function of a server's pipe (a release nobody waits
+	// for) in the background, a panic in it logged (redisconn.Sender).
+	spawn func(func())
 }
 
 // constArgv are the acquire script's arguments that never change for a
@@ -83,6 +86,12 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	}
 	l.argv = constArgv{ttlMs: opts.TTL.Milliseconds(), permits: opts.Permits, self: l.dom.id,
 		life: l.waitqLife().Milliseconds(), delayMs: opts.LockDelay.Milliseconds()}
+	l.spawn = func(f func()) {
+		background.Go(func() {
+			defer l.recoverPanic("sending a release nobody waits for")
+			f()
+		})
+	}
 	return l
 }
 

@@ -111,22 +111,19 @@ func (l *Locker) newTry(ctx context.Context, keys []string, chain, first int) *t
 func (t *try) takeKey(i int, k string) (a attempt, over bool) {
 	l := t.l
 	t.inflight.Add(int32(len(l.servers)))
-	results := l.callAll(t.ctx, func(ctx context.Context, _ int, s *Server) (any, error) {
-		defer t.inflight.Add(-1) // after unknown is stored
-		v, ans, err := t.ask(ctx, s, k)
-		if unknownOutcome(err) {
-			t.keyUnknown[i].Store(true)
-			t.unknown.Store(true) // the lease's release marks the token dead there
-		}
-		if ans != "" {
-			t.answer.Store(&ans)
-		}
-		return v, err
-	}, func(res []result, _ int) bool {
-		g, b, e := tally(res)
-		n := len(res)
-		return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
-	}, t.late(k))
+	var results []result
+	if len(l.servers) == 1 {
+		// One server: no fan-out to decide and no late answer.
+		results = []result{t.askOnly(i, k)}
+	} else {
+		results = l.callAll(t.ctx, func(ctx context.Context, _ int, s *Server) (any, error) {
+			return t.askKey(ctx, s, i, k)
+		}, func(res []result, _ int) bool {
+			g, b, e := tally(res)
+			n := len(res)
+			return g >= l.quorum || b > n-l.quorum || e > n-l.quorum
+		}, t.late(k))
+	}
 	for si, r := range results {
 		if r.done && ((r.err == nil && r.v.([]int64)[0] != 1) || refusedUnrun(r.err)) {
 			t.refused[i] |= 1 << si
@@ -144,6 +141,34 @@ func (t *try) takeKey(i int, k string) (a attempt, over bool) {
 		return attempt{}, false
 	}
 	return t.notTaken(i, k, results), true
+}
+
+// askKey is one server's part of takeKey: the acquire of order[i] = k,
+// and what its answer tells the attempt.
+func (t *try) askKey(ctx context.Context, s *Server, i int, k string) (any, error) {
+	defer t.inflight.Add(-1) // after unknown is stored
+	v, ans, err := t.ask(ctx, s, k)
+	if unknownOutcome(err) {
+		t.keyUnknown[i].Store(true)
+		t.unknown.Store(true) // the lease's release marks the token dead there
+	}
+	if ans != "" {
+		t.answer.Store(&ans)
+	}
+	return v, err
+}
+
+// askOnly is askKey on the only server, a panic in it that server's error
+// (as callAll makes it).
+func (t *try) askOnly(i int, k string) (r result) {
+	defer func() {
+		if p := recover(); p != nil {
+			t.l.logPanic("calling redis", p)
+			r = result{err: fmt.Errorf("redisdlm: panic calling redis: %v", p), done: true}
+		}
+	}()
+	v, err := t.askKey(t.ctx, t.l.servers[0], i, k)
+	return result{v: v, err: err, done: true}
 }
 
 // ask runs the acquire script for key k on one server.

@@ -38,16 +38,23 @@ func (l *Locker) releaseLease(r leaseRelease) {
 // releaseJobs are the jobs of r, one per key.
 func (l *Locker) releaseJobs(r leaseRelease) []releaseJob {
 	jobs := make([]releaseJob, len(r.keys))
-	for i, k := range r.keys {
-		jobs[i] = l.releaseJob(k, r.token)
-		jobs[i].raise, jobs[i].unknown, jobs[i].answer, jobs[i].unclean = r.raise, r.unknown, r.answer, r.unclean
-		if r.msgs != nil {
-			jobs[i].msg = r.msgs[i]
-		} else {
-			jobs[i].msg = wakeMessage(l.dom.id, WakeID(k))
-		}
+	for i := range r.keys {
+		jobs[i] = l.leaseJob(r, i)
 	}
 	return jobs
+}
+
+// leaseJob is the job of r's key i.
+func (l *Locker) leaseJob(r leaseRelease, i int) releaseJob {
+	k := r.keys[i]
+	job := l.releaseJob(k, r.token)
+	job.raise, job.unknown, job.answer, job.unclean = r.raise, r.unknown, r.answer, r.unclean
+	if r.msgs != nil {
+		job.msg = r.msgs[i]
+	} else {
+		job.msg = wakeMessage(l.dom.id, WakeID(k))
+	}
+	return job
 }
 
 // releaseJob is the release of token on key k, with nothing to write back,

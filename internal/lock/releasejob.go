@@ -57,23 +57,47 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 	return n == 1, err
 }
 
-// start sends a release that stores no answer without waiting for it:
-// done gets what run would return, on a goroutine of the server's pipe
-// (see redisconn.Sender), so it must not block.
-func (j releaseJob) start(s *Server, done func(removed bool, err error)) {
-	ReleaseScript.Go(s.batched(), keyNames(j.key).releaseKeys(), j.args(), background.Go, func(cmd *redis.Cmd) {
-		n, err := cmd.Int64()
-		done(n == 1, err)
-	})
+// releaseCall holds the keys and arguments of a release nobody waits for
+// (they must stay as they are until it is answered; see Script.Head).
+type releaseCall struct {
+	keys [6]string
+	args [releaseArgs]any
+	done func(removed bool, err error)
 }
+
+// start sends a release that stores no answer without waiting for it
+// (j and c must stay as they are until then): done gets what run would
+// return, on a goroutine spawn started (see redisconn.Sender), so it must
+// neither block nor panic.
+func (j *releaseJob) start(s *Server, c *releaseCall, spawn func(func()), done func(removed bool, err error)) {
+	c.keys = keyNames(j.key).releaseKeyArray()
+	j.fill(&c.args)
+	c.done = done
+	ReleaseScript.Go(s.batched(), c.keys[:], c.args[:], spawn, c.answered)
+}
+
+func (c *releaseCall) answered(cmd *redis.Cmd) {
+	n, err := cmd.Int64()
+	c.done(n == 1, err)
+}
+
+// releaseArgs is the number of the release scripts' arguments.
+const releaseArgs = 11
 
 // args are the release script's arguments.
 func (j *releaseJob) args() []any {
+	var a [releaseArgs]any
+	j.fill(&a)
+	return a[:]
+}
+
+// fill writes the release script's arguments into a.
+func (j *releaseJob) fill(a *[releaseArgs]any) {
 	dead := int64(0)
 	if j.unknown {
 		// Kept as long as the releaser would retry this undo: an attempt
 		// delayed on its way to Redis is refused until then.
 		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
 	}
-	return []any{&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs}
+	*a = [releaseArgs]any{&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs}
 }

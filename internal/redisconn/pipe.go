@@ -19,8 +19,10 @@ import (
 // PipeInFlight pipelines on their way sends at once, with whatever else
 // waits (a lone call goes as a plain call, exactly as without the pipe);
 // otherwise it waits in the queue, and the first caller whose pipeline is
-// answered hands the queue on to a waiting caller, who sends it. An idle
-// pipe is nothing but a mutex and an empty queue.
+// answered hands the queue on to a waiting caller, who sends it (or, when
+// the queue's first call is one nobody waits for, to a goroutine started
+// for it: see Sender). An idle pipe is nothing but a mutex and an empty
+// queue.
 //
 // A pipeline is never sent again: a command of it whose answer was lost
 // (a timeout, a dropped connection) gets that error, which for a script
@@ -119,9 +121,14 @@ func (v piped) Process(ctx context.Context, cmd redis.Cmder) error {
 
 // Sender is a Processor (one of Via) that also sends a command its caller
 // does not wait for: done runs once cmd is answered, or failed (cmd holds
-// the answer or the error), on a goroutine of the pipe's, never the
-// caller's; spawn starts such a goroutine (it recovers its own panics).
-// done must not block: it runs with the done of other calls.
+// the answer or the error), on a goroutine spawn started, never the
+// caller's. spawn must not block, and must recover and report a panic of
+// the function it runs: a hook of the client that panics while such a
+// goroutine sends a pipeline fails every call of it with the panic, and
+// the panic goes on there once they are all done. done must neither block
+// nor panic: it runs with the done of the other calls of its pipeline.
+// Under load, such a call costs no goroutine of its own (see send); on a
+// Cluster client (each call alone, see Via) it is sent by one spawn starts.
 type Sender interface {
 	Processor
 	Go(cmd redis.Cmder, done func(), spawn func(func()))
@@ -133,8 +140,14 @@ func (v piped) Go(cmd redis.Cmder, done func(), spawn func(func())) {
 
 func (t timed) Go(cmd redis.Cmder, done func(), spawn func(func())) {
 	spawn(func() {
+		defer done() // also after a panic of a hook, which goes on to spawn's recovery
+		defer func() {
+			if r := recover(); r != nil {
+				cmd.SetErr(fmt.Errorf("redisdlm: panic sending a call: %v", r))
+				panic(r)
+			}
+		}()
 		_ = t.Process(context.Background(), cmd)
-		done()
 	})
 }
 
@@ -202,8 +215,8 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 		if r != nil {
 			// A hook of the client panicked: every call of the batch gets
 			// the panic as its error, and the panic goes on in the
-			// leader's own call (whose caller logs it) once the others
-			// are answered and the queue is handed on.
+			// leader's own call (whose caller, or spawn, logs it) once the
+			// others are answered and the queue is handed on.
 			err := fmt.Errorf("redisdlm: panic sending a pipeline: %v", r)
 			for _, call := range batch {
 				if call.cmd.Err() == nil {
@@ -221,7 +234,9 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 				close(call.wake)
 			}
 		}
-		p.handOn()
+		if next := p.handOn(); next != nil {
+			next.spawn(func() { p.lead(next.c, next) })
+		}
 		switch {
 		case own.done != nil:
 			own.done()
@@ -229,7 +244,7 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 		case len(detached) > 0:
 			detached[0].spawn(func() { runDone(detached) })
 		}
-		if r != nil && own.done == nil {
+		if r != nil {
 			panic(r)
 		}
 	}()
@@ -312,9 +327,11 @@ func (p *Pipe) take(own *pipeCall) (batch, expired []*pipeCall) {
 	return batch, expired
 }
 
-// handOn makes the first waiting caller send the queue, or ends a pipeline
-// in flight when nobody waits.
-func (p *Pipe) handOn() {
+// handOn makes the first waiting call of the queue send it, or ends a
+// pipeline in flight when none waits. It returns that call when nobody
+// waits for it: the caller of handOn then has a goroutine started to send
+// it (not under the pipe's mutex).
+func (p *Pipe) handOn() (detached *pipeCall) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for len(p.queue) > 0 {
@@ -322,16 +339,22 @@ func (p *Pipe) handOn() {
 		p.queue = p.queue[1:]
 		if next.state.CompareAndSwap(pipePending, pipeTaken) {
 			if next.done != nil {
-				next.spawn(func() { p.lead(next.c, next) })
-				return
+				return next
 			}
 			next.lead = true
 			close(next.wake)
-			return
+			return nil
 		}
 	}
-	p.queue = nil
+	// The queue keeps its room for the next calls (a new one would grow
+	// again, call by call), unless a burst made it large.
+	if cap(p.queue) > pipeMax {
+		p.queue = nil
+	} else {
+		p.queue = p.queue[:0]
+	}
 	p.inflight--
+	return nil
 }
 
 // latestDeadline is the latest deadline of the calls: at most the timeout

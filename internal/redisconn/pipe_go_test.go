@@ -3,6 +3,8 @@ package redisconn
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,19 +13,44 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// spawner counts the goroutines a pipe starts for calls nobody waits for.
-type spawner struct{ n atomic.Int32 }
+// spawner starts the goroutines a pipe asks for calls nobody waits for,
+// counts them, and recovers (and keeps) what panics in them, as a Sender's
+// spawn must.
+type spawner struct {
+	n      atomic.Int32
+	mu     sync.Mutex
+	panics []any
+}
 
 func (s *spawner) spawn(f func()) {
 	s.n.Add(1)
-	go f()
+	go func() {
+		defer func() {
+			if r := recover(); r != nil {
+				s.mu.Lock()
+				s.panics = append(s.panics, r)
+				s.mu.Unlock()
+			}
+		}()
+		f()
+	}()
+}
+
+func (s *spawner) recovered() []any {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]any(nil), s.panics...)
 }
 
 // goCall sends countScript on key through p without waiting; the answer
-// (or error) arrives on the returned channel.
-func goCall(p Sender, key string, s *spawner) <-chan *redis.Cmd {
-	out := make(chan *redis.Cmd, 1)
-	countScript.Go(p, []string{key}, nil, s.spawn, func(cmd *redis.Cmd) { out <- cmd })
+// (or error) arrives on the returned channel, and n counts the calls of
+// done (exactly one is due).
+func goCall(p Sender, key string, s *spawner, n *atomic.Int32) <-chan *redis.Cmd {
+	out := make(chan *redis.Cmd, 2)
+	countScript.Go(p, []string{key}, nil, s.spawn, func(cmd *redis.Cmd) {
+		n.Add(1)
+		out <- cmd
+	})
 	return out
 }
 
@@ -38,6 +65,23 @@ func answered(t *testing.T, ch <-chan *redis.Cmd) *redis.Cmd {
 	}
 }
 
+// idle waits until p has no pipeline on its way and nothing queued.
+func idle(t *testing.T, p *Pipe) {
+	t.Helper()
+	if !waitUntil(func() bool { p.mu.Lock(); defer p.mu.Unlock(); return p.inflight == 0 && len(p.queue) == 0 }) {
+		t.Fatal("the pipe never went idle: a pipeline in flight was never ended")
+	}
+}
+
+// doneOnce checks that each call's done ran exactly once.
+func doneOnce(t *testing.T, n *atomic.Int32, calls int) {
+	t.Helper()
+	time.Sleep(50 * time.Millisecond) // a second done would come now
+	if got := n.Load(); got != int32(calls) {
+		t.Fatalf("done ran %d times for %d calls, want once each", got, calls)
+	}
+}
+
 // TestPipeGoAloneLeavesAtOnce: on an idle pipe, a call nobody waits for
 // leaves at once, as a plain call, on a goroutine the pipe starts (not its
 // caller's), and done gets its answer.
@@ -46,34 +90,31 @@ func TestPipeGoAloneLeavesAtOnce(t *testing.T) {
 	c, _ := newPipeClient(t)
 	var p Pipe
 	var s spawner
-	ch := goCall(p.Via(c, 5*time.Second), "alone", &s)
+	var n atomic.Int32
+	ch := goCall(p.Via(c, 5*time.Second), "alone", &s, &n)
 	if v, err := answered(t, ch).Int64(); err != nil || v != 1 {
 		t.Fatalf("answer %d, %v; want 1", v, err)
 	}
 	if s.n.Load() != 1 || c.lone.Load() != 1 {
 		t.Fatalf("%d goroutines started, %d lone calls; want 1 and 1", s.n.Load(), c.lone.Load())
 	}
-	if !waitUntil(func() bool { p.mu.Lock(); defer p.mu.Unlock(); return p.inflight == 0 }) {
-		t.Fatal("the pipeline in flight was never ended")
-	}
+	idle(t, &p)
+	doneOnce(t, &n, 1)
 }
 
 // TestPipeGoRidesWithWaitingCalls: calls nobody waits for that arrive
 // while PipeInFlight pipelines are on their way start no goroutine: they
-// leave in the next pipeline with the calls that wait, and their done runs
-// on one goroutine started for all of them, after the waiting calls are
+// leave in the pipeline a waiting caller sends, and their done runs on one
+// goroutine started for all of them, after the waiting callers are
 // answered.
 func TestPipeGoRidesWithWaitingCalls(t *testing.T) {
 	t.Parallel()
 	c, p, held := heldPipe(t, "held")
 	var s spawner
-	const n = 6
-	chs := make([]<-chan *redis.Cmd, n)
-	for i := range chs {
-		chs[i] = goCall(p.Via(c, 5*time.Second), "ride", &s)
-	}
+	var n atomic.Int32
 	var wg sync.WaitGroup
-	errs := make([]error, 3)
+	const waiting, detached = 3, 6
+	errs := make([]error, waiting)
 	for i := range errs {
 		wg.Add(1)
 		go func() {
@@ -81,20 +122,18 @@ func TestPipeGoRidesWithWaitingCalls(t *testing.T) {
 			errs[i] = countScript.Run(context.Background(), p.Via(c, 5*time.Second), []string{"ride"}).Err()
 		}()
 	}
-	if !waitUntil(func() bool { return p.Queued() == n+len(errs) }) {
-		t.Fatalf("%d calls queued, want %d", p.Queued(), n+len(errs))
+	if !waitUntil(func() bool { return p.Queued() == waiting }) {
+		t.Fatalf("%d calls queued, want %d", p.Queued(), waiting)
 	}
-	if s.n.Load() != 0 {
-		t.Fatalf("%d goroutines started for queued calls, want 0", s.n.Load())
+	chs := make([]<-chan *redis.Cmd, detached)
+	for i := range chs {
+		chs[i] = goCall(p.Via(c, 5*time.Second), "ride", &s, &n)
 	}
-	close(c.hold)
-	held.Wait()
+	if p.Queued() != waiting+detached || s.n.Load() != 0 {
+		t.Fatalf("%d calls queued, %d goroutines started; want %d and 0", p.Queued(), s.n.Load(), waiting+detached)
+	}
+	c.hold <- struct{}{} // one held call returns: its pipeline hands the queue on to a waiting caller
 	wg.Wait()
-	for i, err := range errs {
-		if err != nil {
-			t.Fatalf("waiting call %d: %v", i, err)
-		}
-	}
 	seen := map[int64]bool{}
 	for _, ch := range chs {
 		v, err := answered(t, ch).Int64()
@@ -103,12 +142,21 @@ func TestPipeGoRidesWithWaitingCalls(t *testing.T) {
 		}
 		seen[v] = true
 	}
-	if v := c.Client.Get(context.Background(), "ride").Val(); v != "9" {
-		t.Fatalf("redis ran the calls %s times, want 9", v)
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("waiting call %d: %v", i, err)
+		}
 	}
-	if got := s.n.Load(); got > 2 {
-		t.Fatalf("%d goroutines started, want at most 2 (one pipeline's done, at most one more pipeline)", got)
+	if sizes := c.batchSizes(); len(sizes) != 1 || sizes[0] != waiting+detached {
+		t.Fatalf("pipelines of %v, want one of %d", sizes, waiting+detached)
 	}
+	if got := s.n.Load(); got != 1 {
+		t.Fatalf("%d goroutines started, want 1 (for the done of the pipeline's calls nobody waits for)", got)
+	}
+	close(c.hold)
+	held.Wait()
+	idle(t, p)
+	doneOnce(t, &n, detached)
 }
 
 // TestPipeGoQueuedAloneIsSent: calls nobody waits for, queued behind the
@@ -118,13 +166,14 @@ func TestPipeGoQueuedAloneIsSent(t *testing.T) {
 	t.Parallel()
 	c, p, held := heldPipe(t, "held")
 	var s spawner
-	const n = 5
-	chs := make([]<-chan *redis.Cmd, n)
+	var n atomic.Int32
+	const calls = 5
+	chs := make([]<-chan *redis.Cmd, calls)
 	for i := range chs {
-		chs[i] = goCall(p.Via(c, 5*time.Second), "queued", &s)
+		chs[i] = goCall(p.Via(c, 5*time.Second), "queued", &s, &n)
 	}
-	if p.Queued() != n {
-		t.Fatalf("%d calls queued, want %d", p.Queued(), n)
+	if p.Queued() != calls {
+		t.Fatalf("%d calls queued, want %d", p.Queued(), calls)
 	}
 	close(c.hold)
 	held.Wait()
@@ -136,9 +185,8 @@ func TestPipeGoQueuedAloneIsSent(t *testing.T) {
 	if v := c.Client.Get(context.Background(), "queued").Val(); v != "5" {
 		t.Fatalf("redis ran the calls %s times, want 5", v)
 	}
-	if p.Queued() != 0 {
-		t.Fatalf("%d calls left in the queue", p.Queued())
-	}
+	idle(t, p)
+	doneOnce(t, &n, calls)
 }
 
 // TestPipeGoLostAndExpired: a call nobody waits for gets its pipeline's
@@ -149,10 +197,12 @@ func TestPipeGoLostAndExpired(t *testing.T) {
 	c, p, held := heldPipe(t, "held")
 	c.loseAll.Store(true)
 	var s spawner
-	// The short call stands second: the first leads, and leaves it out.
-	lost := []<-chan *redis.Cmd{goCall(p.Via(c, 5*time.Second), "lost", &s)}
-	short := goCall(p.Via(c, 100*time.Millisecond), "short", &s)
-	lost = append(lost, goCall(p.Via(c, 5*time.Second), "lost", &s))
+	var n atomic.Int32
+	// The short call stands between the two others: whichever leads, it
+	// is taken from the queue (or handed the lead) after its deadline.
+	lost := []<-chan *redis.Cmd{goCall(p.Via(c, 5*time.Second), "lost", &s, &n)}
+	short := goCall(p.Via(c, 100*time.Millisecond), "short", &s, &n)
+	lost = append(lost, goCall(p.Via(c, 5*time.Second), "lost", &s, &n))
 	time.Sleep(200 * time.Millisecond) // the short call's deadline passes in the queue
 	close(c.hold)
 	held.Wait()
@@ -171,10 +221,13 @@ func TestPipeGoLostAndExpired(t *testing.T) {
 	if ex := c.Client.Exists(ctx, "short").Val(); ex != 0 {
 		t.Fatal("the expired call was sent")
 	}
+	idle(t, p)
+	doneOnce(t, &n, 3)
 }
 
 // TestScriptGoLoadsUnknownScript: a call nobody waits for whose script
-// Redis does not know (NOSCRIPT: it did not run) is sent again as EVAL.
+// Redis does not know (NOSCRIPT: it did not run) is sent again as EVAL,
+// the same way, and done runs once, with EVAL's answer.
 func TestScriptGoLoadsUnknownScript(t *testing.T) {
 	t.Parallel()
 	c, _ := newPipeClient(t)
@@ -184,7 +237,54 @@ func TestScriptGoLoadsUnknownScript(t *testing.T) {
 	}
 	var p Pipe
 	var s spawner
-	if v, err := answered(t, goCall(p.Via(c, 5*time.Second), "flushed", &s)).Int64(); err != nil || v != 1 {
+	var n atomic.Int32
+	if v, err := answered(t, goCall(p.Via(c, 5*time.Second), "flushed", &s, &n)).Int64(); err != nil || v != 1 {
 		t.Fatalf("answer %d, %v; want 1 (run once, by EVAL)", v, err)
+	}
+	if c.lone.Load() != 2 {
+		t.Fatalf("%d calls sent, want 2 (EVALSHA, then EVAL)", c.lone.Load())
+	}
+	idle(t, &p)
+	doneOnce(t, &n, 1)
+}
+
+// TestPipeGoHookPanics: a hook of the client that panics while a goroutine
+// of the pipe sends a call nobody waits for fails the call with the panic
+// (done runs), the pipe goes idle, and the panic goes on to spawn's
+// recovery, which reports it; the same on a Cluster client, whose calls go
+// alone.
+func TestPipeGoHookPanics(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name string
+		via  func(p *Pipe, c *pipeClient) Sender
+	}{
+		{"pipe", func(p *Pipe, c *pipeClient) Sender { return p.Via(c, 5*time.Second) }},
+		{"alone (cluster)", func(_ *Pipe, c *pipeClient) Sender { return timed{c, 5 * time.Second} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c, _ := newPipeClient(t)
+			var p Pipe
+			var s spawner
+			var n atomic.Int32
+			c.panicNext.Store(true)
+			err := answered(t, goCall(tc.via(&p, c), "panics", &s, &n)).Err()
+			if err == nil || !strings.Contains(err.Error(), "panic") {
+				t.Fatalf("the call whose hook panicked: %v, want the panic as its error", err)
+			}
+			if !waitUntil(func() bool { return len(s.recovered()) == 1 }) {
+				t.Fatalf("spawn recovered %v, want the hook's panic", s.recovered())
+			}
+			if got := fmt.Sprint(s.recovered()[0]); got != "a hook panicked" {
+				t.Fatalf("spawn recovered %q", got)
+			}
+			idle(t, &p)
+			doneOnce(t, &n, 1)
+			// The next call goes through.
+			if v, err := answered(t, goCall(tc.via(&p, c), "after", &s, &n)).Int64(); err != nil || v != 1 {
+				t.Fatalf("the next call: %d, %v", v, err)
+			}
+		})
 	}
 }

@@ -28,12 +28,17 @@ type pipeClient struct {
 	held    atomic.Int32  // lone calls waiting on hold
 	lone    atomic.Int32
 	loseAll atomic.Bool
-	mu      sync.Mutex
-	sizes   []int
+	// panicNext: the next lone call or pipeline panics (a hook that panics)
+	panicNext atomic.Bool
+	mu        sync.Mutex
+	sizes     []int
 }
 
 func (c *pipeClient) Process(ctx context.Context, cmd redis.Cmder) error {
 	c.lone.Add(1)
+	if c.panicNext.CompareAndSwap(true, false) {
+		panic("a hook panicked")
+	}
 	if c.hold != nil {
 		c.held.Add(1)
 		<-c.hold
@@ -63,6 +68,9 @@ func (p *countedPipeline) Process(ctx context.Context, cmd redis.Cmder) error {
 }
 
 func (p *countedPipeline) Exec(ctx context.Context) ([]redis.Cmder, error) {
+	if p.c.panicNext.CompareAndSwap(true, false) {
+		panic("a hook panicked")
+	}
 	p.c.mu.Lock()
 	p.c.sizes = append(p.c.sizes, p.n)
 	p.c.mu.Unlock()

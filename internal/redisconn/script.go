@@ -52,12 +52,13 @@ func (s *Script) Eval(ctx context.Context, p Processor, keys []string, args ...a
 }
 
 // Go is Run for a caller that does not wait: done gets the answer (see
-// Sender; NOSCRIPT sends EVAL from a goroutine spawn starts).
+// Sender; on NOSCRIPT the EVAL goes the same way).
 func (s *Script) Go(p Sender, keys []string, args []any, spawn func(func()), done func(*redis.Cmd)) {
 	cmd := s.newCmd(context.Background(), false, keys, args)
 	p.Go(NoRetry{cmd}, func() {
 		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			spawn(func() { done(s.call(context.Background(), p, true, keys, args)) })
+			eval := s.newCmd(context.Background(), true, keys, args)
+			p.Go(NoRetry{eval}, func() { done(eval) }, spawn)
 			return
 		}
 		done(cmd)
