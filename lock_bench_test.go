@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -24,7 +25,7 @@ func BenchmarkLockedRequest(b *testing.B) {
 	h := provisionLock(b, fmt.Sprintf(`{"redis":[%q]}`, rs.Addr))
 	next := caddyhttp.HandlerFunc(okHandler)
 	var callers atomic.Int64
-	b.SetParallelism(32) // × GOMAXPROCS 2: 64 callers
+	b.SetParallelism(max(1, 64/runtime.GOMAXPROCS(0))) // 64 callers
 	b.ReportAllocs()
 	b.ResetTimer()
 	b.RunParallel(func(pb *testing.PB) {

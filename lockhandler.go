@@ -547,7 +547,10 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	rw := &startedWriter{}
 	// The header as handlers before the lock left it: what a replay stores
 	// is what the route added, and a 503 after a lost lease goes back to it.
-	if h.Replay > 0 || h.OnLost == "cancel" {
+	switch {
+	case h.Replay > 0:
+		rw.before.saveCopy(w.Header())
+	case h.OnLost == "cancel":
 		rw.before.save(w.Header())
 	}
 	var rec *recorder
@@ -728,6 +731,14 @@ func (s *headerSnapshot) save(h http.Header) {
 		}
 	}
 	s.clone = h.Clone()
+}
+
+// saveCopy keeps h as a copy (what replay's recorder compares the route's
+// header with: one map, cheaper than building it from the inline fields).
+func (s *headerSnapshot) saveCopy(h http.Header) {
+	if len(h) > 0 {
+		s.clone = h.Clone()
+	}
 }
 
 // header is the snapshot as a header of its own (read only when empty).

@@ -485,3 +485,55 @@ func firstKey(cmd redis.Cmder) string {
 	k, _ := redisconn.Arg(a[3])
 	return k
 }
+
+// TestClientHookPanics: a hook of the client that panics while one
+// server's acquire is sent fails that acquire (ErrUnavailable), with the
+// panic logged, and never crashes the process; one that panics while a
+// release nobody waits for is sent fails that release and logs the panic
+// with its stack, and the server's releaser sends the release again: the
+// key is free, and every local queue is given back.
+func TestClientHookPanics(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 1)
+	l, fcs := testLocker(t, rs, testOptions())
+	logs := &logRecorder{}
+	l.SetLogger(slog.New(logs)) // before anything runs in the background
+	var onAcquire, onRelease atomic.Bool
+	fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
+		switch s, _ := scriptCall(cmd); {
+		case s == AcquireScript && onAcquire.CompareAndSwap(true, false):
+			panic("hook exploded on an acquire")
+		case s == ReleaseScript && onRelease.CompareAndSwap(true, false):
+			panic("hook exploded on a release")
+		}
+		return next()
+	})
+	ctx := context.Background()
+	key := "caddy:lock:{hook-panic}"
+	onAcquire.Store(true)
+	if _, err := l.Acquire(ctx, []string{key}); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("acquire whose hook panicked: %v, want ErrUnavailable", err)
+	}
+	if n := len(logs.matching("panic")); n != 1 {
+		t.Fatalf("%d panics logged, want 1", n)
+	}
+	onRelease.Store(true)
+	ls, err := l.Acquire(ctx, []string{key})
+	if err != nil {
+		t.Fatalf("the next acquire: %v", err)
+	}
+	ls.ReleaseInBackground("")
+	if !allFree(10*time.Second, key, rs) {
+		t.Fatal("the key is still held after a release whose hook panicked")
+	}
+	if !waitFor(10*time.Second, func() bool { return len(logs.matching("panic")) == 2 }) {
+		t.Fatalf("%d panics logged, want 2", len(logs.matching("panic")))
+	}
+	if rec := logs.matching("panic")[1]; fmt.Sprint(rec.attrs["panic"]) != "hook exploded on a release" || rec.attrs["stack"] == "" {
+		t.Fatalf("the release's panic is not logged with its stack: %v", rec.attrs)
+	}
+	if !waitFor(10*time.Second, func() bool { return l.servers[0].rel.pendingCount() == 0 && l.Queues() == 0 }) {
+		t.Fatalf("%d releases owed, %d local queues left", l.servers[0].rel.pendingCount(), l.Queues())
+	}
+	noKeyForever(t, rs)
+}

@@ -153,11 +153,12 @@ func (ls *Lease) releaseDetached(answer string) bool {
 		return false
 	}
 	d := &detachedRelease{ls: ls, job: ls.l.leaseJob(ls.release(answer), 0)}
-	d.job.start(ls.l.servers[0], &d.call, ls.l.spawn, d.settle)
+	d.job.start(ls.l.servers[0], &d.call, ls.l.spawn, d)
 	return true
 }
 
-// detachedRelease is a release nobody waits for, in one allocation.
+// detachedRelease is a release nobody waits for: the lease, its job, and
+// the call's keys and arguments in one allocation.
 type detachedRelease struct {
 	ls   *Lease
 	job  releaseJob

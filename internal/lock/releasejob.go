@@ -62,23 +62,29 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 type releaseCall struct {
 	keys [6]string
 	args [releaseArgs]any
-	done func(removed bool, err error)
+	to   releaseSettler
+}
+
+// releaseSettler is what a release nobody waits for reports to once the
+// server answered: what run would return.
+type releaseSettler interface {
+	settle(removed bool, err error)
 }
 
 // start sends a release that stores no answer without waiting for it
-// (j and c must stay as they are until then): done gets what run would
+// (j and c must stay as they are until then): to hears what run would
 // return, on a goroutine spawn started (see redisconn.Sender), so it must
 // neither block nor panic.
-func (j *releaseJob) start(s *Server, c *releaseCall, spawn func(func()), done func(removed bool, err error)) {
+func (j *releaseJob) start(s *Server, c *releaseCall, spawn func(func()), to releaseSettler) {
 	c.keys = keyNames(j.key).releaseKeyArray()
 	j.fill(&c.args)
-	c.done = done
+	c.to = to
 	ReleaseScript.Go(s.batched(), c.keys[:], c.args[:], spawn, c.answered)
 }
 
 func (c *releaseCall) answered(cmd *redis.Cmd) {
 	n, err := cmd.Int64()
-	c.done(n == 1, err)
+	c.to.settle(n == 1, err)
 }
 
 // releaseArgs is the number of the release scripts' arguments.

@@ -323,7 +323,7 @@ func (p *Pipe) take(own *pipeCall) (batch, expired []*pipeCall) {
 		}
 		batch = append(batch, call)
 	}
-	p.queue = append(p.queue[:0], p.queue[n:]...)
+	p.dropFront(n)
 	return batch, expired
 }
 
@@ -336,7 +336,7 @@ func (p *Pipe) handOn() (detached *pipeCall) {
 	defer p.mu.Unlock()
 	for len(p.queue) > 0 {
 		next := p.queue[0]
-		p.queue = p.queue[1:]
+		p.dropFront(1)
 		if next.state.CompareAndSwap(pipePending, pipeTaken) {
 			if next.done != nil {
 				return next
@@ -346,15 +346,21 @@ func (p *Pipe) handOn() (detached *pipeCall) {
 			return nil
 		}
 	}
-	// The queue keeps its room for the next calls (a new one would grow
-	// again, call by call), unless a burst made it large.
 	if cap(p.queue) > pipeMax {
-		p.queue = nil
-	} else {
-		p.queue = p.queue[:0]
+		p.queue = nil // a burst made it large
 	}
 	p.inflight--
 	return nil
+}
+
+// dropFront removes the queue's first n calls (p.mu held). The rest move
+// down, so the queue keeps its room for the next calls (a new one would
+// grow again, call by call), and the slots left behind are cleared: an
+// idle queue keeps no answered call alive.
+func (p *Pipe) dropFront(n int) {
+	rest := copy(p.queue, p.queue[n:])
+	clear(p.queue[rest:])
+	p.queue = p.queue[:rest]
 }
 
 // latestDeadline is the latest deadline of the calls: at most the timeout

@@ -20,10 +20,21 @@ type spawner struct {
 	n      atomic.Int32
 	mu     sync.Mutex
 	panics []any
+	pipe   *Pipe       // if set, spawn takes its mutex first: it must not be held
+	locked atomic.Bool // the pipe's mutex was held for 5s while it asked for a goroutine
 }
 
 func (s *spawner) spawn(f func()) {
 	s.n.Add(1)
+	if s.pipe != nil {
+		free := make(chan struct{})
+		go func() { s.pipe.Queued(); close(free) }()
+		select {
+		case <-free:
+		case <-time.After(5 * time.Second):
+			s.locked.Store(true) // asked under the mutex: a spawn that waits for it would deadlock
+		}
+	}
 	go func() {
 		defer func() {
 			if r := recover(); r != nil {
@@ -165,12 +176,15 @@ func TestPipeGoRidesWithWaitingCalls(t *testing.T) {
 func TestPipeGoQueuedAloneIsSent(t *testing.T) {
 	t.Parallel()
 	c, p, held := heldPipe(t, "held")
-	var s spawner
+	s := spawner{pipe: p}
 	var n atomic.Int32
 	const calls = 5
 	chs := make([]<-chan *redis.Cmd, calls)
 	for i := range chs {
 		chs[i] = goCall(p.Via(c, 5*time.Second), "queued", &s, &n)
+	}
+	if s.n.Load() != 0 {
+		t.Fatalf("%d goroutines started for queued calls, want 0", s.n.Load())
 	}
 	if p.Queued() != calls {
 		t.Fatalf("%d calls queued, want %d", p.Queued(), calls)
@@ -184,6 +198,9 @@ func TestPipeGoQueuedAloneIsSent(t *testing.T) {
 	}
 	if v := c.Client.Get(context.Background(), "queued").Val(); v != "5" {
 		t.Fatalf("redis ran the calls %s times, want 5", v)
+	}
+	if s.locked.Load() {
+		t.Fatal("the pipe asked for a goroutine while holding its mutex")
 	}
 	idle(t, p)
 	doneOnce(t, &n, calls)
@@ -241,8 +258,8 @@ func TestScriptGoLoadsUnknownScript(t *testing.T) {
 	if v, err := answered(t, goCall(p.Via(c, 5*time.Second), "flushed", &s, &n)).Int64(); err != nil || v != 1 {
 		t.Fatalf("answer %d, %v; want 1 (run once, by EVAL)", v, err)
 	}
-	if c.lone.Load() != 2 {
-		t.Fatalf("%d calls sent, want 2 (EVALSHA, then EVAL)", c.lone.Load())
+	if c.lone.Load() != 2 || s.n.Load() != 2 {
+		t.Fatalf("%d calls sent, %d goroutines started; want 2 and 2 (EVALSHA, then EVAL, each sent the same way)", c.lone.Load(), s.n.Load())
 	}
 	idle(t, &p)
 	doneOnce(t, &n, 1)
