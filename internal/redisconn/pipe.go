@@ -163,7 +163,7 @@ func (p *Pipe) send(c Pipeliner, timeout time.Duration, cmd redis.Cmder, done fu
 		p.inflight++
 		p.mu.Unlock()
 		call.state.Store(pipeTaken)
-		spawn(func() { p.lead(c, call) })
+		p.spawnLead(call)
 		return
 	}
 	p.queue = append(p.queue, call)
@@ -235,7 +235,7 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 			}
 		}
 		if next := p.handOn(); next != nil {
-			next.spawn(func() { p.lead(next.c, next) })
+			p.spawnLead(next)
 		}
 		switch {
 		case own.done != nil:
@@ -282,6 +282,12 @@ func (p *Pipe) waiting() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return len(p.queue) > 0
+}
+
+// spawnLead has a goroutine started to send call, one nobody waits for
+// (taken already), with what waits in the queue.
+func (p *Pipe) spawnLead(call *pipeCall) {
+	call.spawn(func() { p.lead(call.c, call) })
 }
 
 // runDone runs the done of calls nobody waits for.
