@@ -572,7 +572,8 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
 		keep.Stop()
-		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil}
+		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil,
+			cutOff: rec != nil && errors.Is(context.Cause(base), errDetachedRunOver)}
 		cancel(nil)
 		h.release(hd, r, rec, end)
 		if err == nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
@@ -627,6 +628,10 @@ type routeEnd struct {
 	err        error // what it returned
 	broken     bool  // it panicked, or the lease was lost
 	clientGone bool  // the client went away while it still ran
+	// cutOff: a replay route whose client went away was cancelled at its
+	// bound (see detach): its answer is not stored, and its upstream may
+	// still be writing.
+	cutOff bool
 }
 
 // release gives the lease back once the route returned (in the
@@ -843,11 +848,21 @@ func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWr
 // releaseReplay releases a replay lock, storing the holder's answer with
 // the release when it can be replayed.
 func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end routeEnd) {
-	ans, why := rec.answer(r, hd.id, end.err, end.broken)
+	ans, why := "", "the client went away and the route was cancelled at its bound (max_hold, or one ttl after the client left)"
+	if !end.cutOff {
+		ans, why = rec.answer(r, hd.id, end.err, end.broken)
+	}
 	if ans == "" {
 		h.m.notStored.Inc()
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
 			c.Write(zap.String("key", hd.display), zap.String("reason", why))
+		}
+		if end.cutOff && h.LockDelay > 0 {
+			// Cut short with its client gone: its upstream may still
+			// be writing, so lock_delay applies (SPEC §3 item 13).
+			h.m.delayAbandoned.Inc()
+			hd.lease.Abandon()
+			return
 		}
 		hd.lease.ReleaseInBackground("")
 		return

@@ -927,3 +927,63 @@ func TestOnLostCancelNoAnswerWithoutTheLock(t *testing.T) {
 		})
 	}
 }
+
+// TestLockHandOffKeepsTokensFresh: a lease is handed on locally only while
+// its block of fencing tokens is younger than the ttl. A token's floor is
+// the Redis TIME its block was reserved at, and redis_fence refuses tokens
+// older than its retain, so after a hold longer than the ttl (kept alive by
+// auto-extension) the next holder gets a fresh token from Redis instead of
+// the next of an aging block; after a short hold the lease is handed on.
+func TestLockHandOffKeepsTokensFresh(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1s","wait":"20s","timeout":"5s"}`, r.Addr))
+	tokens := make(chan int64, 4)
+	release := make(chan struct{}, 3)
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		tok, err := strconv.ParseInt(req.Header.Get(DefaultFencingHeader), 10, 64)
+		if err != nil {
+			return err
+		}
+		tokens <- tok
+		if req.URL.Query().Get("hold") != "" {
+			<-release
+		}
+		return nil
+	})
+	for _, tc := range []struct {
+		name    string
+		hold    time.Duration
+		handOff bool
+	}{{"short hold", 50 * time.Millisecond, true}, {"hold past the ttl", 1500 * time.Millisecond, false}} {
+		path := "/fresh-" + strings.ReplaceAll(tc.name, " ", "-")
+		key := storedKey(h.Prefix, path)
+		done := make(chan struct{}, 3)
+		go func() { get(t, srv.URL+path+"?hold=1"); done <- struct{}{} }()
+		<-tokens
+		// Two wait behind the first holder, in this order: the second
+		// takes the lock from Redis with a block of two tokens, the third
+		// its lease from the second.
+		for i, q := range []string{"?hold=1", ""} {
+			go func() { get(t, srv.URL+path+q); done <- struct{}{} }()
+			if !waitFor(15*time.Second, func() bool { w, _ := h.locker.Local(key); return w > i }) {
+				t.Fatal("the waiters never queued")
+			}
+		}
+		release <- struct{}{}
+		second := <-tokens
+		time.Sleep(tc.hold)
+		release <- struct{}{}
+		third := <-tokens
+		for range 3 {
+			<-done
+		}
+		handedOn := third == second+1
+		if handedOn != tc.handOff {
+			t.Errorf("%s: tokens %d then %d (handed on: %v), want handed on: %v", tc.name, second, third, handedOn, tc.handOff)
+		}
+		if !tc.handOff && third-second < tc.hold.Microseconds()*9/10 {
+			t.Errorf("%s: the next token %d is not fresh: %d µs above the one before, the hold was %s", tc.name, third, third-second, tc.hold)
+		}
+	}
+}

@@ -163,8 +163,14 @@ type storedAnswer struct {
 	Cred    string `json:"c,omitempty"`
 	Cookie  string `json:"k,omitempty"`
 	// Vary is the hash of the holder's values of the request headers that
-	// the answer's Vary names.
-	Vary string `json:"v,omitempty"`
+	// the answer's Vary names; VaryBy those names, from the answer as the
+	// client saw it (a Vary set before the lock counts too). An answer
+	// stored without VaryBy takes the names from Header.
+	Vary   string   `json:"v,omitempty"`
+	VaryBy []string `json:"vn,omitempty"`
+	// Head: the answer to a HEAD, which has no body: it answers no other
+	// method (a fingerprint without the method would give it to a GET).
+	Head bool `json:"hd,omitempty"`
 	body []byte
 }
 
@@ -198,10 +204,9 @@ func decodeAnswer(s string) (*storedAnswer, error) {
 	return a, nil
 }
 
-// varyHash hashes r's values of the request headers named by an answer's
-// Vary header ("" when it names none).
-func varyHash(answer http.Header, r *http.Request) string {
-	names := varyNames(answer)
+// varyHash hashes r's values of the request headers names ("" when there
+// are none).
+func varyHash(names []string, r *http.Request) string {
 	if len(names) == 0 {
 		return ""
 	}
@@ -239,14 +244,24 @@ func (a *storedAnswer) servable(id identity, r *http.Request, credCookies bool) 
 		return "the request is conditional or a range request"
 	case a.Fingerprint != id.fp:
 		return "the request differs from the stored one"
+	case a.Head && r.Method != http.MethodHead:
+		return "the stored answer is a HEAD's, without a body"
 	case a.Private && a.Cred != id.cred:
 		return "the stored answer is private to other credentials"
 	case a.Private && !credCookies && a.Cookie != id.cookie:
 		return "the stored answer is private to other cookies"
-	case a.Vary != varyHash(a.Header, r):
+	case a.Vary != varyHash(a.varyBy(), r):
 		return "a header the stored answer varies by differs"
 	}
 	return ""
+}
+
+// varyBy names the request headers the answer varies by.
+func (a *storedAnswer) varyBy() []string {
+	if a.VaryBy != nil {
+		return a.VaryBy
+	}
+	return varyNames(a.Header)
 }
 
 // mayServe decodes a stored answer and reports whether it may answer r;
@@ -325,12 +340,17 @@ var neverStored = []int{http.StatusPartialContent, http.StatusNotModified, http.
 // keeps recording, so the route runs to its end and its answer is stored.
 type recorder struct {
 	*caddyhttp.ResponseWriterWrapper
-	max      int64
-	client   context.Context // the client's own request context
-	before   http.Header     // the header as handlers before the lock left it
-	status   int
-	header   http.Header // what the route set, copied when the header is written
-	removed  []string    // headers set before the lock that the route removed
+	max     int64
+	client  context.Context // the client's own request context
+	before  http.Header     // the header as handlers before the lock left it
+	status  int
+	header  http.Header // what the route set, copied when the header is written
+	removed []string    // headers set before the lock that the route removed
+	// Of the header as the client got it (also the fields set before the
+	// lock, e.g. by the header directive): Cache-Control private or
+	// no-store, or Set-Cookie; and the request headers its Vary names.
+	private  bool
+	varyBy   []string
 	body     bytes.Buffer
 	overflow bool // the body outgrew max
 	gone     bool // the client went away: nothing more is sent to it
@@ -367,6 +387,7 @@ func (rec *recorder) WriteHeader(code int) {
 			}
 		}
 		slices.Sort(rec.removed)
+		rec.private, rec.varyBy = privateAnswer(rec.Header()), varyNames(rec.Header())
 	}
 	if rec.clientGone() {
 		return
@@ -444,7 +465,7 @@ func (rec *recorder) storable(id identity, handlerErr error, lost bool) string {
 		return "the request is conditional or a range request"
 	case id.safe && !slices.Contains(cacheableByDefault, rec.status):
 		return "status " + strconv.Itoa(rec.status) + " is not stored for GET or HEAD"
-	case slices.Contains(varyNames(rec.header), "*"):
+	case slices.Contains(rec.varyBy, "*"):
 		return "the response varies by every header (Vary: *)"
 	case rec.overflow:
 		return "the body is larger than replay_max"
@@ -470,7 +491,10 @@ func (rec *recorder) answer(r *http.Request, id identity, handlerErr error, lost
 	}
 	hdr.Del(HeaderIdempotentReplayed)
 	a := &storedAnswer{Fingerprint: id.fp, Status: rec.status, Header: hdr, Removed: rec.removed,
-		Private: privateAnswer(hdr), Vary: varyHash(hdr, r), body: rec.body.Bytes()}
+		Private: rec.private, Vary: varyHash(rec.varyBy, r), VaryBy: rec.varyBy, Head: r.Method == http.MethodHead, body: rec.body.Bytes()}
+	if a.VaryBy == nil {
+		a.VaryBy = []string{} // stored as none: not taken from Header
+	}
 	if a.Private {
 		a.Cred, a.Cookie = id.cred, id.cookie
 	}

@@ -11,6 +11,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 // paymentUpstream is a payment backend: each call takes `hold`, finishes
@@ -381,5 +384,171 @@ func TestReplayNeverAnotherClientsAnswer(t *testing.T) {
 	send("GET", so.URL+"/priv?cc=private", "Authorization", alice)
 	if _, hdr, body, _ := send("GET", so.URL+"/priv?cc=private", "Authorization", bob); hdr.Get(HeaderIdempotentReplayed) != "" || strings.Contains(body, alice) {
 		t.Fatalf("fingerprint off: alice's private answer went to bob: %q", body)
+	}
+}
+
+// headerBefore is a handler before the lock that sets a response header at
+// once, as Caddy's `header` directive (ordered before redis_lock) does.
+type headerBefore struct {
+	mw          caddyhttp.MiddlewareHandler
+	name, value string
+}
+
+func (hb headerBefore) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	w.Header().Set(hb.name, hb.value)
+	return hb.mw.ServeHTTP(w, r, next)
+}
+
+// TestReplayMarksSetBeforeTheLock: Cache-Control private, Vary and Vary: *
+// set by a handler before the lock mark the answer the client gets, so
+// they decide what the stored answer may serve as if the route had set
+// them (SPEC §3a: never another client's private answer; Vary joins the
+// fingerprint; Vary: * is never stored).
+func TestReplayMarksSetBeforeTheLock(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	up := new(answerUpstream)
+	site := func(prefix, name, value string) string {
+		h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"`+prefix+`"`))
+		return handlerServer(t, headerBefore{h, name, value}, up.ServeHTTP).URL
+	}
+
+	private := site("before-cc:", "Cache-Control", "private, no-store")
+	send("GET", private+"/account", "Cookie", "sess=alice")
+	if _, hdr, body, _ := send("GET", private+"/account", "Cookie", "sess=bob"); hdr.Get(HeaderIdempotentReplayed) != "" {
+		t.Fatalf("Cache-Control private set before the lock: another Cookie header got the stored answer %q", body)
+	}
+	if _, hdr, _, _ := send("GET", private+"/account", "Cookie", "sess=alice"); hdr.Get(HeaderIdempotentReplayed) != "true" {
+		t.Fatal("Cache-Control private set before the lock: the same Cookie header was not replayed")
+	}
+
+	vary := site("before-vary:", "Vary", "Accept-Language")
+	send("GET", vary+"/page", "Accept-Language", "de")
+	if _, hdr, body, _ := send("GET", vary+"/page", "Accept-Language", "fr"); hdr.Get(HeaderIdempotentReplayed) != "" {
+		t.Fatalf("Vary set before the lock: another Accept-Language got the stored answer %q", body)
+	}
+	if _, hdr, _, _ := send("GET", vary+"/page", "Accept-Language", "de"); hdr.Get(HeaderIdempotentReplayed) != "true" {
+		t.Fatal("Vary set before the lock: the same Accept-Language was not replayed")
+	}
+
+	star := site("before-star:", "Vary", "*")
+	send("GET", star+"/any")
+	if _, hdr, _, _ := send("GET", star+"/any"); hdr.Get(HeaderIdempotentReplayed) != "" {
+		t.Fatal("Vary: * set before the lock: the answer was stored and replayed")
+	}
+}
+
+// TestReplayNotPassedByAHandOff: a handler without replay on the same key
+// (and lease options) never hands its lease to a replay waiter: the
+// waiter asks Redis, and the client's retry gets the stored answer (SPEC
+// §3a: a retried POST never reaches the upstream twice).
+func TestReplayNotPassedByAHandOff(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	keys := `"keys":["{http.request.header.Idem}"],"wait":"20s","prefix":"mixed:"`
+	hr := provisionLock(t, lockCfg(r.Addr, keys+`,"replay":"30s"`))
+	hn := provisionLock(t, lockCfg(r.Addr, keys))
+	var calls atomic.Int64
+	release := make(chan struct{})
+	started := make(chan struct{}, 1)
+	up := func(w http.ResponseWriter, req *http.Request) error {
+		n := calls.Add(1)
+		if n == 1 {
+			started <- struct{}{}
+			<-release
+		}
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, fmt.Sprint("order ", n))
+		return nil
+	}
+	sr, sn := handlerServer(t, hr, up), handlerServer(t, hn, up)
+	first := make(chan string, 1)
+	go func() { _, _, body, _ := post(sr.URL+"/pay", "x", "Idem", "k1"); first <- body }()
+	<-started
+	other := make(chan int, 1)
+	go func() { st, _, _, _ := send("GET", sn.URL+"/status", "Idem", "k1"); other <- st }()
+	waitQueued(t, hn, storedKey(hn.Prefix, "k1"))
+	retry := make(chan [2]string, 1)
+	go func() {
+		_, hdr, body, _ := post(sr.URL+"/pay", "x", "Idem", "k1")
+		retry <- [2]string{body, hdr.Get(HeaderIdempotentReplayed)}
+	}()
+	if !waitFor(15*time.Second, func() bool { return gaugeValue(hr.m.waiters) == 1 }) {
+		t.Fatal("the retry never waited for the lock")
+	}
+	time.Sleep(200 * time.Millisecond) // into its queue
+	close(release)
+	if body := <-first; body != "order 1" {
+		t.Fatalf("first POST: %q", body)
+	}
+	<-other
+	got := <-retry
+	if got[0] != "order 1" || got[1] != "true" || calls.Load() != 2 {
+		t.Fatalf("the retry got %q (replayed %q), upstream calls %d; want the stored order 1 and 2 calls (the POST and the other handler's GET)", got[0], got[1], calls.Load())
+	}
+}
+
+// TestReplayCutOffAtItsBound: a route whose client went away and that was
+// cancelled at its bound, but still writes an answer and returns without
+// an error, stores nothing, and its release is unclean: lock_delay
+// applies (SPEC §3a: then it is cancelled and nothing is stored; §3 item
+// 13: its upstream may still be writing).
+func TestReplayCutOffAtItsBound(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"ttl":"1s","lock_delay":"20s","timeout":"5s","prefix":"cut:"`))
+	started := make(chan struct{}, 1)
+	returned := make(chan error, 1)
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		started <- struct{}{}
+		<-req.Context().Done() // cancelled at the bound
+		w.WriteHeader(http.StatusCreated)
+		_, _ = io.WriteString(w, "late answer")
+		returned <- context.Cause(req.Context())
+		return nil
+	})
+	leave := startImpatient(t, srv.URL+"/p", started)
+	leave()
+	select {
+	case cause := <-returned:
+		if cause != errDetachedRunOver {
+			t.Fatalf("the route was cancelled with %v, want errDetachedRunOver", cause)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the detached run was never cancelled")
+	}
+	key := storedKey(h.Prefix, "u:k")
+	c := r.Client()
+	if !waitFor(10*time.Second, func() bool { return c.ZCard(context.Background(), lock.DelayKey(key)).Val() == 1 }) {
+		t.Fatal("the release of a route cut off at its bound was clean: no lock_delay entry")
+	}
+	if n := c.Exists(context.Background(), lock.ReplayKey(key)).Val(); n != 0 {
+		t.Fatal("the answer of a route cut off at its bound was stored")
+	}
+	if c.PTTL(context.Background(), lock.DelayKey(key)).Val() <= 0 {
+		t.Fatal("the lock_delay entry has no expiry")
+	}
+}
+
+// TestReplayHeadAnswerNotForGet: with a fingerprint without the method, a
+// HEAD's answer (no body) is not replayed to a GET (SPEC §3a: a stored
+// answer is only for requests it can answer); to a HEAD it is.
+func TestReplayHeadAnswerNotForGet(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:","fingerprint":["{http.request.uri}"]`))
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		w.WriteHeader(http.StatusOK)
+		if req.Method != http.MethodHead {
+			_, _ = io.WriteString(w, "full body")
+		}
+		return nil
+	})
+	send("HEAD", srv.URL+"/doc")
+	if _, hdr, _, _ := send("HEAD", srv.URL+"/doc"); hdr.Get(HeaderIdempotentReplayed) != "true" {
+		t.Fatal("a HEAD's stored answer was not replayed to a HEAD")
+	}
+	if st, hdr, body, _ := send("GET", srv.URL+"/doc"); body != "full body" || hdr.Get(HeaderIdempotentReplayed) != "" {
+		t.Fatalf("GET after HEAD: %d %q replayed=%q; want the route's own answer", st, body, hdr.Get(HeaderIdempotentReplayed))
 	}
 }

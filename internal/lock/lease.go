@@ -52,11 +52,15 @@ type Lease struct {
 	// chainLeft counts the fencing tokens reserved for handing this lease on
 	// to waiters of this instance without a Redis call.
 	chainLeft int
-	chained   bool // received by hand-off, not from Redis
-	renewing  *renewal
-	raise     int64 // Redlock: fencing counter to write back on release
-	lost      atomic.Bool
-	unclean   atomic.Bool // abandoned: the holder did not finish cleanly
+	// reserved is when the block of chainLeft's tokens was asked for: its
+	// tokens carry Redis TIME of about then as their floor, so a handed-on
+	// token is as old as its block (see handOff).
+	reserved time.Time
+	chained  bool // received by hand-off, not from Redis
+	renewing *renewal
+	raise    int64 // Redlock: fencing counter to write back on release
+	lost     atomic.Bool
+	unclean  atomic.Bool // abandoned: the holder did not finish cleanly
 }
 
 // Valid reports the remaining validity of the lease.
@@ -218,12 +222,13 @@ func (ls *Lease) dropRefs() {
 // takes over the Redis lease and the next reserved fencing token, with no
 // Redis call. It reports false when the lease must be released in Redis
 // instead (no tokens left and no renewal, lost, too little validity left,
-// nobody waiting, or a waiter of another local queue sharing a key).
+// a block older than the ttl, nobody waiting, or a waiter of another local
+// queue sharing a key).
 func (ls *Lease) handOff() bool {
 	if ls.lost.Load() || ls.q == nil || (ls.unclean.Load() && ls.l.opts.LockDelay > 0) {
 		return false
 	}
-	fence, left := ls.fence+1, ls.chainLeft
+	fence, left, reserved := ls.fence+1, ls.chainLeft, ls.reserved
 	if left <= 0 {
 		// The block is used up: take the renewal started while this
 		// holder worked, if it got one.
@@ -235,8 +240,16 @@ func (ls *Lease) handOff() bool {
 		if !r.ok {
 			return false
 		}
-		fence, left = r.fence-int64(r.n)+1, r.n
+		fence, left, reserved = r.fence-int64(r.n)+1, r.n, r.asked
 		ls.setUntil(r.until)
+	}
+	if ls.l.now().Sub(reserved) >= ls.l.opts.TTL {
+		// A token's floor is its block's Redis TIME, and redis_fence
+		// refuses tokens older than its retain: a handed-on token is
+		// never more than one ttl older than its hold (long holds kept
+		// alive by auto-extension would otherwise age a block by a hold
+		// per holder). The next holder asks Redis for a fresh one.
+		return false
 	}
 	if ls.Valid() < ls.l.opts.TTL/2 {
 		return false
@@ -258,7 +271,7 @@ func (ls *Lease) handOff() bool {
 	until := ls.until
 	ls.mu.Unlock()
 	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: ls.l.now(),
-		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, inflight: ls.inflight, chainLeft: left - 1, chained: true, raise: ls.raise}
+		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, inflight: ls.inflight, chainLeft: left - 1, reserved: reserved, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask
 		// Redis for another block while it works. Renewal needs the

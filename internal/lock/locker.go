@@ -66,8 +66,10 @@ type constArgv struct {
 //
 // Lockers share a domain (one local queue per key) when they use the same
 // servers and the options a hand-off passes on (ttl, permits,
-// sync_replicas, lock_delay): a lease is only ever handed to a waiter that would have
-// taken the same lease itself.
+// sync_replicas, lock_delay) and both replay or neither does: a lease is
+// only ever handed to a waiter that would have taken the same lease itself
+// (a replay waiter asks Redis for a stored answer first, which a lease
+// handed on by a locker without replay would pass by).
 func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	ids := make([]string, len(servers))
 	for i, s := range servers {
@@ -76,7 +78,7 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	if opts.Clock == nil {
 		opts.Clock = realClock{}
 	}
-	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d|delay=%d", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas, opts.LockDelay)
+	domKey := fmt.Sprintf("%s|ttl=%d|permits=%d|sync=%d|delay=%d|replay=%t", strings.Join(ids, ","), opts.TTL, opts.Permits, opts.SyncReplicas, opts.LockDelay, opts.Replay > 0)
 	l := &Locker{
 		servers: servers,
 		quorum:  len(servers)/2 + 1,

@@ -300,7 +300,7 @@ func (t *try) finish() attempt {
 		t.undo(len(t.order), markAll)
 		return attempt{retryAfter: 0}
 	}
-	return attempt{lease: &Lease{l: l, keys: t.keys, token: t.token, fence: t.fence - int64(t.chain) + 1, start: t.start,
+	return attempt{lease: &Lease{l: l, keys: t.keys, token: t.token, fence: t.fence - int64(t.chain) + 1, start: t.start, reserved: t.start,
 		until: t.start.Add(validity), released: t.released, removed: t.removed, unknown: t.unknown, inflight: t.inflight,
 		chainLeft: t.chain - 1, raise: raise}}
 }

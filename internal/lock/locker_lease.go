@@ -98,6 +98,7 @@ type renewal struct {
 	fence int64 // the block's last token
 	n     int
 	until time.Time
+	asked time.Time // when the block was asked for (its tokens' floor)
 }
 
 // renew asks Redis, in the background, to extend ls and reserve n tokens.
@@ -113,7 +114,7 @@ func (l *Locker) renew(ls *Lease, n int) *renewal {
 		v, err := renewScript.Run(ctx, l.servers[0].client, []string{k, FenceKey(k), WaitqKey(k), DelayKey(k)},
 			ls.token, l.opts.TTL.Milliseconds(), l.dom.id, n, l.opts.LockDelay.Milliseconds()).Int64Slice()
 		if err == nil && len(v) == 2 && v[0] == 1 {
-			r.ok, r.fence, r.until = true, v[1], start.Add(l.opts.TTL)
+			r.ok, r.fence, r.until, r.asked = true, v[1], start.Add(l.opts.TTL), start
 		}
 	}()
 	return r
