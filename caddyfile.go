@@ -615,7 +615,7 @@ func parseSharedOption(d *caddyfile.Dispenser, dir string, o sharedOptions) (boo
 			return true, err
 		}
 		f, err := strconv.ParseFloat(v, 64)
-		if err != nil || f < 0 || f > 1 {
+		if err != nil || !(f >= 0 && f <= 1) { // NaN too
 			return true, d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
 		}
 		*o.jitter = f

@@ -411,7 +411,7 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: replay: takes one key template: the stored answer belongs to one lock key")
 	case h.Replay > 0 && len(h.Addresses) > 1:
 		return errors.New("redis_lock: replay: needs one Redis (a server, a Cluster or a Sentinel), not a Redlock quorum: an answer stored on a majority could be missed by a later majority that shares only one server with it")
-	case h.Jitter < 0 || h.Jitter > 1:
+	case !(h.Jitter >= 0 && h.Jitter <= 1): // NaN too
 		return fmt.Errorf("redis_lock: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
 	case len(h.CredentialCookies) > 0 && h.Replay == 0:
 		return errors.New("redis_lock: credential_cookies: only has a meaning with replay")

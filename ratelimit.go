@@ -437,7 +437,7 @@ func (h *RedisRateLimit) Validate() error {
 	if _, err := parseStatusSet(h.Count); err != nil {
 		return fmt.Errorf("redis_ratelimit: count: %w", err)
 	}
-	if h.Jitter < 0 || h.Jitter > 1 {
+	if !(h.Jitter >= 0 && h.Jitter <= 1) { // NaN too
 		return fmt.Errorf("redis_ratelimit: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
 	}
 	if err := checkIPPrefix(h.IPPrefix); err != nil {
@@ -634,9 +634,15 @@ func (h *RedisRateLimit) serveCounted(w http.ResponseWriter, r *http.Request, ne
 // setHeaders sets the RateLimit-Policy and RateLimit fields of an answer.
 func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d decision) {
 	s := p.rates[d.Tight]
+	// Seconds until the quota grows: within the window, but under a ban
+	// not before the ban ends.
+	reset := ceilSeconds(min(d.Reset, s.window))
+	if d.Ban != ratelimit.NotBanned {
+		reset = ceilSeconds(d.Reset)
+	}
 	defer caddyhttp.SetVar(r.Context(), stackVar, h)
 	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
-		rl := s.name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(ceilSeconds(min(d.Reset, s.window)), 10)
+		rl := s.name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(reset, 10)
 		stackHeaders(hdr, prev.label, h.label, p.policy, rl)
 		return
 	}
@@ -646,7 +652,7 @@ func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d
 	f := append(buf[:0], s.name...)
 	f = strconv.AppendInt(f, d.Remaining, 10)
 	f = append(f, ";t="...)
-	f = strconv.AppendInt(f, ceilSeconds(min(d.Reset, s.window)), 10)
+	f = strconv.AppendInt(f, reset, 10)
 	vals := []string{p.policy, string(f)}
 	hdr[canonRateLimitPolicy] = vals[0:1:1]
 	hdr[canonRateLimit] = vals[1:2:2]

@@ -290,3 +290,96 @@ func TestRateLimitBanValidation(t *testing.T) {
 		}
 	}
 }
+
+// TestRateLimitBanRetryAfterNotEarly: a ban shorter than the quota's wait
+// reports the quota's wait (Retry-After never earlier than the moment the
+// request would be admitted, SPEC §4 item 4), when the ban starts and
+// while it lasts; a ban longer than the window reports in RateLimit's t=
+// the ban's end, not the window's.
+func TestRateLimitBanRetryAfterNotEarly(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	short := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Prefix = "ban-short:"
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Hour)}}
+		h.Ban = caddy.Duration(2 * time.Second)
+	})
+	serveRL(short, "10.0.0.4", nil)
+	for i, when := range []string{"as the ban starts", "during the ban"} {
+		a := serveRL(short, "10.0.0.4", nil)
+		ra, _ := strconv.Atoi(a.header.Get("Retry-After"))
+		if a.status != 429 || ra < 3500 {
+			t.Errorf("%s (%d): %d Retry-After %q; want 429 and about an hour (the quota's wait), not the ban's 2 s", when, i, a.status, a.header.Get("Retry-After"))
+		}
+	}
+
+	long := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Prefix = "ban-long:"
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
+		h.Ban = caddy.Duration(time.Hour)
+	})
+	serveRL(long, "10.0.0.5", nil)
+	for _, when := range []string{"as the ban starts", "during the ban"} {
+		a := serveRL(long, "10.0.0.5", nil)
+		var reset int
+		if _, after, ok := strings.Cut(a.header.Get("RateLimit"), ";t="); ok {
+			reset, _ = strconv.Atoi(after)
+		}
+		if a.status != 429 || reset < 3500 || a.header.Get("Retry-After") != strconv.Itoa(reset) {
+			t.Errorf("%s: %d RateLimit %q Retry-After %q; want t= the ban's end (about 3600), as Retry-After", when, a.status, a.header.Get("RateLimit"), a.header.Get("Retry-After"))
+		}
+	}
+}
+
+// TestRateLimitSharedKeyOtherWait: two handlers share a key's state and
+// differ in wait. While the one with a wait holds a request until later
+// (its admission is recorded at that moment), the other's request cannot
+// be recorded before it: it gets 429 with a Retry-After for then, like a
+// quota's rejection, and never the fail policy (no pass without counting,
+// no 503), and it starts no ban, since no quota rejected it.
+func TestRateLimitSharedKeyOtherWait(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	for _, mode := range []string{"fail open", "fail_closed", "ban"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			prefix := "shared-" + strings.ReplaceAll(mode, " ", "-") + ":"
+			a := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.Name, h.Prefix = "a", prefix
+				h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
+				h.Wait = caddy.Duration(5 * time.Second)
+			})
+			b := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.Name, h.Prefix = "b", prefix
+				h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
+				switch mode {
+				case "fail_closed":
+					h.FailClosed = true
+				case "ban":
+					h.Ban = caddy.Duration(time.Minute)
+				}
+			})
+			serveRL(a, "10.0.0.1", nil)
+			serveRL(a, "10.0.0.1", nil)
+			held := make(chan rlAnswer, 1)
+			go func() { held <- serveRL(a, "10.0.0.1", nil) }() // held about 3 s
+			time.Sleep(500 * time.Millisecond)                  // its decision made
+			for i := 0; i < 3; i++ {
+				x := serveRL(b, "10.0.0.1", nil)
+				ra, _ := strconv.Atoi(x.header.Get("Retry-After"))
+				if x.status != 429 || x.passed || ra < 1 {
+					t.Errorf("b's request %d while a holds one: %d passed %v Retry-After %q err %v; want 429 with a Retry-After", i, x.status, x.passed, x.header.Get("Retry-After"), x.err)
+				}
+			}
+			if n := counterValue(t, b.counters[resultError]); n != 0 {
+				t.Errorf("b counted %v errors: the fail policy answered", n)
+			}
+			if a := <-held; !a.passed {
+				t.Fatalf("a's held request: %d", a.status)
+			}
+			if x := serveRL(b, "10.0.0.1", nil); !x.passed {
+				t.Errorf("b after a's hold: %d %v; want it admitted (and never banned)", x.status, x.err)
+			}
+		})
+	}
+}

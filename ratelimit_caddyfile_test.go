@@ -136,6 +136,7 @@ func TestRateLimitCaddyfileErrors(t *testing.T) {
 		{"status high", "redis_ratelimit {\n rate 1 1s\n status 600\n}", []string{"status:", "Testfile:3"}},
 		{"status extra", "redis_ratelimit {\n rate 1 1s\n status 429 503\n}", []string{"status:", "Testfile:3"}},
 		{"headers bad", "redis_ratelimit {\n rate 1 1s\n headers maybe\n}", []string{"headers:", "Testfile:3"}},
+		{"jitter NaN", "redis_ratelimit {\n rate 1 1s\n jitter NaN\n}", []string{"jitter:", "fraction", "Testfile:3"}},
 		{"dry_run arg", "redis_ratelimit {\n rate 1 1s\n dry_run yes\n}", []string{"dry_run:", "Testfile:3"}},
 		{"fail_closed arg", "redis_ratelimit {\n rate 1 1s\n fail_closed 1\n}", []string{"fail_closed:", "Testfile:3"}},
 		{"prefix braces", "redis_ratelimit {\n rate 1 1s\n prefix a{b}\n}", []string{"prefix:", "Testfile:3"}},

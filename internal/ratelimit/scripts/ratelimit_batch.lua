@@ -21,10 +21,13 @@
 --
 -- A ban: a decision whose key is under a ban (its ban key exists; it
 -- expires when the ban ends) is rejected outright, on every rate, without
--- reading them: it answers minus the µs until the ban ends, BANNED, then
+-- reading them: it answers minus the µs until the ban ends (or, when the
+-- quota's wait at the ban's start ends later, until then), BANNED, then
 -- per rate -1 (no quota, rejecting), those µs, and zeros. A decision its
--- quota rejects (beyond what the hold absorbs) starts a ban: the ban key is
--- set to expire in the set's ban, and the answer is minus the ban in µs,
+-- quota rejects (beyond what the hold absorbs; not one only a log's order
+-- rejects) starts a ban: the ban key is set to expire in the set's ban,
+-- holding the moment (µs) the request could pass (the later of the ban's
+-- end and the quota's wait), and the answer is minus the µs until then,
 -- BAN_STARTED, then what the body answered per rate (when Redis refuses
 -- that write, the rejection stands without a ban).
 --
@@ -71,6 +74,10 @@ local out, o, k, set, wrote = {}, 0, 0, 1, false
 -- returns false having written nothing, for decide() to decide it; and
 -- load1(s), which readies decide1 for the decisions of set s.
 local decide1, load1
+-- byQuota: the decision in hand, rejected, was rejected by a quota (not
+-- only by the order of a log, see ratelimit_sliding.lua): only such a
+-- rejection starts a ban. The body sets it false when not.
+local byQuota = true
 -- @body
 local a = 3
 for s = 1, S do
@@ -89,12 +96,19 @@ for s = 1, S do
 	a = a + 5 + ARGN * r
 end
 
--- banning decides a decision of a set that bans (see the top).
+-- banning decides a decision of a set that bans (see the top). The ban
+-- key holds the moment (µs) the request rejected when the ban began could
+-- pass at the earliest: the end of the ban or, later, of its quota's wait;
+-- a rejection under the ban reports the later of its end and that moment.
 local function banning()
 	local key = KEYS[k + R[set] + 1]
 	local left = redis.call('PTTL', key)
 	if left > 0 then
 		local wait = left * 1000
+		local until_ = tonumber(redis.call('GET', key) or '')
+		if until_ and until_ - now > wait then
+			wait = until_ - now
+		end
 		out[o + 1], out[o + 2] = -wait, BANNED
 		local per = PERS[set]
 		for p = o + 3, o + 2 + per * R[set], per do
@@ -105,15 +119,17 @@ local function banning()
 		end
 		return
 	end
+	byQuota = true
 	decide()
-	if out[o + 1] < 0 then
+	if out[o + 1] < 0 and byQuota then
+		local wait = math.max(1000 * tonumber(BAN[set]), -out[o + 1])
 		-- A Redis that refuses the write (out of memory) still rejects the
 		-- request, only without a ban.
-		local set_ = redis.pcall('SET', key, '1', 'PX', BAN[set])
+		local set_ = redis.pcall('SET', key, string.format('%d', now + wait), 'PX', BAN[set])
 		if type(set_) == 'table' and set_.err then
 			return
 		end
-		out[o + 1], out[o + 2] = -1000 * tonumber(BAN[set]), BAN_STARTED
+		out[o + 1], out[o + 2] = -wait, BAN_STARTED
 	end
 end
 

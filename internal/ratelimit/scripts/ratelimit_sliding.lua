@@ -79,7 +79,10 @@ end
 
 -- Per rate of the decision in hand: its first bytes, header, and the
 -- moment it admits the request.
-local V, POS, LO, LAST, AT = {}, {}, {}, {}, {}
+-- Per rate of the decision in hand: its log's first bytes, pos, lo, last;
+-- the moment it would admit the request (AT: after its quota allows it and
+-- after the log's latest admission, QAT: after its quota allows it).
+local V, POS, LO, LAST, AT, QAT = {}, {}, {}, {}, {}, {}
 -- The last expiry formatted (ms): the decisions of a call mostly expire in
 -- the same millisecond.
 local lastExp, lastExpS = nil, nil
@@ -108,6 +111,12 @@ local function decide()
 				T = at
 			end
 		end
+		QAT[i] = at
+		if last and last + 1 > at then
+			-- The log's order: an admission another handler holds until
+			-- later (its wait), or Redis TIME that stepped back.
+			at = last + 1
+		end
 		V[i], POS[i], LO[i], LAST[i], AT[i] = v, pos, lo, last, at
 	end
 	local hold = T - now
@@ -117,6 +126,13 @@ local function decide()
 		out[o + 1], out[o + 2] = hold, T
 	else
 		out[o + 1], out[o + 2] = -max(1, hold - maxwait), 0
+		-- Rejected by a quota, or only by a log's order (no ban then).
+		byQuota = false
+		for i = 1, r do
+			if QAT[i] - now > maxwait then
+				byQuota = true
+			end
+		end
 	end
 	for i = 1, r do
 		local key, n, w, v, pos = KEYS[k + i], ns[i], ws[i], V[i], POS[i]
