@@ -251,8 +251,8 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			if strings.ContainsAny(v, " \t:") {
-				return d.Errf("%s: fencing_header: %q is not a valid header name", dir, v)
+			if !validHeaderName(v) {
+				return d.Errf("%s: fencing_header: %q is not a valid header name (letters, digits and !#$%%&'*+-.^_`|~ only)", dir, v)
 			}
 			h.FencingHeader = v
 		case "on_lost":

@@ -97,6 +97,7 @@ type RedisFence struct {
 	writes    [len(fenceResults)]prometheus.Counter // as fenceResults
 	obs       *labelClaim
 	keyTmpl   *keyTemplate
+	tokenTmpl string // Token with the Caddyfile shorthands expanded
 	client    *pooledClient
 	clientKey string
 	timeout   time.Duration
@@ -120,6 +121,7 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	if h.Token == "" {
 		h.Token = DefaultFenceToken
 	}
+	h.tokenTmpl = expandShorthands(h.Token) // as Validate checks it, in JSON too
 	if h.Status == 0 {
 		h.Status = DefaultFenceStatus
 	}
@@ -188,7 +190,7 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	if err != nil {
 		return caddyhttp.Error(http.StatusBadRequest, fmt.Errorf("rendering fence key %q: %w", h.keyTmpl.raw, err))
 	}
-	raw := repl.ReplaceAll(h.Token, "")
+	raw := repl.ReplaceAll(h.tokenTmpl, "")
 	token, err := strconv.ParseUint(raw, 10, 63)
 	if err != nil || raw == "" || raw[0] == '+' {
 		h.writes[fenceMalformed].Inc()

@@ -210,3 +210,24 @@ func TestFenceCaddyfile(t *testing.T) {
 		t.Fatalf("adapted order: redis_lock at %d, redis_fence at %d; want the lock first", l, f)
 	}
 }
+
+// TestFenceJSONShorthandToken: a token template in JSON with a Caddyfile
+// shorthand renders as Validate checked it (SPEC §6: the same placeholder
+// forms in the Caddyfile and in JSON alike).
+func TestFenceJSONShorthandToken(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	store := new(storage)
+	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"token":"{header.X-Tok}"}`, r.Addr))
+	srv := handlerServer(t, h, store.ServeHTTP)
+	req, _ := http.NewRequest("PUT", srv.URL+"/s", nil)
+	req.Header.Set("X-Tok", strconv.FormatInt(time.Now().UnixMicro(), 10))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 204 || len(store.seen()) != 1 {
+		t.Fatalf("a fresh token in X-Tok: %d, storage saw %d writes; want 204 and 1", resp.StatusCode, len(store.seen()))
+	}
+}

@@ -419,10 +419,25 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: credential_cookies: a cookie name must not be empty")
 	case len(h.Fingerprint) > 1 && slices.Contains(h.Fingerprint, "off"):
 		return errors.New("redis_lock: fingerprint: off stands alone")
-	case strings.ContainsAny(h.FencingHeader, " \t\r\n:"):
-		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name", h.FencingHeader)
+	case h.FencingHeader != "" && !validHeaderName(h.FencingHeader):
+		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name (letters, digits and !#$%%&'*+-.^_`|~ only)", h.FencingHeader)
 	}
 	return nil
+}
+
+// validHeaderName reports whether s is an HTTP field name (RFC 9110 §5.1, a
+// token): one the transport to an upstream accepts.
+func validHeaderName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, c := range []byte(s) {
+		ok := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0
+		if !ok {
+			return false
+		}
+	}
+	return true
 }
 
 // Cleanup gives back what Provision took (also after a failed Provision).
@@ -531,11 +546,36 @@ func (h *RedisLock) setFencingHeader(r *http.Request, v string) {
 	if strings.EqualFold(h.FencingHeader, "off") {
 		return
 	}
+	dropConnectionOption(r.Header, h.FencingHeader)
 	if v == "" {
 		r.Header.Del(h.FencingHeader)
 		return
 	}
 	r.Header.Set(h.FencingHeader, v)
+}
+
+// dropConnectionOption takes name out of the request's Connection header. A
+// client that lists the fencing header there would have reverse_proxy
+// remove it as hop-by-hop, and the upstream would get a locked request
+// without its token.
+func dropConnectionOption(hdr http.Header, name string) {
+	vals, ok := hdr["Connection"]
+	if !ok {
+		return
+	}
+	var keep []string
+	for _, v := range vals {
+		for _, opt := range strings.Split(v, ",") {
+			if opt = strings.TrimSpace(opt); opt != "" && !strings.EqualFold(opt, name) {
+				keep = append(keep, opt)
+			}
+		}
+	}
+	if len(keep) == 0 {
+		delete(hdr, "Connection")
+		return
+	}
+	hdr["Connection"] = []string{strings.Join(keep, ", ")}
 }
 
 // serveLocked runs the next handler while the lease is held and kept alive.

@@ -987,3 +987,41 @@ func TestLockHandOffKeepsTokensFresh(t *testing.T) {
 		}
 	}
 }
+
+// TestFencingTokenSurvivesHopByHop: a client that lists the fencing header
+// in Connection (to have reverse_proxy drop it as hop-by-hop) does not keep
+// the token from the upstream: the lock takes the name out of Connection
+// and keeps the client's other Connection options.
+func TestFencingTokenSurvivesHopByHop(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri.path}"]`))
+	got := make(chan [2]string, 1)
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		// What reverse_proxy does to the request's hop-by-hop headers.
+		hdr := req.Header.Clone()
+		conn := hdr.Values("Connection")
+		for _, v := range conn {
+			for _, opt := range strings.Split(v, ",") {
+				hdr.Del(strings.TrimSpace(opt))
+			}
+		}
+		got <- [2]string{hdr.Get(DefaultFencingHeader), strings.Join(conn, ",")}
+		return nil
+	})
+	req, _ := http.NewRequest("GET", srv.URL+"/hop", nil)
+	req.Header.Set("Connection", "lock-fencing-token, X-Other")
+	req.Header.Set(DefaultFencingHeader, "1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	g := <-got
+	if tok, _ := strconv.ParseInt(g[0], 10, 64); tok <= 1 {
+		t.Fatalf("the upstream got token %q (Connection %q); want the lock's", g[0], g[1])
+	}
+	if !strings.Contains(g[1], "X-Other") || strings.Contains(strings.ToLower(g[1]), "lock-fencing-token") {
+		t.Errorf("Connection as the next handler saw it: %q; want X-Other kept and the fencing header gone", g[1])
+	}
+}
