@@ -213,6 +213,7 @@ func (h *RedisRateLimit) policyHeader(w http.ResponseWriter, r *http.Request, p 
 	if !h.sendHdrs {
 		return
 	}
+	defer caddyhttp.SetVar(r.Context(), stackVar, h) // a later handler adds to it
 	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
 		stackHeaders(w.Header(), prev.label, h.label, p.policy, "")
 	} else {

@@ -73,6 +73,11 @@ func stackHeaders(hdr http.Header, prevLabel, label, policy, rateLimit string) {
 	merged += labelEntries(policy, label)
 	hdr[canonRateLimitPolicy] = []string{merged}
 	if rateLimit == "" {
+		// No decision of this handler (its fail policy answered): the
+		// earlier one's field stands, under its handler's name.
+		if prev := hdr.Get(HeaderRateLimit); prev != "" {
+			hdr[canonRateLimit] = []string{labelEntries(prev, prevLabel)}
+		}
 		return
 	}
 	mine := labelEntries(rateLimit, label)

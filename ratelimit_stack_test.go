@@ -91,3 +91,32 @@ func TestHandlerLabelKeepsSecretsOut(t *testing.T) {
 		t.Errorf("another server, the same label %s", a)
 	}
 }
+
+// TestStackedLimiterFailOpen: a stacked limiter that answers by its fail
+// policy (its Redis is down: fail open) hides nothing of the other's state
+// (SPEC §4 item 16), whichever comes first: both policies are sent under
+// their handlers' names, and RateLimit is the deciding one's, under its
+// name.
+func TestStackedLimiterFailOpen(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	ok := provisionRateLimitJSON(t, fmt.Sprintf(`{"redis":["%s"],"name":"up","rates":[{"requests":5,"window":"1m"}],"prefix":"stack-up:"}`, r.Addr))
+	down := provisionRateLimitJSON(t, fmt.Sprintf(`{"redis":["127.0.0.1:%d"],"name":"down","timeout":"100ms","rates":[{"requests":50,"window":"1h"}]}`, freePort(t)))
+	for _, tc := range []struct {
+		name string
+		c    chain
+	}{{"deciding one first", chain{ok, down}}, {"failing one first", chain{down, ok}}} {
+		srv := handlerServer(t, tc.c, okHandler)
+		resp, _ := get(t, srv.URL+"/"+strings.ReplaceAll(tc.name, " ", "-"))
+		if resp == nil || resp.StatusCode != 200 {
+			t.Fatalf("%s: %v, want 200 (fail open)", tc.name, resp)
+		}
+		policy, rl := resp.Header.Get(HeaderRateLimitPolicy), resp.Header.Get(HeaderRateLimit)
+		if !strings.Contains(policy, `"up/r0";q=5;w=60`) || !strings.Contains(policy, `"down/r0";q=50;w=3600`) {
+			t.Errorf("%s: RateLimit-Policy %q, want both, under their names", tc.name, policy)
+		}
+		if !strings.HasPrefix(rl, `"up/r0";r=`) {
+			t.Errorf("%s: RateLimit %q, want the deciding handler's, named up/r0", tc.name, rl)
+		}
+	}
+}
