@@ -383,3 +383,29 @@ func TestRateLimitSharedKeyOtherWait(t *testing.T) {
 		})
 	}
 }
+
+// TestRateLimitDenyCacheOffWithWait: with wait, a held client that goes
+// away gives its slot back, on any instance, so a rejection is never known
+// to last: rejected requests ask Redis (SPEC §4 item 4: answered from
+// memory only when that can only be stricter elsewhere, so still exact).
+// A ban is still answered from memory.
+func TestRateLimitDenyCacheOffWithWait(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Prefix = "deny-wait:"
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}
+		h.Wait = caddy.Duration(time.Second)
+	})
+	serveRL(h, "10.0.0.6", nil)
+	serveRL(h, "10.0.0.6", nil) // rejected: beyond what wait absorbs
+	before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
+	for i := 0; i < 3; i++ {
+		if a := serveRL(h, "10.0.0.6", nil); a.status != 429 {
+			t.Fatalf("request %d: %d, want 429", i, a.status)
+		}
+	}
+	if n := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; n != 3 {
+		t.Errorf("%d script calls for 3 rejected requests with wait, want 3 (no deny cache)", n)
+	}
+}

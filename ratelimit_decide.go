@@ -101,10 +101,11 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 
 // remember puts a rejection in the deny cache: a ban under the key (it
 // rejects every plan and cost), any other rejection under its plan and cost.
-// No rejection but a ban with count: an answer that does not count returns
-// its admission, on any instance, so no rejection is known to last.
+// No rejection but a ban with count or wait: an answer that does not count,
+// or a held client that goes away, returns its admission, on any instance,
+// so no rejection is known to last.
 func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent, got time.Time) {
-	if h.deny == nil || d.Ban == ratelimit.NotBanned && h.counts != nil {
+	if h.deny == nil || d.Ban == ratelimit.NotBanned && (h.counts != nil || h.Wait > 0) {
 		return
 	}
 	// The script ran after sent and before got, so the request passes
