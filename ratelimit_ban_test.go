@@ -409,3 +409,43 @@ func TestRateLimitDenyCacheOffWithWait(t *testing.T) {
 		t.Errorf("%d script calls for 3 rejected requests with wait, want 3 (no deny cache)", n)
 	}
 }
+
+// TestRateLimitClientGoneDuringDecision: a client that goes away while its
+// decision is on its way to Redis, and would have been held, uses no quota
+// (SPEC §4 item 11): its admission is given back once the answer comes, so
+// the next request gets that slot.
+func TestRateLimitClientGoneDuringDecision(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Prefix = "gone:"
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
+		h.Wait = caddy.Duration(5 * time.Second)
+		h.Timeout = caddy.Duration(5 * time.Second)
+	})
+	const ip = "10.0.0.7"
+	if a := serveRL(h, ip, nil); !a.passed {
+		t.Fatalf("first request: %d", a.status)
+	}
+	first := time.Now() // its slot is taken until about a second from now
+	r.Pause()
+	ctx, cancel := context.WithCancel(context.Background())
+	gone := make(chan rlAnswer, 1)
+	go func() { gone <- serveRLWith(ctx, h, ip, nil, nil) }()
+	time.Sleep(200 * time.Millisecond) // its call on its way to the paused Redis
+	cancel()
+	if a := <-gone; a.passed || a.status != statusClientClosedRequest {
+		t.Fatalf("the request whose client went away: %d passed %v, want 499", a.status, a.passed)
+	}
+	r.Resume() // the decision runs now: held until the slot after the first
+	time.Sleep(200 * time.Millisecond)
+	b := serveRL(h, ip, nil)
+	if !b.passed {
+		t.Fatalf("next request: %d %v", b.status, b.err)
+	}
+	// Given back, its slot (a second after the first) is the next
+	// request's; kept, the next would wait until two seconds after it.
+	if end := time.Since(first); end > 1700*time.Millisecond {
+		t.Errorf("the next request passed %s after the first, want about 1 s: the gone client's admission was kept", end)
+	}
+}

@@ -52,6 +52,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
 	if err != nil {
+		if h.Wait > 0 && ctx.Err() != nil && c.Taken() {
+			h.returnUnheard(id, p, c)
+		}
 		return decision{}, err
 	}
 	d, err := ratelimit.ParseDecision(res, len(p.rates), c.PerRate())
@@ -65,6 +68,24 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 		h.remember(cacheID, id, p, d, sent, got)
 	}
 	return d, nil
+}
+
+// returnUnheard gives back, once its answer comes, an admission held for
+// a client that went away while its decision was on its way to Redis: as
+// holdFor gives back the admission of a client that goes away while held
+// (SPEC §4 item 11: it uses no quota).
+func (h *RedisRateLimit) returnUnheard(id string, p *plan, c *ratelimit.Call) {
+	h.client.conn.Use() // the client stays open until the return is sent
+	go func() {
+		defer h.client.conn.Unuse()
+		<-c.Done()
+		if c.Err != nil {
+			return
+		}
+		if d, err := ratelimit.ParseDecision(c.Res, len(p.rates), c.PerRate()); err == nil && d.Allowed && d.Hold > 0 {
+			h.settle(id, p, d)
+		}
+	}()
 }
 
 // decisionCall is a decision's script call with room for the keys of a

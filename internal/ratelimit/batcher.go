@@ -535,3 +535,8 @@ func (b *Batcher) Stopped() <-chan struct{} { return b.stop }
 
 // Done is closed once the call is answered (Res, Err).
 func (c *Call) Done() <-chan struct{} { return c.done }
+
+// Taken reports whether a worker took the call: then it is answered (Done)
+// by its deadline, also when its caller stopped waiting; otherwise it never
+// runs.
+func (c *Call) Taken() bool { return c.state.Load() == callTaken }
