@@ -609,11 +609,11 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	reqCtx, cancel := context.WithCancelCause(base)
 	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd, rw, cancel)})
 	completed := false // next returned (did not panic)
+	cutOff := false    // a replay route cancelled at its bound (see detach) before it returned
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
 		keep.Stop()
-		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil,
-			cutOff: rec != nil && errors.Is(context.Cause(base), errDetachedRunOver)}
+		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil, cutOff: cutOff}
 		cancel(nil)
 		h.release(hd, r, rec, end)
 		if err == nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
@@ -623,6 +623,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	}()
 	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
 	completed = true
+	cutOff = rec != nil && errors.Is(context.Cause(base), errDetachedRunOver)
 	if err != nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 		rw.restoreHeader()
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))

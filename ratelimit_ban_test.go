@@ -2,9 +2,11 @@ package redisdlm
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"regexp"
 	"strconv"
@@ -363,7 +365,7 @@ func TestRateLimitSharedKeyOtherWait(t *testing.T) {
 			serveRL(a, "10.0.0.1", nil)
 			held := make(chan rlAnswer, 1)
 			go func() { held <- serveRL(a, "10.0.0.1", nil) }() // held about 3 s
-			time.Sleep(500 * time.Millisecond)                  // its decision made
+			waitHeldAhead(t, r, prefix)
 			for i := 0; i < 3; i++ {
 				x := serveRL(b, "10.0.0.1", nil)
 				ra, _ := strconv.Atoi(x.header.Get("Retry-After"))
@@ -447,5 +449,104 @@ func TestRateLimitClientGoneDuringDecision(t *testing.T) {
 	// request's; kept, the next would wait until two seconds after it.
 	if end := time.Since(first); end > 1700*time.Millisecond {
 		t.Errorf("the next request passed %s after the first, want about 1 s: the gone client's admission was kept", end)
+	}
+}
+
+// TestRateLimitBanCacheEndsWithTheBan: a ban whose Retry-After is later
+// than the ban's end (the quota that started it admits that request only
+// later) is answered from the deny cache only until the ban ends, on the
+// instance that started it and on one that met it under way: then a
+// cheaper request the quota admits passes.
+func TestRateLimitBanCacheEndsWithTheBan(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	mk := func() *RedisRateLimit {
+		return newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Prefix = "ban-cache:"
+			h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Hour)}}
+			h.Ban = caddy.Duration(time.Second)
+			h.Cost = "{http.request.header.X-Cost}"
+		})
+	}
+	started, met := mk(), mk()
+	started.Name, met.Name = "started", "met"
+	cost := func(c string) func(*http.Request, *caddy.Replacer) {
+		return func(req *http.Request, _ *caddy.Replacer) { req.Header.Set("X-Cost", c) }
+	}
+	const ip = "10.9.9.9"
+	if x := serveRL(started, ip, cost("1")); !x.passed {
+		t.Fatalf("first: %d", x.status)
+	}
+	if x := serveRL(started, ip, cost("3")); x.status != 429 {
+		t.Fatalf("cost 3: %d, want 429 (and a ban)", x.status)
+	}
+	if x := serveRL(met, ip, cost("1")); x.status != 429 || x.header.Get("Retry-After") == "1" {
+		t.Fatalf("under the ban, the other instance: %d Retry-After %q, want 429 and the quota's wait", x.status, x.header.Get("Retry-After"))
+	}
+	time.Sleep(1500 * time.Millisecond)                 // the ban is over
+	for _, h := range []*RedisRateLimit{started, met} { // two units are left
+		if x := serveRL(h, ip, cost("1")); !x.passed {
+			t.Errorf("after the ban, instance %s: %d Retry-After %q; want a cost-1 request admitted", h.Name, x.status, x.header.Get("Retry-After"))
+		}
+	}
+}
+
+// TestRateLimitOrderRejectionNotCached: a rejection only a log's order
+// made (another handler holds an admission until later) is not kept in the
+// deny cache: once the held client goes away and its slot is given back,
+// the next request passes.
+func TestRateLimitOrderRejectionNotCached(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const prefix, ip = "order-cache:", "10.0.0.8"
+	a := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "a", prefix
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
+		h.Wait = caddy.Duration(5 * time.Second)
+	})
+	b := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "b", prefix
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
+	})
+	serveRL(a, ip, nil)
+	serveRL(a, ip, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	held := make(chan rlAnswer, 1)
+	go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }()
+	waitHeldAhead(t, r, prefix)
+	if x := serveRL(b, ip, nil); x.status != 429 {
+		t.Fatalf("b while a holds a request: %d, want 429", x.status)
+	}
+	cancel() // a's held client goes away: its slot is given back
+	if x := <-held; x.status != statusClientClosedRequest {
+		t.Fatalf("a's held request: %d, want 499", x.status)
+	}
+	// Kept, b's rejection would last until a's slot, about 3 s ahead.
+	if !waitFor(500*time.Millisecond, func() bool { return serveRL(b, ip, nil).passed }) {
+		t.Fatal("b was still rejected after a's held slot was given back (from its deny cache)")
+	}
+}
+
+// waitHeldAhead waits until a sliding_window log under prefix records an
+// admission ahead of Redis TIME (a request held until its slot).
+func waitHeldAhead(t *testing.T, r *testRedis, prefix string) {
+	t.Helper()
+	c := r.Client()
+	ok := waitFor(10*time.Second, func() bool {
+		keys, _ := c.Keys(context.Background(), prefix+"*").Result()
+		now, err := c.Time(context.Background()).Result()
+		if err != nil {
+			return false
+		}
+		for _, k := range keys {
+			v, _ := c.GetRange(context.Background(), k, 16, 23).Result()
+			if len(v) == 8 && math.Float64frombits(binary.BigEndian.Uint64([]byte(v))) > float64(now.UnixMicro()) {
+				return true
+			}
+		}
+		return false
+	})
+	if !ok {
+		t.Fatal("no request was held ahead")
 	}
 }

@@ -125,8 +125,14 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 // No rejection but a ban with count or wait: an answer that does not count,
 // or a held client that goes away, returns its admission, on any instance,
 // so no rejection is known to last.
+//
+// A rejection only a log's order made is not kept: the held admission
+// before it may be given back at any moment. A ban is kept until the ban
+// ends, even when its Retry-After is later (the quota that started it
+// admits the request only after that): then requests of other costs and
+// plans may pass.
 func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent, got time.Time) {
-	if h.deny == nil || d.Ban == ratelimit.NotBanned && (h.counts != nil || h.Wait > 0) {
+	if h.deny == nil || d.Ordered || d.Ban == ratelimit.NotBanned && (h.counts != nil || h.Wait > 0) {
 		return
 	}
 	// The script ran after sent and before got, so the request passes
@@ -138,6 +144,13 @@ func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent,
 	if d.Ban != ratelimit.NotBanned {
 		e.Banned, e.Left = true, 0
 		cacheID = id
+		banLeft := d.BanLeft
+		if d.Ban == ratelimit.BanStarted {
+			banLeft = h.ban()
+		}
+		if banLeft < d.Wait {
+			e.Until = sent.Add(banLeft - time.Millisecond - banLeft/1000)
+		}
 	}
 	h.deny.Put(cacheID, e)
 }

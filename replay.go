@@ -164,13 +164,16 @@ type storedAnswer struct {
 	Cookie  string `json:"k,omitempty"`
 	// Vary is the hash of the holder's values of the request headers that
 	// the answer's Vary names; VaryBy those names, from the answer as the
-	// client saw it (a Vary set before the lock counts too). An answer
-	// stored without VaryBy takes the names from Header.
+	// client saw it (a Vary set before the lock counts too).
 	Vary   string   `json:"v,omitempty"`
 	VaryBy []string `json:"vn,omitempty"`
 	// Head: the answer to a HEAD, which has no body: it answers no other
 	// method (a fingerprint without the method would give it to a GET).
 	Head bool `json:"hd,omitempty"`
+	// Rev is answerRev for an answer that records VaryBy and Head; an
+	// answer an earlier version stored has neither (0): its Vary names
+	// come from Header, and one that looks like a HEAD's answers no GET.
+	Rev  int `json:"r,omitempty"`
 	body []byte
 }
 
@@ -244,7 +247,7 @@ func (a *storedAnswer) servable(id identity, r *http.Request, credCookies bool) 
 		return "the request is conditional or a range request"
 	case a.Fingerprint != id.fp:
 		return "the request differs from the stored one"
-	case a.Head && r.Method != http.MethodHead:
+	case r.Method != http.MethodHead && a.head():
 		return "the stored answer is a HEAD's, without a body"
 	case a.Private && a.Cred != id.cred:
 		return "the stored answer is private to other credentials"
@@ -256,12 +259,26 @@ func (a *storedAnswer) servable(id identity, r *http.Request, credCookies bool) 
 	return ""
 }
 
+// answerRev marks the answers this version stores (storedAnswer.Rev).
+const answerRev = 2
+
 // varyBy names the request headers the answer varies by.
 func (a *storedAnswer) varyBy() []string {
-	if a.VaryBy != nil {
+	if a.Rev >= answerRev {
 		return a.VaryBy
 	}
 	return varyNames(a.Header)
+}
+
+// head reports an answer to a HEAD: so marked, or stored by an earlier
+// version with no body where its status has one and its Content-Length
+// says there was one.
+func (a *storedAnswer) head() bool {
+	if a.Rev >= answerRev {
+		return a.Head
+	}
+	cl := a.Header.Get("Content-Length")
+	return len(a.body) == 0 && bodyAllowed(a.Status) && cl != "" && cl != "0"
 }
 
 // mayServe decodes a stored answer and reports whether it may answer r;
@@ -491,10 +508,8 @@ func (rec *recorder) answer(r *http.Request, id identity, handlerErr error, lost
 	}
 	hdr.Del(HeaderIdempotentReplayed)
 	a := &storedAnswer{Fingerprint: id.fp, Status: rec.status, Header: hdr, Removed: rec.removed,
-		Private: rec.private, Vary: varyHash(rec.varyBy, r), VaryBy: rec.varyBy, Head: r.Method == http.MethodHead, body: rec.body.Bytes()}
-	if a.VaryBy == nil {
-		a.VaryBy = []string{} // stored as none: not taken from Header
-	}
+		Private: rec.private, Vary: varyHash(rec.varyBy, r), VaryBy: rec.varyBy, Head: r.Method == http.MethodHead,
+		Rev: answerRev, body: rec.body.Bytes()}
 	if a.Private {
 		a.Cred, a.Cookie = id.cred, id.cookie
 	}

@@ -473,10 +473,7 @@ func TestReplayNotPassedByAHandOff(t *testing.T) {
 		_, hdr, body, _ := post(sr.URL+"/pay", "x", "Idem", "k1")
 		retry <- [2]string{body, hdr.Get(HeaderIdempotentReplayed)}
 	}()
-	if !waitFor(15*time.Second, func() bool { return gaugeValue(hr.m.waiters) == 1 }) {
-		t.Fatal("the retry never waited for the lock")
-	}
-	time.Sleep(200 * time.Millisecond) // into its queue
+	waitQueued(t, hr, storedKey(hr.Prefix, "k1")) // the retry, in its handler's queue
 	close(release)
 	if body := <-first; body != "order 1" {
 		t.Fatalf("first POST: %q", body)

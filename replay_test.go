@@ -722,3 +722,37 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 		}
 	})
 }
+
+// TestReplayAnswersOfAnEarlierVersion: an answer stored before Head and
+// VaryBy were recorded (no "r" in its head) is read as that version meant
+// it: its Vary names come from its header, and one that looks like a
+// HEAD's (no body, a Content-Length above 0) answers a HEAD but no GET.
+func TestReplayAnswersOfAnEarlierVersion(t *testing.T) {
+	t.Parallel()
+	id := identity{fp: "fp"}
+	get := httptest.NewRequest("GET", "/doc", nil)
+	head := httptest.NewRequest("HEAD", "/doc", nil)
+	old, err := decodeAnswer(replayFormat + "\n" + `{"f":"fp","s":200,"h":{"Content-Length":["9"]}}` + "\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if why := old.servable(id, get, false); why == "" {
+		t.Error("an earlier version's HEAD answer (no body, Content-Length 9) was servable to a GET")
+	}
+	if why := old.servable(id, head, false); why != "" {
+		t.Errorf("an earlier version's HEAD answer to a HEAD: %s", why)
+	}
+	withBody, _ := decodeAnswer(replayFormat + "\n" + `{"f":"fp","s":200,"h":{"Content-Length":["9"]}}` + "\nfull body")
+	if why := withBody.servable(id, get, false); why != "" {
+		t.Errorf("an earlier version's GET answer to a GET: %s", why)
+	}
+	de := httptest.NewRequest("GET", "/doc", nil)
+	de.Header.Set("Accept-Language", "de")
+	vary, _ := decodeAnswer(replayFormat + "\n" + `{"f":"fp","s":200,"h":{"Vary":["Accept-Language"]},"v":"` + varyHash([]string{"Accept-Language"}, de) + `"}` + "\nbody")
+	if why := vary.servable(id, de, false); why != "" {
+		t.Errorf("an earlier version's Vary answer to the same Accept-Language: %s", why)
+	}
+	if why := vary.servable(id, get, false); why == "" {
+		t.Error("an earlier version's Vary answer was servable to another Accept-Language")
+	}
+}

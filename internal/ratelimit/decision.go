@@ -14,9 +14,17 @@ type Decision struct {
 	Tight     int           // the rate reported in the RateLimit field
 	Remaining int64         // of rate tight
 	Reset     time.Duration // until rate tight's quota grows (0 = full)
-	Ban       BanState      // rejected: whether by a ban (then Wait lasts until its end)
-	Cached    bool          // answered from the deny cache
-	Ans       []int64       // the script's answer (settle reads what gcra wrote)
+	Ban       BanState      // rejected: whether by a ban (then Wait lasts until its end, or later, see BanLeft)
+	// BanLeft: rejected under a ban that began before (Banned), until the
+	// ban ends; Wait is later when the quota that started the ban admits
+	// the request only after that.
+	BanLeft time.Duration
+	// Ordered: rejected only by the order of a log (sliding_window): an
+	// admission another handler holds until later comes first. Its slot
+	// may be given back at any moment, so the rejection may not last.
+	Ordered bool
+	Cached  bool    // answered from the deny cache
+	Ans     []int64 // the script's answer (settle reads what gcra wrote)
 }
 
 // ParseDecision reads one decision's answer: {hold when admitted (>= 0), else
@@ -25,7 +33,7 @@ type Decision struct {
 // key's sum of returns}.
 func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
 	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun ||
-		vals[0] < 0 && (vals[1] < int64(NotBanned) || vals[1] > int64(BanStarted)) {
+		vals[0] < 0 && (vals[1] < int64(NotBanned) || vals[1] > ordered) {
 		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
 	}
 	d := Decision{Allowed: vals[0] >= 0, Tight: -1, Ans: vals}
@@ -33,6 +41,9 @@ func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
 		d.Hold, d.At = time.Duration(vals[0])*time.Microsecond, vals[1]
 	} else {
 		d.Wait, d.Ban = time.Duration(-vals[0])*time.Microsecond, BanState(vals[1])
+		if vals[1] == ordered {
+			d.Ban, d.Ordered = NotBanned, true
+		}
 	}
 	// The tightest rate: the least remaining, then the longest until it
 	// grows; of a rejected request, among the rates that reject it (their
@@ -52,6 +63,10 @@ func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
 	}
 	if d.Tight < 0 {
 		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v (rejected by no rate)", vals)
+	}
+	if d.Ban == Banned {
+		// Every rate's reset is the ban's own end.
+		d.BanLeft = time.Duration(vals[3]) * time.Microsecond
 	}
 	if d.Ban != NotBanned {
 		// No quota until the ban ends, whatever the rates' state.

@@ -56,6 +56,12 @@ const (
 	BanStarted                 // rejected by a rate, and so the ban starts now
 )
 
+// ordered is what a decision script answers in the place of the BanState
+// of a rejection that only the order of a log made (ratelimit_sliding.lua:
+// an admission held until later, by a handler sharing the key, comes first):
+// no ban, and one that may not last (Decision.Ordered).
+const ordered = 3
+
 // bodyMark is the line of ratelimit_batch.lua where an algorithm's body goes.
 const bodyMark = "-- @body\n"
 
@@ -67,8 +73,8 @@ func decisionScript(body string, per int) string {
 	if !ok {
 		panic("ratelimit: scripts/ratelimit_batch.lua has no body mark")
 	}
-	consts := fmt.Sprintf("local FAILED_READ, FAILED_RUN, PER, BANNED, BAN_STARTED = %d, %d, %d, %d, %d\n",
-		failedRead, failedRun, per, Banned, BanStarted)
+	consts := fmt.Sprintf("local FAILED_READ, FAILED_RUN, PER, BANNED, BAN_STARTED, ORDERED = %d, %d, %d, %d, %d, %d\n",
+		failedRead, failedRun, per, Banned, BanStarted, ordered)
 	return consts + head + body + tail
 }
 

@@ -23,7 +23,7 @@
 -- expires when the ban ends) is rejected outright, on every rate, without
 -- reading them: it answers minus the µs until the ban ends (or, when the
 -- quota's wait at the ban's start ends later, until then), BANNED, then
--- per rate -1 (no quota, rejecting), those µs, and zeros. A decision its
+-- per rate -1 (no quota, rejecting), the µs until the ban ends, and zeros. A decision its
 -- quota rejects (beyond what the hold absorbs; not one only a log's order
 -- rejects) starts a ban: the ban key is set to expire in the set's ban,
 -- holding the moment (µs) the request could pass (the later of the ban's
@@ -76,7 +76,8 @@ local out, o, k, set, wrote = {}, 0, 0, 1, false
 local decide1, load1
 -- byQuota: the decision in hand, rejected, was rejected by a quota (not
 -- only by the order of a log, see ratelimit_sliding.lua): only such a
--- rejection starts a ban. The body sets it false when not.
+-- rejection starts a ban. The body sets it false when not, and answers
+-- ORDERED in the place of the ban state.
 local byQuota = true
 -- @body
 local a = 3
@@ -112,7 +113,7 @@ local function banning()
 		out[o + 1], out[o + 2] = -wait, BANNED
 		local per = PERS[set]
 		for p = o + 3, o + 2 + per * R[set], per do
-			out[p], out[p + 1] = -1, wait
+			out[p], out[p + 1] = -1, left * 1000
 			for j = p + 2, p + per - 1 do
 				out[j] = 0
 			end

@@ -133,6 +133,9 @@ local function decide()
 				byQuota = true
 			end
 		end
+		if not byQuota then
+			out[o + 2] = ORDERED
+		end
 	end
 	for i = 1, r do
 		local key, n, w, v, pos = KEYS[k + i], ns[i], ws[i], V[i], POS[i]
