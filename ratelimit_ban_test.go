@@ -345,15 +345,7 @@ func TestRateLimitSharedKeyOtherWait(t *testing.T) {
 	for _, mode := range []string{"fail open", "fail_closed", "ban"} {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
-			prefix := "shared-" + strings.ReplaceAll(mode, " ", "-") + ":"
-			a := newRateLimit(t, r, func(h *RedisRateLimit) {
-				h.Name, h.Prefix = "a", prefix
-				h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
-				h.Wait = caddy.Duration(5 * time.Second)
-			})
-			b := newRateLimit(t, r, func(h *RedisRateLimit) {
-				h.Name, h.Prefix = "b", prefix
-				h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
+			b, held := holdAhead(t, r, context.Background(), "shared-"+strings.ReplaceAll(mode, " ", "-")+":", "10.0.0.1", func(h *RedisRateLimit) {
 				switch mode {
 				case "fail_closed":
 					h.FailClosed = true
@@ -361,11 +353,6 @@ func TestRateLimitSharedKeyOtherWait(t *testing.T) {
 					h.Ban = caddy.Duration(time.Minute)
 				}
 			})
-			serveRL(a, "10.0.0.1", nil)
-			serveRL(a, "10.0.0.1", nil)
-			held := make(chan rlAnswer, 1)
-			go func() { held <- serveRL(a, "10.0.0.1", nil) }() // held about 3 s
-			waitHeldAhead(t, r, prefix)
 			for i := 0; i < 3; i++ {
 				x := serveRL(b, "10.0.0.1", nil)
 				ra, _ := strconv.Atoi(x.header.Get("Retry-After"))
@@ -498,22 +485,9 @@ func TestRateLimitBanCacheEndsWithTheBan(t *testing.T) {
 func TestRateLimitOrderRejectionNotCached(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	const prefix, ip = "order-cache:", "10.0.0.8"
-	a := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Name, h.Prefix = "a", prefix
-		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
-		h.Wait = caddy.Duration(5 * time.Second)
-	})
-	b := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Name, h.Prefix = "b", prefix
-		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
-	})
-	serveRL(a, ip, nil)
-	serveRL(a, ip, nil)
+	const ip = "10.0.0.8"
 	ctx, cancel := context.WithCancel(context.Background())
-	held := make(chan rlAnswer, 1)
-	go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }()
-	waitHeldAhead(t, r, prefix)
+	b, held := holdAhead(t, r, ctx, "order-cache:", ip, nil)
 	if x := serveRL(b, ip, nil); x.status != 429 {
 		t.Fatalf("b while a holds a request: %d, want 429", x.status)
 	}
@@ -525,6 +499,33 @@ func TestRateLimitOrderRejectionNotCached(t *testing.T) {
 	if !waitFor(500*time.Millisecond, func() bool { return serveRL(b, ip, nil).passed }) {
 		t.Fatal("b was still rejected after a's held slot was given back (from its deny cache)")
 	}
+}
+
+// holdAhead provisions two handlers sharing prefix: a, with a rate of 2 per
+// 3 s and a wait, and b, without (mod changes it further). a admits two
+// requests of ip and holds a third (its client's context ctx) until its
+// slot, about 3 s ahead; held gets its answer. It returns once that third
+// request is recorded ahead.
+func holdAhead(t *testing.T, r *testRedis, ctx context.Context, prefix, ip string, mod func(*RedisRateLimit)) (b *RedisRateLimit, held <-chan rlAnswer) {
+	t.Helper()
+	a := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "a", prefix
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
+		h.Wait = caddy.Duration(5 * time.Second)
+	})
+	b = newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "b", prefix
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}}
+		if mod != nil {
+			mod(h)
+		}
+	})
+	serveRL(a, ip, nil)
+	serveRL(a, ip, nil)
+	ch := make(chan rlAnswer, 1)
+	go func() { ch <- serveRLWith(ctx, a, ip, nil, nil) }()
+	waitHeldAhead(t, r, prefix)
+	return b, ch
 }
 
 // waitHeldAhead waits until a sliding_window log under prefix records an
