@@ -88,6 +88,16 @@ func TestWholeCaddyEvents(t *testing.T) {
 		}
 		respond "ok"
 	}
+	route /held {
+		redis_ratelimit {
+			name held
+			key {http.request.header.X-User}
+			rate 1 1m
+			wait 1s
+			redis %s
+		}
+		respond "ok"
+	}
 	route /job/* {
 		redis_lock {
 			name jobs
@@ -98,7 +108,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 		reverse_proxy %s
 	}
 }
-`, admin, port, r.Addr, r.Addr, strings.TrimPrefix(slow.URL, "http://")))
+`, admin, port, r.Addr, r.Addr, r.Addr, strings.TrimPrefix(slow.URL, "http://")))
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 
 	for i, want := range []int{200, 429, 429, 429} {
@@ -115,6 +125,22 @@ func TestWholeCaddyEvents(t *testing.T) {
 	}
 	if o := ex[0].Origin(); o == nil || o.CaddyModule().ID != "http.handlers.redis_ratelimit" {
 		t.Errorf("rate_limit_exceeded origin %v, want the redis_ratelimit handler", o)
+	}
+	// With wait the deny cache keeps no rejection: still one event per key
+	// per period.
+	for i, want := range []int{200, 429, 429, 429} {
+		if resp, _ := get(t, base+"/held", "X-User", "trudy"); resp == nil || resp.StatusCode != want {
+			t.Fatalf("held route, request %d: %v, want %d", i, resp, want)
+		}
+	}
+	held := 0
+	for _, e := range eventsNamed(EventRateLimitExceeded) {
+		if e.Data["handler"] == "held" {
+			held++
+		}
+	}
+	if held != 1 {
+		t.Errorf("%d rate_limit_exceeded events for three rejections of one key under wait, want 1", held)
 	}
 
 	holder := goFetch(context.Background(), base+"/job/42")

@@ -621,9 +621,12 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
 		}
 	}()
-	err = next.ServeHTTP(rw, r.WithContext(reqCtx))
+	func() {
+		// Also when next panics (reverse_proxy aborts a copy cut short).
+		defer func() { cutOff = rec != nil && errors.Is(context.Cause(base), errDetachedRunOver) }()
+		err = next.ServeHTTP(rw, r.WithContext(reqCtx))
+	}()
 	completed = true
-	cutOff = rec != nil && errors.Is(context.Cause(base), errDetachedRunOver)
 	if err != nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 		rw.restoreHeader()
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("%w: %v", ErrLeaseLost, err))

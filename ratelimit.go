@@ -244,27 +244,32 @@ type RedisRateLimit struct {
 	RedisConfig
 
 	// runtime state
-	logger     *zap.Logger
-	label      string // the name, else a short hash of the JSON config
-	events     emitter
-	keyTmpl    *keyTemplate
-	keyHead    string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
-	static     plan   // the plan of every request without placeholders; the templates otherwise
-	dynamic    bool   // some rate's n or window is a placeholder
-	costTmpl   string
-	counts     *statusSet // nil: every answer counts
-	script     *redisconn.Script
-	giveBack   *redisconn.Script // returns an admission
-	algo       string
-	status     int
-	sendHdrs   bool
-	counters   [len(rateLimitResults)]prometheus.Counter // by result, as rateLimitResults
-	waited     prometheus.Observer
-	obs        *labelClaim
-	timeout    time.Duration
-	client     *pooledClient
-	clientKey  string
-	deny       *ratelimit.DenyCache
+	logger    *zap.Logger
+	label     string // the name, else a short hash of the JSON config
+	events    emitter
+	keyTmpl   *keyTemplate
+	keyHead   string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
+	static    plan   // the plan of every request without placeholders; the templates otherwise
+	dynamic   bool   // some rate's n or window is a placeholder
+	costTmpl  string
+	counts    *statusSet // nil: every answer counts
+	script    *redisconn.Script
+	giveBack  *redisconn.Script // returns an admission
+	algo      string
+	status    int
+	sendHdrs  bool
+	counters  [len(rateLimitResults)]prometheus.Counter // by result, as rateLimitResults
+	waited    prometheus.Observer
+	obs       *labelClaim
+	timeout   time.Duration
+	client    *pooledClient
+	clientKey string
+	deny      *ratelimit.DenyCache
+	// announced: the keys whose rate_limit_exceeded went out, until the
+	// moment the rejection named (a DenyCache used as a set of keys that
+	// expire): one event per key per period, also where deny keeps no
+	// rejection (count, wait, a log's order).
+	announced  *ratelimit.DenyCache
 	fleet      *fleet           // fail_local; nil without
 	local      *localState      // fail_local; nil without
 	now        func() time.Time // local monotonic clock, only for the deny cache
@@ -370,6 +375,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		// With count, it holds bans only (see remember).
 		h.deny = h.newDenyCache()
 	}
+	h.announced = h.newDenyCache()
 	if err := adminRegister(ctx, h); err != nil {
 		return err
 	}
@@ -573,7 +579,7 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 	default:
 		h.counters[resultDenied].Inc()
 		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded"
-		if !d.Cached { // at most once per key per deny-cache period
+		if !d.Cached && h.firstRejection(id, d.Wait) { // at most once per key per deny-cache period
 			h.events.emit(EventRateLimitExceeded, func() map[string]any {
 				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "dry_run": h.DryRun}
 			})
@@ -589,6 +595,19 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.cost),
 			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.Cached), zap.Bool("banned", d.Ban != ratelimit.NotBanned))
 	}
+}
+
+// firstRejection reports whether a rejection of id, rejected for wait, is
+// the first since the period of the last one announced ended.
+func (h *RedisRateLimit) firstRejection(id string, wait time.Duration) bool {
+	if h.announced == nil {
+		return true
+	}
+	if _, ok := h.announced.Get(id, anyCost); ok {
+		return false
+	}
+	h.announced.Put(id, ratelimit.DenyEntry{Until: h.now().Add(max(wait, time.Second)), Banned: true})
+	return true
 }
 
 // holdFor holds an admitted request until its slot (wait); a client that

@@ -417,17 +417,21 @@ func TestRateLimitClientGoneDuringDecision(t *testing.T) {
 		t.Fatalf("first request: %d", a.status)
 	}
 	first := time.Now() // its slot is taken until about a second from now
+	scripts := func() int64 { return r.CommandCalls("evalsha") + r.CommandCalls("eval") }
+	before := scripts()
 	r.Pause()
 	ctx, cancel := context.WithCancel(context.Background())
 	gone := make(chan rlAnswer, 1)
 	go func() { gone <- serveRLWith(ctx, h, ip, nil, nil) }()
-	time.Sleep(200 * time.Millisecond) // its call on its way to the paused Redis
+	time.Sleep(500 * time.Millisecond) // its call on its way to the paused Redis
 	cancel()
 	if a := <-gone; a.passed || a.status != statusClientClosedRequest {
 		t.Fatalf("the request whose client went away: %d passed %v, want 499", a.status, a.passed)
 	}
 	r.Resume() // the decision runs now: held until the slot after the first
-	time.Sleep(200 * time.Millisecond)
+	if !waitFor(10*time.Second, func() bool { return scripts() >= before+2 }) {
+		t.Fatalf("%d script calls since the first request, want the gone client's decision and the return of its admission", scripts()-before)
+	}
 	b := serveRL(h, ip, nil)
 	if !b.passed {
 		t.Fatalf("next request: %d %v", b.status, b.err)
@@ -549,5 +553,44 @@ func waitHeldAhead(t *testing.T, r *testRedis, prefix string) {
 	})
 	if !ok {
 		t.Fatal("no request was held ahead")
+	}
+}
+
+// TestRateLimitOrderLengthensQuotaRejection: a quota's rejection that an
+// admission another handler holds until later makes longer is not kept in
+// the deny cache either: once the held client goes away, the request
+// passes when its quota allows it.
+func TestRateLimitOrderLengthensQuotaRejection(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const prefix, ip = "order-quota:", "10.0.0.9"
+	a := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "a", prefix
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
+		h.Wait = caddy.Duration(5 * time.Second)
+	})
+	b := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "b", prefix
+		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 1, Window: caddy.Duration(time.Second)}}
+	})
+	serveRL(a, ip, nil)
+	serveRL(a, ip, nil)
+	if x := serveRL(b, ip, nil); !x.passed { // b's 1 per second used
+		t.Fatalf("b's first request: %d", x.status)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	held := make(chan rlAnswer, 1)
+	go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }() // held about 3 s ahead
+	waitHeldAhead(t, r, prefix)
+	if x := serveRL(b, ip, nil); x.status != 429 {
+		t.Fatalf("b while its quota and a's held request reject it: %d, want 429", x.status)
+	}
+	rejected := time.Now()
+	cancel()
+	<-held
+	// b's quota admits it a second after its first; kept, the rejection
+	// would last until a's slot, about 3 s ahead.
+	if !waitFor(2*time.Second, func() bool { return serveRL(b, ip, nil).passed }) {
+		t.Fatalf("b still rejected %s after a's held slot was given back", time.Since(rejected))
 	}
 }

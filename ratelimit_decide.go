@@ -126,8 +126,8 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 // or a held client that goes away, returns its admission, on any instance,
 // so no rejection is known to last.
 //
-// A rejection only a log's order made is not kept: the held admission
-// before it may be given back at any moment. A ban is kept until the ban
+// A rejection a log's order made, or made longer, is not kept: the held
+// admission before it may be given back at any moment. A ban is kept until the ban
 // ends, even when its Retry-After is later (the quota that started it
 // admits the request only after that): then requests of other costs and
 // plans may pass.

@@ -264,7 +264,7 @@ const answerRev = 2
 
 // varyBy names the request headers the answer varies by.
 func (a *storedAnswer) varyBy() []string {
-	if a.Rev >= answerRev {
+	if a.Rev >= answerRev || a.VaryBy != nil {
 		return a.VaryBy
 	}
 	return varyNames(a.Header)
@@ -274,7 +274,7 @@ func (a *storedAnswer) varyBy() []string {
 // version with no body where its status has one and its Content-Length
 // says there was one.
 func (a *storedAnswer) head() bool {
-	if a.Rev >= answerRev {
+	if a.Head || a.Rev >= answerRev {
 		return a.Head
 	}
 	cl := a.Header.Get("Content-Length")

@@ -493,37 +493,45 @@ func TestReplayNotPassedByAHandOff(t *testing.T) {
 func TestReplayCutOffAtItsBound(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"ttl":"1s","lock_delay":"20s","timeout":"5s","prefix":"cut:"`))
-	started := make(chan struct{}, 1)
-	returned := make(chan error, 1)
-	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
-		started <- struct{}{}
-		<-req.Context().Done() // cancelled at the bound
-		w.WriteHeader(http.StatusCreated)
-		_, _ = io.WriteString(w, "late answer")
-		returned <- context.Cause(req.Context())
-		return nil
-	})
-	leave := startImpatient(t, srv.URL+"/p", started)
-	leave()
-	select {
-	case cause := <-returned:
-		if cause != errDetachedRunOver {
-			t.Fatalf("the route was cancelled with %v, want errDetachedRunOver", cause)
+	for _, panics := range []bool{false, true} {
+		// A route that panics on its way out (reverse_proxy aborts a copy
+		// its cancelled context cut short) is cut off too.
+		prefix := fmt.Sprintf("cut-%v:", panics)
+		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"ttl":"1s","lock_delay":"20s","timeout":"5s","prefix":"`+prefix+`"`))
+		started := make(chan struct{}, 1)
+		returned := make(chan error, 1)
+		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+			started <- struct{}{}
+			<-req.Context().Done() // cancelled at the bound
+			w.WriteHeader(http.StatusCreated)
+			_, _ = io.WriteString(w, "late answer")
+			returned <- context.Cause(req.Context())
+			if panics {
+				panic(http.ErrAbortHandler)
+			}
+			return nil
+		})
+		leave := startImpatient(t, srv.URL+"/p", started)
+		leave()
+		select {
+		case cause := <-returned:
+			if cause != errDetachedRunOver {
+				t.Fatalf("panics %v: the route was cancelled with %v, want errDetachedRunOver", panics, cause)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatalf("panics %v: the detached run was never cancelled", panics)
 		}
-	case <-time.After(15 * time.Second):
-		t.Fatal("the detached run was never cancelled")
-	}
-	key := storedKey(h.Prefix, "u:k")
-	c := r.Client()
-	if !waitFor(10*time.Second, func() bool { return c.ZCard(context.Background(), lock.DelayKey(key)).Val() == 1 }) {
-		t.Fatal("the release of a route cut off at its bound was clean: no lock_delay entry")
-	}
-	if n := c.Exists(context.Background(), lock.ReplayKey(key)).Val(); n != 0 {
-		t.Fatal("the answer of a route cut off at its bound was stored")
-	}
-	if c.PTTL(context.Background(), lock.DelayKey(key)).Val() <= 0 {
-		t.Fatal("the lock_delay entry has no expiry")
+		key := storedKey(h.Prefix, "u:k")
+		c := r.Client()
+		if !waitFor(10*time.Second, func() bool { return c.ZCard(context.Background(), lock.DelayKey(key)).Val() == 1 }) {
+			t.Fatalf("panics %v: the release of a route cut off at its bound was clean: no lock_delay entry", panics)
+		}
+		if n := c.Exists(context.Background(), lock.ReplayKey(key)).Val(); n != 0 {
+			t.Fatalf("panics %v: the answer of a route cut off at its bound was stored", panics)
+		}
+		if c.PTTL(context.Background(), lock.DelayKey(key)).Val() <= 0 {
+			t.Fatalf("panics %v: the lock_delay entry has no expiry", panics)
+		}
 	}
 }
 

@@ -19,9 +19,10 @@ type Decision struct {
 	// ban ends; Wait is later when the quota that started the ban admits
 	// the request only after that.
 	BanLeft time.Duration
-	// Ordered: rejected only by the order of a log (sliding_window): an
-	// admission another handler holds until later comes first. Its slot
-	// may be given back at any moment, so the rejection may not last.
+	// Ordered: rejected, or rejected for longer than its quotas would, by
+	// the order of a log (sliding_window): an admission another handler
+	// holds until later comes first. Its slot may be given back at any
+	// moment, so the rejection may not last.
 	Ordered bool
 	Cached  bool    // answered from the deny cache
 	Ans     []int64 // the script's answer (settle reads what gcra wrote)

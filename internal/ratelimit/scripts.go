@@ -57,9 +57,9 @@ const (
 )
 
 // ordered is what a decision script answers in the place of the BanState
-// of a rejection that only the order of a log made (ratelimit_sliding.lua:
-// an admission held until later, by a handler sharing the key, comes first):
-// no ban, and one that may not last (Decision.Ordered).
+// of a rejection that the order of a log made, or made longer
+// (ratelimit_sliding.lua: an admission held until later, by a handler
+// sharing the key, comes first): one that may not last (Decision.Ordered).
 const ordered = 3
 
 // bodyMark is the line of ratelimit_batch.lua where an algorithm's body goes.

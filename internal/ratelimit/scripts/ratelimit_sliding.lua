@@ -126,14 +126,18 @@ local function decide()
 		out[o + 1], out[o + 2] = hold, T
 	else
 		out[o + 1], out[o + 2] = -max(1, hold - maxwait), 0
-		-- Rejected by a quota, or only by a log's order (no ban then).
+		-- Rejected by a quota, or only by a log's order (no ban then);
+		-- ORDERED when a log's order makes it wait longer than the quotas
+		-- would: a held slot before it may be given back at any moment.
 		byQuota = false
+		local qT = now
 		for i = 1, r do
 			if QAT[i] - now > maxwait then
 				byQuota = true
 			end
+			qT = max(qT, QAT[i])
 		end
-		if not byQuota then
+		if T > qT then
 			out[o + 2] = ORDERED
 		end
 	end
