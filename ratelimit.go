@@ -579,7 +579,7 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 	default:
 		h.counters[resultDenied].Inc()
 		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded"
-		if !d.Cached && h.firstRejection(id, d.Wait) { // at most once per key per deny-cache period
+		if !d.Cached && h.firstRejection(id, d) { // at most once per key per deny-cache period
 			h.events.emit(EventRateLimitExceeded, func() map[string]any {
 				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "dry_run": h.DryRun}
 			})
@@ -597,17 +597,15 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 	}
 }
 
-// firstRejection reports whether a rejection of id, rejected for wait, is
-// the first since the period of the last one announced ended.
-func (h *RedisRateLimit) firstRejection(id string, wait time.Duration) bool {
-	if h.announced == nil {
+// firstRejection reports whether a rejection of id, answered by Redis, is
+// the first of its period: the deny cache answers the rest of the period of
+// one it keeps; for one it does not keep (count, wait, a log's order),
+// announced says whether one went out for the key in the period.
+func (h *RedisRateLimit) firstRejection(id string, d decision) bool {
+	if h.remembers(d) || h.announced == nil {
 		return true
 	}
-	if _, ok := h.announced.Get(id, anyCost); ok {
-		return false
-	}
-	h.announced.Put(id, ratelimit.DenyEntry{Until: h.now().Add(max(wait, time.Second)), Banned: true})
-	return true
+	return h.announced.Mark(id, h.now().Add(max(d.Wait, time.Millisecond)))
 }
 
 // holdFor holds an admitted request until its slot (wait); a client that

@@ -594,3 +594,66 @@ func TestRateLimitOrderLengthensQuotaRejection(t *testing.T) {
 		t.Fatalf("b still rejected %s after a's held slot was given back", time.Since(rejected))
 	}
 }
+
+// TestRateLimitExceededOncePerPeriod: rate_limit_exceeded goes out once per
+// key per rejection period also where the deny cache keeps no rejection
+// (wait); an admin reset of the key starts a new period.
+func TestRateLimitExceededOncePerPeriod(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Prefix = "announce:"
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}
+		h.Wait = caddy.Duration(time.Second)
+	})
+	d := decision{Wait: time.Minute} // a rejection Redis answered
+	if h.remembers(d) {
+		t.Fatal("under wait the deny cache keeps a rejection")
+	}
+	const id = "mallory"
+	if !h.firstRejection(id, d) || h.firstRejection(id, d) {
+		t.Fatal("want the first rejection of the period announced, the second not")
+	}
+	// What every instance does when a reset is announced (see resetQuota).
+	resetForgetter{h.client}.Forget(h.Prefix, id)
+	if !h.firstRejection(id, d) {
+		t.Error("the first rejection after an admin reset was not announced")
+	}
+}
+
+// TestRateLimitHeldAdmissionInQuotaNotCached: a quota's rejection whose
+// wait runs to an admission another handler holds (the slot the quota
+// counts) is not kept in the deny cache: once the held client goes away,
+// the request passes when the quota allows it without that slot.
+func TestRateLimitHeldAdmissionInQuotaNotCached(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	const prefix, ip = "held-quota:", "10.0.0.11"
+	a := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "a", prefix
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
+		h.Wait = caddy.Duration(5 * time.Second)
+	})
+	b := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.Name, h.Prefix = "b", prefix
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
+	})
+	if x := serveRL(b, ip, nil); !x.passed {
+		t.Fatalf("b's first request: %d", x.status)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	held := make(chan rlAnswer, 1)
+	go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }() // held about 1 s, to the next slot
+	waitHeldAhead(t, r, prefix)
+	if x := serveRL(b, ip, nil); x.status != 429 {
+		t.Fatalf("b while a holds the next slot: %d, want 429", x.status)
+	}
+	rejected := time.Now()
+	cancel()
+	<-held
+	// Without a's slot the quota admits b a second after its first; kept,
+	// the rejection would last a second after a's slot, about 2 s.
+	if !waitFor(1500*time.Millisecond, func() bool { return serveRL(b, ip, nil).passed }) {
+		t.Fatalf("b still rejected %s after a's held slot was given back", time.Since(rejected))
+	}
+}

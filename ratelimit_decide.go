@@ -132,7 +132,7 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 // admits the request only after that): then requests of other costs and
 // plans may pass.
 func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent, got time.Time) {
-	if h.deny == nil || d.Ordered || d.Ban == ratelimit.NotBanned && (h.counts != nil || h.Wait > 0) {
+	if !h.remembers(d) {
 		return
 	}
 	// The script ran after sent and before got, so the request passes
@@ -153,6 +153,11 @@ func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent,
 		}
 	}
 	h.deny.Put(cacheID, e)
+}
+
+// remembers reports whether remember keeps the rejection d.
+func (h *RedisRateLimit) remembers(d decision) bool {
+	return h.deny != nil && !d.Ordered && (d.Ban != ratelimit.NotBanned || h.counts == nil && h.Wait == 0)
 }
 
 // banKey is the Redis key of id's ban: it exists, and expires, while the

@@ -28,6 +28,9 @@ type resetTarget struct {
 	keyHead string
 	deny    *ratelimit.DenyCache // nil without
 	local   *ratelimit.Local     // fail_local; nil without
+	// announced: the keys whose rate_limit_exceeded went out this period;
+	// a reset starts a new one.
+	announced *ratelimit.DenyCache
 }
 
 // forget drops id in t's deny cache and local limiter.
@@ -38,16 +41,19 @@ func (t resetTarget) forget(id string) {
 	if t.deny != nil {
 		t.deny.Forget(id)
 	}
+	if t.announced != nil {
+		t.announced.Forget(id)
+	}
 }
 
 // registerResets adds h (its Provision), when it keeps anything a reset
 // must reach.
 func registerResets(h *RedisRateLimit) {
-	t := resetTarget{client: h.client, prefix: h.Prefix, keyHead: h.keyHead, deny: h.deny}
+	t := resetTarget{client: h.client, prefix: h.Prefix, keyHead: h.keyHead, deny: h.deny, announced: h.announced}
 	if h.local != nil {
 		t.local = h.local.lim
 	}
-	if t.deny == nil && t.local == nil {
+	if t.deny == nil && t.local == nil && t.announced == nil {
 		return
 	}
 	resetRegistry.mu.Lock()
@@ -90,6 +96,9 @@ func (f resetForgetter) ForgetAll() {
 	for _, t := range resetRegistry.hs {
 		if t.client == f.client && t.deny != nil {
 			t.deny.Clear()
+		}
+		if t.client == f.client && t.announced != nil {
+			t.announced.Clear()
 		}
 	}
 }

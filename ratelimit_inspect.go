@@ -398,6 +398,9 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 		if o.deny != nil {
 			o.deny.Forget(id)
 		}
+		if o.announced != nil {
+			o.announced.Forget(id)
+		}
 		if o.local != nil {
 			o.local.lim.Forget(o.keyHead + id + "}")
 		}

@@ -102,6 +102,26 @@ func (c *DenyCache) Drop(id string) {
 	}
 }
 
+// Mark records id until until and reports whether it had no live entry:
+// the cache as a set of keys that expire (one event per key per period),
+// checked and set at once.
+func (c *DenyCache) Mark(id string, until time.Time) bool {
+	now := c.clock.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if e, ok := c.m[id]; ok && now.Before(e.Until) {
+		return false
+	}
+	if !now.Before(until) {
+		return true
+	}
+	if _, ok := c.m[id]; !ok && len(c.m) >= c.max {
+		c.makeRoom(now)
+	}
+	c.m[id] = DenyEntry{Until: until, Banned: true}
+	return true
+}
+
 // Clear forgets every entry (an admin reset may have been missed).
 func (c *DenyCache) Clear() {
 	c.mu.Lock()

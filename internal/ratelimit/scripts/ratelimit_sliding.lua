@@ -127,17 +127,22 @@ local function decide()
 	else
 		out[o + 1], out[o + 2] = -max(1, hold - maxwait), 0
 		-- Rejected by a quota, or only by a log's order (no ban then);
-		-- ORDERED when a log's order makes it wait longer than the quotas
-		-- would: a held slot before it may be given back at any moment.
+		-- ORDERED when a log holds an admission ahead of now (a request
+		-- another handler holds until later: its slot may be given back
+		-- at any moment, and the rejection then ends sooner), or its order
+		-- makes the request wait longer than the quotas would.
 		byQuota = false
-		local qT = now
+		local qT, ahead = now, false
 		for i = 1, r do
 			if QAT[i] - now > maxwait then
 				byQuota = true
 			end
 			qT = max(qT, QAT[i])
+			if LAST[i] and LAST[i] > now then
+				ahead = true
+			end
 		end
-		if T > qT then
+		if ahead or T > qT then
 			out[o + 2] = ORDERED
 		end
 	end
