@@ -142,6 +142,23 @@ func TestWholeCaddyEvents(t *testing.T) {
 	if held != 1 {
 		t.Errorf("%d rate_limit_exceeded events for three rejections of one key under wait, want 1", held)
 	}
+	// Concurrent rejections reach Redis before the deny cache holds one:
+	// still one event for the key.
+	var flood sync.WaitGroup
+	for range 20 {
+		flood.Add(1)
+		go func() { defer flood.Done(); get(t, base+"/limited", "X-User", "eve") }()
+	}
+	flood.Wait()
+	eve := 0
+	for _, e := range eventsNamed(EventRateLimitExceeded) {
+		if e.Data["key"] == "eve" {
+			eve++
+		}
+	}
+	if eve != 1 {
+		t.Errorf("%d rate_limit_exceeded events for 19 concurrent rejections of one key, want 1", eve)
+	}
 
 	holder := goFetch(context.Background(), base+"/job/42")
 	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(DefaultLockPrefix, "/job/42")) == 1 }) {

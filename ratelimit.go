@@ -598,14 +598,15 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 }
 
 // firstRejection reports whether a rejection of id, answered by Redis, is
-// the first of its period: the deny cache answers the rest of the period of
-// one it keeps; for one it does not keep (count, wait, a log's order),
-// announced says whether one went out for the key in the period.
+// the first of its period for the key (until the moment it names, at least
+// a second): concurrent rejections, and those of other plans and costs, or
+// that the deny cache does not keep (count, wait, a log's order), all reach
+// Redis. The rejection that starts a ban is always announced.
 func (h *RedisRateLimit) firstRejection(id string, d decision) bool {
-	if h.remembers(d) || h.announced == nil {
+	if h.announced == nil {
 		return true
 	}
-	return h.announced.Mark(id, h.now().Add(max(d.Wait, time.Millisecond)))
+	return h.announced.Mark(id, h.now().Add(max(d.Wait, time.Second))) || d.Ban == ratelimit.BanStarted
 }
 
 // holdFor holds an admitted request until its slot (wait); a client that
