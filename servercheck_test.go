@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -198,30 +197,6 @@ func usedMemory(t *testing.T, c *redis.Client) int64 {
 	return infoInt(t, c, "memory", "used_memory")
 }
 
-// memoryBesidesClients is used_memory less the normal clients' own memory
-// (mem_clients_normal: about 20 KB a connection, with its buffers): what
-// keys and Redis's own state take. A connection the pool opens under load
-// is no leak of the scripts'.
-func memoryBesidesClients(t *testing.T, c *redis.Client) int64 {
-	t.Helper()
-	info, err := c.Info(context.Background(), "memory").Result() // both from one moment
-	if err != nil {
-		t.Fatalf("info memory: %v", err)
-	}
-	var used, clients int64 = -1, -1
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, "used_memory:"); ok {
-			used, _ = strconv.ParseInt(v, 10, 64)
-		} else if v, ok := strings.CutPrefix(line, "mem_clients_normal:"); ok {
-			clients, _ = strconv.ParseInt(v, 10, 64)
-		}
-	}
-	if used < 0 || clients < 0 {
-		t.Fatalf("no used_memory or mem_clients_normal in INFO memory")
-	}
-	return used - clients
-}
-
 // fillRedis writes 2 MiB and sets maxmemory 256 KiB below the memory then
 // used, so the server is clearly over its limit (noeviction keeps the data).
 func fillRedis(t *testing.T, c *redis.Client) (maxmemory int64) {
@@ -285,7 +260,7 @@ func holdOverLimit(t *testing.T, h *RedisLock, body string) (srv *httptest.Serve
 
 // TestLockScriptsRespectMaxmemory: on a noeviction server over its
 // maxmemory, new locks are refused (503 by the fail policy, with the OOM
-// error logged) and used memory does not grow; a lease already held keeps
+// error logged) and write nothing; a lease already held keeps
 // being extended and is released (those two scripts only keep or free
 // memory, so they run over the limit).
 func TestLockScriptsRespectMaxmemory(t *testing.T) {
@@ -300,43 +275,29 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	rc := r.Client() // one connection: each new one costs memory too
 	maxmemory := fillRedis(t, rc)
 	const n = 400
-	// The median of ten samples, without the clients' own memory: on a
-	// loaded machine the pool may open a few more connections (about 20 KB
-	// each, read as 100 KB of growth once), and single samples move by
-	// some 200 KB with Redis's own transient buffers; a leak would move the
-	// median. And no key may appear.
-	var samples []int64
-	median := func() int64 {
-		slices.Sort(samples)
-		m := samples[len(samples)/2]
-		samples = samples[:0]
-		return m
-	}
-	var before, keysBefore int64
+	// No refused lock may write: no key appears (the number of keys, and
+	// none of the refused locks' keys). Used memory is logged, not
+	// asserted: it moves by 100 KB and more with Redis's own buffers and
+	// the pool's connections on a loaded machine, more than a leak of
+	// these 300 locks would take.
+	var keysBefore, memBefore int64
 	for i := 0; i < n; i++ {
-		if i >= 100 && i < 110 {
-			// The first calls load the scripts and warm the connections.
-			samples = append(samples, memoryBesidesClients(t, rc))
-		}
-		if i == 110 {
-			before, keysBefore = median(), rc.DBSize(context.Background()).Val()
+		if i == 100 {
+			// The first calls loaded the scripts and warmed the connections.
+			keysBefore, memBefore = rc.DBSize(context.Background()).Val(), usedMemory(t, rc)
 		}
 		resp, body := get(t, fmt.Sprintf("%s/k%d", srv.URL, i))
 		if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "OOM") {
 			t.Fatalf("request %d over maxmemory: %v %q, want 503 with the OOM error", i, resp, body)
 		}
 	}
-	for range 10 {
-		samples = append(samples, memoryBesidesClients(t, rc))
-	}
-	after := median()
 	if keys := rc.DBSize(context.Background()).Val(); keys > keysBefore {
 		t.Errorf("%d keys after the refused locks, %d before: a refused lock wrote", keys, keysBefore)
 	}
-	if after-before > 96<<10 {
-		t.Errorf("used_memory besides the clients' grew by %d bytes over %d refused locks (from %d to %d, maxmemory %d)", after-before, n-100, before, after, maxmemory)
+	if ks := rc.Keys(context.Background(), DefaultLockPrefix+"{/k*").Val(); len(ks) > 0 {
+		t.Errorf("keys of refused locks: %v", ks)
 	}
-	t.Logf("used_memory besides the clients' %d before, %d after %d refused locks", before, after, n-100)
+	t.Logf("used_memory %d before, %d after %d refused locks (maxmemory %d)", memBefore, usedMemory(t, rc), n-100, maxmemory)
 	if len(logs.FilterMessageSnippet("answering 503").FilterFieldKey("error").All()) == 0 ||
 		!strings.Contains(fmt.Sprint(logs.All()[0].ContextMap()["error"]), "OOM") {
 		t.Errorf("no warning carrying the OOM error: %v", logs.All())
