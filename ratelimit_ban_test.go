@@ -556,42 +556,53 @@ func waitHeldAhead(t *testing.T, r *testRedis, prefix string) {
 	}
 }
 
-// TestRateLimitOrderLengthensQuotaRejection: a quota's rejection that an
-// admission another handler holds until later makes longer is not kept in
-// the deny cache either: once the held client goes away, the request
-// passes when its quota allows it.
-func TestRateLimitOrderLengthensQuotaRejection(t *testing.T) {
+// TestRateLimitHeldAdmissionRejectionNotCached: a quota's rejection that
+// an admission another handler holds until later makes longer is not kept
+// in the deny cache: once the held client goes away, the request passes
+// when its quota allows it without that admission. The held one is the
+// latest of a log both share (it orders b's request after it), or the slot
+// b's quota counts.
+func TestRateLimitHeldAdmissionRejectionNotCached(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	const prefix, ip = "order-quota:", "10.0.0.9"
-	a := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Name, h.Prefix = "a", prefix
-		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 2, Window: caddy.Duration(3 * time.Second)}}
-		h.Wait = caddy.Duration(5 * time.Second)
-	})
-	b := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Name, h.Prefix = "b", prefix
-		h.Rates = []Rate{{Requests: 100, Window: caddy.Duration(time.Minute)}, {Requests: 1, Window: caddy.Duration(time.Second)}}
-	})
-	serveRL(a, ip, nil)
-	serveRL(a, ip, nil)
-	if x := serveRL(b, ip, nil); !x.passed { // b's 1 per second used
-		t.Fatalf("b's first request: %d", x.status)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	held := make(chan rlAnswer, 1)
-	go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }() // held about 3 s ahead
-	waitHeldAhead(t, r, prefix)
-	if x := serveRL(b, ip, nil); x.status != 429 {
-		t.Fatalf("b while its quota and a's held request reject it: %d, want 429", x.status)
-	}
-	rejected := time.Now()
-	cancel()
-	<-held
-	// b's quota admits it a second after its first; kept, the rejection
-	// would last until a's slot, about 3 s ahead.
-	if !waitFor(2*time.Second, func() bool { return serveRL(b, ip, nil).passed }) {
-		t.Fatalf("b still rejected %s after a's held slot was given back", time.Since(rejected))
+	per := func(n int, w time.Duration) Rate { return Rate{Requests: n, Window: caddy.Duration(w)} }
+	for _, tc := range []struct {
+		name         string
+		ratesA       []Rate // a holds its third request of the key (wait 5s)
+		ratesB       []Rate
+		passedWithin time.Duration // kept, the rejection would last about a second longer
+	}{
+		{"latest of a shared log", []Rate{per(100, time.Minute), per(2, 3*time.Second)}, []Rate{per(100, time.Minute), per(1, time.Second)}, 2 * time.Second},
+		{"the slot the quota counts", []Rate{per(1, time.Second)}, []Rate{per(1, time.Second)}, 1500 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			prefix, ip := "held-"+strings.ReplaceAll(tc.name, " ", "-")+":", "10.0.0.9"
+			a := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.Name, h.Prefix, h.Rates, h.Wait = "a", prefix, tc.ratesA, caddy.Duration(5*time.Second)
+			})
+			b := newRateLimit(t, r, func(h *RedisRateLimit) { h.Name, h.Prefix, h.Rates = "b", prefix, tc.ratesB })
+			if len(tc.ratesA) > 1 { // a's 2 per 3 s used, so its next request is held
+				serveRL(a, ip, nil)
+				serveRL(a, ip, nil)
+			}
+			if x := serveRL(b, ip, nil); !x.passed { // b's 1 per second used
+				t.Fatalf("b's first request: %d", x.status)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			held := make(chan rlAnswer, 1)
+			go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }()
+			waitHeldAhead(t, r, prefix)
+			if x := serveRL(b, ip, nil); x.status != 429 {
+				t.Fatalf("b while its quota and a's held request reject it: %d, want 429", x.status)
+			}
+			rejected := time.Now()
+			cancel()
+			<-held
+			if !waitFor(tc.passedWithin, func() bool { return serveRL(b, ip, nil).passed }) {
+				t.Fatalf("b still rejected %s after a's held admission was given back", time.Since(rejected))
+			}
+		})
 	}
 }
 
@@ -618,42 +629,5 @@ func TestRateLimitExceededOncePerPeriod(t *testing.T) {
 	resetForgetter{h.client}.Forget(h.Prefix, id)
 	if !h.firstRejection(id, d) {
 		t.Error("the first rejection after an admin reset was not announced")
-	}
-}
-
-// TestRateLimitHeldAdmissionInQuotaNotCached: a quota's rejection whose
-// wait runs to an admission another handler holds (the slot the quota
-// counts) is not kept in the deny cache: once the held client goes away,
-// the request passes when the quota allows it without that slot.
-func TestRateLimitHeldAdmissionInQuotaNotCached(t *testing.T) {
-	t.Parallel()
-	r := startRedis(t)
-	const prefix, ip = "held-quota:", "10.0.0.11"
-	a := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Name, h.Prefix = "a", prefix
-		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
-		h.Wait = caddy.Duration(5 * time.Second)
-	})
-	b := newRateLimit(t, r, func(h *RedisRateLimit) {
-		h.Name, h.Prefix = "b", prefix
-		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}
-	})
-	if x := serveRL(b, ip, nil); !x.passed {
-		t.Fatalf("b's first request: %d", x.status)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	held := make(chan rlAnswer, 1)
-	go func() { held <- serveRLWith(ctx, a, ip, nil, nil) }() // held about 1 s, to the next slot
-	waitHeldAhead(t, r, prefix)
-	if x := serveRL(b, ip, nil); x.status != 429 {
-		t.Fatalf("b while a holds the next slot: %d, want 429", x.status)
-	}
-	rejected := time.Now()
-	cancel()
-	<-held
-	// Without a's slot the quota admits b a second after its first; kept,
-	// the rejection would last a second after a's slot, about 2 s.
-	if !waitFor(1500*time.Millisecond, func() bool { return serveRL(b, ip, nil).passed }) {
-		t.Fatalf("b still rejected %s after a's held slot was given back", time.Since(rejected))
 	}
 }
