@@ -51,6 +51,18 @@ func eventsNamed(name string) []caddy.Event {
 	return out
 }
 
+// exceededWith counts the rate_limit_exceeded events whose data has field
+// set to value.
+func exceededWith(field, value string) int {
+	n := 0
+	for _, e := range eventsNamed(EventRateLimitExceeded) {
+		if e.Data[field] == value {
+			n++
+		}
+	}
+	return n
+}
+
 // TestWholeCaddyEvents (issue 22 item 7, SPEC §5): through a real Caddy
 // whose config subscribes an events.handlers module: a rejection emits
 // rate_limit_exceeded with handler, key and reason, once per key while the
@@ -133,13 +145,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 			t.Fatalf("held route, request %d: %v, want %d", i, resp, want)
 		}
 	}
-	held := 0
-	for _, e := range eventsNamed(EventRateLimitExceeded) {
-		if e.Data["handler"] == "held" {
-			held++
-		}
-	}
-	if held != 1 {
+	if held := exceededWith("handler", "held"); held != 1 {
 		t.Errorf("%d rate_limit_exceeded events for three rejections of one key under wait, want 1", held)
 	}
 	// Concurrent rejections reach Redis before the deny cache holds one:
@@ -150,13 +156,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 		go func() { defer flood.Done(); get(t, base+"/limited", "X-User", "eve") }()
 	}
 	flood.Wait()
-	eve := 0
-	for _, e := range eventsNamed(EventRateLimitExceeded) {
-		if e.Data["key"] == "eve" {
-			eve++
-		}
-	}
-	if eve != 1 {
+	if eve := exceededWith("key", "eve"); eve != 1 {
 		t.Errorf("%d rate_limit_exceeded events for 19 concurrent rejections of one key, want 1", eve)
 	}
 

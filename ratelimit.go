@@ -654,10 +654,11 @@ func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d
 	s := p.rates[d.Tight]
 	// Seconds until the quota grows: within the window, but under a ban
 	// not before the ban ends.
-	reset := ceilSeconds(min(d.Reset, s.window))
-	if d.Ban != ratelimit.NotBanned {
-		reset = ceilSeconds(d.Reset)
+	until := d.Reset
+	if d.Ban == ratelimit.NotBanned {
+		until = min(until, s.window)
 	}
+	reset := ceilSeconds(until)
 	defer caddyhttp.SetVar(r.Context(), stackVar, h)
 	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
 		rl := s.name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(reset, 10)
