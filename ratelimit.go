@@ -146,7 +146,10 @@ type RedisRateLimit struct {
 	// current window (kept in memory while Redis decides), and what it
 	// admits is charged to Redis once Redis answers again, so neither edge
 	// of an outage doubles a limit. Decisions go back to Redis within about
-	// a second of it answering. Local decisions count as `local` in the
+	// a second of it answering; for a second after that the instance holds
+	// every key to its share as well (the others come back and charge
+	// meanwhile), so the window of the return holds at most N × ceil(n ÷ N).
+	// Local decisions count as `local` in the
 	// metrics, and a warning is logged when local mode starts and ends.
 	// Under local mode `wait` holds nothing and `count` counts every
 	// admitted answer. Not with fail_closed. Default: false (fail open).

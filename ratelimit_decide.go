@@ -31,8 +31,13 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if d, ok := h.cached(cacheID, id, p); ok {
 		return d, nil
 	}
+	var reserved time.Time
 	if h.local != nil {
 		if err := h.chargeFirst(ctx, id, p); err != nil {
+			return decision{}, err
+		}
+		var err error
+		if reserved, err = h.capReturn(id, p); err != nil {
 			return decision{}, err
 		}
 	}
@@ -51,23 +56,24 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	sent := h.now()
 	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
-	if err != nil {
-		if h.Wait > 0 && ctx.Err() != nil && c.Taken() {
-			h.returnUnheard(id, p, c)
+	if err == nil {
+		var d decision
+		if d, err = ratelimit.ParseDecision(res, len(p.rates), c.PerRate()); err == nil {
+			if h.local != nil {
+				h.noteRedis(id, p, d, sent, got, reserved)
+			}
+			if !d.Allowed {
+				h.remember(cacheID, id, p, d, sent, got)
+			}
+			return d, nil
 		}
-		return decision{}, err
+	} else if h.Wait > 0 && ctx.Err() != nil && c.Taken() {
+		h.returnUnheard(id, p, c)
 	}
-	d, err := ratelimit.ParseDecision(res, len(p.rates), c.PerRate())
-	if err != nil {
-		return decision{}, err
+	if !reserved.IsZero() {
+		h.local.lim.Unreserve(h.localRates(id, p), p.cost, reserved)
 	}
-	if h.local != nil {
-		h.noteRedis(id, p, d, sent, got)
-	}
-	if !d.Allowed {
-		h.remember(cacheID, id, p, d, sent, got)
-	}
-	return d, nil
+	return decision{}, err
 }
 
 // returnUnheard gives back, once its answer comes, an admission held for

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -33,9 +34,71 @@ type localState struct {
 	mode atomic.Bool
 	// Decisions made locally in this local mode.
 	n atomic.Int64
-	// Redis TIME minus the local clock, µs, as of the last admission Redis
-	// decided: local admission times become Redis times when charged.
-	offset atomic.Int64
+	// When local mode last ended (UnixNano; 0: never): for returnCap after
+	// it this instance also holds every key to its share (capReturn).
+	back atomic.Int64
+	// Redis TIME minus the local clock: local admission times become Redis
+	// times when charged.
+	clock clockOffset
+}
+
+// returnCap is how long an instance back from local mode holds every key
+// to its local share as well as to Redis's decision: the other instances
+// come back within it (in local mode they try Redis every localTick) and
+// charge what they admitted locally, which Redis does not know until then
+// (without the cap, Redis would admit n less only what the instances back
+// already charged, and the fleet up to n plus the others' uncharged
+// admissions in the window of the return).
+const returnCap = time.Second
+
+// errReturnCap is the answer of a decision that this instance's share
+// rejects within returnCap of its return from local mode: it is decided
+// locally (a 429 of the local limiter), and local mode does not start for
+// it.
+var errReturnCap = errors.New("redis_ratelimit: back from local mode, this instance's share of the key is spent")
+
+// clockOffset estimates Redis TIME minus the local clock, µs, from the
+// admissions Redis decides. Redis read its clock after the call was sent,
+// so its time minus the local send time bounds the offset from above; the
+// least bound of the last two seconds in which Redis admitted something is
+// kept (that of the fastest round trip: a slow answer says little about
+// when Redis read its clock). A local admission converted with it is never
+// stamped earlier than it happened in Redis time (Redis would forget it
+// early), at most a round trip later (stricter); a stepped clock is
+// followed within two seconds of admissions.
+type clockOffset struct {
+	mu        sync.Mutex
+	sec       int64 // the local second cur belongs to
+	cur, prev int64 // the least bound of that second, and of the one before it
+	n         int   // bounds kept: 0, 1 (cur), 2
+}
+
+// note takes the bound of one admission: Redis's time when it decided,
+// minus the local time the call was sent, µs.
+func (c *clockOffset) note(bound int64, now time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch s := now.Unix(); {
+	case c.n == 0:
+		c.sec, c.cur, c.n = s, bound, 1
+	case s != c.sec:
+		c.sec, c.prev, c.cur, c.n = s, c.cur, bound, 2
+	default:
+		c.cur = min(c.cur, bound)
+	}
+}
+
+// get is the offset, µs (0 before any admission).
+func (c *clockOffset) get() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	switch c.n {
+	case 0:
+		return 0
+	case 1:
+		return c.cur
+	}
+	return min(c.cur, c.prev)
 }
 
 // errLocalPending is the answer of a decision whose key holds local
@@ -89,16 +152,43 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 	return out
 }
 
+// capReturn holds a request to this instance's share while local mode
+// lasts (the breaker's probe) and for returnCap after it ends: the request
+// takes its place in the local limiter before Redis decides it (reserved,
+// so concurrent requests do not pass the share together). It reports the
+// reservation's time (zero: no cap now), or errReturnCap when the share
+// rejects the request.
+func (h *RedisRateLimit) capReturn(id string, p *plan) (time.Time, error) {
+	now := h.now()
+	if back := h.local.back.Load(); !h.local.mode.Load() && (back == 0 || now.Sub(time.Unix(0, back)) >= returnCap) {
+		return time.Time{}, nil
+	}
+	n := h.instances()
+	if n == 0 {
+		return time.Time{}, nil
+	}
+	if !h.local.lim.Reserve(h.localRates(id, p), p.cost, n, now).Allowed {
+		return time.Time{}, errReturnCap
+	}
+	return now, nil
+}
+
 // noteRedis is called with each decision Redis made: an admission is noted
-// (the local limiter starts from this instance's own admissions), the clock
-// offset kept, and local mode ends.
-func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got time.Time) {
-	if d.Allowed {
+// (the local limiter starts from this instance's own admissions; one that
+// capReturn reserved at reserved is counted already, a rejection's
+// reservation is taken back), the clock offset kept, and local mode ends.
+func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got, reserved time.Time) {
+	switch {
+	case d.Allowed && reserved.IsZero():
 		h.local.lim.Note(h.localRates(id, p), p.cost, got)
-		mid := sent.Add(got.Sub(sent) / 2)
-		h.local.offset.Store(d.At - d.Hold.Microseconds() - mid.UnixMicro())
+	case !d.Allowed && !reserved.IsZero():
+		h.local.lim.Unreserve(h.localRates(id, p), p.cost, reserved)
+	}
+	if d.Allowed {
+		h.local.clock.note(d.At-d.Hold.Microseconds()-sent.UnixMicro(), got)
 	}
 	if h.local.mode.Load() && h.local.mode.CompareAndSwap(true, false) {
+		h.local.back.Store(time.Now().UnixNano())
 		h.logger.Warn("redis reachable again: local rate limiting (fail_local) ends, decisions come from redis; charging the local admissions to redis",
 			zap.Int64("local_decisions", h.local.n.Swap(0)))
 	}
@@ -132,11 +222,12 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		w.Header().Set(HeaderRetryAfter, "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
 	}
-	if !errors.Is(cause, errChargeOnItsWay) && !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
+	own := errors.Is(cause, errChargeOnItsWay) || errors.Is(cause, errReturnCap) // Redis answers
+	if !own && !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
 		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
 			zap.String("redis", h.client.settings.Display()), zap.Int64("instances", n), zap.Error(cause))
 	}
-	if !errors.Is(cause, errChargeOnItsWay) {
+	if !own {
 		h.local.n.Add(1)
 	}
 	h.counters[resultLocal].Inc()
@@ -184,7 +275,7 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 // script) is dropped, and the others go on (one warning to log per call,
 // naming the first): Redis answers, so it is no reason to decide locally.
 func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []ratelimit.ChargeBatch, timeout time.Duration) error {
-	offset := h.local.offset.Load()
+	offset := h.local.clock.get()
 	var charged int64
 	var dropped int
 	var dropKey string

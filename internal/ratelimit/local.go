@@ -239,8 +239,38 @@ type LocalDecision struct {
 }
 
 // Admit decides a request of cost on every rate, each at its share for
-// instances instances, and records it when every rate admits it.
+// instances instances, and records it when every rate admits it, as a
+// local admission to be charged to Redis.
 func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) LocalDecision {
+	return l.admit(rates, cost, instances, now, true)
+}
+
+// Reserve decides a request as Admit does, and records it when every rate
+// admits it as an admission Redis is about to decide (nothing to charge):
+// the cap of an instance back from local mode (see the handler's
+// fail_local), which also asks Redis. Unreserve takes it back when Redis
+// does not admit it.
+func (l *Local) Reserve(rates []LocalRate, cost, instances int64, now time.Time) LocalDecision {
+	return l.admit(rates, cost, instances, now, false)
+}
+
+// Unreserve takes back a reservation of cost made at now on rates.
+func (l *Local) Unreserve(rates []LocalRate, cost int64, at time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, r := range rates {
+		e, ok := l.m[r.Key]
+		if !ok {
+			continue
+		}
+		b := l.bucket(e, at)
+		if i := b % int64(len(e.stamps)); e.stamps[i] == b {
+			e.counts[i] = max(0, e.counts[i]-cost)
+		}
+	}
+}
+
+func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, charge bool) LocalDecision {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	d := LocalDecision{Allowed: true, Tight: -1}
@@ -278,6 +308,9 @@ func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) L
 	d.Remaining = max(0, d.Remaining-cost)
 	for _, e := range es {
 		l.add(e, now, cost)
+		if !charge {
+			continue
+		}
 		if n := len(e.charges); n > 0 && !e.charges[n-1].sealed && l.bucket(e, e.charges[n-1].At) == l.bucket(e, now) {
 			e.charges[n-1].At, e.charges[n-1].Cost = now, e.charges[n-1].Cost+cost
 			continue
