@@ -174,14 +174,19 @@ func (h *RedisRateLimit) capReturn(id string, p *plan) (time.Time, error) {
 }
 
 // noteRedis is called with each decision Redis made: an admission is noted
-// (the local limiter starts from this instance's own admissions; one that
-// capReturn reserved at reserved is counted already, a rejection's
-// reservation is taken back), the clock offset kept, and local mode ends.
+// (the local limiter starts from this instance's own admissions; what
+// capReturn reserved at reserved is taken back), the clock offset kept, and
+// local mode ends.
 func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got, reserved time.Time) {
 	switch {
 	case d.Allowed && reserved.IsZero():
 		h.local.lim.Note(h.localRates(id, p), p.cost, got)
-	case !d.Allowed && !reserved.IsZero():
+	case d.Allowed:
+		// Noted when its answer came, as any admission (not when it was
+		// reserved, a round trip earlier: it would leave this instance's
+		// window that much early).
+		h.local.lim.Confirm(h.localRates(id, p), p.cost, reserved, got)
+	case !reserved.IsZero():
 		h.local.lim.Unreserve(h.localRates(id, p), p.cost, reserved)
 	}
 	if d.Allowed {

@@ -254,10 +254,26 @@ func (l *Local) Reserve(rates []LocalRate, cost, instances int64, now time.Time)
 	return l.admit(rates, cost, instances, now, false)
 }
 
-// Unreserve takes back a reservation of cost made at now on rates.
+// Unreserve takes back a reservation of cost made at at on rates.
 func (l *Local) Unreserve(rates []LocalRate, cost int64, at time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.unreserve(rates, cost, at)
+}
+
+// Confirm turns a reservation of cost made at at into an admission Redis
+// decided, noted at now (as Note), in one step: no other call sees the
+// share without it in between.
+func (l *Local) Confirm(rates []LocalRate, cost int64, at, now time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.unreserve(rates, cost, at)
+	for _, r := range rates {
+		l.add(l.entry(r, now, rates), now, cost)
+	}
+}
+
+func (l *Local) unreserve(rates []LocalRate, cost int64, at time.Time) {
 	for _, r := range rates {
 		e, ok := l.m[r.Key]
 		if !ok {

@@ -319,3 +319,51 @@ func doneAll(t *testing.T, l *Local, now time.Time) {
 		t.Error("pending after every batch was done")
 	}
 }
+
+// TestLocalReserve: a reservation takes its place in the share at once,
+// makes no charge, and is given back (Unreserve) or becomes an admission
+// noted when Redis's answer came (Confirm), for both algorithms.
+func TestLocalReserve(t *testing.T) {
+	for _, c := range []struct {
+		r LocalRate
+		// A moment when the share is free if the two admissions count from
+		// their reservation, but not from their answer 300 ms later.
+		check time.Duration
+	}{
+		{LocalRate{Key: "k:sw", N: 4, Window: time.Second}, time.Second + 100*time.Millisecond},
+		// gcra at a share of 2/s (burst 2): the two put the arrival time
+		// 1 s on, and a request passes within 500 ms of it.
+		{LocalRate{Key: "k:gcra", N: 4, Window: time.Second, Burst: 4}, 700 * time.Millisecond},
+	} {
+		r := c.r
+		epoch := time.Unix(1000, 0)
+		l := NewLocal(100, epoch)
+		rates := []LocalRate{r}
+		at := epoch.Add(time.Second)
+		// instances 2: a share of 2.
+		if !l.Reserve(rates, 1, 2, at).Allowed || !l.Reserve(rates, 1, 2, at).Allowed {
+			t.Fatalf("%s: the share's two reservations refused", r.Key)
+		}
+		if l.Reserve(rates, 1, 2, at).Allowed {
+			t.Errorf("%s: a third reservation within a share of 2", r.Key)
+		}
+		if l.Pending() {
+			t.Errorf("%s: reservations made charges", r.Key)
+		}
+		l.Unreserve(rates, 1, at)
+		if !l.Reserve(rates, 1, 2, at).Allowed {
+			t.Errorf("%s: the place given back is not free", r.Key)
+		}
+		// Both confirmed 300 ms after they were reserved: they fill the
+		// share until a window after that, not after the reservation.
+		got := at.Add(300 * time.Millisecond)
+		l.Confirm(rates, 1, at, got)
+		l.Confirm(rates, 1, at, got)
+		if d := l.Admit(rates, 1, 2, at.Add(c.check)); d.Allowed {
+			t.Errorf("%s: admitted %v after the reservations: counted from them, not from the answers", r.Key, c.check)
+		}
+		if l.Pending() {
+			t.Errorf("%s: confirmed reservations made charges", r.Key)
+		}
+	}
+}
