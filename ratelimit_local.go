@@ -152,15 +152,17 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 	return out
 }
 
-// capReturn holds a request to this instance's share while local mode
-// lasts (the breaker's probe) and for returnCap after it ends: the request
+// capReturn holds a request to this instance's share for returnCap after
+// local mode ends: the request
 // takes its place in the local limiter before Redis decides it (reserved,
 // so concurrent requests do not pass the share together). It reports the
 // reservation's time (zero: no cap now), or errReturnCap when the share
 // rejects the request.
 func (h *RedisRateLimit) capReturn(id string, p *plan) (time.Time, error) {
 	now := h.now()
-	if back := h.local.back.Load(); !h.local.mode.Load() && (back == 0 || now.Sub(time.Unix(0, back)) >= returnCap) {
+	// Not while local mode lasts: the request that reaches Redis then is
+	// the breaker's probe, and only a Redis decision ends local mode.
+	if back := h.local.back.Load(); h.local.mode.Load() || back == 0 || now.Sub(time.Unix(0, back)) >= returnCap {
 		return time.Time{}, nil
 	}
 	n := h.instances()
@@ -193,7 +195,7 @@ func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got, re
 		h.local.clock.note(d.At-d.Hold.Microseconds()-sent.UnixMicro(), got)
 	}
 	if h.local.mode.Load() && h.local.mode.CompareAndSwap(true, false) {
-		h.local.back.Store(time.Now().UnixNano())
+		h.local.back.Store(h.now().UnixNano())
 		h.logger.Warn("redis reachable again: local rate limiting (fail_local) ends, decisions come from redis; charging the local admissions to redis",
 			zap.Int64("local_decisions", h.local.n.Swap(0)))
 	}
