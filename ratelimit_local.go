@@ -52,10 +52,17 @@ type localState struct {
 const returnCap = time.Second
 
 // errReturnCap is the answer of a decision that this instance's share
-// rejects within returnCap of its return from local mode: it is decided
-// locally (a 429 of the local limiter), and local mode does not start for
-// it.
+// rejects within returnCap of its return from local mode: it is answered
+// with that rejection (a 429 of the local limiter, never a new local
+// admission: Redis knows more than this instance then), and local mode
+// does not start for it.
 var errReturnCap = errors.New("redis_ratelimit: back from local mode, this instance's share of the key is spent")
+
+// returnCapError is errReturnCap with the local limiter's rejection.
+type returnCapError struct{ ld ratelimit.LocalDecision }
+
+func (returnCapError) Error() string        { return errReturnCap.Error() }
+func (returnCapError) Is(target error) bool { return target == errReturnCap }
 
 // clockOffset estimates Redis TIME minus the local clock, µs, from the
 // admissions Redis decides. Redis read its clock after the call was sent,
@@ -169,8 +176,8 @@ func (h *RedisRateLimit) capReturn(id string, p *plan) (time.Time, error) {
 	if n == 0 {
 		return time.Time{}, nil
 	}
-	if !h.local.lim.Reserve(h.localRates(id, p), p.cost, n, now).Allowed {
-		return time.Time{}, errReturnCap
+	if ld := h.local.lim.Reserve(h.localRates(id, p), p.cost, n, now); !ld.Allowed {
+		return time.Time{}, returnCapError{ld}
 	}
 	return now, nil
 }
@@ -238,7 +245,12 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		h.local.n.Add(1)
 	}
 	h.counters[resultLocal].Inc()
-	ld := h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
+	var ld ratelimit.LocalDecision
+	if rc := (returnCapError{}); errors.As(cause, &rc) {
+		ld = rc.ld
+	} else {
+		ld = h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
+	}
 	d := decision{Allowed: ld.Allowed, Wait: ld.Wait, Tight: ld.Tight, Remaining: ld.Remaining, Reset: ld.Reset}
 	retry := int64(0)
 	if !d.Allowed && d.Wait > 0 {
