@@ -51,18 +51,16 @@ type localState struct {
 // admissions in the window of the return).
 const returnCap = time.Second
 
-// errReturnCap is the answer of a decision that this instance's share
-// rejects within returnCap of its return from local mode: it is answered
-// with that rejection (a 429 of the local limiter, never a new local
-// admission: Redis knows more than this instance then), and local mode
-// does not start for it.
-var errReturnCap = errors.New("redis_ratelimit: back from local mode, this instance's share of the key is spent")
-
-// returnCapError is errReturnCap with the local limiter's rejection.
+// returnCapError is the answer of a decision that this instance's share
+// rejects within returnCap of its return from local mode, with the local
+// limiter's rejection: the request gets that rejection (a 429 of the local
+// limiter, never a new local admission: Redis knows more than this instance
+// then), and local mode does not start for it.
 type returnCapError struct{ ld ratelimit.LocalDecision }
 
-func (returnCapError) Error() string        { return errReturnCap.Error() }
-func (returnCapError) Is(target error) bool { return target == errReturnCap }
+func (returnCapError) Error() string {
+	return "redis_ratelimit: back from local mode, this instance's share of the key is spent"
+}
 
 // clockOffset estimates Redis TIME minus the local clock, µs, from the
 // admissions Redis decides. Redis read its clock after the call was sent,
@@ -160,16 +158,19 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 }
 
 // capReturn holds a request to this instance's share for returnCap after
-// local mode ends: the request
-// takes its place in the local limiter before Redis decides it (reserved,
-// so concurrent requests do not pass the share together). It reports the
-// reservation's time (zero: no cap now), or errReturnCap when the share
-// rejects the request.
+// local mode ends: the request takes its place in the local limiter before
+// Redis decides it (reserved, so concurrent requests do not pass the share
+// together). It reports the reservation's time (zero: no cap now), or a
+// returnCapError when the share rejects the request. Not while local mode
+// lasts: the request that reaches Redis then is the breaker's probe, and
+// only a Redis decision ends local mode.
 func (h *RedisRateLimit) capReturn(id string, p *plan) (time.Time, error) {
+	back := h.local.back.Load()
+	if back == 0 || h.local.mode.Load() {
+		return time.Time{}, nil
+	}
 	now := h.now()
-	// Not while local mode lasts: the request that reaches Redis then is
-	// the breaker's probe, and only a Redis decision ends local mode.
-	if back := h.local.back.Load(); h.local.mode.Load() || back == 0 || now.Sub(time.Unix(0, back)) >= returnCap {
+	if now.Sub(time.Unix(0, back)) >= returnCap {
 		return time.Time{}, nil
 	}
 	n := h.instances()
@@ -236,7 +237,9 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		w.Header().Set(HeaderRetryAfter, "1")
 		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
 	}
-	own := errors.Is(cause, errChargeOnItsWay) || errors.Is(cause, errReturnCap) // Redis answers
+	var capped returnCapError
+	isCap := errors.As(cause, &capped)
+	own := isCap || errors.Is(cause, errChargeOnItsWay) // Redis answers
 	if !own && !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
 		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
 			zap.String("redis", h.client.settings.Display()), zap.Int64("instances", n), zap.Error(cause))
@@ -246,8 +249,8 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	}
 	h.counters[resultLocal].Inc()
 	var ld ratelimit.LocalDecision
-	if rc := (returnCapError{}); errors.As(cause, &rc) {
-		ld = rc.ld
+	if isCap {
+		ld = capped.ld
 	} else {
 		ld = h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
 	}
