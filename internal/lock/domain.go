@@ -70,14 +70,27 @@ func (d *domain) queue(keys []string) *keyQueue {
 	defer d.mu.Unlock()
 	q := d.queues[id]
 	if q == nil {
-		wake := make([]string, 2*len(keys))
-		q = &keyQueue{id: id, keys: keys, wakeIDs: wake[:len(keys)], wakeMsgs: wake[len(keys):]}
+		q = &keyQueue{id: id, keys: keys}
+		if len(keys) == 1 {
+			// Most queues: one key, named in the queue's own allocation.
+			q.wakeIDs, q.wakeMsgs = q.one[:1:1], q.one[1:2:2]
+		} else {
+			wake := make([]string, 2*len(keys))
+			q.wakeIDs, q.wakeMsgs = wake[:len(keys)], wake[len(keys):]
+		}
 		q.waiters = q.first[:0]
 		d.queues[id] = q
 		for i, k := range keys {
-			w := WakeID(k)
-			q.wakeIDs[i], q.wakeMsgs[i] = w, wakeMessage(d.id, w)
-			d.byWake[w] = append(d.byWake[w], q)
+			w, msg := wakeIDAndMessage(d.id, k)
+			q.wakeIDs[i], q.wakeMsgs[i] = w, msg
+			if qs := d.byWake[w]; len(qs) == 0 && i == 0 {
+				// The key's only queue: its entry lives in the queue
+				// (a second queue of the key appends to a new array).
+				q.self[0] = q
+				d.byWake[w] = q.self[:1:1]
+			} else {
+				d.byWake[w] = append(qs, q)
+			}
 		}
 	}
 	q.refs++

@@ -39,6 +39,18 @@ func WakeID(lockKey string) string {
 	return hex.EncodeToString(sum[:16])
 }
 
+// wakeIDAndMessage is WakeID(lockKey) and wakeMessage(id, WakeID(lockKey)),
+// in one allocation: the ID is the message's tail.
+func wakeIDAndMessage(id, lockKey string) (wakeID, msg string) {
+	sum := sha256.Sum256([]byte(lockKey))
+	var buf [80]byte
+	b := append(buf[:0], id...)
+	b = append(b, ' ')
+	b = hex.AppendEncode(b, sum[:16])
+	msg = string(b)
+	return msg[len(id)+1:], msg
+}
+
 // names is a lock key with its companions (FenceKey, WaitqKey, ReplayKey,
 // DeadKey, DelayKey of it), made in one allocation: every acquire and
 // release names all six.

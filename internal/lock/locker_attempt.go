@@ -6,6 +6,7 @@ package lock
 
 import (
 	"context"
+	"crypto/rand"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -13,6 +14,18 @@ import (
 	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
 )
+
+// newToken is a holder token: a random (version 4) UUID, made in one
+// allocation (uuid.NewString takes two).
+func newToken() string {
+	var u uuid.UUID
+	if _, err := rand.Read(u[:]); err != nil {
+		return uuid.NewString()
+	}
+	u[6] = u[6]&0x0f | 0x40 // version 4
+	u[8] = u[8]&0x3f | 0x80 // RFC 4122 variant
+	return u.String()
+}
 
 // attempt is the outcome of one acquisition attempt.
 type attempt struct {
@@ -85,7 +98,7 @@ type try struct {
 }
 
 func (l *Locker) newTry(ctx context.Context, keys []string, chain, first int) *try {
-	t := &try{l: l, ctx: ctx, keys: keys, token: uuid.NewString(), chain: chain, start: l.now()}
+	t := &try{l: l, ctx: ctx, keys: keys, token: newToken(), chain: chain, start: l.now()}
 	// What the lease shares with the attempt, and the per-key records: in
 	// the try's own allocation.
 	t.released, t.removed, t.unknown, t.inflight = &t.own.released, &t.own.removed, &t.own.unknown, &t.own.inflight

@@ -19,11 +19,17 @@ type keyQueue struct {
 	mu      sync.Mutex
 	waiters []*waiter
 	first   [1]*waiter // the waiters' first backing array
-	held    int        // leases of this key set held in this instance
-	hint    busyFacts  // last known facts of the holder
+	// Of a queue of one key: its wake ID and wake message (wakeIDs and
+	// wakeMsgs point here), and, when it was the key's first queue, the
+	// domain's byWake entry for the key (guarded by domain.mu): an
+	// uncontended request's queue is one allocation.
+	one  [2]string
+	self [1]*keyQueue
+	held int       // leases of this key set held in this instance
+	hint busyFacts // last known facts of the holder
 	// releasing of the held leases are being released in Redis (in the
-	// background, after the answer); releaseEnd is closed (and replaced) as
-	// each of those ends.
+	// background, after the answer); releaseEnd, made when a waiter asks
+	// (releaseDone), is closed as the next of those ends.
 	releasing  int
 	releaseEnd chan struct{}
 }
@@ -121,9 +127,6 @@ func (q *keyQueue) acquired() {
 func (q *keyQueue) releaseStarted() {
 	q.mu.Lock()
 	q.releasing++
-	if q.releaseEnd == nil {
-		q.releaseEnd = make(chan struct{})
-	}
 	q.mu.Unlock()
 }
 
@@ -135,20 +138,23 @@ func (q *keyQueue) released() {
 	}
 	if q.releasing > 0 {
 		q.releasing--
-		close(q.releaseEnd)
-		q.releaseEnd = nil
-		if q.releasing > 0 {
-			q.releaseEnd = make(chan struct{})
+		if q.releaseEnd != nil {
+			close(q.releaseEnd)
+			q.releaseEnd = nil
 		}
 	}
 	q.mu.Unlock()
 }
 
 // releaseDone returns a channel closed when the next background release of
-// this key set ends, or nil when none runs.
+// this key set ends, or nil when none runs. It is made here, when a waiter
+// asks (an uncontended release costs none).
 func (q *keyQueue) releaseDone() <-chan struct{} {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	if q.releasing > 0 && q.releaseEnd == nil {
+		q.releaseEnd = make(chan struct{})
+	}
 	return q.releaseEnd
 }
 
