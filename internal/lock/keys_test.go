@@ -95,3 +95,26 @@ func TestQueueOfOneKey(t *testing.T) {
 		}
 	}
 }
+
+// A waiter goes back for reuse empty: no wake-up or grant of its last
+// request is left in it (leave takes the grant, recycle the wake-up).
+func TestWaiterRecycledEmpty(t *testing.T) {
+	d := acquireDomain("test-waiter-recycled")
+	defer releaseDomain(d)
+	q := d.queue([]string{"caddy:lock:{/orders/42}"})
+	defer d.putQueue(q)
+	w, ok := q.enqueue(0)
+	if !ok {
+		t.Fatal("enqueue refused")
+	}
+	q.wakeHead()
+	granted := &Lease{}
+	w.grant <- granted
+	if got := q.leave(w); got != granted {
+		t.Fatalf("leave returned %p, want the grant %p", got, granted)
+	}
+	w.recycle()
+	if len(w.wake) != 0 || len(w.grant) != 0 || w.q != nil || w.turn != nil {
+		t.Fatalf("recycled waiter not empty: wake %d, grant %d, queue %v, turn %v", len(w.wake), len(w.grant), w.q, w.turn)
+	}
+}

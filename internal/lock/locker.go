@@ -123,7 +123,9 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 	}
 	// Leave the queue; a lease handed on just as the wait ended is taken
 	// when the caller still wants it, and passed on otherwise.
-	if extra := q.leave(w); extra != nil {
+	extra := q.leave(w)
+	w.recycle()
+	if extra != nil {
 		if ls == nil && ctx.Err() == nil {
 			ls, err = extra, nil
 		} else {

@@ -19,7 +19,7 @@ import (
 // allocation (uuid.NewString takes two).
 func newToken() string {
 	var u uuid.UUID
-	_, _ = rand.Read(u[:]) // never fails: since Go 1.24 a failing source crashes the program
+	_, _ = rand.Read(u[:])  // never fails: since Go 1.24 a failing source crashes the program
 	u[6] = u[6]&0x0f | 0x40 // version 4
 	u[8] = u[8]&0x3f | 0x80 // RFC 4122 variant
 	return u.String()

@@ -56,6 +56,12 @@ func (w *waiter) head() bool {
 // others gets a turn of its own, closed when it becomes head.
 var headTurn = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
 
+// waiters are reused (recycle): a waiter and its two channels are four
+// allocations, which every locked request would make otherwise.
+var waiters = sync.Pool{New: func() any {
+	return &waiter{wake: make(chan struct{}, 1), grant: make(chan *Lease, 1)}
+}}
+
 // enqueue appends a waiter; false when maxWaiters (>0) are already waiting.
 func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	q.mu.Lock()
@@ -63,7 +69,8 @@ func (q *keyQueue) enqueue(maxWaiters int) (*waiter, bool) {
 	if maxWaiters > 0 && len(q.waiters) >= maxWaiters {
 		return nil, false
 	}
-	w := &waiter{q: q, wake: make(chan struct{}, 1), grant: make(chan *Lease, 1)}
+	w := waiters.Get().(*waiter)
+	w.q = q
 	if len(q.waiters) == 0 {
 		w.turn = headTurn // its turn now: nobody closes it again
 	} else {
@@ -93,6 +100,18 @@ func (q *keyQueue) leave(w *waiter) *Lease {
 	default:
 		return nil
 	}
+}
+
+// recycle puts w back for another request, once it left its queue (leave):
+// nothing sends to it any more (a grant or a wake-up is only sent, under
+// the queue's lock, to a waiter in the queue), and leave took its grant.
+func (w *waiter) recycle() {
+	select {
+	case <-w.wake:
+	default:
+	}
+	w.q, w.turn = nil, nil
+	waiters.Put(w)
 }
 
 // waiting counts the waiters queued here.

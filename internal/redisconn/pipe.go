@@ -58,9 +58,9 @@ type pipeCall struct {
 	ctx      context.Context
 	deadline time.Time // the call's: its context's, or timeout from the call
 	cmd      redis.Cmder
-	state    atomic.Int32 // pipePending or pipeTaken
-	lead     bool         // set before wake is closed: the caller sends the queue
-	wake     chan struct{}
+	state    atomic.Int32  // pipePending or pipeTaken
+	lead     bool          // set before wake is signalled: the caller sends the queue
+	wake     chan struct{} // buffered; signalled once, when the call is answered or must lead
 	// A call nobody waits for (Pipe.Go): done runs once it is answered,
 	// instead of a wake-up; when it must lead, spawn starts the goroutine
 	// that sends it on c.
@@ -177,7 +177,9 @@ func (p *Pipe) send(c Pipeliner, timeout time.Duration, cmd redis.Cmder, done fu
 // answered by its pipeline (bounded by the earliest deadline in it, and
 // the client's own timeouts).
 func (p *Pipe) process(ctx context.Context, c Pipeliner, timeout time.Duration, cmd redis.Cmder) error {
-	call := &pipeCall{ctx: ctx, cmd: cmd, deadline: time.Now().Add(timeout)}
+	call := waitedCalls.Get().(*pipeCall)
+	call.ctx, call.cmd, call.deadline = ctx, cmd, time.Now().Add(timeout)
+	defer call.recycle()
 	if d, ok := ctx.Deadline(); ok && d.Before(call.deadline) {
 		call.deadline = d
 	}
@@ -189,7 +191,6 @@ func (p *Pipe) process(ctx context.Context, c Pipeliner, timeout time.Duration, 
 		p.lead(c, call)
 		return cmd.Err()
 	}
-	call.wake = make(chan struct{})
 	p.queue = append(p.queue, call)
 	p.mu.Unlock()
 	// No wait on ctx (its Done channel costs an allocation per call): a
@@ -200,6 +201,19 @@ func (p *Pipe) process(ctx context.Context, c Pipeliner, timeout time.Duration, 
 		p.lead(c, call)
 	}
 	return cmd.Err()
+}
+
+// waitedCalls are the calls of process, reused (recycle): a call and its
+// wake channel are two allocations every queued call would make otherwise.
+var waitedCalls = sync.Pool{New: func() any { return &pipeCall{wake: make(chan struct{}, 1)} }}
+
+// recycle puts a call of process back once its caller has its answer:
+// the pipe holds it no more (a call leaves the queue before it is woken,
+// and whoever wakes it reads nothing of it afterwards).
+func (c *pipeCall) recycle() {
+	c.ctx, c.cmd, c.lead = nil, nil, false
+	c.state.Store(pipePending)
+	waitedCalls.Put(c)
 }
 
 // lead sends own (taken already) with what waits in the queue, then hands
@@ -231,7 +245,7 @@ func (p *Pipe) lead(c Pipeliner, own *pipeCall) {
 					detached = append(detached, call)
 				}
 			case call != own:
-				close(call.wake)
+				call.wake <- struct{}{}
 			}
 		}
 		if next := p.handOn(); next != nil {
@@ -323,7 +337,7 @@ func (p *Pipe) take(own *pipeCall) (batch, expired []*pipeCall) {
 			if call.done != nil {
 				expired = append(expired, call)
 			} else {
-				close(call.wake)
+				call.wake <- struct{}{}
 			}
 			continue
 		}
@@ -348,7 +362,7 @@ func (p *Pipe) handOn() (detached *pipeCall) {
 				return next
 			}
 			next.lead = true
-			close(next.wake)
+			next.wake <- struct{}{}
 			return nil
 		}
 	}

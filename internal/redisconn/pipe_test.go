@@ -3,6 +3,7 @@ package redisconn
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"sort"
 	"sync"
@@ -376,5 +377,47 @@ func TestPipeCallEndsByItsBound(t *testing.T) {
 	}
 	if took > bound+time.Second {
 		t.Fatalf("the call took %v (%v), its bound is %v", took.Round(time.Millisecond), err, bound)
+	}
+}
+
+// TestPipeReusedCallsAnswerTheirOwn: calls of many callers, reused from
+// call to call, each get their own answer, over many rounds of queued
+// pipelines: a wake-up left in a reused call would answer the next one
+// before Redis did.
+func TestPipeReusedCallsAnswerTheirOwn(t *testing.T) {
+	t.Parallel()
+	c, _ := newPipeClient(t)
+	var p Pipe
+	ctx := context.Background()
+	const callers, calls = 32, 200
+	var wg sync.WaitGroup
+	var wrong atomic.Int64
+	var firstErr atomic.Value
+	for g := 0; g < callers; g++ {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := 0; i < calls; i++ {
+				want := fmt.Sprintf("c%d-%d", g, i)
+				cmd := redis.NewStringCmd(ctx, "echo", want)
+				if err := p.Via(c, 5*time.Second).Process(ctx, cmd); err != nil {
+					firstErr.CompareAndSwap(nil, err)
+					return
+				}
+				if cmd.Val() != want {
+					wrong.Add(1)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	if err, _ := firstErr.Load().(error); err != nil {
+		t.Fatal(err)
+	}
+	if n := wrong.Load(); n != 0 {
+		t.Fatalf("%d calls got an answer not their own", n)
+	}
+	if len(c.batchSizes()) == 0 {
+		t.Fatal("no call waited in the queue: the test did not reach the queued path")
 	}
 }
