@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"sync"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
@@ -42,7 +41,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			return decision{}, err
 		}
 	}
-	dc := decisionCalls.Get().(*decisionCall)
+	dc := &decisionCall{}
 	c := &dc.Call
 	c.Script, c.Argv, c.Keys = h.script, p.argv, h.redisKeys(dc.keys[:0], id, p)
 	// Without count and wait no admission is ever returned (settle): the
@@ -59,9 +58,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	got := h.now()
 	if err == nil {
 		var d decision
-		d, err = ratelimit.ParseDecision(res, len(p.rates), c.PerRate())
-		dc.recycle() // answered: the worker is done with it (res is the batch's)
-		if err == nil {
+		if d, err = ratelimit.ParseDecision(res, len(p.rates), c.PerRate()); err == nil {
 			if h.local != nil {
 				h.noteRedis(id, p, d, sent, got, reserved)
 			}
@@ -98,20 +95,10 @@ func (h *RedisRateLimit) returnUnheard(id string, p *plan, c *ratelimit.Call) {
 }
 
 // decisionCall is a decision's script call with room for the keys of a
-// few rates: one allocation for both, reused (with its done channel) from
-// decision to decision once answered.
+// few rates: one allocation for both.
 type decisionCall struct {
 	ratelimit.Call
 	keys [4]string
-}
-
-var decisionCalls = sync.Pool{New: func() any { return new(decisionCall) }}
-
-// recycle puts an answered call back (see ratelimit.Call.Reset).
-func (dc *decisionCall) recycle() {
-	dc.Reset()
-	dc.keys = [4]string{}
-	decisionCalls.Put(dc)
 }
 
 // anyCost asks the deny cache for a ban only: no rejection of a request

@@ -100,8 +100,8 @@ type Call struct {
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
 	Res      []int64      // a decision's answer (see the decision scripts)
 	Err      error
-	done     chan struct{} // buffered; signalled once by the worker that took the call
-	finished bool          // done is signalled (the worker's own record)
+	done     chan struct{} // closed by the worker that took the call
+	finished bool          // done is closed (the worker's own record)
 }
 
 const (
@@ -195,9 +195,7 @@ func isAuthFailure(err error) bool {
 // the earliest deadline in it). Only a full queue waits with a timer.
 func (b *Batcher) call(ctx context.Context, c *Call, timeout time.Duration) ([]int64, error) {
 	c.deadline = time.Now().Add(timeout)
-	if c.done == nil {
-		c.done = make(chan struct{}, 1) // kept by a call that is reused (Reset)
-	}
+	c.done = make(chan struct{})
 	select {
 	case b.queue <- c:
 	default:
@@ -424,18 +422,7 @@ func (c *Call) finish(err error) {
 	}
 	c.finished = true
 	c.Err = err
-	c.done <- struct{}{}
-}
-
-// Reset readies a call for another decision, keeping its done channel. Only
-// for a call whose caller took its answer from Do (nil error): the worker
-// is done with it then. A call given up (its caller's context ended, the
-// batcher closed) is left to the collector, since a worker may still
-// answer it.
-func (c *Call) Reset() {
-	c.Script, c.Keys, c.BanKey, c.IndexKey, c.Argv, c.Lean = nil, nil, "", "", nil, false
-	c.deadline, c.Res, c.Err, c.finished = time.Time{}, nil, nil, false
-	c.state.Store(callPending)
+	close(c.done)
 }
 
 // unanswered reports whether cmd got no answer at all.
@@ -536,7 +523,7 @@ func (b *Batcher) BreakerOpen() bool { return b.breaker.open.Load() }
 func (b *Batcher) SendNow(calls []*Call) {
 	for _, c := range calls {
 		c.deadline = time.Now().Add(5 * time.Second)
-		c.done = make(chan struct{}, 1)
+		c.done = make(chan struct{})
 		c.finished = false
 		c.state.Store(callTaken)
 	}
@@ -546,8 +533,7 @@ func (b *Batcher) SendNow(calls []*Call) {
 // Stopped is closed once Close stopped the workers.
 func (b *Batcher) Stopped() <-chan struct{} { return b.stop }
 
-// Done is signalled once, when the call is answered (Res, Err): one
-// receive from it returns.
+// Done is closed once the call is answered (Res, Err).
 func (c *Call) Done() <-chan struct{} { return c.done }
 
 // Taken reports whether a worker took the call: then it is answered (Done)

@@ -419,36 +419,3 @@ func TestIndexInBatch(t *testing.T) {
 		}
 	}
 }
-
-// TestCallReusedAfterReset: one call, reset and sent again decision after
-// decision through a worker, on two keys of 3 per minute: each answer is
-// that decision's own (3 admissions per key, then rejections), never one
-// left over from the call's last use.
-func TestCallReusedAfterReset(t *testing.T) {
-	t.Parallel()
-	r := testredis.Start(t)
-	b := NewBatcher(r.Client(), Options{Workers: 1})
-	t.Cleanup(b.Close)
-	ctx := context.Background()
-	c := new(Call)
-	admitted := map[string]int{}
-	for i := 0; i < 20; i++ {
-		key := []string{"t:{reuse-a}:sw", "t:{reuse-b}:sw"}[i%2]
-		c.Reset()
-		c.Script, c.Keys, c.Argv = SlidingScript, []string{key}, []any{1, 0, 0, 3, time.Minute.Microseconds()}
-		res, err := b.Do(ctx, c, 5*time.Second, &countObserver{})
-		if err != nil {
-			t.Fatalf("decision %d: %v", i, err)
-		}
-		d, err := ParseDecision(res, 1, c.PerRate())
-		if err != nil {
-			t.Fatalf("decision %d: %v (answer %v)", i, err, res)
-		}
-		if d.Allowed {
-			admitted[key]++
-		}
-	}
-	if admitted["t:{reuse-a}:sw"] != 3 || admitted["t:{reuse-b}:sw"] != 3 {
-		t.Fatalf("admitted %v, want 3 per key", admitted)
-	}
-}
