@@ -35,18 +35,23 @@ func DelayKey(lockKey string) string { return lockKey + delaySuffix }
 // opaque digest, so a client of a shared Redis that subscribes learns
 // nothing of the keys (user ids, paths) being locked.
 func WakeID(lockKey string) string {
-	sum := sha256.Sum256([]byte(lockKey))
-	return hex.EncodeToString(sum[:16])
+	var buf [32]byte
+	return string(appendWakeID(buf[:0], lockKey))
 }
 
-// wakeIDAndMessage is WakeID(lockKey) and wakeMessage(id, WakeID(lockKey)),
+// appendWakeID appends WakeID(lockKey) to b.
+func appendWakeID(b []byte, lockKey string) []byte {
+	sum := sha256.Sum256([]byte(lockKey))
+	return hex.AppendEncode(b, sum[:16])
+}
+
+// wakeIDAndMessage is WakeID(lockKey) and the wake-up that announces a
+// release of it by the domain with id, "<id> <WakeID>" (see WakeChannel),
 // in one allocation: the ID is the message's tail.
 func wakeIDAndMessage(id, lockKey string) (wakeID, msg string) {
-	sum := sha256.Sum256([]byte(lockKey))
 	var buf [80]byte
 	b := append(buf[:0], id...)
-	b = append(b, ' ')
-	b = hex.AppendEncode(b, sum[:16])
+	b = appendWakeID(append(b, ' '), lockKey)
 	msg = string(b)
 	return msg[len(id)+1:], msg
 }

@@ -52,7 +52,7 @@ func (l *Locker) leaseJob(r leaseRelease, i int) releaseJob {
 	if r.msgs != nil {
 		job.msg = r.msgs[i]
 	} else {
-		job.msg = wakeMessage(l.dom.id, WakeID(k))
+		_, job.msg = wakeIDAndMessage(l.dom.id, k)
 	}
 	return job
 }

@@ -20,10 +20,6 @@ import (
 // are announced; the message is "<domain id> <WakeID of the lock key>".
 const WakeChannel = "redisdlm:wake"
 
-// wakeMessage is the announcement of a release of the key with wakeID by
-// the domain with id.
-func wakeMessage(id, wakeID string) string { return id + " " + wakeID }
-
 // dispatchWake delivers a release announced on Redis to the local queues of
 // that key in every domain but the one that announced it (which woke its own
 // queue already). Two domains in one process share a Redis server when they
