@@ -15,17 +15,14 @@ import (
 // moment as one pipeline: one write and one read on one connection for all
 // of them, on Caddy's side and on Redis's, instead of a round trip each.
 //
-// There is no worker. A caller that finds no pipeline on its way sends at
-// once, with whatever else waits (a lone call goes as a plain call,
-// exactly as without the pipe); otherwise it waits in the queue, and the
-// caller whose pipeline is answered hands the queue on to a waiting
-// caller, who sends it (or, when the queue's first call is one nobody
-// waits for, to a goroutine started for it: see Sender). Under load each
-// pipeline so carries all that arrived during the last round trip. A
-// pipeline still out after PipeStall (a lost packet, a paused connection)
-// does not hold up the rest: the queue then leaves as a second pipeline,
-// on another connection. An idle pipe is nothing but a mutex, an empty
-// queue and a stopped timer.
+// There is no worker and no timer. A caller that finds fewer than
+// PipeInFlight pipelines on their way sends at once, with whatever else
+// waits (a lone call goes as a plain call, exactly as without the pipe);
+// otherwise it waits in the queue, and the first caller whose pipeline is
+// answered hands the queue on to a waiting caller, who sends it (or, when
+// the queue's first call is one nobody waits for, to a goroutine started
+// for it: see Sender). An idle pipe is nothing but a mutex and an empty
+// queue.
 //
 // A pipeline is never sent again: a command of it whose answer was lost
 // (a timeout, a dropped connection) gets that error, which for a script
@@ -42,30 +39,16 @@ import (
 type Pipe struct {
 	mu       sync.Mutex
 	queue    []*pipeCall
-	inflight int         // pipelines on their way (each sent by a caller)
-	left     time.Time   // when the newest of them left
-	stall    *time.Timer // fires Stall after a departure (see stalled); made by the first
-	// Stall is PipeStall for this pipe when set (a test's).
-	Stall time.Duration
+	inflight int // pipelines on their way (each sent by a caller)
 }
 
-// PipeInFlight is the most pipelines one Pipe has on their way at once:
-// one, and a second only while the first is stalled (PipeStall). One in
-// the steady state, not two: under load a pipeline then carries everything
-// that arrived during the last round trip (measured with 64 concurrent
-// locked requests: about twice the commands per write, 8-22 % less Caddy
-// CPU and 18-25 % more requests per second than two in flight, each
-// carrying half); a caller arriving while one is out waits at most that
-// round trip, which it would otherwise spend on its own.
+// PipeInFlight is the pipelines one Pipe has on their way at once. Two, not
+// one: a pipeline that is slow to answer (a lost packet, a paused
+// connection until its timeout) does not hold up every other call of the
+// client meanwhile, and a caller arriving while one pipeline is on its way
+// is sent at once rather than a round trip later. Under load each still
+// carries what arrived while the other was out.
 const PipeInFlight = 2
-
-// PipeStall is how long the pipeline on its way may take before the calls
-// queued behind it leave without it, as a second pipeline: far above a
-// round trip to a healthy Redis (loopback or LAN: well under a
-// millisecond; with Caddy's CPU saturated, pipelines were seen taking past
-// 10 ms, and a second one then only halves the batches), far below a lost
-// packet's retransmission (200 ms and more) or a timeout.
-const PipeStall = 50 * time.Millisecond
 
 // pipeMax bounds the commands in one pipeline; the rest wait for the next.
 const pipeMax = 256
@@ -174,11 +157,10 @@ func (t timed) Go(cmd redis.Cmder, done func(), spawn func(func())) {
 // that leaves takes it, and its done runs with the others of that
 // pipeline.
 func (p *Pipe) send(c Pipeliner, timeout time.Duration, cmd redis.Cmder, done func(), spawn func(func())) {
-	now := time.Now()
-	call := &pipeCall{ctx: context.Background(), cmd: cmd, deadline: now.Add(timeout), done: done, spawn: spawn, c: c}
+	call := &pipeCall{ctx: context.Background(), cmd: cmd, deadline: time.Now().Add(timeout), done: done, spawn: spawn, c: c}
 	p.mu.Lock()
-	if p.inflight == 0 {
-		p.depart(now)
+	if p.inflight < PipeInFlight {
+		p.inflight++
 		p.mu.Unlock()
 		call.state.Store(pipeTaken)
 		p.spawnLead(call)
@@ -186,43 +168,6 @@ func (p *Pipe) send(c Pipeliner, timeout time.Duration, cmd redis.Cmder, done fu
 	}
 	p.queue = append(p.queue, call)
 	p.mu.Unlock()
-}
-
-// depart counts a pipeline that leaves now (p.mu held) and has the timer
-// look at it PipeStall later.
-func (p *Pipe) depart(now time.Time) {
-	p.inflight++
-	p.left = now
-	if p.stall == nil {
-		p.stall = time.AfterFunc(p.stallAfter(), p.stalled)
-	} else {
-		p.stall.Reset(p.stallAfter())
-	}
-}
-
-// stallAfter is the pipe's Stall, by default PipeStall.
-func (p *Pipe) stallAfter() time.Duration {
-	if p.Stall > 0 {
-		return p.Stall
-	}
-	return PipeStall
-}
-
-// stalled runs Stall after the newest departure: when that pipeline
-// is the only one on its way and still out, the queue leaves as a second
-// pipeline, sent by its first waiting caller.
-func (p *Pipe) stalled() {
-	p.mu.Lock()
-	if p.inflight != 1 || !p.pending() || time.Since(p.left) < p.stallAfter() {
-		p.mu.Unlock()
-		return
-	}
-	p.depart(time.Now())
-	detached := p.nextLeader()
-	p.mu.Unlock()
-	if detached != nil {
-		p.spawnLead(detached)
-	}
 }
 
 // process sends cmd with the commands of other callers and waits for its
@@ -233,15 +178,14 @@ func (p *Pipe) stalled() {
 // the client's own timeouts).
 func (p *Pipe) process(ctx context.Context, c Pipeliner, timeout time.Duration, cmd redis.Cmder) error {
 	call := waitedCalls.Get().(*pipeCall)
-	now := time.Now()
-	call.ctx, call.cmd, call.deadline = ctx, cmd, now.Add(timeout)
+	call.ctx, call.cmd, call.deadline = ctx, cmd, time.Now().Add(timeout)
 	defer call.recycle()
 	if d, ok := ctx.Deadline(); ok && d.Before(call.deadline) {
 		call.deadline = d
 	}
 	p.mu.Lock()
-	if p.inflight == 0 {
-		p.depart(now)
+	if p.inflight < PipeInFlight {
+		p.inflight++
 		p.mu.Unlock()
 		call.state.Store(pipeTaken)
 		p.lead(c, call)
@@ -410,44 +354,22 @@ func (p *Pipe) take(own *pipeCall) (batch, expired []*pipeCall) {
 func (p *Pipe) handOn() (detached *pipeCall) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.inflight--
-	if p.pending() {
-		p.depart(time.Now())
-		return p.nextLeader()
+	for len(p.queue) > 0 {
+		next := p.queue[0]
+		p.dropFront(1)
+		if next.state.CompareAndSwap(pipePending, pipeTaken) {
+			if next.done != nil {
+				return next
+			}
+			next.lead = true
+			next.wake <- struct{}{}
+			return nil
+		}
 	}
 	if cap(p.queue) > pipeMax {
 		p.queue = nil // a burst made it large
 	}
-	if p.inflight == 0 {
-		p.stall.Stop()
-	}
-	return nil
-}
-
-// pending drops the calls at the queue's front that are taken already and
-// reports whether one is left (p.mu held).
-func (p *Pipe) pending() bool {
-	for len(p.queue) > 0 {
-		if p.queue[0].state.Load() == pipePending {
-			return true
-		}
-		p.dropFront(1)
-	}
-	return false
-}
-
-// nextLeader takes the queue's first call, pending (see pending), to send
-// the queue (p.mu held): a waiting caller is woken to lead; a call nobody
-// waits for is returned, for a goroutine to be started for it.
-func (p *Pipe) nextLeader() (detached *pipeCall) {
-	next := p.queue[0]
-	p.dropFront(1)
-	next.state.Store(pipeTaken)
-	if next.done != nil {
-		return next
-	}
-	next.lead = true
-	next.wake <- struct{}{}
+	p.inflight--
 	return nil
 }
 
