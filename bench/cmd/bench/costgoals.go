@@ -53,6 +53,54 @@ type costSample struct {
 	redisCPU float64       // seconds
 	conns    int64         // total_connections_received growth
 	errs     int64
+	machine  machineTicks // the whole machine's CPU time over the measured time (/proc/stat)
+}
+
+// machineTicks is the machine's CPU time (/proc/stat's first line, all
+// cores, USER_HZ ticks): how much of it the hypervisor took (steal) and how
+// much nobody used (idle), out of all of it.
+type machineTicks struct{ steal, idle, total int64 }
+
+// parseProcStat reads the "cpu" line of /proc/stat: user nice system idle
+// iowait irq softirq steal (guest time is counted in user already).
+func parseProcStat(b []byte) machineTicks {
+	line, _, _ := strings.Cut(string(b), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return machineTicks{}
+	}
+	var t machineTicks
+	for i, v := range f[1:9] {
+		n, _ := strconv.ParseInt(v, 10, 64)
+		t.total += n
+		switch i {
+		case 3, 4: // idle, iowait
+			t.idle += n
+		case 7:
+			t.steal = n
+		}
+	}
+	return t
+}
+
+func readMachineTicks() machineTicks {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return machineTicks{}
+	}
+	return parseProcStat(b)
+}
+
+func (t machineTicks) minus(o machineTicks) machineTicks {
+	return machineTicks{t.steal - o.steal, t.idle - o.idle, t.total - o.total}
+}
+
+// share of the machine's CPU time (0 when unknown).
+func (t machineTicks) share(x int64) float64 {
+	if t.total <= 0 {
+		return 0
+	}
+	return float64(x) / float64(t.total)
 }
 
 func (s costSample) rate() float64 { return float64(s.ops) / max(s.dur.Seconds(), 1e-9) }
@@ -131,7 +179,9 @@ func measureLoad(l *costLoad, clients int, warm, measure time.Duration, caddyPid
 	}
 	self := os.Getpid()
 	c0, r0, m0, n0, t0 := caddy(), redisCPU(info), cpuSeconds(self), redisInfoInt(info, "stats", "total_connections_received"), time.Now()
+	k0 := readMachineTicks()
 	ok, bad := loop(measure)
+	s.machine = readMachineTicks().minus(k0)
 	s.dur = time.Since(t0)
 	s.caddyCPU, s.redisCPU, s.selfCPU = caddy()-c0, redisCPU(info)-r0, cpuSeconds(self)-m0
 	s.conns = redisInfoInt(info, "stats", "total_connections_received") - n0
@@ -236,8 +286,8 @@ func printCostGoals(p func(string, ...any), res *costResult) {
 	if len(la) > 3 {
 		la = la[:3]
 	}
-	p("%s · nproc %d · load average before the part %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios.",
-		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLRounds, *costRLMeasure, *costWarm)
+	p("%s · nproc %d · load average before the part %s · %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios.",
+		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), orDash(res.machine), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLRounds, *costRLMeasure, *costWarm)
 	p("")
 	p("| figure | measured | reference (divided by) | goal | met? |")
 	p("|---|---|---|---|---|")
@@ -276,6 +326,36 @@ type costResult struct {
 	loadAvg []byte
 	goals   []costGoal
 	notes   []string
+	machine string // the machine's CPU steal and idle over the measured loads
+}
+
+// machineNote sums up the whole machine's CPU over every measured load: the
+// share the hypervisor took from this VM (steal) and the share left idle.
+// Steal above a few % is not a quiet machine: its rounds spread and the
+// ratios move with it.
+func machineNote(loads []*costLoad) string {
+	var steal, idle []float64
+	for _, l := range loads {
+		for _, s := range l.samples {
+			if s.machine.total > 0 {
+				steal = append(steal, s.machine.share(s.machine.steal))
+				idle = append(idle, s.machine.share(s.machine.idle))
+			}
+		}
+	}
+	if len(steal) == 0 {
+		return "machine CPU unknown (no /proc/stat)"
+	}
+	return fmt.Sprintf("CPU steal over the measured loads (the hypervisor's share of this machine's CPU time) median %.0f %%, max %.0f %%; idle median %.0f %%",
+		100*median(steal), 100*slicesMax(steal), 100*median(idle))
+}
+
+func slicesMax(xs []float64) float64 {
+	m := xs[0]
+	for _, x := range xs[1:] {
+		m = max(m, x)
+	}
+	return m
 }
 
 // costSites: `respond` only, `redis_lock` (key = the path) + `respond`, and
@@ -450,6 +530,7 @@ func runCostGoals(step func(string, ...any)) *costResult {
 	}
 
 	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
+	res.machine = machineNote(append(lockLoads, rlLoads...))
 	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL), pacedFloorNote(swL, gcraL, exactL, paced))
 	for _, l := range append(lockLoads, rlLoads...) {
 		var errs int64

@@ -101,3 +101,32 @@ func TestCostGoalsFrom(t *testing.T) {
 		}
 	}
 }
+
+func TestParseProcStat(t *testing.T) {
+	// user nice system idle iowait irq softirq steal guest guest_nice
+	got := parseProcStat([]byte("cpu  100 5 20 300 10 1 4 60 7 0\ncpu0 50 2 10 150 5 0 2 30 3 0\n"))
+	if want := (machineTicks{steal: 60, idle: 310, total: 500}); got != want {
+		t.Fatalf("parseProcStat: %+v, want %+v", got, want)
+	}
+	if got := parseProcStat([]byte("intr 1 2 3\n")); got != (machineTicks{}) {
+		t.Fatalf("a file without the cpu line: %+v, want zero", got)
+	}
+	d := machineTicks{steal: 80, idle: 400, total: 600}.minus(got)
+	if d.share(d.steal) != 0.2 { // 20 of 100 ticks since the first reading
+		t.Fatalf("share %v", d.share(d.steal))
+	}
+}
+
+func TestMachineNote(t *testing.T) {
+	l := &costLoad{samples: []costSample{
+		{machine: machineTicks{steal: 10, idle: 20, total: 100}},
+		{machine: machineTicks{steal: 30, idle: 0, total: 100}},
+		{machine: machineTicks{steal: 20, idle: 10, total: 100}},
+	}}
+	if got, want := machineNote([]*costLoad{l}), "CPU steal over the measured loads (the hypervisor's share of this machine's CPU time) median 20 %, max 30 %; idle median 10 %"; got != want {
+		t.Fatalf("machineNote:\n%s\nwant\n%s", got, want)
+	}
+	if got := machineNote([]*costLoad{{}}); got != "machine CPU unknown (no /proc/stat)" {
+		t.Fatalf("no samples: %q", got)
+	}
+}
