@@ -254,7 +254,10 @@ func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
 		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/p%d", s.URL, i)))
 	}
 	srv := h.locker.Servers()[0]
-	waitFor(5*time.Second, func() bool { return srv.QueuedCalls() >= n-redisconn.PipeInFlight })
+	if !waitFor(5*time.Second, func() bool { return srv.QueuedCalls() >= n-redisconn.PipeInFlight }) {
+		r.Resume()
+		t.Fatalf("%d of %d locked requests queued in the pipe after 5s of a paused Redis, want %d: the test never met its premise", srv.QueuedCalls(), n, n-redisconn.PipeInFlight)
+	}
 	r.Resume()
 	for i, ch := range done {
 		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {

@@ -267,11 +267,19 @@ func ratioGoal(figure string, rounds []float64, measuredAbs, reference string, a
 		return g
 	}
 	m := median(rounds)
-	g.measured = fmt.Sprintf("**%.2f** (%s; rounds %s)", m, measuredAbs, roundsText(rounds, "%.2f"))
+	meets := func(x float64) bool { return (atMost && x <= limit) || (!atMost && x >= limit) }
+	g.met = meets(m)
+	// Two decimals, or three where two would read as the other verdict
+	// (a median of 0.695 against ≥ 0.7 is not "0.70, no").
+	shown := fmt.Sprintf("%.2f", m)
+	if x, _ := strconv.ParseFloat(shown, 64); meets(x) != g.met {
+		shown = fmt.Sprintf("%.3f", m)
+	}
+	g.measured = fmt.Sprintf("**%s** (%s; rounds %s)", shown, measuredAbs, roundsText(rounds, "%.2f"))
 	if atMost {
-		g.goal, g.met = fmt.Sprintf("≤ %.1f", limit), m <= limit
+		g.goal = fmt.Sprintf("≤ %.1f", limit)
 	} else {
-		g.goal, g.met = fmt.Sprintf("≥ %.1f", limit), m >= limit
+		g.goal = fmt.Sprintf("≥ %.1f", limit)
 	}
 	return g
 }

@@ -53,6 +53,15 @@ func TestRatioGoalVerdict(t *testing.T) {
 	if g.met || g.goal != "≤ 2.0" {
 		t.Errorf("at most: %+v", g)
 	}
+	// A median that two decimals would round onto the goal shows three.
+	g = ratioGoal("x", []float64{0.68, 0.71}, "a", "b", false, 0.7)
+	if g.met || !strings.HasPrefix(g.measured, "**0.695**") {
+		t.Errorf("at least, rounded onto the goal: %+v", g)
+	}
+	g = ratioGoal("x", []float64{0.40, 0.406}, "a", "b", true, 0.4)
+	if g.met || !strings.HasPrefix(g.measured, "**0.403**") {
+		t.Errorf("at most, rounded onto the goal: %+v", g)
+	}
 	if g := ratioGoal("x", nil, "a", "b", true, 1); g.err == nil || g.met {
 		t.Errorf("no rounds: %+v", g)
 	}
