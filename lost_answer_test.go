@@ -19,6 +19,8 @@ import (
 type delayProxy struct {
 	addr  string
 	armed atomic.Bool
+	// held counts the chunks held back and then forwarded.
+	held atomic.Int32
 }
 
 func startDelayProxy(t *testing.T, target string, match []byte, delay time.Duration) *delayProxy {
@@ -27,10 +29,23 @@ func startDelayProxy(t *testing.T, target string, match []byte, delay time.Durat
 	p.addr = startInterceptProxy(t, target, func(chunk []byte, _, _ net.Conn) bool {
 		if p.armed.Load() && bytes.Contains(chunk, match) {
 			time.Sleep(delay)
+			p.held.Add(1)
 		}
 		return true
 	})
 	return p
+}
+
+// awaitHeldBack waits until the chunk the proxy held back went on to Redis
+// (failing the test when it never does within d), then a moment more for
+// Redis to run it: the test then checks what it left, not what it has not
+// reached yet.
+func (p *delayProxy) awaitHeldBack(t *testing.T, d time.Duration) {
+	t.Helper()
+	if !waitFor(d, func() bool { return p.held.Load() >= 1 }) {
+		t.Fatalf("the held-back command never went on to Redis within %v", d)
+	}
+	time.Sleep(200 * time.Millisecond)
 }
 
 // startInterceptProxy forwards TCP connections to target; every chunk a
@@ -118,7 +133,7 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 				t.Fatal("an acquire held back past the timeout succeeded")
 			}
 			p.armed.Store(false)
-			time.Sleep(delay + 300*time.Millisecond) // the held-back acquire has reached Redis
+			p.awaitHeldBack(t, delay+10*time.Second)
 			if !freeWithin(time.Second, key, r) {
 				pttl, _ := r.Client().PTTL(context.Background(), key).Result()
 				t.Fatalf("held back %v: the key is held by a lost acquisition nobody owns (PTTL %v)", delay, pttl)
@@ -181,7 +196,7 @@ func TestNoOrphanOnRedlockMinority(t *testing.T) {
 	time.Sleep(500 * time.Millisecond) // the third server's call has timed out, the lease is held
 	ls.Release()
 	p.armed.Store(false)
-	time.Sleep(1500 * time.Millisecond) // the held-back acquire has reached the third server
+	p.awaitHeldBack(t, 12*time.Second) // the held-back acquire has reached the third server
 	if !freeWithin(time.Second, key, a, b, c) {
 		pttl, _ := c.Client().PTTL(context.Background(), key).Result()
 		t.Fatalf("the third server holds the key for a token nobody owns (PTTL %v)", pttl)
