@@ -19,7 +19,8 @@ import (
 type delayProxy struct {
 	addr  string
 	armed atomic.Bool
-	// held counts the chunks held back and then forwarded.
+	// held counts the chunks held back, each counted as its hold ends
+	// (it is forwarded right after).
 	held atomic.Int32
 }
 
@@ -36,9 +37,9 @@ func startDelayProxy(t *testing.T, target string, match []byte, delay time.Durat
 	return p
 }
 
-// awaitHeldBack waits until the chunk the proxy held back went on to Redis
-// (failing the test when it never does within d), then a moment more for
-// Redis to run it: the test then checks what it left, not what it has not
+// awaitHeldBack waits until the proxy's hold of a chunk has ended (failing
+// the test when it never does within d), then a moment more for the chunk
+// to reach Redis and run there: the test then checks what it left, not what it has not
 // reached yet.
 func (p *delayProxy) awaitHeldBack(t *testing.T, d time.Duration) {
 	t.Helper()

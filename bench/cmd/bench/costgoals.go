@@ -20,6 +20,7 @@ import (
 	"net/http"
 	"os"
 	"runtime"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -355,15 +356,7 @@ func machineNote(loads []*costLoad) string {
 		return "machine CPU unknown (no /proc/stat)"
 	}
 	return fmt.Sprintf("CPU steal over the measured loads (the hypervisor's share of this machine's CPU time) median %.0f %%, max %.0f %%; idle median %.0f %%",
-		100*median(steal), 100*slicesMax(steal), 100*median(idle))
-}
-
-func slicesMax(xs []float64) float64 {
-	m := xs[0]
-	for _, x := range xs[1:] {
-		m = max(m, x)
-	}
-	return m
+		100*median(steal), 100*slices.Max(steal), 100*median(idle))
 }
 
 // costSites: `respond` only, `redis_lock` (key = the path) + `respond`, and
