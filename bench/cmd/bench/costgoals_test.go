@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"strings"
 	"testing"
 	"time"
@@ -137,5 +138,26 @@ func TestMachineNote(t *testing.T) {
 	}
 	if got := machineNote([]*costLoad{{}}); got != "machine CPU unknown (no /proc/stat)" {
 		t.Fatalf("no samples: %q", got)
+	}
+}
+
+// A spacer is sent in every round, in its place, but never measured or
+// returned; the measured targets keep their order.
+func TestInterleavedSpacer(t *testing.T) {
+	var calls []string
+	call := func(name string) func(context.Context) error {
+		return func(context.Context) error { calls = append(calls, name); return nil }
+	}
+	sp := spacerAfter("")
+	sp.do = call("spacer")
+	seq := interleaved([]latTarget{{name: "a", do: call("a")}, {name: "b", do: call("b")}, sp}, 3, time.Minute)
+	if len(seq) != 2 || seq[0].name != "a" || seq[1].name != "b" || seq[0].n != 3 || seq[1].n != 3 {
+		t.Fatalf("results %+v, want a and b with 3 samples each", seq)
+	}
+	if got, want := strings.Join(calls, ","), "a,b,spacer,a,b,spacer,a,b,spacer"; got != want {
+		t.Fatalf("calls %s, want %s", got, want)
+	}
+	if s := seqNamed(seq, "spacer"); s.err == nil {
+		t.Fatalf("the spacer was returned: %+v", s)
 	}
 }

@@ -697,10 +697,35 @@ func sequential(name, base string, n int, budget time.Duration) seqResult {
 type latTarget struct {
 	name, base string
 	do         func(ctx context.Context) error
+	// spacer: sent in the rounds but not measured. A locked request's
+	// release goes to Redis in the background right as its response
+	// leaves, and on a machine of two cores it competes with whatever is
+	// sent next (a PING right after one measured 10–25 % slower, a
+	// Redlock release's fan-out more): a spacer after each target with
+	// background work absorbs it, so no measured call overlaps another's.
+	spacer bool
+}
+
+// spacerAfter is a target that only absorbs the background work of the
+// target before it: a request to base (a `respond`-only route).
+func spacerAfter(base string) latTarget {
+	return latTarget{name: "spacer", base: base, spacer: true}
+}
+
+// seqNamed is the result of the target called name (the zero result, with
+// an error, when there is none).
+func seqNamed(seq []seqResult, name string) seqResult {
+	for _, s := range seq {
+		if s.name == name {
+			return s
+		}
+	}
+	return seqResult{name: name, err: fmt.Errorf("not measured"), errs: &errCount{}}
 }
 
 // interleaved sends n requests to each target, one target after another
-// (round-robin), on distinct paths, for at most budget in all.
+// (round-robin), on distinct paths, for at most budget in all. It returns
+// the measured targets in their order (spacers left out).
 func interleaved(ts []latTarget, n int, budget time.Duration) []seqResult {
 	ctx := context.Background()
 	tag := strconv.FormatInt(time.Now().UnixNano(), 36)
@@ -731,15 +756,20 @@ func interleaved(ts []latTarget, n int, budget time.Duration) []seqResult {
 			}
 		}
 	}
+	var out []seqResult
 	for i := range res {
+		if ts[i].spacer {
+			continue
+		}
 		res[i].n = len(lat[i])
 		if res[i].n == 0 {
 			res[i].err = fmt.Errorf("no successful request (%s)", res[i].errs)
-			continue
+		} else {
+			res[i].median, res[i].p99 = pct(lat[i], 0.5), pct(lat[i], 0.99)
 		}
-		res[i].median, res[i].p99 = pct(lat[i], 0.5), pct(lat[i], 0.99)
+		out = append(out, res[i])
 	}
-	return res
+	return out
 }
 
 // ---- library-level contenders -------------------------------------------------
@@ -1050,13 +1080,16 @@ func run() error {
 	cmdRows = append(cmdRows, contendedCmds("hot-mon2", fmt.Sprintf("hot key, 2 Caddy, %d + %d clients", half, *clients-half),
 		[]target{{url: urlA, clients: half, prefix: "a"}, {url: urlB, clients: *clients - half, prefix: "b"}}))
 
-	// 4. Lock latency through Caddy: base, 1 server, 3 servers, sampled
-	// round-robin so that all three see the same machine load.
+	// 4. Lock latency through Caddy: base, one PING (the unit of the
+	// uncontended lock's added latency), 1 server, 3 servers, sampled
+	// round-robin so that all of them see the same machine load, each lock
+	// followed by a spacer (see latTarget).
 	var seq []seqResult
-	step("latency: %d sequential requests each, interleaved: respond only, lock on 1 server, lock on 3 servers", *seqN)
+	step("latency: %d sequential requests each, interleaved: respond only, one PING, lock on 1 server, lock on 3 servers", *seqN)
 	urlC := fmt.Sprintf("http://127.0.0.1:%d", e.portC)
+	urlBase := fmt.Sprintf("http://127.0.0.1:%d", e.portsA.base)
 	lat := []latTarget{
-		{name: "Caddy, `respond` only (base)", base: fmt.Sprintf("http://127.0.0.1:%d", e.portsA.base)},
+		{name: "Caddy, `respond` only (base)", base: urlBase},
 		{name: "redis_lock, 1 server", base: fmt.Sprintf("http://127.0.0.1:%d", e.portsA.lock1)},
 	}
 	const name3, name3p = "redis_lock, 3 servers (Redlock)", "redis_lock, 3 servers, one paused (SIGSTOP)"
@@ -1066,24 +1099,26 @@ func run() error {
 	for _, t := range lat {
 		sequential("warm", t.base, 20, 5*time.Second)
 	}
-	// One Redis round trip, sampled in the same rounds: the unit of the
-	// uncontended lock's added latency.
 	pinger := redis.NewClient(&redis.Options{Addr: e.r1.addr(), PoolSize: 1})
 	defer pinger.Close()
-	lat = append(lat, latTarget{name: pingRow, do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }})
+	ping := latTarget{name: pingRow, do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }}
+	rounds := []latTarget{lat[0], ping}
+	for _, t := range lat[1:] {
+		rounds = append(rounds, t, spacerAfter(urlBase))
+	}
 	var m3 *monitor
 	var m3err error
 	if e.caddyCErr == nil {
 		m3, m3err = startMonitor(e.r3a.addr())
 	}
-	seq = interleaved(lat, *seqN, 30*time.Second)
+	seq = interleaved(rounds, *seqN, 30*time.Second)
 	var redlockCmds cmdRow
 	if e.caddyCErr != nil {
 		seq = append(seq, seqResult{name: name3, err: e.caddyCErr})
 		seq = append(seq, seqResult{name: name3p, err: e.caddyCErr})
 		redlockCmds = cmdRow{what: "uncontended, Redlock 3 servers (commands to one of them)", unit: "request", err: e.caddyCErr}
 	} else {
-		redlockCmds = cmdRow{what: "uncontended, Redlock 3 servers (commands to one of them)", unit: "request", reqs: seq[2].sent, err: m3err}
+		redlockCmds = cmdRow{what: "uncontended, Redlock 3 servers (commands to one of them)", unit: "request", reqs: seqNamed(seq, name3).sent, err: m3err}
 		if m3err == nil {
 			redlockCmds.cmds, redlockCmds.breakdown = m3.stop()
 		}
