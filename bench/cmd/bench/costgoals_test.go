@@ -141,20 +141,24 @@ func TestMachineNote(t *testing.T) {
 	}
 }
 
-// A spacer is sent in every round, in its place, but never measured or
-// returned; the measured targets keep their order.
+// A spacer goes before every target in every round, but is never measured
+// or returned; the measured targets keep their order.
 func TestInterleavedSpacer(t *testing.T) {
 	var calls []string
 	call := func(name string) func(context.Context) error {
 		return func(context.Context) error { calls = append(calls, name); return nil }
 	}
-	sp := spacerAfter("")
-	sp.do = call("spacer")
-	seq := interleaved([]latTarget{{name: "a", do: call("a")}, {name: "b", do: call("b")}, sp}, 3, time.Minute)
+	ts := spaced("", latTarget{name: "a", do: call("a")}, latTarget{name: "b", do: call("b")})
+	for i := range ts {
+		if ts[i].spacer {
+			ts[i].do = call("s")
+		}
+	}
+	seq := interleaved(ts, 3, time.Minute)
 	if len(seq) != 2 || seq[0].name != "a" || seq[1].name != "b" || seq[0].n != 3 || seq[1].n != 3 {
 		t.Fatalf("results %+v, want a and b with 3 samples each", seq)
 	}
-	if got, want := strings.Join(calls, ","), "a,b,spacer,a,b,spacer,a,b,spacer"; got != want {
+	if got, want := strings.Join(calls, ","), "s,a,s,b,s,a,s,b,s,a,s,b"; got != want {
 		t.Fatalf("calls %s, want %s", got, want)
 	}
 	if s := seqNamed(seq, "spacer"); s.err == nil {

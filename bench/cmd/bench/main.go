@@ -697,19 +697,24 @@ func sequential(name, base string, n int, budget time.Duration) seqResult {
 type latTarget struct {
 	name, base string
 	do         func(ctx context.Context) error
-	// spacer: sent in the rounds but not measured. A locked request's
-	// release goes to Redis in the background right as its response
-	// leaves, and on a machine of two cores it competes with whatever is
-	// sent next (a PING right after one measured 10–25 % slower, a
-	// Redlock release's fan-out more): a spacer after each target with
-	// background work absorbs it, so no measured call overlaps another's.
+	// spacer: sent in the rounds but not measured (see spaced).
 	spacer bool
 }
 
-// spacerAfter is a target that only absorbs the background work of the
-// target before it: a request to base (a `respond`-only route).
-func spacerAfter(base string) latTarget {
-	return latTarget{name: "spacer", base: base, spacer: true}
+// spaced puts a spacer, one request to base (a `respond`-only route),
+// before each of ts: every measured call then follows the same kind of
+// call, with Caddy as warm and Redis as idle for each. Without them the
+// order flatters or hurts whichever target follows which: a locked
+// request's release goes to Redis in the background right as its answer
+// leaves, and on a machine of two cores it competes with the call sent
+// next (a PING right after a Redlock request measured 10–25 % slower);
+// and a request right after a PING finds Caddy gone idle.
+func spaced(base string, ts ...latTarget) []latTarget {
+	var out []latTarget
+	for _, t := range ts {
+		out = append(out, latTarget{name: "spacer", base: base, spacer: true}, t)
+	}
+	return out
 }
 
 // seqNamed is the result of the target called name (the zero result, with
@@ -1082,8 +1087,8 @@ func run() error {
 
 	// 4. Lock latency through Caddy: base, one PING (the unit of the
 	// uncontended lock's added latency), 1 server, 3 servers, sampled
-	// round-robin so that all of them see the same machine load, each lock
-	// followed by a spacer (see latTarget).
+	// round-robin so that all of them see the same machine load, each
+	// after a spacer (see spaced).
 	var seq []seqResult
 	step("latency: %d sequential requests each, interleaved: respond only, one PING, lock on 1 server, lock on 3 servers", *seqN)
 	urlC := fmt.Sprintf("http://127.0.0.1:%d", e.portC)
@@ -1102,10 +1107,7 @@ func run() error {
 	pinger := redis.NewClient(&redis.Options{Addr: e.r1.addr(), PoolSize: 1})
 	defer pinger.Close()
 	ping := latTarget{name: pingRow, do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }}
-	rounds := []latTarget{lat[0], ping}
-	for _, t := range lat[1:] {
-		rounds = append(rounds, t, spacerAfter(urlBase))
-	}
+	rounds := spaced(urlBase, append([]latTarget{lat[0], ping}, lat[1:]...)...)
 	var m3 *monitor
 	var m3err error
 	if e.caddyCErr == nil {
