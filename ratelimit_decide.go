@@ -31,7 +31,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if d, ok := h.cached(cacheID, id, p); ok {
 		return d, nil
 	}
-	var reserved time.Time
+	var reserved ratelimit.Reservation
 	if h.local != nil {
 		if err := h.chargeFirst(ctx, id, p); err != nil {
 			return decision{}, err

@@ -160,34 +160,35 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 // capReturn holds a request to this instance's share for returnCap after
 // local mode ends: the request takes its place in the local limiter before
 // Redis decides it (reserved, so concurrent requests do not pass the share
-// together). It reports the reservation's time (zero: no cap now), or a
+// together). It reports the reservation (zero: no cap now), or a
 // returnCapError when the share rejects the request. Not while local mode
 // lasts: the request that reaches Redis then is the breaker's probe, and
 // only a Redis decision ends local mode.
-func (h *RedisRateLimit) capReturn(id string, p *plan) (time.Time, error) {
+func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, error) {
 	back := h.local.back.Load()
 	if back == 0 || h.local.mode.Load() {
-		return time.Time{}, nil
+		return ratelimit.Reservation{}, nil
 	}
 	now := h.now()
 	if now.Sub(time.Unix(0, back)) >= returnCap {
-		return time.Time{}, nil
+		return ratelimit.Reservation{}, nil
 	}
 	n := h.instances()
 	if n == 0 {
-		return time.Time{}, nil
+		return ratelimit.Reservation{}, nil
 	}
-	if ld := h.local.lim.Reserve(h.localRates(id, p), p.cost, n, now); !ld.Allowed {
-		return time.Time{}, returnCapError{ld}
+	ld, res := h.local.lim.Reserve(h.localRates(id, p), p.cost, n, now)
+	if !ld.Allowed {
+		return ratelimit.Reservation{}, returnCapError{ld}
 	}
-	return now, nil
+	return res, nil
 }
 
 // noteRedis is called with each decision Redis made: an admission is noted
 // (the local limiter starts from this instance's own admissions; what
-// capReturn reserved at reserved is taken back), the clock offset kept, and
+// capReturn reserved is taken back), the clock offset kept, and
 // local mode ends.
-func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got, reserved time.Time) {
+func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got time.Time, reserved ratelimit.Reservation) {
 	switch {
 	case d.Allowed && reserved.IsZero():
 		h.local.lim.Note(h.localRates(id, p), p.cost, got)

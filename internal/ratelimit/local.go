@@ -105,6 +105,7 @@ type localRate struct {
 	// Done or given back): nothing more of the key is taken meanwhile.
 	inflight bool
 	last     time.Time
+	gen      uint64 // when it was made: Local.gen then
 }
 
 // pending reports whether e has charges to send or on their way.
@@ -119,6 +120,7 @@ type Local struct {
 	charged int    // entries with charges pending (to send or on their way)
 	id      string // names this limiter in the charge markers
 	seq     int64  // the last charge's sequence number
+	gen     uint64 // the last entry made (see Reservation)
 }
 
 // NewLocal makes a local limiter of at most max rates of keys; epoch is
@@ -158,7 +160,8 @@ func (l *Local) entry(r LocalRate, now time.Time, keep []LocalRate) *localRate {
 		// (Done and Untake know their entry).
 		l.charged--
 	}
-	e = &localRate{rate: r, width: max(time.Microsecond, r.horizon()/localBuckets), last: now}
+	l.gen++
+	e = &localRate{rate: r, width: max(time.Microsecond, r.horizon()/localBuckets), last: now, gen: l.gen}
 	for i := range e.stamps {
 		e.stamps[i] = -1
 	}
@@ -242,51 +245,67 @@ type LocalDecision struct {
 // instances instances, and records it when every rate admits it, as a
 // local admission to be charged to Redis.
 func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) LocalDecision {
-	return l.admit(rates, cost, instances, now, true)
+	d, _ := l.admit(rates, cost, instances, now, true)
+	return d
 }
+
+// Reservation is a place Reserve took in the share: when, and which
+// entries held it (those made by then). The zero Reservation is none.
+type Reservation struct {
+	At  time.Time
+	gen uint64
+}
+
+// IsZero reports whether r is no reservation.
+func (r Reservation) IsZero() bool { return r.At.IsZero() }
 
 // Reserve decides a request as Admit does, and records it when every rate
 // admits it as an admission Redis is about to decide (nothing to charge):
 // the cap of an instance back from local mode (see the handler's
 // fail_local), which also asks Redis. Unreserve takes it back when Redis
-// does not admit it.
-func (l *Local) Reserve(rates []LocalRate, cost, instances int64, now time.Time) LocalDecision {
+// does not admit it. The Reservation is zero when a rate rejects.
+func (l *Local) Reserve(rates []LocalRate, cost, instances int64, now time.Time) (LocalDecision, Reservation) {
 	return l.admit(rates, cost, instances, now, false)
 }
 
-// Unreserve takes back a reservation of cost made at at on rates.
-func (l *Local) Unreserve(rates []LocalRate, cost int64, at time.Time) {
+// Unreserve takes back a reservation of cost on rates.
+func (l *Local) Unreserve(rates []LocalRate, cost int64, res Reservation) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.unreserve(rates, cost, at)
+	l.unreserve(rates, cost, res)
 }
 
-// Confirm turns a reservation of cost made at at into an admission Redis
-// decided, noted at now (as Note), in one step: no other call sees the
-// share without it in between.
-func (l *Local) Confirm(rates []LocalRate, cost int64, at, now time.Time) {
+// Confirm turns a reservation of cost into an admission Redis decided,
+// noted at now (as Note), in one step: no other call sees the share
+// without it in between.
+func (l *Local) Confirm(rates []LocalRate, cost int64, res Reservation, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.unreserve(rates, cost, at)
+	l.unreserve(rates, cost, res)
 	for _, r := range rates {
 		l.add(l.entry(r, now, rates), now, cost)
 	}
 }
 
-func (l *Local) unreserve(rates []LocalRate, cost int64, at time.Time) {
+// unreserve takes res back from the entries that hold it: an entry made
+// after it (the key's rate changed with a plan, or its entry was evicted
+// and made again) never counted it, and keeps its counts.
+func (l *Local) unreserve(rates []LocalRate, cost int64, res Reservation) {
 	for _, r := range rates {
 		e, ok := l.m[r.Key]
-		if !ok {
+		if !ok || e.gen > res.gen {
 			continue
 		}
-		b := l.bucket(e, at)
+		b := l.bucket(e, res.At)
 		if i := b % int64(len(e.stamps)); e.stamps[i] == b {
 			e.counts[i] = max(0, e.counts[i]-cost)
 		}
 	}
 }
 
-func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, charge bool) LocalDecision {
+// admit decides, and records an admission (with a charge to make when
+// charge) and the Reservation of it.
+func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, charge bool) (LocalDecision, Reservation) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	d := LocalDecision{Allowed: true, Tight: -1}
@@ -319,7 +338,7 @@ func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, c
 		}
 	}
 	if !d.Allowed {
-		return d
+		return d, Reservation{}
 	}
 	d.Remaining = max(0, d.Remaining-cost)
 	for _, e := range es {
@@ -344,7 +363,7 @@ func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, c
 		l.seq++
 		e.charges = append(keep, Charge{At: now, Cost: cost, Seq: l.seq})
 	}
-	return d
+	return d, Reservation{At: now, gen: l.gen}
 }
 
 // sliding decides one sliding_window rate at its share: the admissions of

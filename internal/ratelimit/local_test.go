@@ -340,30 +340,82 @@ func TestLocalReserve(t *testing.T) {
 		l := NewLocal(100, epoch)
 		rates := []LocalRate{r}
 		at := epoch.Add(time.Second)
+		reserve := func() (bool, Reservation) {
+			d, res := l.Reserve(rates, 1, 2, at)
+			if d.Allowed == res.IsZero() {
+				t.Errorf("%s: reservation %+v for a decision allowed %v", r.Key, res, d.Allowed)
+			}
+			return d.Allowed, res
+		}
 		// instances 2: a share of 2.
-		if !l.Reserve(rates, 1, 2, at).Allowed || !l.Reserve(rates, 1, 2, at).Allowed {
+		ok1, res1 := reserve()
+		ok2, res2 := reserve()
+		if !ok1 || !ok2 {
 			t.Fatalf("%s: the share's two reservations refused", r.Key)
 		}
-		if l.Reserve(rates, 1, 2, at).Allowed {
+		if ok, _ := reserve(); ok {
 			t.Errorf("%s: a third reservation within a share of 2", r.Key)
 		}
 		if l.Pending() {
 			t.Errorf("%s: reservations made charges", r.Key)
 		}
-		l.Unreserve(rates, 1, at)
-		if !l.Reserve(rates, 1, 2, at).Allowed {
+		l.Unreserve(rates, 1, res2)
+		ok3, res3 := reserve()
+		if !ok3 {
 			t.Errorf("%s: the place given back is not free", r.Key)
 		}
 		// Both confirmed 300 ms after they were reserved: they fill the
 		// share until a window after that, not after the reservation.
 		got := at.Add(300 * time.Millisecond)
-		l.Confirm(rates, 1, at, got)
-		l.Confirm(rates, 1, at, got)
+		l.Confirm(rates, 1, res1, got)
+		l.Confirm(rates, 1, res3, got)
 		if d := l.Admit(rates, 1, 2, at.Add(c.check)); d.Allowed {
 			t.Errorf("%s: admitted %v after the reservations: counted from them, not from the answers", r.Key, c.check)
 		}
 		if l.Pending() {
 			t.Errorf("%s: confirmed reservations made charges", r.Key)
+		}
+	}
+}
+
+// TestLocalUnreserveMadeAfter: a reservation given back after its key's
+// entry was made again (evicted to make room, or its rate changed with a
+// plan) is not taken from the new entry, which never counted it: the new
+// entry's own admissions still fill the share.
+func TestLocalUnreserveMadeAfter(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	r := LocalRate{Key: "k", N: 2, Window: time.Second}
+	at := epoch.Add(time.Second)
+	for _, c := range []struct {
+		name    string
+		remake  func(l *Local)
+		current LocalRate // the key's rate after remake
+	}{
+		{"evicted", func(l *Local) {
+			// max 1: another key's entry evicts k's.
+			l.Note([]LocalRate{{Key: "other", N: 2, Window: time.Second}}, 1, at)
+			if _, ok := l.m["k"]; ok {
+				t.Fatal("k's entry not evicted")
+			}
+		}, r},
+		{"plan changed", func(*Local) {}, LocalRate{Key: "k", N: 2, Window: 2 * time.Second}},
+	} {
+		l := NewLocal(1, epoch)
+		d, res := l.Reserve([]LocalRate{r}, 1, 1, at)
+		if !d.Allowed {
+			t.Fatalf("%s: reservation refused", c.name)
+		}
+		c.remake(l)
+		cur := []LocalRate{c.current}
+		// The new entry: two admissions Redis decided fill the share of 2.
+		l.Note(cur, 1, at)
+		l.Note(cur, 1, at)
+		if _, ok := l.m["k"]; !ok || l.m["k"].gen <= res.gen {
+			t.Fatalf("%s: k's entry not made after the reservation", c.name)
+		}
+		l.Unreserve([]LocalRate{r}, 1, res)
+		if d := l.Admit(cur, 1, 1, at); d.Allowed {
+			t.Errorf("%s: a third admission passed a share of 2: the old reservation was taken from the new entry", c.name)
 		}
 	}
 }
