@@ -419,3 +419,41 @@ func TestLocalUnreserveMadeAfter(t *testing.T) {
 		}
 	}
 }
+
+// TestLocalConfirmMadeAfter: a reservation confirmed after its key's entry
+// was evicted and made again adds its admission to the new entry without
+// taking anything off it; and of a request's rates, those whose entry
+// still holds the reservation give it back while a remade one (its plan
+// changed) keeps its counts.
+func TestLocalConfirmMadeAfter(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	at := epoch.Add(time.Second)
+	r := LocalRate{Key: "k", N: 2, Window: time.Second}
+	changed := LocalRate{Key: "k", N: 2, Window: 2 * time.Second}
+
+	// max 1: another key's entry evicts k's, then k's is made again.
+	l := NewLocal(1, epoch)
+	_, res := l.Reserve([]LocalRate{r}, 1, 1, at)
+	l.Note([]LocalRate{{Key: "x", N: 2, Window: time.Second}}, 1, at)
+	l.Note([]LocalRate{r}, 1, at) // k's new entry, one admission
+	l.Confirm([]LocalRate{r}, 1, res, at)
+	if d := l.Admit([]LocalRate{r}, 1, 1, at); d.Allowed {
+		t.Error("confirm: a third admission passed a share of 2: the reservation was taken off the new entry")
+	}
+
+	l = NewLocal(10, epoch)
+	other := LocalRate{Key: "o", N: 1, Window: time.Second}
+	d, res := l.Reserve([]LocalRate{r, other}, 1, 1, at)
+	if !d.Allowed {
+		t.Fatal("reservation on two rates refused")
+	}
+	l.Note([]LocalRate{changed}, 1, at)
+	l.Note([]LocalRate{changed}, 1, at) // k's new entry: full
+	l.Unreserve([]LocalRate{r, other}, 1, res)
+	if d := l.Admit([]LocalRate{other}, 1, 1, at); !d.Allowed {
+		t.Error("the rate whose entry held the reservation did not get its place back")
+	}
+	if d := l.Admit([]LocalRate{changed}, 1, 1, at); d.Allowed {
+		t.Error("the remade entry lost an admission to the reservation it never held")
+	}
+}

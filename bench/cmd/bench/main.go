@@ -703,12 +703,11 @@ type latTarget struct {
 
 // spaced puts a spacer, one request to base (a `respond`-only route),
 // before each of ts: every measured call then follows the same kind of
-// call, with Caddy as warm and Redis as idle for each. Without them the
-// order flatters or hurts whichever target follows which: a locked
-// request's release goes to Redis in the background right as its answer
-// leaves, and on a machine of two cores it competes with the call sent
-// next (a PING right after a Redlock request measured 10–25 % slower);
-// and a request right after a PING finds Caddy gone idle.
+// call, and none overlaps the background work of the call before it. A
+// locked request's release goes to Redis in the background right as its
+// answer leaves, and on a machine of two cores it competes with the call
+// sent next: a PING right after a Redlock request measured 10–25 % slower,
+// which flattered the lock's ratio to it.
 func spaced(base string, ts ...latTarget) []latTarget {
 	var out []latTarget
 	for _, t := range ts {
