@@ -295,7 +295,8 @@ func TestFailLocalChargeSentAgain(t *testing.T) {
 				r := startRedis(t)
 				rc := r.Client()
 				var armed atomic.Bool
-				var rateKey string // set before the proxy is armed
+				var landed atomic.Bool // the lost answer's charge is in Redis
+				var rateKey string     // set before the proxy is armed
 				script := ratelimit.SlidingChargeScript
 				if algo == algoGCRA {
 					script = ratelimit.GCRAChargeScript
@@ -310,7 +311,7 @@ func TestFailLocalChargeSentAgain(t *testing.T) {
 						// Forwarded: the charge lands (its log or TAT
 						// appears) while its caller waits in vain.
 						server.Write(chunk)
-						waitFor(5*time.Second, func() bool { return rc.Exists(context.Background(), rateKey).Val() == 1 })
+						landed.Store(waitFor(5*time.Second, func() bool { return rc.Exists(context.Background(), rateKey).Val() == 1 }))
 					}
 					server.Close()
 					return false
@@ -343,6 +344,12 @@ func TestFailLocalChargeSentAgain(t *testing.T) {
 					t.Fatal("the proxy saw no charge call")
 				}
 				if lost == "answer" {
+					// The caller saw its connection drop as soon as the
+					// proxy took the call, maybe before the proxy sent it
+					// on: wait until it is in Redis.
+					if !waitFor(10*time.Second, landed.Load) {
+						t.Fatal("the charge whose answer was lost never reached Redis")
+					}
 					// Read through the handler's own client (a read on a
 					// connection the proxy dropped fails: read again).
 					var views []quotaView
