@@ -38,12 +38,20 @@ func (*eventSink) Handle(_ context.Context, e caddy.Event) error {
 	return nil
 }
 
-// eventsNamed returns the events received so far with this name.
-func eventsNamed(name string) []caddy.Event {
+// sinkMark is the number of events received so far: a test counts the
+// events after its mark (the sink outlives a test, also with -count).
+func sinkMark() int {
+	sunk.mu.Lock()
+	defer sunk.mu.Unlock()
+	return len(sunk.events)
+}
+
+// eventsNamed returns the events received since mark with this name.
+func eventsNamed(mark int, name string) []caddy.Event {
 	sunk.mu.Lock()
 	defer sunk.mu.Unlock()
 	var out []caddy.Event
-	for _, e := range sunk.events {
+	for _, e := range sunk.events[mark:] {
 		if e.Name() == name {
 			out = append(out, e)
 		}
@@ -51,11 +59,11 @@ func eventsNamed(name string) []caddy.Event {
 	return out
 }
 
-// exceededWith counts the rate_limit_exceeded events whose data has field
-// set to value.
-func exceededWith(field, value string) int {
+// exceededWith counts the rate_limit_exceeded events since mark whose data
+// has field set to value.
+func exceededWith(mark int, field, value string) int {
 	n := 0
-	for _, e := range eventsNamed(EventRateLimitExceeded) {
+	for _, e := range eventsNamed(mark, EventRateLimitExceeded) {
 		if e.Data[field] == value {
 			n++
 		}
@@ -74,9 +82,9 @@ func TestWholeCaddyEvents(t *testing.T) {
 	r := startRedis(t)
 	// The job runs until its lease is found lost (bounded), so an
 	// extension surely comes after the force release.
-	lostBefore := len(eventsNamed(EventLockLost))
+	mark := sinkMark()
 	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		waitFor(20*time.Second, func() bool { return len(eventsNamed(EventLockLost)) > lostBefore })
+		waitFor(20*time.Second, func() bool { return len(eventsNamed(mark, EventLockLost)) > 0 })
 		w.WriteHeader(200)
 	}))
 	defer slow.Close()
@@ -128,7 +136,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 			t.Fatalf("request %d: %v, want %d", i, resp, want)
 		}
 	}
-	ex := eventsNamed(EventRateLimitExceeded)
+	ex := eventsNamed(mark, EventRateLimitExceeded)
 	if len(ex) != 1 {
 		t.Fatalf("%d rate_limit_exceeded events for three rejections of one key (the deny cache answers the later two), want 1", len(ex))
 	}
@@ -145,7 +153,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 			t.Fatalf("held route, request %d: %v, want %d", i, resp, want)
 		}
 	}
-	if held := exceededWith("handler", "held"); held != 1 {
+	if held := exceededWith(mark, "handler", "held"); held != 1 {
 		t.Errorf("%d rate_limit_exceeded events for three rejections of one key under wait, want 1", held)
 	}
 	// Concurrent rejections reach Redis before the deny cache holds one:
@@ -156,7 +164,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 		go func() { defer flood.Done(); get(t, base+"/limited", "X-User", "eve") }()
 	}
 	flood.Wait()
-	if eve := exceededWith("key", "eve"); eve != 1 {
+	if eve := exceededWith(mark, "key", "eve"); eve != 1 {
 		t.Errorf("%d rate_limit_exceeded events for 19 concurrent rejections of one key, want 1", eve)
 	}
 
@@ -170,7 +178,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 	}
 	resp.Body.Close()
 	await(t, holder, 20*time.Second, "the job")
-	forced, lost := eventsNamed(EventLockForced), eventsNamed(EventLockLost)
+	forced, lost := eventsNamed(mark, EventLockForced), eventsNamed(mark, EventLockLost)
 	if len(forced) != 1 || forced[0].Data["handler"] != "jobs" || forced[0].Data["key"] != "/job/42" {
 		t.Fatalf("redis_lock_forced events %v, want one for jobs /job/42", forced)
 	}

@@ -62,6 +62,7 @@ func banMetric(t *testing.T, admin int) int {
 // forgets it through Pub/Sub).
 func TestWholeCaddyRateLimitBan(t *testing.T) {
 	skipWholeCaddyIfShort(t)
+	mark := sinkMark()
 	r := startRedis(t)
 	portA, portB, admin := freePort(t), freePort(t), freePort(t)
 	site := func(port int, name, timeout string) string {
@@ -118,7 +119,7 @@ func TestWholeCaddyRateLimitBan(t *testing.T) {
 		t.Fatalf("result=banned counted %d refusals, want at least the 6 banned requests", got)
 	}
 	ev := 0
-	for _, e := range eventsNamed(EventRateLimitBanned) {
+	for _, e := range eventsNamed(mark, EventRateLimitBanned) {
 		if e.Data["key"] == "mallory" {
 			ev++
 			if e.Data["handler"] != "ban_a" || !strings.Contains(fmt.Sprint(e.Data["reason"]), "r0") {
