@@ -664,14 +664,12 @@ func costGoalsFrom(plainL, lockedL, floorL *costLoad, seq []seqResult, plainR, s
 	{
 		g := costGoal{figure: costFigures[4], goal: "≤ 1.6"}
 		plain, locked, ping := seqNamed(seq, "plain"), seqNamed(seq, "locked"), seqNamed(seq, "ping")
-		switch {
-		case plain.err != nil:
-			g.err = fmt.Errorf("%s: %v", plain.name, plain.err)
-		case locked.err != nil:
-			g.err = fmt.Errorf("%s: %v", locked.name, locked.err)
-		case ping.err != nil:
-			g.err = fmt.Errorf("%s: %v", ping.name, ping.err)
-		default:
+		for _, s := range []seqResult{plain, locked, ping} {
+			if s.err != nil && g.err == nil {
+				g.err = fmt.Errorf("%s: %v", s.name, s.err)
+			}
+		}
+		if g.err == nil {
 			x := float64(locked.median-plain.median) / float64(max(ping.median, 1))
 			g.measured = fmt.Sprintf("**%.2f** (locked %s − `respond` %s = %s; n %d)", x, ms(locked.median), ms(plain.median), ms(locked.median-plain.median), locked.n)
 			g.reference = fmt.Sprintf("one PING (go-redis, same Redis, sampled in the same rounds, each call after a `respond` request): p50 %s", ms(ping.median))

@@ -48,17 +48,15 @@ func runRedlockProxy(step func(string, ...any), n int) *redlockProxyResult {
 		p.SetLatency(proxyLatency)
 		ps = append(ps, p)
 	}
-	one, three, base := 0, 0, 0
-	var err error
-	if one, err = freePort(); err == nil {
-		if three, err = freePort(); err == nil {
-			base, err = freePort()
+	ports := make([]int, 3) // 1 server, 3 servers, the spacers' `respond`
+	for i := range ports {
+		var err error
+		if ports[i], err = freePort(); err != nil {
+			res.err = err
+			return res
 		}
 	}
-	if err != nil {
-		res.err = err
-		return res
-	}
+	one, three, base := ports[0], ports[1], ports[2]
 	cf := globalOpts("rlp") + lockRespondSite(one, ps[0].Addr()) +
 		lockRespondSite(three, strings.Join([]string{ps[1].Addr(), ps[2].Addr(), ps[3].Addr()}, " ")) +
 		respondSite(base) // the spacers' route (see spaced)
