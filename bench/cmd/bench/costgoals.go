@@ -474,13 +474,19 @@ func runCostGoals(step func(string, ...any)) *costResult {
 
 	// Sequential latency, sampled round-robin: plain, one PING, locked,
 	// each after a spacer (see spaced).
-	step("cost goals, lock: sequential latency, %d requests each, interleaved: respond, one PING, redis_lock", *seqN)
+	step("cost goals, lock: sequential latency, %d requests each, interleaved: respond, one PING, redis_lock, SET NX PX, the acquire script", *seqN)
 	pinger := redis.NewClient(&redis.Options{Addr: rLock.addr(), PoolSize: 1})
 	defer pinger.Close()
+	acquire, err := acquireFloor(pinger, tag)
+	if err != nil {
+		return fail(err)
+	}
 	seq := interleaved(spaced(url(plainP),
 		latTarget{name: "plain", base: url(plainP)},
 		latTarget{name: "ping", do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }},
 		latTarget{name: "locked", base: url(lockP)},
+		latTarget{name: "set nx", do: setNXFloor(pinger, tag)},
+		latTarget{name: "acquire script", do: acquire},
 	), *seqN, 30*time.Second)
 
 	// ---- rate limit ----
@@ -533,7 +539,7 @@ func runCostGoals(step func(string, ...any)) *costResult {
 
 	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
 	res.machine = machineNote(append(lockLoads, rlLoads...))
-	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL), pacedFloorNote(swL, gcraL, exactL, paced))
+	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL), acquireFloorNote(seq), pacedFloorNote(swL, gcraL, exactL, paced))
 	for _, l := range append(lockLoads, rlLoads...) {
 		var errs int64
 		for _, s := range l.samples {

@@ -165,3 +165,22 @@ func TestInterleavedSpacer(t *testing.T) {
 		t.Fatalf("the spacer was returned: %+v", s)
 	}
 }
+
+// The latency row's floors are read as PINGs of the same rounds, and the
+// rest of the locked request is what the acquire script's round trip does
+// not explain; a floor that was not measured says so.
+func TestAcquireFloorNote(t *testing.T) {
+	r := func(name string, us int) seqResult {
+		return seqResult{name: name, n: 10, median: time.Duration(us) * time.Microsecond, errs: &errCount{}}
+	}
+	seq := []seqResult{r("plain", 200), r("ping", 100), r("locked", 450), r("set nx", 110), r("acquire script", 140)}
+	got := acquireFloorNote(seq)
+	for _, want := range []string{"**1.10** PINGs (the one-command lock)", "**1.40** PINGs", "Of the locked request's 2.50 PINGs, 1.40 are", "the rest (1.10)"} {
+		if !strings.Contains(got, want) {
+			t.Errorf("note %q lacks %q", got, want)
+		}
+	}
+	if got := acquireFloorNote(seq[:3]); !strings.HasPrefix(got, "✘") || !strings.Contains(got, "acquire script: not measured") {
+		t.Errorf("without the floors: %q", got)
+	}
+}
