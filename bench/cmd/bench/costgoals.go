@@ -473,7 +473,8 @@ func runCostGoals(step func(string, ...any)) *costResult {
 	runCostRounds(step, fmt.Sprintf("lock (plain, locked, SET NX PX + DEL script floor; %d clients)", clients), lockLoads, *costRounds, clients, *costLockMeasure, pid, lockInfo)
 
 	// Sequential latency, sampled round-robin: plain, one PING, locked,
-	// each after a spacer (see spaced).
+	// and the row's floors (SET NX PX, the acquire script alone; see
+	// latfloor.go), each after a spacer (see spaced).
 	step("cost goals, lock: sequential latency, %d requests each, interleaved: respond, one PING, redis_lock, SET NX PX, the acquire script", *seqN)
 	pinger := redis.NewClient(&redis.Options{Addr: rLock.addr(), PoolSize: 1})
 	defer pinger.Close()
