@@ -244,6 +244,7 @@ type RedisLock struct {
 	holds    *holdTimes
 	timeout  time.Duration // bound of one Redis call (the release's, in Retry-After)
 	poolKeys []string
+	server   *caddyhttp.Server // the server whose connection hooks it uses (see afterresponse.go)
 	warn     *warnings
 }
 
@@ -350,7 +351,11 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		LockDelay:    time.Duration(h.LockDelay),
 		Handler:      h.label,
 	}, slogFor(h.logger))
-	return adminRegister(ctx, h)
+	if err := adminRegister(ctx, h); err != nil {
+		return err
+	}
+	h.server = afterResponse.hookServer(ctx) // last: Cleanup undoes it
+	return nil
 }
 
 // Validate checks the configuration; it is pure.
@@ -451,6 +456,8 @@ func (h *RedisLock) Cleanup() error {
 		releaseClient(k)
 	}
 	h.poolKeys = nil
+	afterResponse.unhook(h.server)
+	h.server = nil
 	return nil
 }
 
@@ -605,6 +612,10 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		defer stopDetached()
 	}
 	rw.ResponseWriter = w
+	var wait *responseWait // the release waits for the response (see afterresponse.go)
+	if rec == nil && afterResponse.begin(r, &rw.wait) {
+		wait = &rw.wait
+	}
 
 	reqCtx, cancel := context.WithCancelCause(base)
 	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd, rw, cancel)})
@@ -615,7 +626,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		keep.Stop()
 		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil, cutOff: cutOff}
 		cancel(nil)
-		h.release(hd, r, rec, end)
+		h.release(hd, r, rec, end, wait)
 		if err == nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 			rw.restoreHeader()
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
@@ -679,12 +690,13 @@ type routeEnd struct {
 }
 
 // release gives the lease back once the route returned (in the
-// background: the answer does not wait for Redis) and records the hold.
+// background: the answer does not wait for Redis; with wait, once the
+// response is on the wire) and records the hold.
 // With replay the answer is stored with it when it can be replayed.
 // Without replay, a client that went away while the route still ran
 // abandons the lease: with lock_delay, nobody gets the key for the delay,
 // since the upstream may still be writing.
-func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEnd) {
+func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEnd, wait *responseWait) {
 	switch {
 	case rec != nil:
 		h.releaseReplay(hd, r, rec, end)
@@ -694,6 +706,12 @@ func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEn
 		}
 		h.m.delayAbandoned.Inc()
 		hd.lease.Abandon()
+	case wait != nil:
+		// A waiter of this instance gets the lease now; a release in
+		// Redis waits for the response (afterresponse.go).
+		if !hd.lease.HandOffNow() {
+			afterResponse.release(wait, hd.lease)
+		}
 	default:
 		hd.lease.ReleaseInBackground("")
 	}
@@ -744,6 +762,7 @@ type startedWriter struct {
 	caddyhttp.ResponseWriterWrapper                // in the same allocation
 	before                          headerSnapshot // the header as handlers before the lock left it
 	lost                            atomic.Bool    // the lease was lost while the route ran
+	wait                            responseWait   // the release waiting for the response, if it does (see afterresponse.go)
 	mu                              sync.Mutex
 	started                         bool
 	refused                         bool

@@ -56,6 +56,17 @@ func (ls *Lease) Granted() time.Time { return ls.start }
 // response is not held up by it.
 func (ls *Lease) ReleaseInBackground(answer string) { ls.releaseWith(answer, releaseInBackground) }
 
+// HandOffNow begins a release that its caller sends later: it passes the
+// lease to a waiter of this instance at once, as a release would, and
+// reports whether it did (the lease is then done, with nothing to release
+// in Redis). Otherwise it announces the release (a request of this instance
+// for the keys waits for it before its first attempt, as for any release
+// on its way), and the caller's next release call (ReleaseInBackground)
+// sends it. A holder that puts its release off until its response is
+// written still hands the lease on without delay. The holder calls it and
+// that release one after the other, as any release.
+func (ls *Lease) HandOffNow() bool { return ls.handOffNow() }
+
 // Abandon releases the lease in the background as a holder that did not
 // finish cleanly (its client went away while the route still ran, so its
 // upstream may still be writing): with lock_delay, nobody is granted the

@@ -24,6 +24,9 @@ type Lease struct {
 	mu    sync.Mutex
 	until time.Time // validity end as this process sees it
 	done  bool
+	// ending: HandOffNow found no waiter to hand the lease to and
+	// announced its release, which the next release call sends.
+	ending bool
 	// q is the local queue of the key set. The lease holds a reference to
 	// it, and to its servers, from Acquire until release (owned), so waiters
 	// that arrive meanwhile queue where the hand-off looks for them, and the
@@ -110,24 +113,18 @@ const (
 // previous one still holding the lock.
 func (ls *Lease) releaseWith(answer string, mode releaseMode) {
 	ls.mu.Lock()
-	if ls.done {
+	if ls.done && !ls.ending {
 		ls.mu.Unlock()
 		return
 	}
-	ls.done = true
+	announced := ls.ending // HandOffNow did what comes before the Redis call
+	ls.done, ls.ending = true, false
 	ls.mu.Unlock()
-	if answer == "" && ls.handOff() {
-		ls.dropRefs()
-		// The next holder waits in this P's run-next slot: let it run now
-		// rather than after this request's own wind-down.
-		runtime.Gosched()
-		return
-	}
-	if ls.released != nil {
-		ls.released.Store(true)
-	}
-	if ls.q != nil {
-		ls.q.releaseStarted()
+	if !announced {
+		if answer == "" && ls.handedOn() {
+			return
+		}
+		ls.announceRelease()
 	}
 	if mode == releaseInBackground {
 		if !ls.releaseDetached(answer) {
@@ -135,6 +132,50 @@ func (ls *Lease) releaseWith(answer string, mode releaseMode) {
 		}
 	} else {
 		ls.releaseInRedis(answer)
+	}
+}
+
+// handOffNow is HandOffNow: what releaseWith does before its Redis call.
+func (ls *Lease) handOffNow() bool {
+	ls.mu.Lock()
+	if ls.done {
+		ls.mu.Unlock()
+		return false
+	}
+	ls.done = true
+	ls.mu.Unlock()
+	if ls.handedOn() {
+		return true
+	}
+	ls.announceRelease()
+	ls.mu.Lock()
+	ls.ending = true
+	ls.mu.Unlock()
+	return false
+}
+
+// handedOn hands the lease on to a local waiter (handOff), and reports
+// whether it did.
+func (ls *Lease) handedOn() bool {
+	if !ls.handOff() {
+		return false
+	}
+	ls.dropRefs()
+	// The next holder waits in this P's run-next slot: let it run now
+	// rather than after this request's own wind-down.
+	runtime.Gosched()
+	return true
+}
+
+// announceRelease marks the lease as being released: a late grant of its
+// token is released again (see tryAcquire), and a request of this instance
+// for its keys waits for the release before its first attempt.
+func (ls *Lease) announceRelease() {
+	if ls.released != nil {
+		ls.released.Store(true)
+	}
+	if ls.q != nil {
+		ls.q.releaseStarted()
 	}
 }
 

@@ -1,0 +1,237 @@
+package redisdlm
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestWholeCaddyReleaseAfterResponse: an HTTP/1 request's lock is released
+// once its response is on the wire (from the connection's hook), on a
+// keep-alive connection, one that closes after the response, with two
+// locks in one route, and for a connection hijacked while the route ran (an
+// upgrade through reverse_proxy) as the handler returns; HTTP/2 releases as the handler
+// returns. Every lock is released (within seconds, with a ttl of 30s and a
+// wait of 2s that a lock left held would make fail), none is left held.
+func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	rc := r.Client()
+	ctx := context.Background()
+
+	// The upgrade upstream: 101, a line, then it closes the connection.
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.Header.Get("Upgrade") == "" {
+			fmt.Fprint(w, "plain")
+			return
+		}
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			t.Errorf("upstream hijack: %v", err)
+			return
+		}
+		defer conn.Close()
+		fmt.Fprint(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: test\r\n\r\nhello\n")
+		brw.Flush()
+		time.Sleep(100 * time.Millisecond)
+	}))
+	defer up.Close()
+
+	// Once Caddy stopped (runCaddy's cleanup runs before this one), no
+	// server is kept: each is forgotten with its last handler.
+	t.Cleanup(func() {
+		n := 0
+		afterResponse.servers.Range(func(any, any) bool { n++; return true })
+		if n != 0 {
+			t.Errorf("%d servers still known after Caddy stopped", n)
+		}
+	})
+	port := freePort(t)
+	runCaddy(t, fmt.Sprintf(`{
+	admin off
+	auto_https off
+	servers {
+		protocols h1 h2c
+	}
+}
+&(named) {
+	redis_lock {
+		key {http.request.uri.path}
+		ttl 30s
+		wait 2s
+		redis %[2]s
+	}
+}
+:%[1]d {
+	handle /two/* {
+		redis_lock {
+			key {http.request.uri.path}
+			ttl 30s
+			wait 2s
+			redis %[2]s
+		}
+		redis_lock {
+			key second-{http.request.uri.path}
+			ttl 30s
+			wait 2s
+			redis %[2]s
+		}
+		respond "two"
+	}
+	handle /up/* {
+		redis_lock {
+			key {http.request.uri.path}
+			ttl 30s
+			wait 2s
+			redis %[2]s
+		}
+		reverse_proxy %[3]s
+	}
+	handle /named/* {
+		invoke named
+		respond "named"
+	}
+	handle {
+		redis_lock {
+			key {http.request.uri.path}
+			ttl 30s
+			wait 2s
+			redis %[2]s
+		}
+		respond "ok"
+	}
+}
+`, port, r.Addr, strings.TrimPrefix(up.URL, "http://")))
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+
+	held := func(key string) bool {
+		ks, err := rc.Keys(ctx, "*{"+key+"}").Result()
+		if err != nil {
+			t.Fatalf("keys: %v", err)
+		}
+		return len(ks) > 0
+	}
+	released := func(what string, keys ...string) {
+		t.Helper()
+		for _, k := range keys {
+			if !waitFor(5*time.Second, func() bool { return !held(k) }) {
+				t.Errorf("%s: the lock of %s is still held", what, k)
+			}
+		}
+	}
+	do := func(c *http.Client, req *http.Request, want string) *http.Response {
+		t.Helper()
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatalf("%s: %v", req.URL.Path, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(b) != want {
+			t.Fatalf("%s: %d %q, want 200 %q", req.URL.Path, resp.StatusCode, b, want)
+		}
+		return resp
+	}
+	newReq := func(path string) *http.Request {
+		req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+		return req
+	}
+
+	t.Run("keep-alive", func(t *testing.T) {
+		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+		before := afterResponse.ran.Load()
+		// The same key again and again on one connection: each request
+		// finds the lock free (one left held would keep the next waiting
+		// past its 2s wait).
+		for i := 0; i < 20; i++ {
+			do(c, newReq("/ka"), "ok")
+		}
+		released("keep-alive", "/ka")
+		if n := afterResponse.ran.Load() - before; n < 20 {
+			t.Errorf("%d of 20 releases ran after their response, want all", n)
+		}
+	})
+	t.Run("connection close", func(t *testing.T) {
+		c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+		before := afterResponse.ran.Load()
+		for i := 0; i < 5; i++ {
+			do(c, newReq("/close"), "ok")
+		}
+		released("connection close", "/close")
+		if n := afterResponse.ran.Load() - before; n < 5 {
+			t.Errorf("%d of 5 releases ran after their response, want all", n)
+		}
+	})
+	t.Run("two locks in one route", func(t *testing.T) {
+		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+		before := afterResponse.ran.Load()
+		for i := 0; i < 5; i++ {
+			do(c, newReq("/two/x"), "two")
+		}
+		released("two locks", "/two/x", "second-/two/x")
+		if n := afterResponse.ran.Load() - before; n < 10 {
+			t.Errorf("%d of 10 releases ran after their response, want all", n)
+		}
+	})
+	t.Run("hijacked", func(t *testing.T) {
+		before := afterResponse.ran.Load()
+		for i := 0; i < 3; i++ {
+			conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+			if err != nil {
+				t.Fatal(err)
+			}
+			fmt.Fprintf(conn, "GET /up/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: test\r\n\r\n")
+			br := bufio.NewReader(conn)
+			resp, err := http.ReadResponse(br, nil)
+			if err != nil || resp.StatusCode != http.StatusSwitchingProtocols {
+				t.Fatalf("upgrade: %v %v", resp, err)
+			}
+			if line, err := br.ReadString('\n'); err != nil || line != "hello\n" {
+				t.Fatalf("upgraded stream: %q %v", line, err)
+			}
+			// Both ends close: reverse_proxy's handler returns, and the lock
+			// of a connection hijacked while the route ran is released then
+			// (net/http reports no state of it any more).
+			conn.Close()
+			released("hijacked", "/up/ws")
+		}
+		do(http.DefaultClient, newReq("/up/plain"), "plain")
+		released("after the upgrades", "/up/ws", "/up/plain")
+		if n := afterResponse.ran.Load() - before; n != 1 {
+			t.Errorf("%d releases ran from a hook, want 1 (the request that was not upgraded)", n)
+		}
+	})
+	t.Run("named route", func(t *testing.T) {
+		// Provisioned with its server or not, it releases.
+		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+		for i := 0; i < 5; i++ {
+			do(c, newReq("/named/x"), "named")
+		}
+		released("named route", "/named/x")
+	})
+	t.Run("http2", func(t *testing.T) {
+		tr := &http.Transport{Protocols: new(http.Protocols)}
+		tr.Protocols.SetUnencryptedHTTP2(true)
+		c := &http.Client{Transport: tr}
+		before := afterResponse.ran.Load()
+		for i := 0; i < 5; i++ {
+			if resp := do(c, newReq("/h2"), "ok"); resp.ProtoMajor != 2 {
+				t.Fatalf("answered over HTTP/%d, want 2", resp.ProtoMajor)
+			}
+		}
+		released("http2", "/h2")
+		if n := afterResponse.ran.Load() - before; n != 0 {
+			t.Errorf("%d HTTP/2 releases waited for a connection state, want none", n)
+		}
+	})
+	if n := afterResponse.pending.Load(); n != 0 {
+		t.Errorf("%d releases still wait for a response", n)
+	}
+}

@@ -1,0 +1,103 @@
+package lock
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// TestHandOffNow: HandOffNow passes a lease on to a waiter of this
+// instance at once, with no Redis call and the next token, when the lease
+// can go on (it reserved tokens for its waiters); otherwise the lock stays
+// held and queued as it was, and the release call that follows sends the
+// release it announced. After a hand-off or a release, neither does
+// anything more.
+func TestHandOffNow(t *testing.T) {
+	rs := startServers(t, 1)
+	l, fcs := testLocker(t, rs, Options{TTL: 30 * time.Second, Wait: 5 * time.Second, BackoffMin: 10 * time.Millisecond,
+		BackoffMax: 100 * time.Millisecond, Permits: 1, Timeout: 2 * time.Second})
+	var calls atomic.Int64
+	fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
+		calls.Add(1)
+		return next()
+	})
+	ctx := context.Background()
+
+	first, err := l.Acquire(ctx, []string{"k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *Lease, 2)
+	for i := 0; i < 2; i++ {
+		go func() {
+			ls, err := l.Acquire(ctx, []string{"k"})
+			if err != nil {
+				t.Errorf("waiter: %v", err)
+			}
+			got <- ls
+		}()
+	}
+	if !waitFor(5*time.Second, func() bool { return first.QueueWaiting() == 2 }) {
+		t.Fatal("the two acquires never queued behind the first")
+	}
+	next := func() *Lease {
+		t.Helper()
+		select {
+		case ls := <-got:
+			if ls == nil {
+				t.FailNow()
+			}
+			return ls
+		case <-time.After(5 * time.Second):
+			t.Fatal("no waiter got the lease")
+			return nil
+		}
+	}
+
+	// Granted with nobody waiting, the first lease reserved no token for a
+	// next holder: it cannot be handed on; the key stays held and its
+	// waiters queued until the release call.
+	if first.HandOffNow() {
+		t.Fatal("a lease without reserved tokens was handed on")
+	}
+	if heldBy(rs[0], "k") == 0 || first.QueueWaiting() != 2 {
+		t.Fatal("a HandOffNow that handed nothing on freed the key or dropped a waiter")
+	}
+	first.ReleaseInBackground("")
+	second := next()
+
+	// The second was granted with a waiter behind it: handed on at once.
+	before := calls.Load()
+	if !second.HandOffNow() {
+		t.Fatal("HandOffNow with a waiter and reserved tokens: not handed on")
+	}
+	third := next()
+	if n := calls.Load() - before; n != 0 {
+		t.Errorf("the hand-off sent %d Redis calls, want none", n)
+	}
+	if third.Fence() != second.Fence()+1 {
+		t.Errorf("next holder's token %d, want %d", third.Fence(), second.Fence()+1)
+	}
+	second.ReleaseInBackground("") // handed on already: nothing happens
+	if second.HandOffNow() {
+		t.Error("a second HandOffNow after a hand-off reported one")
+	}
+	if heldBy(rs[0], "k") == 0 {
+		t.Fatal("the release after a hand-off freed the key the next holder holds")
+	}
+
+	// Nobody waits: nothing changes, and the release frees the key.
+	if third.HandOffNow() {
+		t.Fatal("HandOffNow without a waiter reported a hand-off")
+	}
+	third.ReleaseInBackground("")
+	if !allFree(5*time.Second, "k", rs) {
+		t.Fatal("the release after a HandOffNow that did nothing left the key held")
+	}
+	if third.HandOffNow() {
+		t.Fatal("HandOffNow after the release reported a hand-off")
+	}
+}
