@@ -144,42 +144,31 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 		return req
 	}
 
-	t.Run("keep-alive", func(t *testing.T) {
-		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
-		before := afterResponse.ran.Load()
-		// The same key again and again on one connection: each request
-		// finds the lock free (one left held would keep the next waiting
-		// past its 2s wait).
-		for i := 0; i < 20; i++ {
-			do(c, newReq("/ka"), "ok")
-		}
-		released("keep-alive", "/ka")
-		if n := afterResponse.ran.Load() - before; n < 20 {
-			t.Errorf("%d of 20 releases ran after their response, want all", n)
-		}
-	})
-	t.Run("connection close", func(t *testing.T) {
-		c := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-		before := afterResponse.ran.Load()
-		for i := 0; i < 5; i++ {
-			do(c, newReq("/close"), "ok")
-		}
-		released("connection close", "/close")
-		if n := afterResponse.ran.Load() - before; n < 5 {
-			t.Errorf("%d of 5 releases ran after their response, want all", n)
-		}
-	})
-	t.Run("two locks in one route", func(t *testing.T) {
-		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
-		before := afterResponse.ran.Load()
-		for i := 0; i < 5; i++ {
-			do(c, newReq("/two/x"), "two")
-		}
-		released("two locks", "/two/x", "second-/two/x")
-		if n := afterResponse.ran.Load() - before; n < 10 {
-			t.Errorf("%d of 10 releases ran after their response, want all", n)
-		}
-	})
+	// n requests on one client, each answered want, every release run from
+	// a hook (want per request) and every key released afterwards. Over one
+	// keep-alive connection, each request finds the lock free: one left
+	// held would keep the next waiting past its 2s wait.
+	for _, c := range []struct {
+		name, path, want string
+		client           *http.Client
+		n, perRequest    int
+		keys             []string
+	}{
+		{"keep-alive", "/ka", "ok", &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}, 20, 1, []string{"/ka"}},
+		{"connection close", "/close", "ok", &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}, 5, 1, []string{"/close"}},
+		{"two locks in one route", "/two/x", "two", &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}, 5, 2, []string{"/two/x", "second-/two/x"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			before := afterResponse.ran.Load()
+			for i := 0; i < c.n; i++ {
+				do(c.client, newReq(c.path), c.want)
+			}
+			released(c.name, c.keys...)
+			if n, want := afterResponse.ran.Load()-before, int64(c.n*c.perRequest); n < want {
+				t.Errorf("%d of %d releases ran after their response, want all", n, want)
+			}
+		})
+	}
 	t.Run("hijacked", func(t *testing.T) {
 		before := afterResponse.ran.Load()
 		for i := 0; i < 3; i++ {
