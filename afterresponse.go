@@ -4,11 +4,14 @@ import (
 	"context"
 	"net"
 	"net/http"
+	"reflect"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 )
 
 // The release of an HTTP/1 request's lock waits until its response is on
@@ -17,15 +20,22 @@ import (
 // been written (StateIdle, before the next request is read), or that the
 // connection closed or was hijacked. Released from the handler instead, the
 // release's goroutine and its Redis write compete with the response for
-// the CPU: a sequential locked request answered about 0.4 Redis round
+// the CPU: a sequential locked request answered about 0.25–0.5 Redis round
 // trips later on two cores (docs/benchmarks.md, eleventh round).
 //
-// Only what is sure waits: an HTTP/1 request on a server whose hook has
-// been seen running. A route provisioned after its server started gets no
-// hook, and HTTP/2 and HTTP/3 have no such state per request: those are
-// released as the handler returns, as before. A connection hijacked while
-// the route ran (a WebSocket through reverse_proxy) is released as the
-// handler returns too.
+// Only what is sure waits, and never long: an HTTP/1 request without a
+// body (net/http drains an unread body before it reports the connection
+// idle, and a client may stall there) on a server whose hooks have been
+// seen running. A release waits at most waitBound after the handler
+// returned: past it, it is sent anyway (a client that stopped reading its
+// answer, a connection whose end net/http never reports). HTTP/2 and
+// HTTP/3, a request with a body, a connection hijacked while the route ran
+// (a WebSocket), and a route provisioned after its server started are
+// released as the handler returns, as before; so are execute-once (replay)
+// and a client gone with lock_delay (lockhandler.go's release).
+
+// waitBound is the longest a release waits for its response to be written.
+const waitBound = time.Second
 
 // afterResponse is the process's table of releases that wait for their
 // connection's response.
@@ -34,19 +44,24 @@ var afterResponse = &responseWaits{conns: map[net.Conn]*responseWait{}}
 // responseWaits maps each connection to the locked requests on it whose
 // response has not been written yet.
 type responseWaits struct {
-	mu      sync.Mutex
-	conns   map[net.Conn]*responseWait // a chain per connection (nested locks)
-	pending atomic.Int64               // entries in conns: the hooks' fast path when 0
-	ran     atomic.Int64               // releases run from a hook, after their response
-	servers sync.Map                   // *caddyhttp.Server → *serverHook
+	mu       sync.Mutex
+	conns    map[net.Conn]*responseWait // a chain per connection (nested locks)
+	deferred []*responseWait            // the waits with a lease, oldest first (the sweeper's)
+	sweeping bool                       // a sweeper runs
+	pending  atomic.Int64               // entries in conns: the hooks' fast path when 0
+	ran      atomic.Int64               // releases sent from a hook, after their response
+	overdue  atomic.Int64               // releases sent by the sweeper, past waitBound
+	servers  sync.Map                   // *caddyhttp.Server → *serverHook
 }
 
 // responseWait is one locked request waiting for its response, in storage
 // of the request's own (no allocation of its own).
 type responseWait struct {
+	conn  net.Conn
 	next  *responseWait // the connection's other waits
-	done  bool          // the connection was seen idle, closed or hijacked
+	done  bool          // answered: its connection was seen idle, closed or hijacked, or waitBound passed
 	lease *lease        // released then (nil until the handler returned)
+	since time.Time     // when the handler returned
 }
 
 // serverHook is the hooks of one Caddy server: live once net/http called
@@ -76,6 +91,9 @@ func (a *responseWaits) hookServer(ctx caddy.Context) *caddyhttp.Server {
 		return srv
 	}
 	srv.RegisterConnContext(func(ctx context.Context, c net.Conn) context.Context {
+		if !keyable(c) {
+			return ctx // its requests release as the handler returns
+		}
 		return context.WithValue(ctx, connCtxKey{}, c)
 	})
 	srv.RegisterConnState(func(c net.Conn, s http.ConnState) {
@@ -84,7 +102,7 @@ func (a *responseWaits) hookServer(ctx caddy.Context) *caddyhttp.Server {
 		}
 		switch s {
 		case http.StateIdle, http.StateClosed, http.StateHijacked:
-			if a.pending.Load() > 0 {
+			if a.pending.Load() > 0 && keyable(c) {
 				a.written(c)
 			}
 		}
@@ -105,11 +123,18 @@ func (a *responseWaits) unhook(srv *caddyhttp.Server) {
 	}
 }
 
+// keyable reports whether c can key the table: a pointer, as every
+// connection net/http and Caddy's listeners make (a struct value could
+// hold what cannot be hashed, and the map would panic).
+func keyable(c net.Conn) bool {
+	return c != nil && reflect.TypeOf(c).Kind() == reflect.Pointer
+}
+
 // begin notes in w a locked request whose release may wait for its
 // response; it reports false when it may not (then the handler releases as
 // it returns).
 func (a *responseWaits) begin(r *http.Request, w *responseWait) bool {
-	if r.ProtoMajor != 1 {
+	if r.ProtoMajor != 1 || r.ContentLength != 0 { // a body: length unknown (-1) or known
 		return false
 	}
 	ctx := r.Context()
@@ -122,7 +147,7 @@ func (a *responseWaits) begin(r *http.Request, w *responseWait) bool {
 		return false
 	}
 	a.mu.Lock()
-	w.next = a.conns[conn]
+	w.conn, w.next = conn, a.conns[conn]
 	a.conns[conn] = w
 	a.pending.Add(1)
 	a.mu.Unlock()
@@ -130,12 +155,18 @@ func (a *responseWaits) begin(r *http.Request, w *responseWait) bool {
 }
 
 // release releases ls once w's response is on the wire: later, from the
-// connection's hook, or now if that moment passed already (the connection
-// closed or was hijacked while the route ran).
+// connection's hook (or the sweeper, past waitBound), or now if that moment
+// passed already (the connection closed or was hijacked while the route
+// ran).
 func (a *responseWaits) release(w *responseWait, ls *lease) {
 	a.mu.Lock()
 	if !w.done {
-		w.lease = ls
+		w.lease, w.since = ls, time.Now()
+		a.deferred = append(a.deferred, w)
+		if !a.sweeping {
+			a.sweeping = true
+			go a.sweep()
+		}
 		a.mu.Unlock()
 		return
 	}
@@ -143,8 +174,8 @@ func (a *responseWaits) release(w *responseWait, ls *lease) {
 	ls.ReleaseInBackground("")
 }
 
-// written releases what waited on c: its response was written, or it closed
-// or was hijacked.
+// written sends the releases that waited on c: its response was written, or
+// it closed or was hijacked.
 func (a *responseWaits) written(c net.Conn) {
 	a.mu.Lock()
 	w := a.conns[c]
@@ -153,22 +184,89 @@ func (a *responseWaits) written(c net.Conn) {
 		return
 	}
 	delete(a.conns, c)
-	var run *responseWait
+	var due []*lease
 	n := int64(0)
-	for x := w; x != nil; {
-		next := x.next
-		x.done, n = true, n+1
-		if x.lease != nil {
-			x.next, run = run, x
-		} else {
-			x.next = nil
+	for ; w != nil; w = w.next {
+		w.done, n = true, n+1
+		if w.lease != nil {
+			due = append(due, w.lease)
 		}
-		x = next
 	}
 	a.pending.Add(-n)
 	a.mu.Unlock()
-	for x := run; x != nil; x = x.next {
-		a.ran.Add(1)
-		x.lease.ReleaseInBackground("")
+	a.ran.Add(int64(len(due)))
+	sendReleases(due)
+}
+
+// sweep sends, every waitBound/4 while releases wait, those that waited
+// waitBound.
+func (a *responseWaits) sweep() {
+	t := time.NewTicker(waitBound / 4)
+	defer t.Stop()
+	for range t.C {
+		now := time.Now()
+		var due []*lease
+		a.mu.Lock()
+		keep := a.deferred[:0]
+		for _, w := range a.deferred {
+			switch {
+			case w.done: // its hook answered it
+			case now.Sub(w.since) >= waitBound:
+				a.unlink(w)
+				due = append(due, w.lease)
+			default:
+				keep = append(keep, w)
+			}
+		}
+		clear(a.deferred[len(keep):]) // no reference kept to the answered
+		a.deferred = keep
+		idle := len(keep) == 0
+		if idle {
+			a.sweeping = false
+		}
+		a.mu.Unlock()
+		a.overdue.Add(int64(len(due)))
+		sendReleases(due)
+		if idle {
+			return
+		}
+	}
+}
+
+// unlink takes w, not answered yet, out of its connection's chain
+// (a.mu held).
+func (a *responseWaits) unlink(w *responseWait) {
+	w.done = true
+	a.pending.Add(-1)
+	head := a.conns[w.conn]
+	if head == w {
+		if w.next == nil {
+			delete(a.conns, w.conn)
+		} else {
+			a.conns[w.conn] = w.next
+		}
+		return
+	}
+	for p := head; p != nil; p = p.next {
+		if p.next == w {
+			p.next = w.next
+			return
+		}
+	}
+}
+
+// sendReleases sends the releases; a panic in one is logged and does not keep the
+// others from being sent (they run on a connection's goroutine, or the
+// sweeper's, outside any handler).
+func sendReleases(due []*lease) {
+	for _, ls := range due {
+		func() {
+			defer func() {
+				if r := recover(); r != nil {
+					caddy.Log().Named("http.handlers.redis_lock").Error("panic releasing a lock after its response; recovered", zap.Any("panic", r))
+				}
+			}()
+			ls.ReleaseInBackground("")
+		}()
 	}
 }

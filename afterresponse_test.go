@@ -94,6 +94,15 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 		}
 		reverse_proxy %[3]s
 	}
+	handle /big/* {
+		redis_lock {
+			key {http.request.uri.path}
+			ttl 30s
+			wait 3s
+			redis %[2]s
+		}
+		respond "%[4]s"
+	}
 	handle /named/* {
 		invoke named
 		respond "named"
@@ -108,7 +117,7 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 		respond "ok"
 	}
 }
-`, port, r.Addr, strings.TrimPrefix(up.URL, "http://")))
+`, port, r.Addr, strings.TrimPrefix(up.URL, "http://"), strings.Repeat("x", 1000)))
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 
 	held := func(key string) bool {
@@ -196,6 +205,47 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 		if n := afterResponse.ran.Load() - before; n != 1 {
 			t.Errorf("%d releases ran from a hook, want 1 (the request that was not upgraded)", n)
 		}
+	})
+	t.Run("with a body", func(t *testing.T) {
+		// net/http drains an unread body before it reports the connection
+		// idle: a request with one releases as the handler returns.
+		c := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 1}}
+		before := afterResponse.ran.Load()
+		for i := 0; i < 5; i++ {
+			req, _ := http.NewRequest(http.MethodPost, base+"/body", strings.NewReader("unread body"))
+			do(c, req, "ok")
+		}
+		released("with a body", "/body")
+		if n := afterResponse.ran.Load() - before; n != 0 {
+			t.Errorf("%d releases of requests with a body waited for a connection state, want none", n)
+		}
+	})
+	t.Run("client stops reading", func(t *testing.T) {
+		// A client pipelines requests for one key and reads none of the
+		// answers (each fits net/http's buffers, so the handler never
+		// blocks): once the connection's buffers are full, an answer's
+		// last write blocks after its handler returned, and its release is
+		// sent waitBound later. Another client then gets the key within its
+		// wait of 3s (not the ttl of 30s).
+		before := afterResponse.overdue.Load()
+		conn, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close()
+		_ = conn.(*net.TCPConn).SetReadBuffer(4096)
+		go func() {
+			req := []byte("GET /big/k HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+			for i := 0; i < 5000; i++ {
+				if _, err := conn.Write(req); err != nil {
+					return
+				}
+			}
+		}()
+		if !waitFor(20*time.Second, func() bool { return afterResponse.overdue.Load() > before }) {
+			t.Fatal("no release was sent past waitBound, though the client reads nothing")
+		}
+		do(&http.Client{}, newReq("/big/k"), strings.Repeat("x", 1000))
 	})
 	t.Run("named route", func(t *testing.T) {
 		// Provisioned with its server or not, it releases.
