@@ -101,3 +101,45 @@ func TestHandOffNow(t *testing.T) {
 		t.Fatal("HandOffNow after the release reported a hand-off")
 	}
 }
+
+// TestHandOffNowAnnounces: a HandOffNow that hands nothing on announces the
+// release its holder sends later, so a request of this instance for the key
+// that comes in between waits for it before its first attempt, also with
+// wait 0 (a client's next request never finds its own previous one holding
+// the lock), and gets the key once it is sent.
+func TestHandOffNowAnnounces(t *testing.T) {
+	rs := startServers(t, 1)
+	l, _ := testLocker(t, rs, Options{TTL: 30 * time.Second, Wait: 0, BackoffMin: 10 * time.Millisecond,
+		BackoffMax: 100 * time.Millisecond, Permits: 1, Timeout: 2 * time.Second})
+	ctx := context.Background()
+	first, err := l.Acquire(ctx, []string{"k"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.HandOffNow() {
+		t.Fatal("handed on with nobody waiting")
+	}
+	got := make(chan error, 1)
+	go func() {
+		ls, err := l.Acquire(ctx, []string{"k"})
+		if err == nil {
+			ls.ReleaseInBackground("")
+		}
+		got <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the second request is waiting by now, not refused
+	select {
+	case err := <-got:
+		t.Fatalf("the next request did not wait for the announced release: %v", err)
+	default:
+	}
+	first.ReleaseInBackground("")
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Fatalf("the next request after the release: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the next request never got the key")
+	}
+}
