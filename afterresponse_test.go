@@ -11,6 +11,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
 
 // TestWholeCaddyReleaseAfterResponse: an HTTP/1 request's lock is released
@@ -273,4 +276,100 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 	if n := afterResponse.pending.Load(); n != 0 {
 		t.Errorf("%d releases still wait for a response", n)
 	}
+}
+
+// TestWholeCaddyReleaseAfterResponseFaults: a release waiting for its
+// response still reaches Redis when Caddy reloads its config while the
+// route runs (the old server's hook answers it), and when Redis is paused
+// as the release is sent (it goes out again once Redis answers).
+func TestWholeCaddyReleaseAfterResponseFaults(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	rc := r.Client()
+	arrived := make(chan string, 4)
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		arrived <- req.URL.Path
+		time.Sleep(300 * time.Millisecond)
+		fmt.Fprint(w, "slow")
+	}))
+	defer up.Close()
+	port := freePort(t)
+	conf := func(version string) string {
+		return fmt.Sprintf(`{
+	admin off
+	auto_https off
+}
+:%d {
+	header X-Version %s
+	redis_lock {
+		key {http.request.uri.path}
+		ttl 30s
+		wait 3s
+		redis %s
+	}
+	reverse_proxy %s
+}
+`, port, version, r.Addr, strings.TrimPrefix(up.URL, "http://"))
+	}
+	runCaddy(t, conf("v1"))
+	base := fmt.Sprintf("http://127.0.0.1:%d", port)
+	held := func(key string) bool {
+		ks, err := rc.Keys(context.Background(), "*{"+key+"}").Result()
+		return err != nil || len(ks) > 0
+	}
+	// slow sends one request for path and runs fault while the upstream
+	// has it; the request must be answered, its lock released afterwards,
+	// and the key free for the next request.
+	slow := func(t *testing.T, path string, fault func()) {
+		t.Helper()
+		before := afterResponse.ran.Load()
+		done := make(chan error, 1)
+		go func() {
+			resp, err := http.Get(base + path)
+			if err == nil {
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != 200 || string(b) != "slow" {
+					err = fmt.Errorf("%d %q", resp.StatusCode, b)
+				}
+			}
+			done <- err
+		}()
+		select {
+		case <-arrived:
+		case <-time.After(5 * time.Second):
+			t.Fatal("the request never reached the upstream")
+		}
+		fault()
+		if err := <-done; err != nil {
+			t.Fatalf("the request under the fault: %v", err)
+		}
+		if !waitFor(10*time.Second, func() bool { return !held(path) }) {
+			t.Fatalf("the lock of %s is still held", path)
+		}
+		if afterResponse.ran.Load() == before {
+			t.Error("the release was not sent from the connection's hook")
+		}
+		if resp, body := get(t, base+path); resp == nil || resp.StatusCode != 200 || body != "slow" {
+			t.Fatalf("the next request for the key: %v %q", resp, body)
+		}
+		<-arrived
+	}
+	t.Run("reload while the route runs", func(t *testing.T) {
+		slow(t, "/reload", func() {
+			cfg, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(conf("v2")), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := caddy.Load(cfg, true); err != nil {
+				t.Fatal(err)
+			}
+		})
+	})
+	t.Run("redis paused as the release is sent", func(t *testing.T) {
+		slow(t, "/pause", func() {
+			r.Pause()
+			time.AfterFunc(1500*time.Millisecond, r.Resume)
+		})
+	})
 }
