@@ -68,6 +68,7 @@ type responseWait struct {
 // them (the server was started with them); users counts the handlers
 // provisioned on that server.
 type serverHook struct {
+	srv   *caddyhttp.Server
 	live  atomic.Bool
 	users atomic.Int64
 }
@@ -77,18 +78,19 @@ type serverHook struct {
 type connCtxKey struct{}
 
 // hookServer registers the connection hooks on the server that provisions
-// a handler, once per server; it returns that server (nil when there is
-// none), for unhook.
-func (a *responseWaits) hookServer(ctx caddy.Context) *caddyhttp.Server {
+// a handler, once per server; it returns them (nil when there is no
+// server), for begin and unhook. The server that provisions a handler is
+// the one that serves it.
+func (a *responseWaits) hookServer(ctx caddy.Context) *serverHook {
 	srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
 	if !ok || srv == nil {
 		return nil
 	}
-	v, loaded := a.servers.LoadOrStore(srv, &serverHook{})
+	v, loaded := a.servers.LoadOrStore(srv, &serverHook{srv: srv})
 	hook := v.(*serverHook)
 	hook.users.Add(1)
 	if loaded {
-		return srv
+		return hook
 	}
 	srv.RegisterConnContext(func(ctx context.Context, c net.Conn) context.Context {
 		if !keyable(c) {
@@ -107,19 +109,16 @@ func (a *responseWaits) hookServer(ctx caddy.Context) *caddyhttp.Server {
 			}
 		}
 	})
-	return srv
+	return hook
 }
 
 // unhook undoes one hookServer (the handler is cleaned up): the server is
 // forgotten with its last handler. Its hooks stay registered on it while it
 // runs (they cannot be taken off) and go on answering the waits of its
 // connections.
-func (a *responseWaits) unhook(srv *caddyhttp.Server) {
-	if srv == nil {
-		return
-	}
-	if v, ok := a.servers.Load(srv); ok && v.(*serverHook).users.Add(-1) <= 0 {
-		a.servers.Delete(srv)
+func (a *responseWaits) unhook(hook *serverHook) {
+	if hook != nil && hook.users.Add(-1) <= 0 {
+		a.servers.Delete(hook.srv)
 	}
 }
 
@@ -130,20 +129,15 @@ func keyable(c net.Conn) bool {
 	return c != nil && reflect.TypeOf(c).Kind() == reflect.Pointer
 }
 
-// begin notes in w a locked request whose release may wait for its
-// response; it reports false when it may not (then the handler releases as
-// it returns).
-func (a *responseWaits) begin(r *http.Request, w *responseWait) bool {
-	if r.ProtoMajor != 1 || r.ContentLength != 0 { // a body: length unknown (-1) or known
+// begin notes in w a locked request, served by the server of hook, whose
+// release may wait for its response; it reports false when it may not
+// (then the handler releases as it returns).
+func (a *responseWaits) begin(r *http.Request, hook *serverHook, w *responseWait) bool {
+	if hook == nil || !hook.live.Load() || r.ProtoMajor != 1 || r.ContentLength != 0 { // a body: length unknown (-1) or known
 		return false
 	}
-	ctx := r.Context()
-	srv, _ := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server)
-	conn, _ := ctx.Value(connCtxKey{}).(net.Conn)
-	if srv == nil || conn == nil {
-		return false
-	}
-	if v, ok := a.servers.Load(srv); !ok || !v.(*serverHook).live.Load() {
+	conn, _ := r.Context().Value(connCtxKey{}).(net.Conn)
+	if conn == nil {
 		return false
 	}
 	a.mu.Lock()

@@ -244,7 +244,7 @@ type RedisLock struct {
 	holds    *holdTimes
 	timeout  time.Duration // bound of one Redis call (the release's, in Retry-After)
 	poolKeys []string
-	server   *caddyhttp.Server // the server whose connection hooks it uses (see afterresponse.go)
+	hook     *serverHook // its server's connection hooks (see afterresponse.go)
 	warn     *warnings
 }
 
@@ -354,7 +354,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 	if err := adminRegister(ctx, h); err != nil {
 		return err
 	}
-	h.server = afterResponse.hookServer(ctx) // last: Cleanup undoes it
+	h.hook = afterResponse.hookServer(ctx) // last: Cleanup undoes it
 	return nil
 }
 
@@ -456,8 +456,8 @@ func (h *RedisLock) Cleanup() error {
 		releaseClient(k)
 	}
 	h.poolKeys = nil
-	afterResponse.unhook(h.server)
-	h.server = nil
+	afterResponse.unhook(h.hook)
+	h.hook = nil
 	return nil
 }
 
@@ -613,7 +613,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	}
 	rw.ResponseWriter = w
 	var wait *responseWait // the release waits for the response (see afterresponse.go)
-	if rec == nil && afterResponse.begin(r, &rw.wait) {
+	if rec == nil && afterResponse.begin(r, h.hook, &rw.wait) {
 		wait = &rw.wait
 	}
 

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -22,7 +23,7 @@ func setNXFloor(c *redis.Client, tag string) func(context.Context) error {
 	n := 0
 	return func(ctx context.Context) error {
 		n++
-		return c.SetNX(ctx, fmt.Sprintf("seqfloor-nx-%s-%d", tag, n), "0123456789abcdef0123456789abcdef0123", 8e9).Err()
+		return c.SetNX(ctx, fmt.Sprintf("seqfloor-nx-%s-%d", tag, n), "0123456789abcdef0123456789abcdef0123", 8*time.Second).Err()
 	}
 }
 
