@@ -618,7 +618,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	}
 
 	reqCtx, cancel := context.WithCancelCause(base)
-	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd, rw, cancel)})
+	keep := hd.lease.Keep(lock.KeepOptions{Extend: *h.AutoExtend, MaxHold: time.Duration(h.MaxHold), OnLost: h.onLost(hd.lease.Fence(), hd.display, rw, cancel)})
 	completed := false // next returned (did not panic)
 	cutOff := false    // a replay route cancelled at its bound (see detach) before it returned
 	defer func() {
@@ -659,7 +659,7 @@ func (h *RedisLock) announceLock(r *http.Request, hd held) {
 // onLost is what the keeper calls when the lease is found lost: it logs,
 // counts and announces it, and with on_lost cancel stops the route (a
 // response not started yet never starts: the client gets 503).
-func (h *RedisLock) onLost(hd held, rw *startedWriter, cancel context.CancelCauseFunc) func(error) {
+func (h *RedisLock) onLost(fence int64, display string, rw *startedWriter, cancel context.CancelCauseFunc) func(error) {
 	return func(cause error) {
 		rw.lost.Store(true)
 		h.m.lost.Inc()
@@ -667,9 +667,9 @@ func (h *RedisLock) onLost(hd held, rw *startedWriter, cancel context.CancelCaus
 			h.m.delayLost.Inc()
 		}
 		h.logger.Error("lock lease lost while the request ran",
-			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", hd.lease.Fence()), zap.Error(cause))
+			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", fence), zap.Error(cause))
 		h.events.emit(EventLockLost, func() map[string]any {
-			return map[string]any{"handler": h.label, "key": eventKey(hd.display), "reason": cause.Error(), "on_lost": h.OnLost}
+			return map[string]any{"handler": h.label, "key": eventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
 		})
 		if h.OnLost == "cancel" {
 			rw.refuse()

@@ -44,7 +44,11 @@ type keeper struct {
 // (owner-checked) until stop or o.MaxHold; a lease that is not extended (any
 // more) is reported lost when its validity ends. o.OnLost runs at most once.
 func newKeeper(ls *Lease, o KeepOptions) *keeper {
-	k := &keeper{ls: ls, extend: o.Extend, maxHold: o.MaxHold, onLost: o.OnLost}
+	k := &ls.keeper // a lease's first keeper is in its own allocation
+	if !ls.kept.CompareAndSwap(false, true) {
+		k = new(keeper)
+	}
+	k.ls, k.extend, k.maxHold, k.onLost = ls, o.Extend, o.MaxHold, o.OnLost
 	k.mu.Lock()
 	k.t = time.AfterFunc(k.next(), k.fire)
 	k.mu.Unlock()

@@ -58,33 +58,39 @@ func wakeIDAndMessage(id, lockKey string) (wakeID, msg string) {
 
 // names is a lock key with its companions (FenceKey, WaitqKey, ReplayKey,
 // DeadKey, DelayKey of it), made in one allocation: every acquire and
-// release names all six.
-type names struct{ lease, fence, waitq, replay, dead, delay string }
+// release names all six. all holds the companions one after the other, in
+// the order of companionSuffixes; the zero names is none (all is never
+// empty).
+type names struct{ lease, all string }
+
+// companionSuffixes are the companions' suffixes, in names.all's order.
+var companionSuffixes = [5]string{fenceSuffix, waitqSuffix, replaySuffix, deadSuffix, delaySuffix}
 
 func keyNames(k string) names {
 	// One concatenation is one allocation; each name is a slice of it.
-	all := k + fenceSuffix + k + waitqSuffix + k + replaySuffix + k + deadSuffix + k + delaySuffix
-	var cut [5]string
+	return names{lease: k, all: k + fenceSuffix + k + waitqSuffix + k + replaySuffix + k + deadSuffix + k + delaySuffix}
+}
+
+// companions are the fence, waitq, replay, dead and delay keys.
+func (ks names) companions() (c [5]string) {
 	at := 0
-	for i, sfx := range [5]string{fenceSuffix, waitqSuffix, replaySuffix, deadSuffix, delaySuffix} {
-		end := at + len(k) + len(sfx)
-		cut[i], at = all[at:end], end
+	for i, sfx := range companionSuffixes {
+		end := at + len(ks.lease) + len(sfx)
+		c[i], at = ks.all[at:end], end
 	}
-	return names{lease: k, fence: cut[0], waitq: cut[1], replay: cut[2], dead: cut[3], delay: cut[4]}
+	return c
 }
 
-// acquireKeys are the acquire script's KEYS (lock_acquire.lua).
-func (ks names) acquireKeys() []string {
-	return []string{ks.lease, ks.fence, ks.waitq, ks.replay, ks.dead, ks.delay}
+// acquireKeyArray are the acquire script's KEYS (lock_acquire.lua), in an
+// array (in a caller's allocation).
+func (ks names) acquireKeyArray() [6]string {
+	c := ks.companions()
+	return [6]string{ks.lease, c[0], c[1], c[2], c[3], c[4]}
 }
 
-// releaseKeys are the release scripts' KEYS (lock_release.lua).
-func (ks names) releaseKeys() []string {
-	a := ks.releaseKeyArray()
-	return a[:]
-}
-
-// releaseKeyArray is releaseKeys in an array (in a caller's allocation).
+// releaseKeyArray are the release scripts' KEYS (lock_release.lua), in an
+// array (in a caller's allocation).
 func (ks names) releaseKeyArray() [6]string {
-	return [6]string{ks.lease, ks.fence, ks.replay, ks.waitq, ks.dead, ks.delay}
+	c := ks.companions()
+	return [6]string{ks.lease, c[0], c[2], c[1], c[3], c[4]}
 }

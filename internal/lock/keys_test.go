@@ -10,10 +10,12 @@ import (
 // that name each companion key.
 func TestKeyNames(t *testing.T) {
 	for _, k := range []string{"caddy:lock:{/a}", "", "k:{x}:y:fence"} {
-		got := keyNames(k)
-		want := names{lease: k, fence: FenceKey(k), waitq: WaitqKey(k), replay: ReplayKey(k), dead: DeadKey(k), delay: DelayKey(k)}
-		if got != want {
-			t.Fatalf("keyNames(%q) = %+v, want %+v", k, got, want)
+		ks := keyNames(k)
+		if got, want := ks.acquireKeyArray(), [6]string{k, FenceKey(k), WaitqKey(k), ReplayKey(k), DeadKey(k), DelayKey(k)}; got != want {
+			t.Fatalf("keyNames(%q).acquireKeyArray() = %q, want %q", k, got, want)
+		}
+		if got, want := ks.releaseKeyArray(), [6]string{k, FenceKey(k), ReplayKey(k), WaitqKey(k), DeadKey(k), DelayKey(k)}; got != want {
+			t.Fatalf("keyNames(%q).releaseKeyArray() = %q, want %q", k, got, want)
 		}
 	}
 	if n := testing.AllocsPerRun(100, func() { _ = keyNames("caddy:lock:{/orders/42}") }); n != 1 {

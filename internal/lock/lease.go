@@ -18,6 +18,10 @@ const maxChain = 16
 type Lease struct {
 	l     *Locker
 	keys  []string // sorted Redis lock keys
+	names names    // of a lease of one key: its key's names (zero with several keys)
+	// keeper is the lease's first Keep's (kept once it is taken).
+	keeper keeper
+	kept   atomic.Bool
 	token string
 	fence int64     // fencing token: strictly increases per key with every acquisition
 	start time.Time // when the lock was granted
@@ -198,7 +202,7 @@ func (ls *Lease) releaseDetached(answer string) bool {
 		return false
 	}
 	d := &detachedRelease{ls: ls, job: ls.l.leaseJob(ls.release(answer), 0)}
-	d.job.start(ls.l.servers[0], &d.call, ls.l.spawn, d)
+	d.job.start(ls.l.servers[0], &d.call, ls.names, ls.l.spawn, d)
 	return true
 }
 
@@ -311,7 +315,7 @@ func (ls *Lease) handOff() bool {
 	ls.mu.Lock()
 	until := ls.until
 	ls.mu.Unlock()
-	next := &Lease{l: ls.l, keys: ls.keys, token: ls.token, fence: fence, start: ls.l.now(),
+	next := &Lease{l: ls.l, keys: ls.keys, names: ls.names, token: ls.token, fence: fence, start: ls.l.now(),
 		until: until, q: q, released: ls.released, removed: ls.removed, unknown: ls.unknown, inflight: ls.inflight, chainLeft: left - 1, reserved: reserved, chained: true, raise: ls.raise}
 	if next.chainLeft == 0 && len(q.waiters) > 1 && ls.l.turns(len(ls.keys)) {
 		// The next holder is the block's last and more wait behind it: ask

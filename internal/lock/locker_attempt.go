@@ -6,20 +6,28 @@ package lock
 
 import (
 	"context"
-	"crypto/rand"
+	"encoding/binary"
 	"fmt"
+	"math/rand/v2"
 	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 )
 
 // newToken is a holder token: a random (version 4) UUID, made in one
-// allocation (uuid.NewString takes two).
+// allocation. Its 122 random bits come from the runtime's generator
+// (ChaCha8, seeded by the system at start, no system call per token): a
+// token must be unique, and it is no secret (whoever reads Redis reads it).
+// crypto/rand costs a system call per token (getrandom, where the kernel
+// offers no vDSO for it): a sizeable part of an uncontended lock's work.
 func newToken() string {
 	var u uuid.UUID
-	_, _ = rand.Read(u[:])  // never fails: since Go 1.24 a failing source crashes the program
+	binary.LittleEndian.PutUint64(u[:8], rand.Uint64())
+	binary.LittleEndian.PutUint64(u[8:], rand.Uint64())
 	u[6] = u[6]&0x0f | 0x40 // version 4
 	u[8] = u[8]&0x3f | 0x80 // RFC 4122 variant
 	return u.String()
@@ -92,7 +100,18 @@ type try struct {
 		inflight   atomic.Int32
 		keyUnknown [1]atomic.Bool
 		refused    [1]uint64
+		// Of an attempt on one key: the key's names and the acquire
+		// script's keys and whole argument list, made once for every
+		// server (a call's keys and arguments stay as they are until it is
+		// answered, and one key is asked once per server).
+		names names
+		keys  [6]string
+		argv  [3 + 6 + acquireArgc]any
+		// The lease a successful attempt turns into (finish): it shares
+		// the records above, so the try lives as long as it anyway.
+		lease Lease
 	}
+	argv []any // the one key's acquire call (t.own.argv); nil with several keys
 }
 
 func (l *Locker) newTry(ctx context.Context, keys []string, chain, first int) *try {
@@ -102,6 +121,9 @@ func (l *Locker) newTry(ctx context.Context, keys []string, chain, first int) *t
 	t.released, t.removed, t.unknown, t.inflight = &t.own.released, &t.own.removed, &t.own.unknown, &t.own.inflight
 	if len(keys) == 1 {
 		t.keyUnknown, t.refused, t.order = t.own.keyUnknown[:], t.own.refused[:], keys
+		t.own.names = keyNames(keys[0])
+		t.own.keys = t.own.names.acquireKeyArray()
+		t.argv = t.acquireArgv(t.own.argv[:0], t.own.keys[:])
 		return t
 	}
 	t.keyUnknown, t.refused = make([]atomic.Bool, len(keys)), make([]uint64, len(keys))
@@ -164,7 +186,8 @@ func (t *try) askKey(ctx context.Context, s *Server, i int, k string) (any, erro
 		t.unknown.Store(true) // the lease's release marks the token dead there
 	}
 	if ans != "" {
-		t.answer.Store(&ans)
+		stored := ans // on the heap only when there is one
+		t.answer.Store(&stored)
 	}
 	return v, err
 }
@@ -184,13 +207,16 @@ func (t *try) askOnly(i int, k string) (r result) {
 
 // ask runs the acquire script for key k on one server.
 func (t *try) ask(ctx context.Context, s *Server, k string) ([]int64, string, error) {
-	l := t.l
-	a := acquireArgs{keys: keyNames(k).acquireKeys(), token: &t.token, chain: t.chain, turns: l.turnsFlag(len(t.keys))}
-	if l.opts.SyncReplicas > 0 {
-		return l.acquireSynced(ctx, s.client, a)
+	argv := t.argv
+	if argv == nil {
+		keys := keyNames(k).acquireKeyArray()
+		argv = t.acquireArgv(make([]any, 0, len(t.own.argv)), keys[:])
+	}
+	if t.l.opts.SyncReplicas > 0 {
+		return t.l.acquireSynced(ctx, s.client, argv)
 	}
 	// The pipe bounds the call by the server's timeout.
-	return acquireReply(AcquireScript.Run(ctx, s.batched(), a.keys, l.acquireArgv(a)...))
+	return acquireReply(AcquireScript.RunArgv(ctx, s.batched(), argv))
 }
 
 // late handles an answer for k that came after the outcome was decided:
@@ -311,9 +337,10 @@ func (t *try) finish() attempt {
 		t.undo(len(t.order), markAll)
 		return attempt{retryAfter: 0}
 	}
-	return attempt{lease: &Lease{l: l, keys: t.keys, token: t.token, fence: t.fence - int64(t.chain) + 1, start: t.start, reserved: t.start,
+	t.own.lease = Lease{l: l, keys: t.keys, names: t.own.names, token: t.token, fence: t.fence - int64(t.chain) + 1, start: t.start, reserved: t.start,
 		until: t.start.Add(validity), released: t.released, removed: t.removed, unknown: t.unknown, inflight: t.inflight,
-		chainLeft: t.chain - 1, raise: raise}}
+		chainLeft: t.chain - 1, raise: raise}
+	return attempt{lease: &t.own.lease}
 }
 
 // validity is what is left of a lease (or an extension) asked for at
@@ -326,18 +353,15 @@ func (l *Locker) validity(start time.Time) time.Duration {
 	return v
 }
 
-// acquireArgs are the arguments of one acquire script call.
-type acquireArgs struct {
-	keys  []string // the lock key and its companions
-	token *string  // the attempt's (passed by reference: no allocation to box it)
-	chain int      // fencing tokens to reserve
-	turns any      // "0" or "1" (flagArg)
-}
+// acquireArgc is the number of the acquire script's arguments (ARGV).
+const acquireArgc = 9
 
-// acquireArgv is the acquire script's ARGV.
-func (l *Locker) acquireArgv(a acquireArgs) []any {
-	c := &l.argv
-	return []any{a.token, c.ttlMs, c.permits, c.self, c.life, a.chain, l.replayFlag(), a.turns, c.delayMs}
+// acquireArgv is the acquire call of keys (a key's acquireKeyArray),
+// appended to buf (see redisconn.Script.Argv): the token goes by
+// reference (no allocation to box it).
+func (t *try) acquireArgv(buf []any, keys []string) []any {
+	l, c := t.l, &t.l.argv
+	return AcquireScript.Argv(buf, keys, &t.token, c.ttlMs, c.permits, c.self, c.life, t.chain, l.replayFlag(), l.turnsFlag(len(t.keys)), c.delayMs)
 }
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the
@@ -348,12 +372,13 @@ func (l *Locker) acquireArgv(a acquireArgs) []any {
 // A grant that too few replicas acknowledged is an error: the caller's
 // undo releases it, owner-checked, at once. A stored answer (replay) grants
 // nothing, so it needs no acknowledgement.
-func (l *Locker) acquireSynced(ctx context.Context, c Client, a acquireArgs) ([]int64, string, error) {
+func (l *Locker) acquireSynced(ctx context.Context, c Client, argv []any) ([]int64, string, error) {
 	cctx, cancel := context.WithTimeout(ctx, 2*l.opts.Timeout)
 	defer cancel()
 	var node Client = c
 	if cc, ok := c.(masterForKey); ok {
-		m, err := cc.MasterForKey(cctx, a.keys[0])
+		lockKey, _ := redisconn.Arg(argv[3])
+		m, err := cc.MasterForKey(cctx, lockKey)
 		if err != nil {
 			return nil, "", fmt.Errorf("sync_replicas: finding the key's master: %w", err)
 		}
@@ -361,7 +386,7 @@ func (l *Locker) acquireSynced(ctx context.Context, c Client, a acquireArgs) ([]
 	}
 	waitMs := max((l.opts.Timeout / 2).Milliseconds(), 1) // 0 would block for ever
 	pipe := node.Pipeline()
-	acq := AcquireScript.Eval(cctx, pipe, a.keys, l.acquireArgv(a)...)
+	acq := AcquireScript.EvalArgv(cctx, pipe, argv)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, waitMs)
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)

@@ -49,7 +49,10 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 	if j.answer != "" {
 		script = ReleaseStoreScript
 	}
-	n, err := script.Run(ctx, s.batched(), keyNames(j.key).releaseKeys(), j.args()...).Int64()
+	keys := keyNames(j.key).releaseKeyArray()
+	var args [releaseArgs]any
+	j.fill(&args)
+	n, err := script.Run(ctx, s.batched(), keys[:], args[:]...).Int64()
 	if j.answer != "" && isOOM(err) {
 		j.answer = ""
 		return j.run(ctx, s)
@@ -57,11 +60,12 @@ func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
 	return n == 1, err
 }
 
-// releaseCall holds the keys and arguments of a release nobody waits for
-// (they must stay as they are until it is answered; see Script.Head).
+// releaseCall holds the keys and the whole argument list of a release
+// nobody waits for (they must stay as they are until it is answered; see
+// redisconn.Script.Argv).
 type releaseCall struct {
 	keys [6]string
-	args [releaseArgs]any
+	argv [3 + 6 + releaseArgs]any
 	to   releaseSettler
 }
 
@@ -74,12 +78,17 @@ type releaseSettler interface {
 // start sends a release that stores no answer without waiting for it
 // (j and c must stay as they are until then): to hears what run would
 // return, on a goroutine spawn started (see redisconn.Sender), so it must
-// neither block nor panic.
-func (j *releaseJob) start(s *Server, c *releaseCall, spawn func(func()), to releaseSettler) {
-	c.keys = keyNames(j.key).releaseKeyArray()
-	j.fill(&c.args)
+// neither block nor panic. ks are the names of j's key, when known (the
+// zero names otherwise).
+func (j *releaseJob) start(s *Server, c *releaseCall, ks names, spawn func(func()), to releaseSettler) {
+	if ks.all == "" || ks.lease != j.key {
+		ks = keyNames(j.key)
+	}
+	c.keys = ks.releaseKeyArray()
+	var args [releaseArgs]any
+	j.fill(&args)
 	c.to = to
-	ReleaseScript.Go(s.batched(), c.keys[:], c.args[:], spawn, c.answered)
+	ReleaseScript.Go(s.batched(), ReleaseScript.Argv(c.argv[:0], c.keys[:], args[:]...), spawn, c.answered)
 }
 
 func (c *releaseCall) answered(cmd *redis.Cmd) {
@@ -89,13 +98,6 @@ func (c *releaseCall) answered(cmd *redis.Cmd) {
 
 // releaseArgs is the number of the release scripts' arguments.
 const releaseArgs = 11
-
-// args are the release script's arguments.
-func (j *releaseJob) args() []any {
-	var a [releaseArgs]any
-	j.fill(&a)
-	return a[:]
-}
 
 // fill writes the release script's arguments into a.
 func (j *releaseJob) fill(a *[releaseArgs]any) {

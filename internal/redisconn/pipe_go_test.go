@@ -58,7 +58,7 @@ func (s *spawner) recovered() []any {
 // done (exactly one is due).
 func goCall(p Sender, key string, s *spawner, n *atomic.Int32) <-chan *redis.Cmd {
 	out := make(chan *redis.Cmd, 2)
-	countScript.Go(p, []string{key}, nil, s.spawn, func(cmd *redis.Cmd) {
+	countScript.Go(p, countScript.Argv(nil, []string{key}), s.spawn, func(cmd *redis.Cmd) {
 		n.Add(1)
 		out <- cmd
 	})

@@ -39,11 +39,7 @@ type Processor interface {
 // know the script (after a restart or SCRIPT FLUSH; NOSCRIPT means it did
 // not run).
 func (s *Script) Run(ctx context.Context, p Processor, keys []string, args ...any) *redis.Cmd {
-	cmd := s.call(ctx, p, false, keys, args)
-	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-		cmd = s.call(ctx, p, true, keys, args)
-	}
-	return cmd
+	return s.RunArgv(ctx, p, append(s.Head(false, keys, len(args)), args...))
 }
 
 // Eval sends (or, on a pipeline, queues) EVAL with the script's text.
@@ -51,18 +47,68 @@ func (s *Script) Eval(ctx context.Context, p Processor, keys []string, args ...a
 	return s.call(ctx, p, true, keys, args)
 }
 
-// Go is Run for a caller that does not wait: done gets the answer (see
-// Sender; on NOSCRIPT the EVAL goes the same way).
-func (s *Script) Go(p Sender, keys []string, args []any, spawn func(func()), done func(*redis.Cmd)) {
-	cmd := s.newCmd(context.Background(), false, keys, args)
+// EvalArgv is Eval with the arguments of Argv (which must stay as they
+// are until the call is answered).
+func (s *Script) EvalArgv(ctx context.Context, p Processor, argv []any) *redis.Cmd {
+	cmd := newCmd(ctx, s.evalArgv(argv))
+	_ = p.Process(ctx, NoRetry{cmd})
+	return cmd
+}
+
+// Go is RunArgv for a caller that does not wait: done gets the answer
+// (see Sender; on NOSCRIPT the EVAL goes the same way). argv is one of
+// Argv, and must stay as it is until done runs.
+func (s *Script) Go(p Sender, argv []any, spawn func(func()), done func(*redis.Cmd)) {
+	cmd := newCmd(context.Background(), argv)
 	p.Go(NoRetry{cmd}, func() {
 		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-			eval := s.newCmd(context.Background(), true, keys, args)
+			eval := newCmd(context.Background(), s.evalArgv(argv))
 			p.Go(NoRetry{eval}, func() { done(eval) }, spawn)
 			return
 		}
 		done(cmd)
 	}, spawn)
+}
+
+// Argv is a call's whole argument list, appended to buf[:0]: "evalsha",
+// the script's SHA1, the number of keys, the keys (as Head puts them,
+// so keys must stay as they are until the call is answered), then args.
+// A call that runs often keeps buf in storage it has anyway, with room
+// for 3+len(keys)+len(args): the command then makes no list of its own.
+func (s *Script) Argv(buf []any, keys []string, args ...any) []any {
+	buf = append(buf[:0], evalshaArg, s.hashArg, len(keys))
+	for i := range keys {
+		buf = append(buf, &keys[i])
+	}
+	return append(buf, args...)
+}
+
+// RunArgv is Run with the arguments of Argv (which must stay as they are
+// until it returns).
+func (s *Script) RunArgv(ctx context.Context, p Processor, argv []any) *redis.Cmd {
+	cmd := newCmd(ctx, argv)
+	_ = p.Process(ctx, NoRetry{cmd})
+	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		cmd = newCmd(ctx, s.evalArgv(argv))
+		_ = p.Process(ctx, NoRetry{cmd})
+	}
+	return cmd
+}
+
+// evalArgv is argv (of Argv) as an EVAL with the script's text, in a new
+// list (argv may still be in use).
+func (s *Script) evalArgv(argv []any) []any {
+	return append([]any{evalArg, s.srcArg}, argv[2:]...)
+}
+
+// newCmd is the command of a whole argument list (of Argv, or Head and
+// the arguments).
+func newCmd(ctx context.Context, argv []any) *redis.Cmd {
+	cmd := redis.NewCmd(ctx, argv...)
+	if n, _ := argv[2].(int); n > 0 {
+		cmd.SetFirstKeyPos(3)
+	}
+	return cmd
 }
 
 func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string, args []any) *redis.Cmd {
@@ -72,11 +118,7 @@ func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string
 }
 
 func (s *Script) newCmd(ctx context.Context, eval bool, keys []string, args []any) *redis.Cmd {
-	cmd := redis.NewCmd(ctx, append(s.Head(eval, keys, len(args)), args...)...)
-	if len(keys) > 0 {
-		cmd.SetFirstKeyPos(3)
-	}
-	return cmd
+	return newCmd(ctx, append(s.Head(eval, keys, len(args)), args...))
 }
 
 // Head starts a call of the script: "evalsha", its SHA1 (or "eval", its
