@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -370,4 +371,71 @@ func TestWholeCaddyReleaseAfterResponseFaults(t *testing.T) {
 func lockKeyHeld(rc *redis.Client, key string) bool {
 	ks, err := rc.Keys(context.Background(), "*{"+key+"}").Result()
 	return err != nil || len(ks) > 0
+}
+
+// addrConn is a connection with the remote address of a test's choosing.
+type addrConn struct {
+	net.Conn
+	addr net.Addr
+}
+
+func (c *addrConn) RemoteAddr() net.Addr { return c.addr }
+
+// A request finds its connection by its RemoteAddr; while two open
+// connections share one address neither is found (their requests release
+// as the handler returns), nor is a connection that closed, and a closed
+// connection's waiting release is sent.
+func TestResponseWaitsFindConnByAddress(t *testing.T) {
+	a := &responseWaits{conns: map[net.Conn]*responseWait{}}
+	hook := &serverHook{conns: map[string]openConn{}}
+	hook.live.Store(true)
+	tcp := func(s string) net.Addr { return net.TCPAddrFromAddrPort(netip.MustParseAddrPort(s)) }
+	c1 := &addrConn{addr: tcp("127.0.0.1:40001")}
+	c2 := &addrConn{addr: tcp("127.0.0.1:40002")}
+	c3 := &addrConn{addr: tcp("127.0.0.1:40002")} // c2's address, on another listener
+	req := func(addr string) *http.Request {
+		r := httptest.NewRequest(http.MethodGet, "/", nil)
+		r.RemoteAddr = addr
+		return r
+	}
+	var w1 responseWait
+	a.opened(hook, c1)
+	if !a.begin(req("127.0.0.1:40001"), hook, &w1) || w1.conn != c1 {
+		t.Fatalf("a request of c1 found %v, want c1", w1.conn)
+	}
+	if !a.begin(req("127.0.0.1:40001"), hook, new(responseWait)) || a.conns[c1] == nil || a.conns[c1].next != &w1 {
+		t.Fatal("a second wait on c1 is not chained to the first")
+	}
+	var w2 responseWait
+	if a.begin(req("127.0.0.1:40002"), hook, &w2) {
+		t.Fatal("a request of an address with no open connection found one")
+	}
+	a.opened(hook, c2)
+	a.opened(hook, c3)
+	if a.begin(req("127.0.0.1:40002"), hook, &w2) {
+		t.Fatal("a request of an address two connections share found one of them")
+	}
+	a.closed(hook, c3)
+	if a.begin(req("127.0.0.1:40002"), hook, &w2) {
+		t.Fatal("after one of two connections of an address closed, its request found the other (unknown which it is)")
+	}
+	a.closed(hook, c2)
+	if len(hook.conns) != 1 {
+		t.Fatalf("conns = %v, want only c1's", hook.conns)
+	}
+	a.opened(hook, c2)
+	if !a.begin(req("127.0.0.1:40002"), hook, &w2) || w2.conn != c2 {
+		t.Fatalf("a request of the address reopened found %v, want c2", w2.conn)
+	}
+	a.closed(hook, c1)
+	if !w1.done || a.conns[c1] != nil {
+		t.Fatal("closing c1 did not answer its waits")
+	}
+	if a.begin(req("127.0.0.1:40001"), hook, new(responseWait)) {
+		t.Fatal("a request of a closed connection's address found it")
+	}
+	a.opened(hook, &addrConn{}) // no remote address: not noted, no panic
+	if len(hook.conns) != 1 {
+		t.Fatalf("conns = %v, want only c2's", hook.conns)
+	}
 }
