@@ -26,7 +26,7 @@ import (
 // Only what is sure waits, and never long: an HTTP/1 request without a
 // body (net/http drains an unread body before it reports the connection
 // idle, and a client may stall there) on a server whose hooks have been
-// seen running, on a connection found by its remote address. A release waits at most waitBound after the handler
+// seen running. A release waits at most waitBound after the handler
 // returned: past it, it is sent anyway (a client that stopped reading its
 // answer, a connection whose end net/http never reports). HTTP/2 and
 // HTTP/3, a request with a body, a connection hijacked while the route ran
@@ -71,21 +71,30 @@ type serverHook struct {
 	srv   *caddyhttp.Server
 	live  atomic.Bool
 	users atomic.Int64
-	// conns are the server's open connections by remote address (guarded
-	// by responseWaits.mu): a request finds its own by r.RemoteAddr, which
-	// net/http sets from it. (Found through a context value instead, set by
-	// the ConnContext hook, the lookup walks every value Caddy and net/http
-	// put on the request since: about a microsecond per locked request.)
-	conns map[string]openConn
+	// A request finds its connection by r.RemoteAddr, which net/http sets
+	// from it: byAddr holds the server's TCP connections by remote address,
+	// addrOf each connection noted (its address, "" for one that is not
+	// TCP), both guarded by mu. The connection the ConnContext hook put in
+	// the request's context is the fallback (a Unix socket's connections
+	// all have one address, "@"): that lookup walks every value Caddy and
+	// net/http put on the request since, about a microsecond per locked
+	// request.
+	mu     sync.Mutex
+	byAddr map[string]openConn
+	addrOf map[net.Conn]string
 }
 
 // openConn is the open connection of one remote address; with more than
 // one at a time (listeners on several local addresses), conn is nil until
-// they all closed: their requests release as the handler returns.
+// they all closed, and their requests find theirs in the context.
 type openConn struct {
 	conn net.Conn
 	n    int
 }
+
+// connCtxKey holds the request's connection (set by the server's
+// ConnContext hook).
+type connCtxKey struct{}
 
 // hookServer registers the connection hooks on the server that provisions
 // a handler, once per server; it returns them (nil when there is no
@@ -96,81 +105,97 @@ func (a *responseWaits) hookServer(ctx caddy.Context) *serverHook {
 	if !ok || srv == nil {
 		return nil
 	}
-	v, loaded := a.servers.LoadOrStore(srv, &serverHook{srv: srv, conns: map[string]openConn{}})
+	v, loaded := a.servers.LoadOrStore(srv, &serverHook{srv: srv, byAddr: map[string]openConn{}, addrOf: map[net.Conn]string{}})
 	hook := v.(*serverHook)
 	hook.users.Add(1)
 	if loaded {
 		return hook
 	}
 	srv.RegisterConnContext(func(ctx context.Context, c net.Conn) context.Context {
-		a.opened(hook, c) // a connection that is not keyable: its requests release as the handler returns
-		return ctx
+		// Nothing here may read from c, or wait on it: net/http runs this
+		// hook in its accept loop (a PROXY protocol connection's
+		// RemoteAddr waits for its header).
+		if !keyable(c) {
+			return ctx // its requests release as the handler returns
+		}
+		return context.WithValue(ctx, connCtxKey{}, c)
 	})
 	srv.RegisterConnState(func(c net.Conn, s http.ConnState) {
 		if !hook.live.Load() {
 			hook.live.Store(true)
 		}
+		if !keyable(c) {
+			return
+		}
 		switch s {
+		case http.StateActive:
+			// On the connection's own goroutine, before its request's
+			// handler runs: net/http has read its remote address already.
+			hook.note(c)
 		case http.StateIdle:
-			if a.pending.Load() > 0 && keyable(c) {
+			if a.pending.Load() > 0 {
 				a.written(c)
 			}
 		case http.StateClosed, http.StateHijacked:
-			a.closed(hook, c)
+			hook.forget(c)
+			if a.pending.Load() > 0 {
+				a.written(c)
+			}
 		}
 	})
 	return hook
 }
 
-// opened notes a connection of hook's server as it is accepted.
-func (a *responseWaits) opened(hook *serverHook, c net.Conn) {
-	addr, ok := remoteAddr(c)
-	if !ok {
+// note adds c, a connection of the server that has become active, to
+// byAddr (once: a connection is active once per request).
+func (h *serverHook) note(c net.Conn) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, seen := h.addrOf[c]; seen {
 		return
 	}
-	a.mu.Lock()
-	o := hook.conns[addr]
+	addr := ""
+	if ra, ok := c.RemoteAddr().(*net.TCPAddr); ok {
+		addr = ra.String() // as net/http makes RemoteAddr
+	}
+	h.addrOf[c] = addr
+	if addr == "" {
+		return
+	}
+	o := h.byAddr[addr]
 	if o.n++; o.n == 1 {
 		o.conn = c
 	} else {
 		o.conn = nil // two at once: neither is known by its address
 	}
-	hook.conns[addr] = o
-	a.mu.Unlock()
+	h.byAddr[addr] = o
 }
 
-// closed forgets a connection that closed or was hijacked, and sends the
-// releases that waited on it.
-func (a *responseWaits) closed(hook *serverHook, c net.Conn) {
-	addr, ok := remoteAddr(c)
-	if !ok {
+// forget takes c, a connection that closed or was hijacked, out of
+// byAddr.
+func (h *serverHook) forget(c net.Conn) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	addr, seen := h.addrOf[c]
+	if !seen {
 		return
 	}
-	a.mu.Lock()
-	if o, ok := hook.conns[addr]; ok {
+	delete(h.addrOf, c)
+	if o, ok := h.byAddr[addr]; ok && addr != "" {
 		if o.n--; o.n <= 0 {
-			delete(hook.conns, addr)
+			delete(h.byAddr, addr)
 		} else {
-			hook.conns[addr] = o
+			h.byAddr[addr] = o // still nil: which one is left is not known
 		}
-	}
-	a.mu.Unlock()
-	if a.pending.Load() > 0 {
-		a.written(c)
 	}
 }
 
-// remoteAddr is c's remote address as net/http puts it in the request's
-// RemoteAddr, for a connection that can key the table.
-func remoteAddr(c net.Conn) (string, bool) {
-	if !keyable(c) {
-		return "", false
-	}
-	ra := c.RemoteAddr()
-	if ra == nil {
-		return "", false
-	}
-	return ra.String(), true
+// find is the one open connection with remote address addr (nil for none,
+// or when several share it).
+func (h *serverHook) find(addr string) net.Conn {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.byAddr[addr].conn
 }
 
 // unhook undoes one hookServer (the handler is cleaned up): the server is
@@ -197,16 +222,19 @@ func (a *responseWaits) begin(r *http.Request, hook *serverHook, w *responseWait
 	if hook == nil || !hook.live.Load() || r.ProtoMajor != 1 || r.ContentLength != 0 { // a body: length unknown (-1) or known
 		return false
 	}
-	a.mu.Lock()
-	conn := hook.conns[r.RemoteAddr].conn
+	conn := hook.find(r.RemoteAddr)
 	if conn == nil {
-		// Unknown: two connections share the address, or a handler
-		// before this one changed RemoteAddr. (Changed to the address of
-		// another open connection, the release waits for that one's
-		// response instead, at most waitBound: later, never unsent.)
-		a.mu.Unlock()
-		return false
+		// Not known by its address (not a TCP connection, or it shares
+		// the address with another, or a handler before this one changed
+		// RemoteAddr): the connection the ConnContext hook put in the
+		// context. (RemoteAddr changed to the address of another open
+		// connection: the release waits for that one's response instead,
+		// at most waitBound; later, never unsent.)
+		if conn, _ = r.Context().Value(connCtxKey{}).(net.Conn); conn == nil {
+			return false
+		}
 	}
+	a.mu.Lock()
 	w.conn, w.next = conn, a.conns[conn]
 	a.conns[conn] = w
 	a.pending.Add(1)

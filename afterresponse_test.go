@@ -381,61 +381,175 @@ type addrConn struct {
 
 func (c *addrConn) RemoteAddr() net.Addr { return c.addr }
 
-// A request finds its connection by its RemoteAddr; while two open
-// connections share one address neither is found (their requests release
-// as the handler returns), nor is a connection that closed, and a closed
-// connection's waiting release is sent.
-func TestResponseWaitsFindConnByAddress(t *testing.T) {
+// A request finds its TCP connection by its RemoteAddr, noted as the
+// connection became active (once, whatever its requests); while two open
+// connections share one address, and for a connection that is not TCP (a
+// Unix socket's all say "@"), it finds it in the context instead, where the
+// ConnContext hook put it; a connection that closed is forgotten, and its
+// waiting releases are answered.
+func TestResponseWaitsFindConn(t *testing.T) {
 	a := &responseWaits{conns: map[net.Conn]*responseWait{}}
-	hook := &serverHook{conns: map[string]openConn{}}
+	hook := &serverHook{byAddr: map[string]openConn{}, addrOf: map[net.Conn]string{}}
 	hook.live.Store(true)
 	tcp := func(s string) net.Addr { return net.TCPAddrFromAddrPort(netip.MustParseAddrPort(s)) }
 	c1 := &addrConn{addr: tcp("127.0.0.1:40001")}
 	c2 := &addrConn{addr: tcp("127.0.0.1:40002")}
 	c3 := &addrConn{addr: tcp("127.0.0.1:40002")} // c2's address, on another listener
-	req := func(addr string) *http.Request {
+	u1 := &addrConn{addr: &net.UnixAddr{Name: "@", Net: "unix"}}
+	u2 := &addrConn{addr: &net.UnixAddr{Name: "@", Net: "unix"}}
+	req := func(addr string, ctxConn net.Conn) *http.Request {
 		r := httptest.NewRequest(http.MethodGet, "/", nil)
 		r.RemoteAddr = addr
+		if ctxConn != nil {
+			r = r.WithContext(context.WithValue(r.Context(), connCtxKey{}, ctxConn))
+		}
 		return r
 	}
-	var w1 responseWait
-	a.opened(hook, c1)
-	if !a.begin(req("127.0.0.1:40001"), hook, &w1) || w1.conn != c1 {
-		t.Fatalf("a request of c1 found %v, want c1", w1.conn)
+	found := func(r *http.Request) net.Conn {
+		t.Helper()
+		var w responseWait
+		if !a.begin(r, hook, &w) {
+			return nil
+		}
+		return w.conn
 	}
-	if !a.begin(req("127.0.0.1:40001"), hook, new(responseWait)) || a.conns[c1] == nil || a.conns[c1].next != &w1 {
-		t.Fatal("a second wait on c1 is not chained to the first")
+	hook.note(c1)
+	hook.note(c1) // its next request
+	if got := found(req("127.0.0.1:40001", nil)); got != c1 {
+		t.Fatalf("a request of c1 without the context value found %v, want c1 by its address", got)
 	}
-	var w2 responseWait
-	if a.begin(req("127.0.0.1:40002"), hook, &w2) {
-		t.Fatal("a request of an address with no open connection found one")
+	if got := found(req("127.0.0.1:40002", nil)); got != nil {
+		t.Fatalf("a request of an address with no open connection found %v", got)
 	}
-	a.opened(hook, c2)
-	a.opened(hook, c3)
-	if a.begin(req("127.0.0.1:40002"), hook, &w2) {
-		t.Fatal("a request of an address two connections share found one of them")
+	hook.note(c2)
+	hook.note(c3)
+	if got := found(req("127.0.0.1:40002", c3)); got != c3 {
+		t.Fatalf("a request of c3, which shares its address with c2, found %v, want c3 from the context", got)
 	}
-	a.closed(hook, c3)
-	if a.begin(req("127.0.0.1:40002"), hook, &w2) {
-		t.Fatal("after one of two connections of an address closed, its request found the other (unknown which it is)")
+	if got := found(req("127.0.0.1:40002", nil)); got != nil {
+		t.Fatalf("a request of an address two connections share, without the context value, found %v", got)
 	}
-	a.closed(hook, c2)
-	if len(hook.conns) != 1 {
-		t.Fatalf("conns = %v, want only c1's", hook.conns)
+	hook.forget(c3)
+	if got := found(req("127.0.0.1:40002", c2)); got != c2 {
+		t.Fatalf("after one of two connections of an address closed, a request found %v, want c2 from the context (which one is left is not known)", got)
 	}
-	a.opened(hook, c2)
-	if !a.begin(req("127.0.0.1:40002"), hook, &w2) || w2.conn != c2 {
-		t.Fatalf("a request of the address reopened found %v, want c2", w2.conn)
+	hook.forget(c2)
+	hook.note(u1)
+	hook.note(u2)
+	if got := found(req("@", u2)); got != u2 {
+		t.Fatalf("a request on a Unix socket found %v, want its own connection from the context", got)
 	}
-	a.closed(hook, c1)
-	if !w1.done || a.conns[c1] != nil {
+	if len(hook.byAddr) != 1 {
+		t.Fatalf("byAddr = %v, want only c1's (Unix connections are not noted by address)", hook.byAddr)
+	}
+	hook.note(c2)
+	if got := found(req("127.0.0.1:40002", nil)); got != c2 {
+		t.Fatalf("a request of the address reopened found %v, want c2", got)
+	}
+	w1 := a.conns[c1]
+	a.written(c1) // what the hook does for StateClosed, after forget
+	hook.forget(c1)
+	if w1 == nil || !w1.done || a.conns[c1] != nil {
 		t.Fatal("closing c1 did not answer its waits")
 	}
-	if a.begin(req("127.0.0.1:40001"), hook, new(responseWait)) {
-		t.Fatal("a request of a closed connection's address found it")
+	if got := found(req("127.0.0.1:40001", nil)); got != nil {
+		t.Fatalf("a request of a closed connection's address found %v", got)
 	}
-	a.opened(hook, &addrConn{}) // no remote address: not noted, no panic
-	if len(hook.conns) != 1 {
-		t.Fatalf("conns = %v, want only c2's", hook.conns)
+	for _, c := range []net.Conn{c2, u1, u2} {
+		hook.forget(c)
 	}
+	if len(hook.byAddr) != 0 || len(hook.addrOf) != 0 {
+		t.Fatalf("after every connection closed: byAddr %v, addrOf %v, want both empty", hook.byAddr, hook.addrOf)
+	}
+}
+
+// TestWholeCaddyReleaseAfterResponseProxyProtocol: behind Caddy's
+// proxy_protocol listener wrapper, a connection whose PROXY header has not
+// come yet holds up no other (the connection hooks never wait on a
+// connection in net/http's accept loop: its RemoteAddr waits for the
+// header), and a locked request, known by the address its header gives, is
+// released after its response.
+func TestWholeCaddyReleaseAfterResponseProxyProtocol(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	r := startRedis(t)
+	rc := r.Client()
+	port := freePort(t)
+	runCaddy(t, fmt.Sprintf(`{
+	admin off
+	auto_https off
+	servers {
+		listener_wrappers {
+			proxy_protocol {
+				timeout 5s
+				allow 127.0.0.1/32
+			}
+		}
+	}
+}
+:%d {
+	redis_lock {
+		key {http.request.uri.path}
+		ttl 30s
+		wait 2s
+		redis %s
+	}
+	respond "ok"
+}`, port, r.Addr))
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	silent, err := net.Dial("tcp", addr) // sends no PROXY header
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer silent.Close()
+	time.Sleep(100 * time.Millisecond) // accepted, its header awaited
+	for i := range 3 {
+		before := afterResponse.ran.Load()
+		start := time.Now()
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		fmt.Fprintf(c, "PROXY TCP4 10.1.2.3 127.0.0.1 %d %d\r\nGET /pp/%d HTTP/1.1\r\nHost: x\r\n\r\n", 40000+i, port, i)
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			t.Fatalf("request %d: %v", i, err)
+		}
+		body, _ := io.ReadAll(io.LimitReader(resp.Body, 100))
+		resp.Body.Close()
+		took := time.Since(start)
+		if resp.StatusCode != 200 || string(body) != "ok" {
+			t.Fatalf("request %d: %d %q", i, resp.StatusCode, body)
+		}
+		if took > 2500*time.Millisecond {
+			t.Fatalf("request %d answered after %v with a connection waiting for its PROXY header (timeout 5s): the accept loop waited on it", i, took)
+		}
+		if !waitFor(5*time.Second, func() bool { return afterResponse.ran.Load() > before }) {
+			t.Fatalf("request %d: its release was not sent after its response (from the connection's hook)", i)
+		}
+		if !waitFor(5*time.Second, func() bool { return !lockKeyHeld(rc, fmt.Sprintf("/pp/%d", i)) }) {
+			t.Fatalf("request %d: its lock is still held", i)
+		}
+		// Known by the address of its PROXY header.
+		proxied := fmt.Sprintf("10.1.2.3:%d", 40000+i)
+		if n := hooksFinding(proxied); n != 1 {
+			t.Fatalf("request %d: %d servers know an open connection of %s, want 1", i, n, proxied)
+		}
+		c.Close()
+		if !waitFor(5*time.Second, func() bool { return hooksFinding(proxied) == 0 }) {
+			t.Fatalf("request %d: its connection is still known after it closed", i)
+		}
+	}
+}
+
+// hooksFinding counts the servers that know an open connection of addr.
+func hooksFinding(addr string) int {
+	n := 0
+	afterResponse.servers.Range(func(_, v any) bool {
+		if v.(*serverHook).find(addr) != nil {
+			n++
+		}
+		return true
+	})
+	return n
 }

@@ -6,9 +6,8 @@ package lock
 
 import (
 	"context"
-	"encoding/binary"
+	"crypto/rand"
 	"fmt"
-	"math/rand/v2"
 	"sync/atomic"
 	"time"
 
@@ -19,15 +18,11 @@ import (
 )
 
 // newToken is a holder token: a random (version 4) UUID, made in one
-// allocation. Its 122 random bits come from the runtime's generator
-// (ChaCha8, seeded by the system at start, no system call per token): a
-// token must be unique, and it is no secret (whoever reads Redis reads it).
-// crypto/rand costs a system call per token (getrandom, where the kernel
-// offers no vDSO for it): a sizeable part of an uncontended lock's work.
+// allocation (uuid.NewString takes two). From crypto/rand: a token
+// releases its lock, so it is a secret (never shown, see lock_inspect.go).
 func newToken() string {
 	var u uuid.UUID
-	binary.LittleEndian.PutUint64(u[:8], rand.Uint64())
-	binary.LittleEndian.PutUint64(u[8:], rand.Uint64())
+	_, _ = rand.Read(u[:])  // never fails: since Go 1.24 a failing source crashes the program
 	u[6] = u[6]&0x0f | 0x40 // version 4
 	u[8] = u[8]&0x3f | 0x80 // RFC 4122 variant
 	return u.String()
