@@ -22,12 +22,12 @@ type Lease struct {
 	// keeper is the lease's first Keep's (kept once it is taken).
 	keeper keeper
 	kept   atomic.Bool
-	token string
-	fence int64     // fencing token: strictly increases per key with every acquisition
-	start time.Time // when the lock was granted
-	mu    sync.Mutex
-	until time.Time // validity end as this process sees it
-	done  bool
+	token  string
+	fence  int64     // fencing token: strictly increases per key with every acquisition
+	start  time.Time // when the lock was granted
+	mu     sync.Mutex
+	until  time.Time // validity end as this process sees it
+	done   bool
 	// ending: HandOffNow found no waiter to hand the lease to and
 	// announced its release, which the next release call sends.
 	ending bool

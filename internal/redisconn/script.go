@@ -44,15 +44,13 @@ func (s *Script) Run(ctx context.Context, p Processor, keys []string, args ...an
 
 // Eval sends (or, on a pipeline, queues) EVAL with the script's text.
 func (s *Script) Eval(ctx context.Context, p Processor, keys []string, args ...any) *redis.Cmd {
-	return s.call(ctx, p, true, keys, args)
+	return process(ctx, p, append(s.Head(true, keys, len(args)), args...))
 }
 
 // EvalArgv is Eval with the arguments of Argv (which must stay as they
 // are until the call is answered).
 func (s *Script) EvalArgv(ctx context.Context, p Processor, argv []any) *redis.Cmd {
-	cmd := newCmd(ctx, s.evalArgv(argv))
-	_ = p.Process(ctx, NoRetry{cmd})
-	return cmd
+	return process(ctx, p, s.evalArgv(argv))
 }
 
 // Go is RunArgv for a caller that does not wait: done gets the answer
@@ -86,11 +84,9 @@ func (s *Script) Argv(buf []any, keys []string, args ...any) []any {
 // RunArgv is Run with the arguments of Argv (which must stay as they are
 // until it returns).
 func (s *Script) RunArgv(ctx context.Context, p Processor, argv []any) *redis.Cmd {
-	cmd := newCmd(ctx, argv)
-	_ = p.Process(ctx, NoRetry{cmd})
+	cmd := process(ctx, p, argv)
 	if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
-		cmd = newCmd(ctx, s.evalArgv(argv))
-		_ = p.Process(ctx, NoRetry{cmd})
+		cmd = s.EvalArgv(ctx, p, argv)
 	}
 	return cmd
 }
@@ -101,8 +97,8 @@ func (s *Script) evalArgv(argv []any) []any {
 	return append([]any{evalArg, s.srcArg}, argv[2:]...)
 }
 
-// newCmd is the command of a whole argument list (of Argv, or Head and
-// the arguments).
+// newCmd is the command of a whole argument list (of Argv, or of Head
+// and the arguments).
 func newCmd(ctx context.Context, argv []any) *redis.Cmd {
 	cmd := redis.NewCmd(ctx, argv...)
 	if n, _ := argv[2].(int); n > 0 {
@@ -111,14 +107,12 @@ func newCmd(ctx context.Context, argv []any) *redis.Cmd {
 	return cmd
 }
 
-func (s *Script) call(ctx context.Context, p Processor, eval bool, keys []string, args []any) *redis.Cmd {
-	cmd := s.newCmd(ctx, eval, keys, args)
+// process sends (or, on a pipeline, queues) the command of argv, never to
+// be resent.
+func process(ctx context.Context, p Processor, argv []any) *redis.Cmd {
+	cmd := newCmd(ctx, argv)
 	_ = p.Process(ctx, NoRetry{cmd})
 	return cmd
-}
-
-func (s *Script) newCmd(ctx context.Context, eval bool, keys []string, args []any) *redis.Cmd {
-	return newCmd(ctx, append(s.Head(eval, keys, len(args)), args...))
 }
 
 // Head starts a call of the script: "evalsha", its SHA1 (or "eval", its
