@@ -96,8 +96,10 @@ func startInterceptProxy(t *testing.T, target string, intercept func(chunk []byt
 
 // warmThenArm takes and releases key once through h (the connections and
 // the script are ready, so the next acquire's packet is the one held
-// back), then arms the proxy.
-func (p *delayProxy) warmThenArm(t *testing.T, h *RedisLock, key string) {
+// back), waits until the key is free on every server in rs (on a loaded
+// machine the warm-up's release can outlast the short timeout and end in
+// the background), then arms the proxy.
+func (p *delayProxy) warmThenArm(t *testing.T, h *RedisLock, key string, rs ...*testRedis) {
 	t.Helper()
 	// The first call dials, checks the server and loads the script: on a
 	// loaded machine that can take longer than the test's short timeout, so
@@ -107,6 +109,9 @@ func (p *delayProxy) warmThenArm(t *testing.T, h *RedisLock, key string) {
 		var warm *lease
 		if warm, err = h.locker.Acquire(context.Background(), []string{key}); err == nil {
 			warm.Release()
+			if !freeWithin(10*time.Second, key, rs...) {
+				t.Fatal("warm-up: the key stayed held after its release")
+			}
 			p.armed.Store(true)
 			return
 		}
@@ -129,7 +134,7 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 			p := startDelayProxy(t, r.Addr, []byte(lock.AcquireScript.Hash()), delay)
 			h := provisionLock(t, fmt.Sprintf(`{"redis":[%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, p.addr))
 			key := storedKey(h.Prefix, "/pay")
-			p.warmThenArm(t, h, key)
+			p.warmThenArm(t, h, key, r)
 			if _, err := h.locker.Acquire(context.Background(), []string{key}); err == nil {
 				t.Fatal("an acquire held back past the timeout succeeded")
 			}
@@ -189,7 +194,7 @@ func TestNoOrphanOnRedlockMinority(t *testing.T) {
 	p := startDelayProxy(t, c.Addr, []byte(lock.AcquireScript.Hash()), 1500*time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,%q],"timeout":"300ms","wait":"0s","ttl":"20s"}`, a.Addr, b.Addr, p.addr))
 	key := storedKey(h.Prefix, "/pay")
-	p.warmThenArm(t, h, key)
+	p.warmThenArm(t, h, key, a, b, c)
 	ls, err := h.locker.Acquire(context.Background(), []string{key})
 	if err != nil {
 		t.Fatalf("two of three servers answer: %v", err)
