@@ -60,7 +60,7 @@ test: redis-server prometheus
 
 # The benchmark modules have a go.mod of their own (their dependencies stay
 # out of users' builds), so `go test ./...` at the root skips them.
-BENCH_MODULES := bench bench/benchmutex
+BENCH_MODULES := bench bench/benchmutex bench/benchfloor
 test-bench:
 	@set -e; for m in $(BENCH_MODULES); do \
 		echo "cd $$m && go vet ./... && go test -count=1 ./..."; \
@@ -84,12 +84,14 @@ SOAK_FLAGS ?=
 soak: caddy redis-server
 	cd bench && go run ./cmd/soak -caddy ../bin/caddy -duration $(SOAK) -seed $(SEED) $(SOAK_FLAGS)
 
-# The hot-key ceiling for `make bench`: stock Caddy plus bench/benchmutex (a
-# process-wide sync.Mutex handler, benchmarking only), rebuilt only when it changes.
-CEILING_SOURCES := $(wildcard bench/benchmutex/*.go) bench/benchmutex/go.mod bench/benchmutex/go.sum
+# The hot-key ceiling and the cost goals' floor handlers for `make bench`:
+# stock Caddy plus bench/benchmutex (a process-wide sync.Mutex handler) and
+# bench/benchfloor (the least a Redis lock and a Redis rate limit can do per
+# request), benchmarking only, rebuilt only when they change.
+CEILING_SOURCES := $(wildcard bench/benchmutex/*.go bench/benchfloor/*.go) bench/benchmutex/go.mod bench/benchmutex/go.sum bench/benchfloor/go.mod bench/benchfloor/go.sum
 bin/caddy-ceiling: $(CEILING_SOURCES)
 	@mkdir -p bin
-	$(XCADDY) build $(CADDY_VERSION) --with $(MODULE)/bench/benchmutex@$(PSEUDO)=./bench/benchmutex --output bin/caddy-ceiling
+	$(XCADDY) build $(CADDY_VERSION) --with $(MODULE)/bench/benchmutex@$(PSEUDO)=./bench/benchmutex --with $(MODULE)/bench/benchfloor@$(PSEUDO)=./bench/benchfloor --output bin/caddy-ceiling
 
 # Benchmark (SPEC §7), its own Go module: starts redis-servers, an upstream and
 # Caddy processes on loopback ports, prints a Markdown table, stops them all.

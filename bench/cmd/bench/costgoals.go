@@ -8,7 +8,8 @@ package main
 //
 // The part starts its own processes: one Caddy (a `respond` site, a
 // `redis_lock` + `respond` site, two `redis_ratelimit` + `respond` sites),
-// one redis-server for the lock and one for the rate limiter. Each round
+// one redis-server for the lock and one for the rate limiter, and a second
+// Caddy with the floor handlers, for scale (floorhandler.go). Each round
 // runs every load once, the order rotated from round to round; a ratio is
 // taken within a round and the figure is the median of the rounds' ratios.
 
@@ -121,6 +122,7 @@ type costLoad struct {
 	do      func(ctx context.Context, c, i int) error
 	samples []costSample // one per round
 	lastErr atomic.Pointer[string]
+	pid     int // the Caddy whose CPU it costs, when not the part's own (the floor handlers')
 }
 
 // redisInfoInt is one integer field of an INFO section.
@@ -172,6 +174,9 @@ func measureLoad(l *costLoad, clients int, warm, measure time.Duration, caddyPid
 		loop(warm)
 	}
 	var s costSample
+	if l.pid > 0 {
+		caddyPid = l.pid
+	}
 	caddy := func() float64 {
 		if caddyPid <= 0 {
 			return 0
@@ -389,6 +394,36 @@ end
 return 0
 `)
 
+// httpLoad is one HTTP request of a cost load on base: a lock request's
+// path is its key, client c cycling through its own keys (lockKey); a
+// rate-limit request (limited) spreads the clients over the same keys,
+// shared, in its X-Key field. field: the answer must carry a RateLimit
+// field (decided by redis_ratelimit, not let through unasked).
+func httpLoad(base, tag string, limited, field bool, clients, keys int) func(ctx context.Context, c, i int) error {
+	return func(ctx context.Context, c, i int) error {
+		var req *http.Request
+		if limited {
+			req, _ = http.NewRequestWithContext(ctx, http.MethodGet, base+"/", nil)
+			req.Header.Set("X-Key", fmt.Sprintf("rl-%s-%d", tag, (c*7919+i)%keys))
+		} else {
+			req, _ = http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("%s/lk-%s-%d", base, tag, lockKey(c, i, clients, keys)), nil)
+		}
+		resp, err := httpClient.Do(req)
+		if err != nil {
+			return err
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			return fmt.Errorf("status %d", resp.StatusCode)
+		}
+		if field && resp.Header.Get("RateLimit") == "" {
+			return fmt.Errorf("200 without a RateLimit field: not decided by Redis")
+		}
+		return nil
+	}
+}
+
 func runCostGoals(step func(string, ...any)) *costResult {
 	res := &costResult{at: time.Now(), nproc: runtime.NumCPU()}
 	res.loadAvg, _ = os.ReadFile("/proc/loadavg")
@@ -421,33 +456,14 @@ func runCostGoals(step func(string, ...any)) *costResult {
 	clients, keys := *costClients, *costKeys
 	url := func(port int) string { return fmt.Sprintf("http://127.0.0.1:%d", port) }
 	tag := strconv.FormatInt(time.Now().UnixNano()%1e6, 36)
+	step("cost goals: starting the floor handlers' caddy (bin/caddy-ceiling: respond, bench_floor_lock, bench_floor_ratelimit, each also batched)")
+	floor := startFloorHandlers(rLock.addr(), rRL.addr(), tag, clients, keys)
 
 	// HTTP loads. A lock request's path is its key: client c cycles
 	// through its own keys. A rate-limit request's X-Key spreads the
 	// clients over the same keys, shared (nothing is ever rejected).
 	httpDo := func(base string, limited bool) func(ctx context.Context, c, i int) error {
-		return func(ctx context.Context, c, i int) error {
-			var req *http.Request
-			if limited {
-				req, _ = http.NewRequestWithContext(ctx, http.MethodGet, base+"/", nil)
-				req.Header.Set("X-Key", fmt.Sprintf("rl-%s-%d", tag, (c*7919+i)%keys))
-			} else {
-				req, _ = http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("%s/lk-%s-%d", base, tag, lockKey(c, i, clients, keys)), nil)
-			}
-			resp, err := httpClient.Do(req)
-			if err != nil {
-				return err
-			}
-			io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != 200 {
-				return fmt.Errorf("status %d", resp.StatusCode)
-			}
-			if limited && resp.Header.Get("RateLimit") == "" {
-				return fmt.Errorf("200 without a RateLimit field: not decided by Redis")
-			}
-			return nil
-		}
+		return httpLoad(base, tag, limited, limited, clients, keys)
 	}
 
 	// ---- lock ----
@@ -469,26 +485,26 @@ func runCostGoals(step func(string, ...any)) *costResult {
 		}
 		return delIfOwner.Run(ctx, lockRC, []string{key}, token).Err()
 	}}
-	lockLoads := []*costLoad{plainL, lockedL, floorL}
-	runCostRounds(step, fmt.Sprintf("lock (plain, locked, SET NX PX + DEL script floor; %d clients)", clients), lockLoads, *costRounds, clients, *costLockMeasure, pid, lockInfo)
+	lockLoads := append([]*costLoad{plainL, lockedL, floorL}, floor.lockLoads()...)
+	runCostRounds(step, fmt.Sprintf("lock (plain, locked, SET NX PX + DEL script floor, the floor handlers' plain, bench_floor_lock and bench_floor_lock batched; %d clients)", clients), lockLoads, *costRounds, clients, *costLockMeasure, pid, lockInfo)
 
 	// Sequential latency, sampled round-robin: plain, one PING, locked,
 	// and the row's floors (SET NX PX, the acquire script alone; see
 	// latfloor.go), each after a spacer (see spaced).
-	step("cost goals, lock: sequential latency, %d requests each, interleaved: respond, one PING, redis_lock, SET NX PX, the acquire script", *seqN)
+	step("cost goals, lock: sequential latency, %d requests each, interleaved: respond, one PING, redis_lock, SET NX PX, the acquire script, the floor handlers' plain and bench_floor_lock", *seqN)
 	pinger := redis.NewClient(&redis.Options{Addr: rLock.addr(), PoolSize: 1})
 	defer pinger.Close()
 	acquire, err := acquireFloor(pinger, tag)
 	if err != nil {
 		return fail(err)
 	}
-	seq := interleaved(spaced(url(plainP),
-		latTarget{name: "plain", base: url(plainP)},
-		latTarget{name: "ping", do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }},
-		latTarget{name: "locked", base: url(lockP)},
-		latTarget{name: "set nx", do: setNXFloor(pinger, tag)},
-		latTarget{name: "acquire script", do: acquire},
-	), *seqN, 30*time.Second)
+	seq := interleaved(spaced(url(plainP), append([]latTarget{
+		{name: "plain", base: url(plainP)},
+		{name: "ping", do: func(ctx context.Context) error { return pinger.Ping(ctx).Err() }},
+		{name: "locked", base: url(lockP)},
+		{name: "set nx", do: setNXFloor(pinger, tag)},
+		{name: "acquire script", do: acquire},
+	}, floor.latTargets()...)...), *seqN, 30*time.Second)
 
 	// ---- rate limit ----
 	rlInfo := redis.NewClient(&redis.Options{Addr: rRL.addr(), PoolSize: 1})
@@ -515,8 +531,8 @@ func runCostGoals(step func(string, ...any)) *costResult {
 		}
 		return floorScript.Run(ctx, rlRC, ks).Err()
 	}}
-	rlLoads := []*costLoad{plainR, swL, gcraL, envoyL, exactL}
-	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor; %d clients)", clients), rlLoads, *costRLRounds, clients, *costRLMeasure, pid, rlInfo)
+	rlLoads := append([]*costLoad{plainR, swL, gcraL, envoyL, exactL}, floor.rlLoads()...)
+	runCostRounds(step, fmt.Sprintf("rate limit (plain, sliding_window, gcra, Envoy-style pipeline, exact floor, the floor handlers' plain, bench_floor_ratelimit and bench_floor_ratelimit batched; %d clients)", clients), rlLoads, *costRLRounds, clients, *costRLMeasure, pid, rlInfo)
 
 	// The exact floor again, paced to each algorithm's own decision rate
 	// (Redis idles between calls, as under the limited loads): a reference
@@ -540,7 +556,8 @@ func runCostGoals(step func(string, ...any)) *costResult {
 
 	res.goals = costGoalsFrom(plainL, lockedL, floorL, seq, plainR, swL, gcraL, envoyL, exactL)
 	res.machine = machineNote(append(lockLoads, rlLoads...))
-	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL), acquireFloorNote(seq), pacedFloorNote(swL, gcraL, exactL, paced))
+	res.notes = append(res.notes, clientFloorNote(plainL, lockedL, floorL), acquireFloorNote(seq), pacedFloorNote(swL, gcraL, exactL, paced),
+		floor.note(plainL, lockedL, floorL, seq, plainR, swL, gcraL, exactL))
 	for _, l := range append(lockLoads, rlLoads...) {
 		var errs int64
 		for _, s := range l.samples {
@@ -627,14 +644,23 @@ var costFigures = []string{
 	"Rate limit gcra: throughput limited ÷ plain",
 }
 
+// The ratios of two samples of one round: a's throughput ÷ b's, the Caddy
+// CPU a adds per request over b's (a plain load) ÷ b's, a's Redis CPU per
+// operation ÷ b's.
+func tputRatio(a, b costSample) float64 { return a.rate() / max(b.rate(), 1e-9) }
+
+func caddyAddedRatio(a, b costSample) float64 {
+	base := b.per(b.caddyCPU)
+	return (a.per(a.caddyCPU) - base) / max(base, 1e-9)
+}
+
+func redisCPURatio(a, b costSample) float64 {
+	return a.per(a.redisCPU) / max(b.per(b.redisCPU), 1e-9)
+}
+
 // costGoalsFrom turns the measured loads into the summary rows.
 func costGoalsFrom(plainL, lockedL, floorL *costLoad, seq []seqResult, plainR, swL, gcraL, envoyL, exactL *costLoad) []costGoal {
-	tput := func(a, b costSample) float64 { return a.rate() / max(b.rate(), 1e-9) }
-	caddyAdded := func(a, b costSample) float64 {
-		base := b.per(b.caddyCPU)
-		return (a.per(a.caddyCPU) - base) / max(base, 1e-9)
-	}
-	redisRatio := func(a, b costSample) float64 { return a.per(a.redisCPU) / max(b.per(b.redisCPU), 1e-9) }
+	tput, caddyAdded, redisRatio := tputRatio, caddyAddedRatio, redisCPURatio
 	med := func(l *costLoad, f func(costSample) float64) float64 { return median(perLoad(l, f)) }
 	reqps := func(s costSample) float64 { return s.rate() }
 	caddyUs := func(s costSample) float64 { return s.per(s.caddyCPU) }

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -182,5 +183,54 @@ func TestAcquireFloorNote(t *testing.T) {
 	}
 	if got := acquireFloorNote(seq[:3]); !strings.HasPrefix(got, "✘") || !strings.Contains(got, "acquire script: not measured") {
 		t.Errorf("without the floors: %q", got)
+	}
+}
+
+// The floor handlers' note divides each floor load by its own Caddy's
+// plain load of the same round (not the plugin's), puts the plugin's
+// figure beside it, and says when the floor handlers did not run.
+func TestFloorHandlerNote(t *testing.T) {
+	s := func(ops int64, caddy, redis float64) costSample {
+		return costSample{ops: ops, dur: time.Second, caddyCPU: caddy, redisCPU: redis}
+	}
+	load := func(x costSample) *costLoad { return &costLoad{samples: []costSample{x}} }
+	f := &floorHandlers{
+		plainL: load(s(2000, 0.08, 0)),      // 40 µs
+		lockL:  load(s(800, 0.08, 0.032)),   // 0.40, 100 µs: +1.50, Redis 40 µs
+		lockB:  load(s(1000, 0.07, 0.030)),  // 0.50, 70 µs: +0.75
+		plainR: load(s(2000, 0.08, 0)),      // 40 µs
+		limitL: load(s(1000, 0.08, 0.010)),  // 0.50, +1.00, Redis 10 µs
+		limitB: load(s(1400, 0.07, 0.0028)), // 0.70, 50 µs: +0.25, Redis 2 µs
+	}
+	plainL := load(s(1000, 0.05, 0))      // 50 µs (the plugin's Caddy)
+	lockedL := load(s(450, 0.05, 0.0135)) // 0.45, 111 µs: +1.22, Redis 30 µs
+	lockFloor := load(s(1000, 0, 0.020))  // 20 µs
+	plainR := load(s(1000, 0.05, 0))
+	swL := load(s(600, 0.045, 0.006))    // 0.60, 75 µs: +0.50, Redis 10 µs
+	gcraL := load(s(700, 0.049, 0.0056)) // 0.70, 70 µs: +0.40, Redis 8 µs
+	exactL := load(s(1000, 0, 0.002))    // 2 µs
+	us := func(n int) time.Duration { return time.Duration(n) * time.Microsecond }
+	seq := []seqResult{
+		{name: "plain", median: us(200), n: 10}, {name: "ping", median: us(100), n: 10}, {name: "locked", median: us(450), n: 10},
+		{name: "floor plain", median: us(210), n: 10}, {name: "floor locked", median: us(380), n: 10},
+	}
+	got := f.note(plainL, lockedL, lockFloor, seq, plainR, swL, gcraL, exactL)
+	for _, want := range []string{
+		"throughput ÷ plain **0.40** (rounds 0.40; the plugin's 0.45)",
+		"Caddy CPU added ÷ plain **1.50** (rounds 1.50; the plugin's 1.22)",
+		"Redis CPU ÷ the lock floor **2.00** (rounds 2.00; the plugin's 1.50)",
+		"locked − plain p50 ÷ PING **1.70** (the plugin's 2.50)",
+		"Batched (the commands of concurrent requests share pipelines, one worker): throughput ÷ plain **0.50**",
+		"Caddy CPU added ÷ plain **0.75**",
+		"throughput ÷ plain **0.50** (rounds 0.50; the plugin's sliding_window 0.60, gcra 0.70); Caddy CPU added ÷ plain **1.00** (rounds 1.00; the plugin's sliding_window 0.50, gcra 0.40); Redis CPU ÷ the exact floor **5.00** (rounds 5.00; the plugin's sliding_window 5.00, gcra 4.00)",
+		"throughput ÷ plain **0.70** (rounds 0.70; the plugin's sliding_window 0.60, gcra 0.70); Caddy CPU added ÷ plain **0.25**",
+		"Redis CPU ÷ the exact floor **1.00**",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("note lacks %q:\n%s", want, got)
+		}
+	}
+	if got := (&floorHandlers{err: fmt.Errorf("no binary")}).note(plainL, lockedL, lockFloor, seq, plainR, swL, gcraL, exactL); got != "✘ the floor handlers (bench/benchfloor): no binary" {
+		t.Errorf("without the floor handlers: %q", got)
 	}
 }
