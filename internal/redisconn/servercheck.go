@@ -2,16 +2,22 @@ package redisconn
 
 // The per-server checks, run on the first connection to each
 // Redis server (never in Provision): the server's version must be at least
-// minRedisVersion, and its maxmemory-policy must not evict keys.
+// minRedisVersion, and its maxmemory-policy must not evict keys. And on
+// every new connection, the server's process: its run_id and when it
+// started, so that a server restarted (possibly empty) is noticed before
+// the first answer of the new process is used (see Check.Restarts and
+// Check.Started).
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -47,6 +53,12 @@ type Check struct {
 	// failover names the master of a Sentinel group, whose connections do
 	// not carry its address (go-redis names them "FailoverClient").
 	failover string
+	// restarts counts the servers seen with a run_id other than the one
+	// seen before (a process restarted, or another server at the address).
+	restarts atomic.Uint64
+	// started is the latest process start (Redis TIME, µs) seen among the
+	// servers; 0 while none is known.
+	started atomic.Int64
 }
 
 // serverState is what is known of one server.
@@ -56,6 +68,8 @@ type serverState struct {
 	err          error // not nil: the server is unusable (too old)
 	evicting     bool
 	configDenied bool // INFO was refused; warned once
+	sentinel     bool // a Sentinel: it holds no keys
+	runID        string
 }
 
 // CheckOptions configure the checks of one client.
@@ -117,17 +131,24 @@ func (sc *Check) onConnect(ctx context.Context, cn *redis.Conn) error {
 
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if !st.checked.IsZero() && time.Since(st.checked) < recheckEvery {
+	due := st.checked.IsZero() || time.Since(st.checked) >= recheckEvery
+	if !due && (st.err != nil || st.sentinel || st.configDenied) {
 		return st.err
 	}
-	// One round trip: HELLO for the version, INFO memory for the policy
-	// (INFO needs no access to the server's configuration; not asked again
-	// once refused: each refusal is an ACL LOG entry).
+	// One round trip: HELLO for the version when a check is due, INFO
+	// memory for the policy then, and INFO server for the process on every
+	// new connection (INFO needs no access to the server's configuration;
+	// not asked again once refused: each refusal is an ACL LOG entry).
 	pipe := cn.Pipeline()
-	helloCmd := pipe.Do(ctx, "hello")
+	var helloCmd *redis.Cmd
 	var infoCmd *redis.StringCmd
-	if !st.configDenied {
-		infoCmd = pipe.Info(ctx, "memory")
+	switch {
+	case due && !st.configDenied:
+		helloCmd, infoCmd = pipe.Do(ctx, "hello"), pipe.Info(ctx, "server", "memory")
+	case due:
+		helloCmd = pipe.Do(ctx, "hello")
+	default:
+		infoCmd = pipe.Info(ctx, "server")
 	}
 	cmds, _ := pipe.Exec(ctx)
 	for _, cmd := range cmds {
@@ -136,20 +157,83 @@ func (sc *Check) onConnect(ctx context.Context, cn *redis.Conn) error {
 			return err // the call failed: this connection is not usable either
 		}
 	}
+	if !due {
+		if info, err := infoCmd.Result(); err == nil {
+			sc.noteProcess(info, st)
+		}
+		return nil
+	}
 	version, mode, err := parseHello(helloCmd.Result())
 	if mode == "sentinel" {
 		// go-redis runs the hook on its connections to the Sentinels
 		// too; they hold no keys.
-		st.checked, st.err = time.Now(), nil
+		st.checked, st.err, st.sentinel = time.Now(), nil, true
 		return nil
 	}
 	sc.checkVersion(version, err, addr, st, minVersion)
 	if st.err == nil && infoCmd != nil {
 		info, err := infoCmd.Result()
 		sc.checkPolicy(info, err, addr, st)
+		if err == nil {
+			sc.noteProcess(info, st)
+		}
 	}
 	st.checked = time.Now()
 	return st.err
+}
+
+// noteProcess takes the server's process from an INFO server answer: a
+// run_id other than the one seen before counts a restart, and the
+// process's start is kept when it is the latest seen.
+//
+// INFO gives the uptime in whole seconds, floored from two floored
+// clocks, so TIME − uptime can be up to a second before the real start;
+// the start kept is a second later than that, so never before it (a
+// reader refusing what predates the start refuses, at worst, what came in
+// the process's first two seconds as well).
+func (sc *Check) noteProcess(info string, st *serverState) {
+	f := infoFields(info, "run_id", "uptime_in_seconds", "server_time_usec")
+	up, err1 := strconv.ParseInt(f["uptime_in_seconds"], 10, 64)
+	now, err2 := strconv.ParseInt(f["server_time_usec"], 10, 64)
+	if f["run_id"] == "" || err1 != nil || err2 != nil {
+		return
+	}
+	if st.runID != "" && st.runID != f["run_id"] {
+		sc.restarts.Add(1)
+	}
+	st.runID = f["run_id"]
+	start := now - up*1_000_000 + 1_000_000
+	for {
+		cur := sc.started.Load()
+		if start <= cur || sc.started.CompareAndSwap(cur, start) {
+			return
+		}
+	}
+}
+
+// Restarts counts the times a server of this client was found running a
+// process other than the one seen before (its run_id changed: restarted,
+// possibly empty, or failed over). A caller that keeps state a restart
+// loses compares it before and after a call: the hook runs before a new
+// connection's first command, so an answer that came from a new process
+// is seen with the count already raised.
+func (sc *Check) Restarts() uint64 { return sc.restarts.Load() }
+
+// Started is the latest start of a server process of this client, in
+// Redis TIME µs (never before the real start; see noteProcess), or 0
+// while no connection could read it (INFO refused, or none made yet).
+func (sc *Check) Started() int64 { return sc.started.Load() }
+
+// infoFields picks the named fields of an INFO answer.
+func infoFields(info string, names ...string) map[string]string {
+	out := make(map[string]string, len(names))
+	for _, line := range strings.Split(info, "\n") {
+		k, v, ok := strings.Cut(strings.TrimSpace(line), ":")
+		if ok && slices.Contains(names, k) {
+			out[k] = v
+		}
+	}
+	return out
 }
 
 // checkVersion judges the server's version from its HELLO answer (HELLO
@@ -191,12 +275,7 @@ func (sc *Check) checkPolicy(info string, err error, addr string, st *serverStat
 		}
 		return
 	}
-	var policy string
-	for _, line := range strings.Split(info, "\n") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "maxmemory_policy:"); ok {
-			policy = v
-		}
-	}
+	policy := infoFields(info, "maxmemory_policy")["maxmemory_policy"]
 	evicting := strings.HasPrefix(policy, "allkeys-") || strings.HasPrefix(policy, "volatile-")
 	if evicting {
 		sc.log().Error("redis server evicts keys: it can drop a held lock and its fencing counter and let two holders in; set maxmemory-policy noeviction",
