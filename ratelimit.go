@@ -140,7 +140,8 @@ type RedisRateLimit struct {
 	// this handler's prefix, so the fleet as a whole admits about n — never
 	// every request, never none. N is counted from heartbeats each instance
 	// with fail_local keeps in Redis (one per process, living 3 s; the last
-	// count seen is used), or given with `instances`. With no count ever
+	// count seen is used), or given with `instances`. A reload keeps the
+	// local state (counts, pending charges, local mode). With no count ever
 	// seen and no `instances`, requests get 503 as with fail_closed (logged).
 	// The local limiter starts from this instance's own admissions of the
 	// current window (kept in memory while Redis decides), and what it
@@ -274,7 +275,8 @@ type RedisRateLimit struct {
 	// rejection (count, wait, a log's order).
 	announced  *ratelimit.DenyCache
 	fleet      *fleet           // fail_local; nil without
-	local      *localState      // fail_local; nil without
+	local      *localState      // fail_local; nil without (shared: localPool)
+	localKey   string           // of local in localPool, once acquired
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
 	settleWarn *warnings
@@ -383,7 +385,9 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if h.FailLocal {
-		h.local = &localState{lim: ratelimit.NewLocal(localRatesMax, time.Now())}
+		if err := h.acquireLocal(); err != nil {
+			return err
+		}
 	}
 	registerResets(h)
 	h.startFleet(ctx)
@@ -505,6 +509,7 @@ func (h *RedisRateLimit) Cleanup() error {
 	adminUnregister(h)
 	unregisterResets(h)
 	h.obs.release()
+	h.releaseLocal()
 	releaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil

@@ -15,7 +15,6 @@ import (
 	_ "embed"
 	"fmt"
 	"runtime/debug"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
@@ -48,10 +47,9 @@ const (
 	heartbeatLife = 3 * heartbeatEvery
 )
 
-// fleet is a fail_local handler's view of the other instances.
+// fleet is a fail_local handler's loop state (what it learns of the other
+// instances is in its localState, which outlives a reload).
 type fleet struct {
-	// The number of instances seen in the last heartbeat read (0: none yet).
-	instances atomic.Int64
 	// The handler's logger as Provision left it: the loop reads no field a
 	// later change of the handler could race with.
 	logger *zap.Logger
@@ -153,7 +151,7 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 		return false
 	}
 	if n, _ := res[1].(int64); n > 0 {
-		h.fleet.instances.Store(n)
+		h.local.instances.Store(n)
 	}
 	return true
 }

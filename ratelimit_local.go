@@ -4,6 +4,7 @@ package redisdlm
 // at its share of every rate (internal/ratelimit's Local); what it admits
 // is charged to Redis once Redis answers again. N, the instances sharing
 // the prefix, comes from `instances` or the heartbeats (ratelimit_fleet.go).
+// The state lives in a pool across config reloads (localPool).
 
 import (
 	"context"
@@ -24,10 +25,19 @@ import (
 	"go.uber.org/zap"
 )
 
-// localRatesMax bounds the rates of keys one handler's local limiter keeps.
+// localRatesMax bounds the rates of keys one local limiter keeps.
 const localRatesMax = 20000
 
-// localState is a fail_local handler's runtime state.
+// localPool keeps the fail_local state of each instance, Redis and prefix
+// across config reloads: a reload during an outage keeps deciding from the
+// same counts, and the admissions it made before are still charged when
+// Redis answers (the handlers of the new config take the state before
+// those of the old one let it go).
+var localPool = caddy.NewUsagePool()
+
+// localState is the runtime state of the fail_local handlers of one
+// instance on one Redis and prefix (they share their keys in Redis, so
+// they share what they admitted on their own as well).
 type localState struct {
 	lim *ratelimit.Local
 	// Deciding locally since the last Redis answer.
@@ -40,6 +50,42 @@ type localState struct {
 	// Redis TIME minus the local clock: local admission times become Redis
 	// times when charged.
 	clock clockOffset
+	// The number of instances seen in the last heartbeat read (0: none yet).
+	instances atomic.Int64
+}
+
+// Destruct implements caddy.Destructor: nothing to release (charges still
+// pending when the last fail_local handler on the prefix goes are dropped).
+func (*localState) Destruct() error { return nil }
+
+// acquireLocal takes the handler's fail_local state from localPool, made
+// when missing. The state is named by the instance (per process), the
+// Redis it limits in (its address, db and mode: a reload that changes the
+// timeout or the credentials keeps it) and the prefix.
+func (h *RedisRateLimit) acquireLocal() error {
+	s := h.client.settings
+	s.Username, s.Password, s.CAFile, s.CertFile, s.KeyFile, s.TLSFiles, s.ClientName, s.Timeout = "", "", "", "", "", "", "", 0
+	s.Addrs = make([]string, len(h.client.settings.Addrs))
+	for i, a := range h.client.settings.Addrs {
+		s.Addrs[i] = redisconn.RedactURL(a)
+	}
+	key := h.instance() + "\x00" + s.PoolKey() + "\x00" + h.Prefix
+	v, _, err := localPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+		return &localState{lim: ratelimit.NewLocal(localRatesMax, time.Now())}, nil
+	})
+	if err != nil {
+		return fmt.Errorf("redis_ratelimit: fail_local: %w", err)
+	}
+	h.local, h.localKey = v.(*localState), key
+	return nil
+}
+
+// releaseLocal gives back what acquireLocal took.
+func (h *RedisRateLimit) releaseLocal() {
+	if h.localKey != "" {
+		_, _ = localPool.Delete(h.localKey)
+		h.localKey = ""
+	}
 }
 
 // returnCap is how long an instance back from local mode holds every key
@@ -222,7 +268,7 @@ func (h *RedisRateLimit) instances() int64 {
 	if h.Instances > 0 {
 		return int64(h.Instances)
 	}
-	return h.fleet.instances.Load()
+	return h.local.instances.Load()
 }
 
 // serveLocal decides a request by the local limiter (Redis could not).

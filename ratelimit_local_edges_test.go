@@ -1,0 +1,299 @@
+package redisdlm
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The edges of fail_local's bound (SPEC §4 item 12), each with real Caddy
+// processes (caddyproc_test.go) in front of a recording upstream: in any
+// window of w the fleet admits at most Σ over instances of max(what Redis
+// admitted through that instance in the window, its share). An admission
+// counts in a window only when its client sent it and the upstream
+// received it inside that window: its decision lies between the two.
+
+// flEdgeN is the limit of these tests, 21 per window: a share of 7 over
+// three instances.
+const flEdgeN = 21
+
+// flArrival is one request the upstream received: when its client sent it
+// and when it arrived, and through which instance.
+type flArrival struct {
+	sent, arrived time.Time
+	inst, user    string
+}
+
+// flUpstream records every request it receives.
+type flUpstream struct {
+	mu  sync.Mutex
+	got []flArrival
+	srv *httptest.Server
+}
+
+func startFLUpstream(t *testing.T) *flUpstream {
+	t.Helper()
+	u := new(flUpstream)
+	u.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		at := time.Now()
+		sent, err := strconv.ParseInt(r.Header.Get("X-Sent"), 10, 64)
+		if err != nil {
+			http.Error(w, "no X-Sent", http.StatusBadRequest)
+			return
+		}
+		u.mu.Lock()
+		u.got = append(u.got, flArrival{sent: time.UnixMicro(sent), arrived: at, inst: r.Header.Get("X-Inst"), user: r.Header.Get("X-User")})
+		u.mu.Unlock()
+	}))
+	t.Cleanup(u.srv.Close)
+	return u
+}
+
+// arrivals returns what the upstream received of user, by send time.
+func (u *flUpstream) arrivals(user string) []flArrival {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	var out []flArrival
+	for _, a := range u.got {
+		if a.user == user {
+			out = append(out, a)
+		}
+	}
+	slices.SortFunc(out, func(a, b flArrival) int { return a.sent.Compare(b.sent) })
+	return out
+}
+
+// flWindow is the busiest window of w in as: the admissions sent at or
+// after one admission's send time and received less than w after it.
+type flWindow struct {
+	from  time.Time
+	in    []flArrival
+	count int
+}
+
+// flWindows visits, for each admission, the window of w that starts at its
+// send time.
+func flWindows(as []flArrival, w time.Duration, visit func(flWindow)) {
+	for i, a := range as {
+		win := flWindow{from: a.sent}
+		for _, b := range as[i:] {
+			if b.sent.Sub(a.sent) >= w {
+				break
+			}
+			if b.arrived.Before(a.sent.Add(w)) {
+				win.in = append(win.in, b)
+			}
+		}
+		win.count = len(win.in)
+		visit(win)
+	}
+}
+
+// flBusiest is the largest count of flWindows.
+func flBusiest(as []flArrival, w time.Duration) flWindow {
+	var best flWindow
+	flWindows(as, w, func(win flWindow) {
+		if win.count > best.count {
+			best = win
+		}
+	})
+	return best
+}
+
+// perInstance counts the admissions of a window by instance.
+func (w flWindow) perInstance() map[string]int {
+	m := map[string]int{}
+	for _, a := range w.in {
+		m[a.inst]++
+	}
+	return m
+}
+
+// flSite is a Caddyfile of one instance: the limit, 21 per w (with extra
+// lines), in front of the upstream, which learns the instance by X-Inst.
+// The admin endpoint is on admin (for a reload), or off when admin is 0.
+func flSite(dir string, port, admin int, w time.Duration, name, redis, upstream, extra string) string {
+	adm := "admin off"
+	if admin != 0 {
+		adm = fmt.Sprintf("admin localhost:%d", admin)
+	}
+	return fmt.Sprintf(`{
+	%s
+	auto_https off
+	persist_config off
+	storage file_system %s
+	log {
+		level WARN
+	}
+}
+http://127.0.0.1:%d {
+	redis_ratelimit {
+		key {http.request.header.X-User}
+		rate %d %s
+		fail_local
+		redis %s
+%s	}
+	request_header X-Inst %s
+	reverse_proxy %s
+}
+`, adm, dir, port, flEdgeN, w, redis, extra, name, upstream)
+}
+
+// flAnswer is what a client got.
+type flAnswer struct {
+	status     int
+	retryAfter string
+	err        error
+}
+
+var flHTTP = &http.Client{Timeout: 20 * time.Second}
+
+// flSend sends one request of user through c, stamped with its send time.
+func flSend(c *caddyProcess, user string) flAnswer {
+	req, _ := http.NewRequest(http.MethodGet, c.url()+"/", nil)
+	req.Header.Set("X-User", user)
+	req.Header.Set("X-Sent", strconv.FormatInt(time.Now().UnixMicro(), 10))
+	resp, err := flHTTP.Do(req)
+	if err != nil {
+		return flAnswer{err: err}
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return flAnswer{status: resp.StatusCode, retryAfter: resp.Header.Get(HeaderRetryAfter)}
+}
+
+// flSendN sends n requests of user through c, one after the other, and
+// counts the answers by status.
+func flSendN(t *testing.T, c *caddyProcess, user string, n int) map[int]int {
+	t.Helper()
+	out := map[int]int{}
+	for range n {
+		a := flSend(c, user)
+		if a.err != nil {
+			t.Fatalf("a request to %s: %v", c.name, a.err)
+		}
+		out[a.status]++
+	}
+	return out
+}
+
+// reloadCaddy loads caddyfile into c through its admin endpoint.
+func reloadCaddy(t *testing.T, c *caddyProcess, admin int, caddyfile string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://localhost:%d/load", admin), bytes.NewReader([]byte(caddyfile)))
+	req.Header.Set("Content-Type", "text/caddyfile")
+	resp, err := flHTTP.Do(req)
+	if err != nil {
+		t.Fatalf("reloading Caddy %s: %v", c.name, err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("reloading Caddy %s: %d %s", c.name, resp.StatusCode, body)
+	}
+}
+
+// fleetCount is the number of live heartbeats under the default prefix.
+func fleetCount(t *testing.T, r *testRedis) int64 {
+	t.Helper()
+	n, _ := r.Client().ZCard(t.Context(), DefaultRateLimitPrefix+"{~fleet}:instances").Result()
+	return n
+}
+
+// slidingUsed counts the admissions Redis's sliding log of key holds
+// within the last w (Redis TIME).
+func slidingUsed(t *testing.T, r *testRedis, key string, w time.Duration) int {
+	t.Helper()
+	c := r.Client()
+	v, err := c.Get(t.Context(), key).Bytes()
+	if err != nil || len(v) < 24 {
+		return 0
+	}
+	now, err := c.Time(t.Context()).Result()
+	if err != nil {
+		t.Fatalf("redis TIME: %v", err)
+	}
+	n := 0
+	for off := 24; off+8 <= len(v); off += 8 {
+		at := int64(math.Float64frombits(binary.BigEndian.Uint64(v[off : off+8])))
+		if at > 0 && at >= now.Add(-w).UnixMicro() {
+			n++
+		}
+	}
+	return n
+}
+
+// waitLog waits until c's log holds msg.
+func waitLog(c *caddyProcess, msg string, d time.Duration) bool {
+	return waitFor(d, func() bool {
+		b, _ := os.ReadFile(c.log)
+		return bytes.Contains(b, []byte(msg))
+	})
+}
+
+// TestWholeCaddyFailLocalReload (issue 47 row 2): `instances 3` (a share
+// of 7 of 21 per minute); Redis paused, 15 requests to A, A reloaded with
+// its timeout changed (a new Redis client), 15 more. A admits its share, 7,
+// over both configs (a reload keeps the local limiter, its counts and its
+// pending charges), and once Redis answers again all 7 are charged to it.
+func TestWholeCaddyFailLocalReload(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	t.Parallel()
+	r := startRedis(t)
+	up := startFLUpstream(t)
+	port, admin := freePort(t), freePort(t)
+	site := func(timeout string) func(string) string {
+		return func(dir string) string {
+			return flSite(dir, port, admin, time.Minute, "A", r.Addr, up.srv.Listener.Addr().String(), "\t\tinstances 3\n\t\ttimeout "+timeout+"\n")
+		}
+	}
+	a := startCaddyProcess(t, "A", port, site("300ms"))
+	if got := flSendN(t, a, "warm", 1); got[200] != 1 {
+		t.Fatalf("with Redis up: %v", got)
+	}
+	r.Pause()
+	resumed := false
+	defer func() {
+		if !resumed {
+			r.Resume()
+		}
+	}()
+	before := flSendN(t, a, "u", 15)
+	reloadCaddy(t, a, admin, site("400ms")(t.TempDir()))
+	after := flSendN(t, a, "u", 15)
+	r.Resume()
+	resumed = true
+	t.Logf("before the reload %v, after it %v", before, after)
+	if before[200] != 7 || after[200] != 0 {
+		t.Errorf("admitted %d before the reload and %d after it, want the share 7 in all (a reload keeps the local state)", before[200], after[200])
+	}
+	// Back to Redis: every local admission is charged to it, once. (The
+	// call that met the paused Redis may be recorded as it resumes: a
+	// stricter window, never a looser one.)
+	key := DefaultRateLimitPrefix + "{u}:sw:21/1m0s"
+	if !waitFor(20*time.Second, func() bool {
+		flSend(a, "probe") // a request of another key ends local mode
+		return slidingUsed(t, r, key, time.Minute) >= 7
+	}) {
+		t.Errorf("Redis holds %d admissions of the key 20 s after SIGCONT, want the 7 local ones", slidingUsed(t, r, key, time.Minute))
+	}
+	if !waitLog(a, "local rate limiting (fail_local) ends", 20*time.Second) {
+		t.Fatal("A not back to Redis 20 s after SIGCONT")
+	}
+	if used := slidingUsed(t, r, key, time.Minute); used < 7 || used > 7+2 {
+		t.Errorf("Redis holds %d admissions of the key, want the 7 local ones (and up to 2 calls that met the paused Redis)", used)
+	}
+	if b := flBusiest(up.arrivals("u"), time.Minute); b.count > 7 {
+		t.Errorf("%d admissions of the key within a minute, want at most the share 7", b.count)
+	}
+}
