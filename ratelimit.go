@@ -112,7 +112,8 @@ type RedisRateLimit struct {
 
 	// The HTTP status of a rejected request, in 400–599; it is sent with
 	// Retry-After (whole seconds, at least 1, never before the request
-	// would be admitted). Default: 429.
+	// would be admitted; a local decision of fail_local gives the time to
+	// the next probe of Redis instead, about a second). Default: 429.
 	Status int `json:"status,omitempty"`
 
 	// Send the RateLimit-Policy and RateLimit response fields

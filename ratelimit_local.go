@@ -303,8 +303,8 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	}
 	d := decision{Allowed: ld.Allowed, Wait: ld.Wait, Tight: ld.Tight, Remaining: ld.Remaining, Reset: ld.Reset}
 	retry := int64(0)
-	if !d.Allowed && d.Wait > 0 {
-		retry = retryAfterSeconds(jittered(d.Wait, h.Jitter))
+	if !d.Allowed {
+		retry = retryAfterSeconds(jittered(h.localRetry(d.Wait), h.Jitter))
 	}
 	if h.sendHdrs {
 		h.setHeaders(r, w.Header(), p, d)
@@ -320,6 +320,22 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		return caddyhttp.Error(h.status, ErrRateLimited)
 	}
 	return next.ServeHTTP(w, r)
+}
+
+// localProbe is how soon Redis decides again after a local decision: the
+// breaker lets a call try Redis about once a second, and the fleet loop
+// tries the heartbeat every localTick (the return's hold lasts returnCap).
+const localProbe = time.Second
+
+// localRetry is the Retry-After of a local rejection whose share admits
+// it after wait (0: never at this share): the time until Redis decides
+// again, when that comes first, since Redis knows the whole fleet's use
+// and may admit it then.
+func (h *RedisRateLimit) localRetry(wait time.Duration) time.Duration {
+	if wait > 0 && wait < localProbe {
+		return wait
+	}
+	return localProbe
 }
 
 // chargeLocal charges Redis with all local admissions, one script call per

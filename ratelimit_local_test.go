@@ -544,3 +544,56 @@ func onFreshKey(t *testing.T, h *RedisRateLimit, base int, msg string, try func(
 	}
 	t.Fatal(msg)
 }
+
+// TestFailLocalRetryAfter (issue 47 row 10): a local 429 while Redis is
+// unreachable says when this instance asks Redis again (the next probe,
+// about a second), not when its local share grows (here most of a
+// 10 s window): once Redis answers, it admits the key at once. The
+// rejection of the return's hold, which Redis decides a second later at
+// most, says 1 as well.
+func TestFailLocalRetryAfter(t *testing.T) {
+	t.Parallel()
+	h, r, _ := pausedLocal(t, func(h *RedisRateLimit) {
+		h.Instances = 2
+		h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(10 * time.Second)}}
+	})
+	const ip = "192.0.2.67"
+	r.Pause()
+	resumed := false
+	defer func() {
+		if !resumed {
+			r.Resume()
+		}
+	}()
+	if passed, statuses := countPassed(h, ip, 2); passed != 2 {
+		t.Fatalf("locally: %d of 2 admitted (%v), want the share 2", passed, statuses)
+	}
+	a := serveRL(h, ip, nil)
+	if a.passed || a.status != http.StatusTooManyRequests || a.retryAfter() != 1 {
+		t.Errorf("the share spent while Redis is unreachable: status %d, Retry-After %d, want 429 with 1 (the next probe)", a.status, a.retryAfter())
+	}
+	r.Resume()
+	resumed = true
+	// Back to Redis (another key's request ends local mode): within the
+	// return's hold the key's share is still spent.
+	if !waitFor(10*time.Second, func() bool {
+		serveRL(h, "192.0.2.68", nil)
+		return !h.local.mode.Load() && !h.local.lim.Pending()
+	}) {
+		t.Fatal("not back to Redis 10 s after it came back")
+	}
+	back := time.Unix(0, h.local.back.Load())
+	a = serveRL(h, ip, nil)
+	if time.Since(back) < returnCap && (a.passed || a.retryAfter() != 1) {
+		t.Errorf("within the return's hold: passed %v, Retry-After %d, want 429 with 1 (Redis decides within a second)", a.passed, a.retryAfter())
+	}
+	// Redis holds the 2 local admissions (and maybe the call that met the
+	// paused Redis): it admits the key as soon as it decides.
+	start := time.Now()
+	if !waitFor(10*time.Second, func() bool { return serveRL(h, ip, nil).passed }) {
+		t.Fatal("the key not admitted by Redis 10 s after it came back")
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the key admitted %v after the return, want within about a second (bound 5 s)", took)
+	}
+}
