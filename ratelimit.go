@@ -281,6 +281,7 @@ type RedisRateLimit struct {
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
 	settleWarn *warnings
+	fullWarn   *warnings // fail_local: a new key finds its limiter full
 }
 
 // rateSpec is one rate as the script takes it.
@@ -311,6 +312,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.events = newEmitter(ctx)
 	h.warn = newWarnings(failWarnEvery)
 	h.settleWarn = newWarnings(failWarnEvery)
+	h.fullWarn = newWarnings(failWarnEvery)
 	if h.now == nil {
 		h.now = time.Now
 	}

@@ -275,14 +275,8 @@ func (h *RedisRateLimit) instances() int64 {
 func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, p *plan, id string, cause error) error {
 	n := h.instances()
 	if n == 0 {
-		h.counters[resultError].Inc()
-		if due, k := h.warn.Due(); due {
-			h.logger.Warn("redis unavailable for rate limiting and the number of instances sharing the limit was never seen (no heartbeat read, no instances set): rejecting requests with 503, as fail_closed",
-				zap.String("redis", h.client.settings.Display()), zap.Error(cause), zap.Int64("decisions_since_last_warning", k))
-		}
-		h.policyHeader(w, r, p)
-		w.Header().Set(HeaderRetryAfter, "1")
-		return caddyhttp.Error(http.StatusServiceUnavailable, fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
+		return h.localClosed(w, r, p, h.warn, "redis unavailable for rate limiting and the number of instances sharing the limit was never seen (no heartbeat read, no instances set): rejecting requests with 503, as fail_closed",
+			fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
 	}
 	var capped returnCapError
 	isCap := errors.As(cause, &capped)
@@ -294,13 +288,17 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	if !own {
 		h.local.n.Add(1)
 	}
-	h.counters[resultLocal].Inc()
 	var ld ratelimit.LocalDecision
 	if isCap {
 		ld = capped.ld
 	} else {
 		ld = h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
 	}
+	if ld.Full {
+		return h.localClosed(w, r, p, h.fullWarn, "the local rate limiter (fail_local) is full of admissions still to charge to redis: rejecting the requests of new keys with 503, as fail_closed",
+			fmt.Errorf("redis_ratelimit: no decision (fail_local, no room for a new key among %d with charges pending): %w", localRatesMax, cause))
+	}
+	h.counters[resultLocal].Inc()
 	d := decision{Allowed: ld.Allowed, Wait: ld.Wait, Tight: ld.Tight, Remaining: ld.Remaining, Reset: ld.Reset}
 	retry := int64(0)
 	if !d.Allowed {
@@ -320,6 +318,20 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		return caddyhttp.Error(h.status, ErrRateLimited)
 	}
 	return next.ServeHTTP(w, r)
+}
+
+// localClosed answers a request that the local limiter cannot decide as
+// fail_closed does: 503 with Retry-After 1 (the breaker probes Redis about
+// once a second), counted as an error, and logged at most every
+// failWarnEvery by warn.
+func (h *RedisRateLimit) localClosed(w http.ResponseWriter, r *http.Request, p *plan, warn *warnings, msg string, err error) error {
+	h.counters[resultError].Inc()
+	if due, k := warn.Due(); due {
+		h.logger.Warn(msg, zap.String("redis", h.client.settings.Display()), zap.Error(err), zap.Int64("decisions_since_last_warning", k))
+	}
+	h.policyHeader(w, r, p)
+	w.Header().Set(HeaderRetryAfter, "1")
+	return caddyhttp.Error(http.StatusServiceUnavailable, err)
 }
 
 // localProbe is how soon Redis decides again after a local decision: the

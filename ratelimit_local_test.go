@@ -597,3 +597,48 @@ func TestFailLocalRetryAfter(t *testing.T) {
 		t.Errorf("the key admitted %v after the return, want within about a second (bound 5 s)", took)
 	}
 }
+
+// TestFailLocalFullAnswers503 (issue 47 row 9): with the local limiter
+// full of keys whose local admissions still wait to be charged, a new key
+// is answered as fail_closed (503, Retry-After 1), counted as an error
+// and logged, while the keys it holds are still decided locally; none of
+// their charges is dropped.
+func TestFailLocalFullAnswers503(t *testing.T) {
+	t.Parallel()
+	h, r, logs := pausedLocal(t, func(h *RedisRateLimit) {
+		h.Instances = 1
+		h.Rates = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}
+	})
+	r.Pause()
+	defer r.Resume()
+	ip := func(i int) string { return fmt.Sprintf("10.%d.%d.%d", i>>16, (i>>8)&255, i&255) }
+	for i := range localRatesMax {
+		if a := serveRL(h, ip(i), nil); !a.passed {
+			t.Fatalf("key %d of %d: status %d, want admitted locally", i, localRatesMax, a.status)
+		}
+	}
+	errs := counterValue(t, h.counters[resultError])
+	a := serveRL(h, ip(localRatesMax), nil)
+	if a.status != http.StatusServiceUnavailable || a.retryAfter() != 1 {
+		t.Errorf("a new key with the limiter full of charges: status %d, Retry-After %d, want 503 with 1", a.status, a.retryAfter())
+	}
+	if got := counterValue(t, h.counters[resultError]) - errs; got != 1 {
+		t.Errorf(`result="error" rose by %v, want 1`, got)
+	}
+	if logs.FilterMessageSnippet("full of admissions still to charge").Len() != 1 {
+		t.Errorf("no warning that the local limiter is full: %v", logs.All())
+	}
+	if a := serveRL(h, ip(7), nil); a.status != http.StatusTooManyRequests {
+		t.Errorf("a key the limiter holds: status %d, want 429 of its spent share", a.status)
+	}
+	var cost int64
+	for _, b := range h.local.lim.TakeCharges(time.Now()) {
+		for _, c := range b.Charges {
+			cost += c.Cost
+		}
+		h.local.lim.Done(b)
+	}
+	if cost != localRatesMax {
+		t.Errorf("%d admissions to charge, want all %d", cost, localRatesMax)
+	}
+}

@@ -146,14 +146,15 @@ func (l *Local) bucket(e *localRate, t time.Time) int64 {
 
 // entry is the state of rate r, made when missing (or kept for another
 // rate of the key: a plan changed); keep are the rates of the call, which
-// making room never evicts.
+// making room never evicts. It is nil when the map is full of entries
+// whose charges still matter (see evict): the key cannot be decided here.
 func (l *Local) entry(r LocalRate, now time.Time, keep []LocalRate) *localRate {
 	e := l.m[r.Key]
 	if e != nil && e.rate == r {
 		return e
 	}
-	if e == nil && len(l.m) >= l.max {
-		l.evict(now, keep)
+	if e == nil && len(l.m) >= l.max && !l.evict(now, keep) {
+		return nil
 	}
 	if e != nil && e.pending() {
 		// Its batch on its way, if any, ends with nothing to go back to
@@ -169,12 +170,16 @@ func (l *Local) entry(r LocalRate, now time.Time, keep []LocalRate) *localRate {
 	return e
 }
 
-// evict makes room: rates whose admissions no longer matter go, else one
-// without charges, else any; never one whose batch is on its way (Done and
-// Untake must find it) nor one of the calling rates keep (the call holds
-// their entries). When every entry is one of those, the map is over max by
+// evict makes room for one entry and reports whether it did. What no
+// longer matters goes first: rates whose admissions are all past their
+// horizon, and charges past it (Redis would skip them); then one entry
+// without charges (its noted admissions only). An entry whose charges
+// still matter is never dropped (they would never reach Redis, and its key
+// would start a fresh share), nor one of the calling rates keep (the call
+// holds their entries): when every other entry has such charges, there is
+// no room. When only the calling rates are left, the map goes over max by
 // at most their number, for now.
-func (l *Local) evict(now time.Time, keep []LocalRate) {
+func (l *Local) evict(now time.Time, keep []LocalRate) bool {
 	kept := func(k string) bool {
 		for _, r := range keep {
 			if r.Key == k {
@@ -184,31 +189,43 @@ func (l *Local) evict(now time.Time, keep []LocalRate) {
 		return false
 	}
 	for k, e := range l.m {
-		if now.Sub(e.last) > e.rate.horizon() && !e.pending() && !kept(k) {
+		if kept(k) || e.inflight {
+			continue
+		}
+		if e.pending() && !e.chargesMatter(now) {
+			e.charges = nil
+			l.charged--
+		}
+		if now.Sub(e.last) > e.rate.horizon() && !e.pending() {
 			delete(l.m, k)
 		}
 	}
 	if len(l.m) < l.max {
-		return
+		return true
 	}
-	var victim string
-	var ve *localRate
+	full := false
 	for k, e := range l.m {
-		if e.inflight || kept(k) {
-			continue
+		switch {
+		case kept(k):
+		case e.pending():
+			full = true
+		default:
+			delete(l.m, k)
+			return true
 		}
-		victim, ve = k, e
-		if !e.pending() {
-			break
+	}
+	return !full
+}
+
+// chargesMatter reports whether any of e's charges (to send) is within
+// its rate's horizon at now.
+func (e *localRate) chargesMatter(now time.Time) bool {
+	for _, c := range e.charges {
+		if now.Sub(c.At) <= e.rate.horizon() {
+			return true
 		}
 	}
-	if ve == nil {
-		return
-	}
-	if ve.pending() {
-		l.charged--
-	}
-	delete(l.m, victim)
+	return false
 }
 
 // add counts cost in e's bucket of now.
@@ -222,12 +239,15 @@ func (l *Local) add(e *localRate, now time.Time, cost int64) {
 	e.last = now
 }
 
-// Note records an admission that Redis decided, of cost on every rate.
+// Note records an admission that Redis decided, of cost on every rate (a
+// rate with no room left is not noted).
 func (l *Local) Note(rates []LocalRate, cost int64, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, r := range rates {
-		l.add(l.entry(r, now, rates), now, cost)
+		if e := l.entry(r, now, rates); e != nil {
+			l.add(e, now, cost)
+		}
 	}
 }
 
@@ -239,6 +259,10 @@ type LocalDecision struct {
 	Remaining int64         // of rate Tight, in its share
 	Reset     time.Duration // until rate Tight's share grows (0 = full)
 	Share     int64         // rate Tight's share of n
+	// Full: rate Tight's key has no entry, and no room for one: the
+	// limiter is full of charges that still matter. Not allowed; the
+	// caller decides as if it could not decide at all.
+	Full bool
 }
 
 // Admit decides a request of cost on every rate, each at its share for
@@ -283,7 +307,9 @@ func (l *Local) Confirm(rates []LocalRate, cost int64, res Reservation, now time
 	defer l.mu.Unlock()
 	l.unreserve(rates, cost, res)
 	for _, r := range rates {
-		l.add(l.entry(r, now, rates), now, cost)
+		if e := l.entry(r, now, rates); e != nil {
+			l.add(e, now, cost)
+		}
 	}
 }
 
@@ -312,6 +338,9 @@ func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, c
 	es := make([]*localRate, len(rates))
 	for i, r := range rates {
 		e := l.entry(r, now, rates)
+		if e == nil {
+			return LocalDecision{Tight: i, Full: true}, Reservation{}
+		}
 		es[i] = e
 		share := Share(r.N, instances)
 		var ok bool

@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/testclock"
 )
 
 func TestShare(t *testing.T) {
@@ -455,5 +457,56 @@ func TestLocalConfirmMadeAfter(t *testing.T) {
 	}
 	if d := l.Admit([]LocalRate{changed}, 1, 1, at); d.Allowed {
 		t.Error("the remade entry lost an admission to the reservation it never held")
+	}
+}
+
+// TestLocalFullOfChargesRefusesNewKey (issue 47 row 9): when every entry
+// holds local admissions still to charge that still matter, a new key
+// finds no room: it is refused as Full (the handler answers as
+// fail_closed), and no charge is dropped. Charges past their rate's
+// horizon no longer matter: they go to make room, and so does an entry
+// that only notes what Redis decided.
+func TestLocalFullOfChargesRefusesNewKey(t *testing.T) {
+	clock := testclock.New()
+	l := NewLocal(3, clock.Now())
+	rate := func(k string) []LocalRate { return []LocalRate{{Key: k, N: 10, Window: 10 * time.Second}} }
+	clock.Advance(time.Second)
+	for _, k := range []string{"a", "b", "c"} {
+		if !l.Admit(rate(k), 2, 1, clock.Now()).Allowed {
+			t.Fatalf("%s: not admitted", k)
+		}
+	}
+	clock.Advance(time.Second)
+	if d := l.Admit(rate("d"), 1, 1, clock.Now()); d.Allowed || !d.Full {
+		t.Errorf("a new key in a map full of charges that matter: %+v, want Full and not allowed", d)
+	}
+	l.Note(rate("d"), 1, clock.Now()) // Redis decided it: no room to note it either, and no panic
+	var sum int64
+	bs := l.TakeCharges(clock.Now())
+	for _, b := range bs {
+		for _, c := range b.Charges {
+			sum += c.Cost
+		}
+		l.Done(b)
+	}
+	if len(bs) != 3 || sum != 6 {
+		t.Errorf("charges of %d keys, cost %d, want all 3 keys' 6 (none dropped)", len(bs), sum)
+	}
+
+	// Charged now, they are noted admissions only: one goes for a new key.
+	if d := l.Admit(rate("d"), 1, 1, clock.Now()); !d.Allowed {
+		t.Errorf("a new key where entries only note admissions: %+v, want allowed", d)
+	}
+	// Charges past the window no longer matter: they make room.
+	l = NewLocal(2, clock.Now())
+	for _, k := range []string{"a", "b"} {
+		l.Admit(rate(k), 1, 1, clock.Now())
+	}
+	clock.Advance(11 * time.Second)
+	if d := l.Admit(rate("c"), 1, 1, clock.Now()); !d.Allowed {
+		t.Errorf("a new key where every charge is past its window: %+v, want allowed", d)
+	}
+	if bs := l.TakeCharges(clock.Now()); len(bs) != 1 || bs[0].Rate.Key != "c" {
+		t.Errorf("charges %+v, want only c's", bs)
 	}
 }
