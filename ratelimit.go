@@ -278,6 +278,7 @@ type RedisRateLimit struct {
 	fleet      *fleet           // fail_local; nil without
 	local      *localState      // fail_local; nil without (shared: localPool)
 	localKey   string           // of local in localPool, once acquired
+	seen       *checkSeen       // fail_local: the restarts of client's check local answered
 	now        func() time.Time // local monotonic clock, only for the deny cache
 	warn       *warnings
 	settleWarn *warnings

@@ -53,9 +53,12 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	if h.dynamic {
 		c.IndexKey = h.indexKey(id)
 	}
-	sent := h.now()
+	sent, restarts := h.now(), h.restarts()
 	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
+	if err == nil && h.local != nil && h.redisRestarted(restarts, time.Now(), h.logger) {
+		err = errRestartHold // an answer of the restarted Redis: decided locally
+	}
 	if err == nil {
 		var d decision
 		if d, err = ratelimit.ParseDecision(res, len(p.rates), c.PerRate()); err == nil {

@@ -139,7 +139,10 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	if c := h.fleetConn(ctx); c != nil {
 		p = c
 	}
+	restarts := h.restarts()
 	res, err := rateLimitFleetScript.Run(ctx, p, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds()).Slice()
+	now := time.Now()
+	restarted := err == nil && h.redisRestarted(restarts, now, h.fleet.logger)
 	if err == nil && len(res) != 2 {
 		err = fmt.Errorf("unexpected answer of %d values", len(res))
 	}
@@ -150,7 +153,9 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 		}
 		return false
 	}
-	if n, _ := res[1].(int64); n > 0 {
+	// After a restart the set fills again as every instance beats: a
+	// count lower than the last is not taken for a heartbeat's life.
+	if n, _ := res[1].(int64); n > 0 && !(restarted || h.local.restart.recent(now)) || n > h.local.instances.Load() {
 		h.local.instances.Store(n)
 	}
 	return true

@@ -52,6 +52,8 @@ type localState struct {
 	clock clockOffset
 	// The number of instances seen in the last heartbeat read (0: none yet).
 	instances atomic.Int64
+	// Redis restarted empty (ratelimit_restart.go).
+	restart restartWatch
 }
 
 // Destruct implements caddy.Destructor: nothing to release (charges still
@@ -77,12 +79,14 @@ func (h *RedisRateLimit) acquireLocal() error {
 		return fmt.Errorf("redis_ratelimit: fail_local: %w", err)
 	}
 	h.local, h.localKey = v.(*localState), key
+	h.seen = h.local.restart.watch(h.client.check)
 	return nil
 }
 
 // releaseLocal gives back what acquireLocal took.
 func (h *RedisRateLimit) releaseLocal() {
 	if h.localKey != "" {
+		h.local.restart.unwatch(h.client.check)
 		_, _ = localPool.Delete(h.localKey)
 		h.localKey = ""
 	}
@@ -170,6 +174,9 @@ var errChargeOnItsWay = errors.New("redis_ratelimit: a charge of this key's loca
 // and then charges every key; a request whose key has nothing left to
 // charge is the breaker's probe, and its answer ends local mode.
 func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) error {
+	if h.local.restart.holding(time.Now()) {
+		return errRestartHold
+	}
 	if !h.local.lim.Pending() {
 		return nil
 	}
@@ -336,7 +343,8 @@ func (h *RedisRateLimit) localClosed(w http.ResponseWriter, r *http.Request, p *
 
 // localProbe is how soon Redis decides again after a local decision: the
 // breaker lets a call try Redis about once a second, and the fleet loop
-// tries the heartbeat every localTick (the return's hold lasts returnCap).
+// tries the heartbeat every localTick (the return's hold lasts returnCap;
+// after a restart of Redis, decisions stay local until its hold ends).
 const localProbe = time.Second
 
 // localRetry is the Retry-After of a local rejection whose share admits
@@ -344,10 +352,11 @@ const localProbe = time.Second
 // again, when that comes first, since Redis knows the whole fleet's use
 // and may admit it then.
 func (h *RedisRateLimit) localRetry(wait time.Duration) time.Duration {
-	if wait > 0 && wait < localProbe {
+	until := max(localProbe, time.Until(time.Unix(0, h.local.restart.hold.Load())))
+	if wait > 0 && wait < until {
 		return wait
 	}
-	return localProbe
+	return until
 }
 
 // chargeLocal charges Redis with all local admissions, one script call per
@@ -356,7 +365,8 @@ func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
 	now := time.Now()
 	// In the background: time enough for a Redis just back, so that few
 	// charges wait for the next try.
-	if err := h.charge(ctx, h.fleet.logger, h.local.lim.TakeCharges(now), max(4*h.timeout, 2*time.Second)); err != nil {
+	err := h.charge(ctx, h.fleet.logger, h.local.lim.TakeCharges(now), max(4*h.timeout, 2*time.Second))
+	if err != nil && !errors.Is(err, errRestartHold) { // a restart is logged as it is seen
 		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.Error(err))
 	}
 }
@@ -386,7 +396,7 @@ func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []
 	for i, b := range batches {
 		script := ratelimit.SlidingChargeScript
 		args := []any{b.Rate.N, b.Rate.Window.Microseconds()}
-		if h.algo == algoGCRA {
+		if b.Rate.Burst > 0 { // gcra (handlers of both algorithms may share the limiter)
 			script = ratelimit.GCRAChargeScript
 			args = append(args, b.Rate.Burst)
 		}
@@ -395,8 +405,14 @@ func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []
 			args = append(args, c.At.UnixMicro()+offset, c.Cost, c.Seq)
 		}
 		cctx, cancel := context.WithTimeout(ctx, timeout)
+		restarts := h.restarts()
 		err := script.Run(cctx, h.client.client, []string{b.Rate.Key, h.local.lim.ChargeMarker(b.Rate.Key)}, args...).Err()
 		cancel()
+		if h.redisRestarted(restarts, time.Now(), log) {
+			// The batches taken are superseded by the charge of the
+			// current windows (Recharge): it goes to the new process.
+			return errRestartHold
+		}
 		switch {
 		case err == nil:
 			h.local.lim.Done(b)

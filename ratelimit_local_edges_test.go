@@ -297,3 +297,131 @@ func TestWholeCaddyFailLocalReload(t *testing.T) {
 		t.Errorf("%d admissions of the key within a minute, want at most the share 7", b.count)
 	}
 }
+
+// waitFleetSeen waits until the heartbeat set holds n instances and each
+// of them has beaten since the last one joined: each has read the count n.
+func waitFleetSeen(t *testing.T, r *testRedis, n int) {
+	t.Helper()
+	key := DefaultRateLimitPrefix + "{~fleet}:instances"
+	var joined float64
+	ok := waitFor(60*time.Second, func() bool {
+		zs, err := r.Client().ZRangeWithScores(t.Context(), key, 0, -1).Result()
+		if err != nil || len(zs) != n {
+			joined = 0
+			return false
+		}
+		if joined == 0 {
+			joined = zs[len(zs)-1].Score
+			return false
+		}
+		return zs[0].Score > joined
+	})
+	if !ok {
+		t.Fatalf("the heartbeat set does not hold %d instances that each counted the others 60 s on", n)
+	}
+}
+
+// flLoad sends a request of user every gap, to the instances in turn,
+// until stop is closed; it returns once every request is answered.
+func flLoad(cs []*caddyProcess, user string, gap time.Duration, stop <-chan struct{}) (wait func() map[int]int) {
+	var mu sync.Mutex
+	statuses := map[int]int{}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		tick := time.NewTicker(gap)
+		defer tick.Stop()
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+			}
+			wg.Add(1)
+			go func(c *caddyProcess) {
+				defer wg.Done()
+				a := flSend(c, user)
+				mu.Lock()
+				statuses[a.status]++
+				mu.Unlock()
+			}(cs[i%len(cs)])
+		}
+	}()
+	return func() map[int]int {
+		wg.Wait()
+		mu.Lock()
+		defer mu.Unlock()
+		return statuses
+	}
+}
+
+// flCheckBound fails t when a window of w holds more admissions than
+// Σ over the instances of max(what Redis admitted through it in the
+// window, share); an admission sent in [localFrom, localTo) counts as
+// decided locally (a Redis decision counted so only makes the bound
+// stricter). It returns the busiest window and its bound.
+func flCheckBound(t *testing.T, as []flArrival, w time.Duration, insts []string, share int, localFrom, localTo time.Time) (busiest, bound int) {
+	t.Helper()
+	flWindows(as, w, func(win flWindow) {
+		via := map[string]int{}
+		for _, a := range win.in {
+			if a.sent.Before(localFrom) || !a.sent.Before(localTo) {
+				via[a.inst]++
+			}
+		}
+		b := 0
+		for _, i := range insts {
+			b += max(via[i], share)
+		}
+		if win.count > busiest {
+			busiest, bound = win.count, b
+		}
+		if win.count > b {
+			t.Errorf("%d admissions within %v from %s (%v by instance; through Redis %v), want at most Σ max(through Redis, share %d) = %d",
+				win.count, w, win.from.Format("15:04:05.000"), win.perInstance(), via, share, b)
+		}
+	})
+	return busiest, bound
+}
+
+// TestWholeCaddyFailLocalRestartEmpty (issue 47 row 4): three instances
+// (N from the heartbeats: a share of 7 of 21 per 10 s) under 8 requests a
+// second in turn; the single Redis is killed mid-window and restarted
+// empty 3 s later. Each instance holds what Redis admitted through it
+// before the kill; on the new process it stays local for a heartbeat's
+// life while it charges those admissions (and its local ones) again, so
+// the restart adds nothing: no window holds more than Σ max(through
+// Redis, share), 21 for this even load.
+func TestWholeCaddyFailLocalRestartEmpty(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	t.Parallel()
+	r := startRedis(t)
+	up := startFLUpstream(t)
+	names := []string{"A", "B", "C"}
+	var cs []*caddyProcess
+	for _, name := range names {
+		port := freePort(t)
+		cs = append(cs, startCaddyProcess(t, name, port, func(dir string) string {
+			return flSite(dir, port, 0, 10*time.Second, name, r.Addr, up.srv.Listener.Addr().String(), "\t\ttimeout 300ms\n")
+		}))
+	}
+	waitFleetSeen(t, r, len(cs))
+	stop := make(chan struct{})
+	wait := flLoad(cs, "k", 125*time.Millisecond, stop)
+	time.Sleep(5 * time.Second) // mid-window: Redis admitted 21, 7 through each
+	killed := time.Now()
+	r.Kill()
+	time.Sleep(3 * time.Second) // the outage
+	r = startRedisOnPort(t, r.Port)
+	restarted := time.Now()
+	time.Sleep(15 * time.Second) // past the window after the return
+	close(stop)
+	statuses := wait()
+	as := up.arrivals("k")
+	busiest, bound := flCheckBound(t, as, 10*time.Second, names, 7, killed, restarted.Add(heartbeatLife+3*time.Second))
+	t.Logf("statuses %v; %d admissions; busiest window %d (its bound %d)", statuses, len(as), busiest, bound)
+	if statuses[200] == 0 || statuses[http.StatusInternalServerError] > 0 || statuses[http.StatusBadGateway] > 0 {
+		t.Errorf("statuses %v", statuses)
+	}
+}

@@ -93,6 +93,7 @@ type ChargeBatch struct {
 	Rate    LocalRate
 	Charges []Charge // ascending
 	e       *localRate
+	round   uint64 // e.round when taken
 }
 
 type localRate struct {
@@ -106,6 +107,10 @@ type localRate struct {
 	inflight bool
 	last     time.Time
 	gen      uint64 // when it was made: Local.gen then
+
+	// Bumped by Recharge: a batch taken in an earlier round ends with
+	// nothing to go back to (its admissions are in the new charges).
+	round uint64
 }
 
 // pending reports whether e has charges to send or on their way.
@@ -548,7 +553,7 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 		return out
 	}
 	e.inflight = true
-	return append(out, ChargeBatch{Rate: e.rate, Charges: cs, e: e})
+	return append(out, ChargeBatch{Rate: e.rate, Charges: cs, e: e, round: e.round})
 }
 
 // Done ends a batch taken: Redis applied it (or refused it for good); the
@@ -557,8 +562,8 @@ func (l *Local) Done(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	e := b.e
-	if e == nil || l.m[b.Rate.Key] != e || !e.inflight {
-		return // forgotten or replaced meanwhile (an admin reset, a plan changed)
+	if e == nil || l.m[b.Rate.Key] != e || !e.inflight || b.round != e.round {
+		return // forgotten, replaced (an admin reset, a plan changed) or superseded (Recharge) meanwhile
 	}
 	e.inflight = false
 	if !e.pending() {
@@ -575,11 +580,43 @@ func (l *Local) Untake(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	e := b.e
-	if e == nil || l.m[b.Rate.Key] != e || !e.inflight {
+	if e == nil || l.m[b.Rate.Key] != e || !e.inflight || b.round != e.round {
 		return
 	}
 	e.inflight = false
 	e.charges = append(b.Charges, e.charges...)
+}
+
+// Recharge makes every admission the limiter counts within its rate's
+// horizon at now, those Redis decided (Note) and its own, a charge again,
+// in place of the charges pending: Redis restarted empty and lost them.
+// Each bucket's admissions are charged at the bucket's end (no earlier than
+// they happened; at most a bucket later, which is stricter). A batch on its
+// way is superseded: when it ends, it gives nothing back.
+func (l *Local) Recharge(now time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.charged = 0
+	for _, e := range l.m {
+		e.round++
+		e.inflight, e.charges = false, nil
+		cur := l.bucket(e, now)
+		for b := cur - localBuckets; b <= cur; b++ {
+			c := e.count(b)
+			at := l.epoch.Add(time.Duration(b+1) * e.width)
+			if at.After(now) {
+				at = now
+			}
+			if c <= 0 || now.Sub(at) > e.rate.horizon() {
+				continue
+			}
+			l.seq++
+			e.charges = append(e.charges, Charge{At: at, Cost: c, Seq: l.seq})
+		}
+		if len(e.charges) > 0 {
+			l.charged++
+		}
+	}
 }
 
 // Forget drops the state of every rate whose key starts with prefix (an

@@ -510,3 +510,53 @@ func TestLocalFullOfChargesRefusesNewKey(t *testing.T) {
 		t.Errorf("charges %+v, want only c's", bs)
 	}
 }
+
+// TestLocalRecharge: after Redis restarted empty, every admission of the
+// current windows this limiter counts, those Redis decided (noted) and its
+// own, becomes a charge again, once, never stamped before it happened;
+// admissions past the window are not; a batch that was on its way is
+// superseded (its end gives nothing back); new admissions are charged
+// after.
+func TestLocalRecharge(t *testing.T) {
+	clock := testclock.New()
+	l := NewLocal(10, clock.Now())
+	r := []LocalRate{{Key: "k", N: 100, Window: 10 * time.Second}}
+	l.Note(r, 4, clock.Now()) // leaves the window before the restart
+	clock.Advance(5 * time.Second)
+	noted := clock.Now()
+	l.Note(r, 3, noted)
+	clock.Advance(time.Second)
+	local := clock.Now()
+	l.Admit(r, 2, 1, local)
+	onItsWay := l.TakeCharges(local)
+	clock.Advance(5 * time.Second)
+	restart := clock.Now()
+	l.Recharge(restart)
+	l.Untake(onItsWay[0]) // superseded: nothing goes back
+	l.Admit(r, 1, 1, restart)
+	bs := l.TakeCharges(restart)
+	if len(bs) != 1 {
+		t.Fatalf("batches %+v, want one", bs)
+	}
+	var cost int64
+	for i, c := range bs[0].Charges {
+		cost += c.Cost
+		if i > 0 && c.Seq <= bs[0].Charges[i-1].Seq {
+			t.Errorf("charge %d: sequence %d after %d", i, c.Seq, bs[0].Charges[i-1].Seq)
+		}
+	}
+	if cost != 3+2+1 {
+		t.Errorf("recharged %d, want the 3 noted and 2 local admissions of the window, and the 1 since (%+v)", cost, bs[0].Charges)
+	}
+	if first := bs[0].Charges[0]; first.At.Before(noted) || first.At.After(noted.Add(time.Second)) {
+		t.Errorf("the noted admissions charged at %v, want at %v or up to a bucket later", first.At.Sub(noted), noted)
+	}
+	l.Done(onItsWay[0]) // superseded: leaves the new batch on its way
+	if !l.PendingFor(r) {
+		t.Error("the recharge batch is no longer on its way after the old batch's end")
+	}
+	l.Done(bs[0])
+	if l.Pending() {
+		t.Error("pending after the recharge batch was done")
+	}
+}
