@@ -642,3 +642,40 @@ func TestFailLocalFullAnswers503(t *testing.T) {
 		t.Errorf("%d admissions to charge, want all %d", cost, localRatesMax)
 	}
 }
+
+// TestFailLocalRestartKeepsN: Redis restarted empty drops the heartbeat
+// set with the windows; as the instances beat again it fills up, and a
+// count read meanwhile is too low (a bigger share). Two other instances
+// keep a heartbeat here (N = 3) until the restart and then stay away: the
+// handler still uses N = 3 for a heartbeat's life after it saw the
+// restart, and the count of the set after that.
+func TestFailLocalRestartKeepsN(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.FailLocal = true
+		h.Timeout = caddy.Duration(300 * time.Millisecond)
+	})
+	others := func() {
+		now, _ := r.Client().Time(t.Context()).Result()
+		r.Client().ZAdd(t.Context(), h.fleetKey(), redis.Z{Score: float64(now.UnixMicro()), Member: "other-1"}, redis.Z{Score: float64(now.UnixMicro()), Member: "other-2"})
+	}
+	if !waitFor(15*time.Second, func() bool { others(); return h.instances() == 3 }) {
+		t.Fatalf("N = %d, want 3 from the heartbeats", h.instances())
+	}
+	r.Restart()
+	if !waitFor(15*time.Second, func() bool { return h.local.restart.at.Load() != 0 }) {
+		t.Fatal("the restart not seen 15 s on")
+	}
+	seen := time.Unix(0, h.local.restart.at.Load())
+	// The handler beats about every second: it reads a count of 1 now.
+	for time.Since(seen) < heartbeatLife-500*time.Millisecond {
+		if n := h.instances(); n != 3 {
+			t.Fatalf("N = %d %v after the restart was seen, want 3 for a heartbeat's life", n, time.Since(seen))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if !waitFor(10*time.Second, func() bool { return h.instances() == 1 }) {
+		t.Errorf("N = %d 10 s after a heartbeat's life, want the set's count 1", h.instances())
+	}
+}
