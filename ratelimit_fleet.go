@@ -140,10 +140,10 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 		p = c
 	}
 	restarts := h.restarts()
-	res, err := rateLimitFleetScript.Run(ctx, p, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds()).Slice()
+	res, err := rateLimitFleetScript.Run(ctx, p, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds(), h.local.joining.Load()).Int64Slice()
 	now := time.Now()
 	restarted := err == nil && h.redisRestarted(restarts, now, h.fleet.logger)
-	if err == nil && len(res) != 2 {
+	if err == nil && len(res) != 4 {
 		err = fmt.Errorf("unexpected answer of %d values", len(res))
 	}
 	if err != nil {
@@ -153,12 +153,42 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 		}
 		return false
 	}
-	// After a restart the set fills again as every instance beats: a
-	// count lower than the last is not taken for a heartbeat's life.
-	if n, _ := res[1].(int64); n > 0 && !(restarted || h.local.restart.recent(now)) || n > h.local.instances.Load() {
+	h.noteFleet(res[0], res[1], res[2] == 1, res[3], restarted || h.local.restart.recent(now))
+	return true
+}
+
+// noteFleet takes what a heartbeat read: Redis's time then (µs), the count
+// of instances, whether this beat added the instance to the set, and how
+// many others have not beaten since the beat that joined (h.local.joining).
+//
+// N is the count, except after a restart of Redis: the set fills again as
+// every instance beats, so a lower count is not taken for a heartbeat's
+// life (afterRestart).
+//
+// An instance new in the set (just started, or away for a heartbeat's
+// life) is joining while the others have not read a count with it in it:
+// each of them reads one with its next heartbeat, up to a second later,
+// and until then takes a share too big by this instance's. So while it is
+// joining, the instance decides nothing locally (serveLocal answers as
+// fail_closed) and holds every key to its share also while Redis decides
+// (capReturn): it adds at most its share to what the others' shares admit.
+// After a restart every instance is added again, but the others' N still
+// counts it: it joins again only when it was joining before.
+func (h *RedisRateLimit) noteFleet(at, n int64, added bool, behind int64, afterRestart bool) {
+	if n > 0 && (!afterRestart || n > h.local.instances.Load()) {
 		h.local.instances.Store(n)
 	}
-	return true
+	joining := h.local.joining.Load()
+	switch {
+	case afterRestart && joining != 0:
+		h.local.joining.Store(at) // counted again from a beat on the new process
+	case joining == 0 && added && !afterRestart && behind > 0:
+		h.local.joining.Store(at)
+		h.fleet.logger.Info("joining the instances sharing the limit: no local decisions (fail_local) until each of them has counted this one",
+			zap.Int64("instances", n))
+	case joining != 0 && behind == 0:
+		h.local.joining.Store(0)
+	}
 }
 
 // fleetConn returns the loop's own connection, taking one out of the pool

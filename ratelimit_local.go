@@ -54,6 +54,10 @@ type localState struct {
 	instances atomic.Int64
 	// Redis restarted empty (ratelimit_restart.go).
 	restart restartWatch
+	// The Redis TIME (µs) of this instance's first heartbeat in the set
+	// while some other instance has not beaten since (0: every other has
+	// counted it): see noteFleet.
+	joining atomic.Int64
 }
 
 // Destruct implements caddy.Destructor: nothing to release (charges still
@@ -109,7 +113,7 @@ const returnCap = time.Second
 type returnCapError struct{ ld ratelimit.LocalDecision }
 
 func (returnCapError) Error() string {
-	return "redis_ratelimit: back from local mode, this instance's share of the key is spent"
+	return "redis_ratelimit: back from local mode (or joining), this instance's share of the key is spent"
 }
 
 // clockOffset estimates Redis TIME minus the local clock, µs, from the
@@ -211,19 +215,21 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 }
 
 // capReturn holds a request to this instance's share for returnCap after
-// local mode ends: the request takes its place in the local limiter before
-// Redis decides it (reserved, so concurrent requests do not pass the share
-// together). It reports the reservation (zero: no cap now), or a
-// returnCapError when the share rejects the request. Not while local mode
-// lasts: the request that reaches Redis then is the breaker's probe, and
-// only a Redis decision ends local mode.
+// local mode ends, and while this instance is joining (see noteFleet): the
+// request takes its place in the local limiter before Redis decides it
+// (reserved, so concurrent requests do not pass the share together). It
+// reports the reservation (zero: no cap now), or a returnCapError when the
+// share rejects the request. Not while local mode lasts: the request that
+// reaches Redis then is the breaker's probe, and only a Redis decision ends
+// local mode.
 func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, error) {
-	back := h.local.back.Load()
-	if back == 0 || h.local.mode.Load() {
+	if h.local.mode.Load() {
 		return ratelimit.Reservation{}, nil
 	}
 	now := h.now()
-	if now.Sub(time.Unix(0, back)) >= returnCap {
+	back := h.local.back.Load()
+	joining := h.Instances == 0 && h.local.joining.Load() != 0
+	if !joining && (back == 0 || now.Sub(time.Unix(0, back)) >= returnCap) {
 		return ratelimit.Reservation{}, nil
 	}
 	n := h.instances()
@@ -284,6 +290,10 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	if n == 0 {
 		return h.localClosed(w, r, p, h.warn, "redis unavailable for rate limiting and the number of instances sharing the limit was never seen (no heartbeat read, no instances set): rejecting requests with 503, as fail_closed",
 			fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
+	}
+	if h.Instances == 0 && h.local.joining.Load() != 0 {
+		return h.localClosed(w, r, p, h.warn, "redis unavailable for rate limiting, and this instance joined the others within the last heartbeat (their share does not count it yet): rejecting requests with 503, as fail_closed",
+			fmt.Errorf("redis_ratelimit: no decision (fail_local, this instance not yet counted by the others): %w", cause))
 	}
 	var capped returnCapError
 	isCap := errors.As(cause, &capped)

@@ -425,3 +425,50 @@ func TestWholeCaddyFailLocalRestartEmpty(t *testing.T) {
 		t.Errorf("statuses %v", statuses)
 	}
 }
+
+// TestWholeCaddyFailLocalJoin (issue 47 row 5): A joins B (N from the
+// heartbeats, 21 per minute), and Redis stops within a second of A's first
+// heartbeat, before every instance has read a count with A in it. Then
+// both get requests: together they admit no more than N·ceil(n ÷ N) = 22
+// for N = 2, whatever N each had read.
+func TestWholeCaddyFailLocalJoin(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	t.Parallel()
+	r := startRedis(t)
+	up := startFLUpstream(t)
+	site := func(name string, port int) func(string) string {
+		return func(dir string) string {
+			return flSite(dir, port, 0, time.Minute, name, r.Addr, up.srv.Listener.Addr().String(), "\t\ttimeout 300ms\n")
+		}
+	}
+	portB := freePort(t)
+	b := startCaddyProcess(t, "B", portB, site("B", portB))
+	waitFleetSeen(t, r, 1)
+	portA := freePort(t)
+	a := startCaddyProcess(t, "A", portA, site("A", portA))
+	if !waitFor(30*time.Second, func() bool { return fleetCount(t, r) == 2 }) {
+		t.Fatal("A has no heartbeat 30 s after it started")
+	}
+	r.Pause()
+	defer r.Resume()
+	got := map[string]map[int]int{"A": {}, "B": {}}
+	for range 20 {
+		for _, c := range []*caddyProcess{a, b} {
+			x := flSend(c, "j")
+			if x.err != nil {
+				t.Fatalf("a request to %s: %v", c.name, x.err)
+			}
+			got[c.name][x.status]++
+		}
+	}
+	t.Logf("A %v, B %v", got["A"], got["B"])
+	if got["A"][200] > 11 {
+		t.Errorf("A admitted %d, more than its share 11 of N = 2", got["A"][200])
+	}
+	if n := got["A"][200] + got["B"][200]; n > 22 {
+		t.Errorf("%d admitted through A and B during the outage, want at most N·ceil(n ÷ N) = 22", n)
+	}
+	if got["A"][200]+got["B"][200] == 0 {
+		t.Error("nothing admitted during the outage: never none")
+	}
+}

@@ -679,3 +679,44 @@ func TestFailLocalRestartKeepsN(t *testing.T) {
 		t.Errorf("N = %d 10 s after a heartbeat's life, want the set's count 1", h.instances())
 	}
 }
+
+// TestFailLocalJoining: an instance new in the heartbeat set, whose other
+// instance has not beaten since (its N does not count this one yet, so its
+// share is too big by this one's), holds every key to its share also while
+// Redis decides, and decides nothing locally (503, as fail_closed) while
+// Redis is unreachable. Once the other has beaten, Redis decides alone.
+func TestFailLocalJoining(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	other := func() {
+		now, _ := r.Client().Time(t.Context()).Result()
+		r.Client().ZAdd(t.Context(), DefaultRateLimitPrefix+"{~fleet}:instances", redis.Z{Score: float64(now.UnixMicro()), Member: "other"})
+	}
+	other()
+	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+		h.FailLocal = true
+		h.Timeout = caddy.Duration(300 * time.Millisecond)
+		h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+	})
+	if !waitFor(15*time.Second, func() bool { return h.instances() == 2 }) {
+		t.Fatalf("N = %d, want 2", h.instances())
+	}
+	if h.local.joining.Load() == 0 {
+		t.Fatal("not joining, while the other instance has not beaten since")
+	}
+	const ip = "192.0.2.69"
+	if passed, statuses := countPassed(h, ip, 7); passed != 5 {
+		t.Errorf("joining, Redis up: %d of 7 admitted (%v), want the share 5", passed, statuses)
+	}
+	r.Pause()
+	if passed, statuses := countPassed(h, "192.0.2.70", 3); passed != 0 || statuses[http.StatusServiceUnavailable] != 3 {
+		t.Errorf("joining, Redis unreachable: %d of 3 admitted (%v), want 3 × 503", passed, statuses)
+	}
+	r.Resume()
+	if !waitFor(15*time.Second, func() bool { other(); return h.local.joining.Load() == 0 }) {
+		t.Fatal("still joining 15 s after the other instance beat")
+	}
+	if !waitFor(15*time.Second, func() bool { return serveRL(h, ip, nil).passed }) {
+		t.Error("not admitted by Redis 15 s after joining ended (Redis holds 5 of 10)")
+	}
+}
