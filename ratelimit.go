@@ -143,15 +143,21 @@ type RedisRateLimit struct {
 	// with fail_local keeps in Redis (one per process, living 3 s; the last
 	// count seen is used), or given with `instances`. A reload keeps the
 	// local state (counts, pending charges, local mode). With no count ever
-	// seen and no `instances`, requests get 503 as with fail_closed (logged).
+	// seen and no `instances`, requests get 503 as with fail_closed (logged);
+	// so do those of an instance that joined within the last heartbeat (the
+	// others do not count it yet), and those of a new key when the local
+	// limiter is full of admissions still to charge.
 	// The local limiter starts from this instance's own admissions of the
 	// current window (kept in memory while Redis decides), and what it
 	// admits is charged to Redis once Redis answers again, so neither edge
-	// of an outage doubles a limit. Decisions go back to Redis within about
-	// a second of it answering; for a second after that the instance holds
-	// every key to its share as well (the others come back and charge
-	// meanwhile), so the window of the return holds at most N × ceil(n ÷ N).
-	// Local decisions count as `local` in the
+	// of an outage doubles a limit: in any window the fleet admits at most
+	// Σ over instances of max(what Redis admitted through it, its share).
+	// Decisions go back to Redis within about a second of it answering; for
+	// a second after that the instance holds every key to its share as well
+	// (the others come back and charge meanwhile). After Redis restarted
+	// empty, an instance decides locally for 3 s while it charges its
+	// admissions of the current windows again. A local 429 says Retry-After:
+	// 1, the next probe of Redis. Local decisions count as `local` in the
 	// metrics, and a warning is logged when local mode starts and ends.
 	// Under local mode `wait` holds nothing and `count` counts every
 	// admitted answer. Not with fail_closed. Default: false (fail open).
