@@ -472,3 +472,45 @@ func TestWholeCaddyFailLocalJoin(t *testing.T) {
 		t.Error("nothing admitted during the outage: never none")
 	}
 }
+
+// TestWholeCaddyFailLocalUneven (issue 47 row 3): three instances (N from
+// the heartbeats: a share of 7 of 21 per minute); 30 requests to A, of
+// which Redis admits 21; Redis stops; 20 requests each to B and C, and 10
+// more to A. Each instance admits at most max(what Redis admitted through
+// it, its share): A nothing more, B and C 7 each, so the window holds
+// 35 = 21 + 7 + 7, the bound for uneven load, n + (N−1)·ceil(n ÷ N).
+func TestWholeCaddyFailLocalUneven(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	t.Parallel()
+	r := startRedis(t)
+	up := startFLUpstream(t)
+	names := []string{"A", "B", "C"}
+	cs := map[string]*caddyProcess{}
+	for _, name := range names {
+		port := freePort(t)
+		cs[name] = startCaddyProcess(t, name, port, func(dir string) string {
+			return flSite(dir, port, 0, time.Minute, name, r.Addr, up.srv.Listener.Addr().String(), "\t\ttimeout 300ms\n")
+		})
+	}
+	waitFleetSeen(t, r, len(cs))
+	if got := flSendN(t, cs["A"], "x", 30); got[200] != flEdgeN {
+		t.Fatalf("through Redis: %v, want %d admitted", got, flEdgeN)
+	}
+	stopped := time.Now()
+	r.Pause()
+	defer r.Resume()
+	got := map[string]map[int]int{"B": flSendN(t, cs["B"], "x", 20), "C": flSendN(t, cs["C"], "x", 20), "A": flSendN(t, cs["A"], "x", 10)}
+	t.Logf("while Redis is stopped: A %v, B %v, C %v", got["A"], got["B"], got["C"])
+	if got["A"][200] != 0 || got["B"][200] > 7 || got["C"][200] > 7 {
+		t.Errorf("admitted locally: A %d, B %d, C %d; want A none (Redis admitted 21 through it), B and C at most their share 7",
+			got["A"][200], got["B"][200], got["C"][200])
+	}
+	if got["B"][200]+got["C"][200] == 0 {
+		t.Error("nothing admitted while Redis is stopped: never none")
+	}
+	busiest, bound := flCheckBound(t, up.arrivals("x"), time.Minute, names, 7, stopped, stopped.Add(time.Hour))
+	if busiest > flEdgeN+2*7 {
+		t.Errorf("%d admissions in a minute, want at most n + (N−1)·ceil(n ÷ N) = 35", busiest)
+	}
+	t.Logf("busiest window %d (its bound %d)", busiest, bound)
+}
