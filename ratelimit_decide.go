@@ -56,7 +56,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	sent, restarts := h.now(), h.restarts()
 	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
-	if err == nil && h.local != nil && h.redisRestarted(restarts, time.Now(), h.logger) {
+	if err == nil && h.local != nil && h.fromRestarted(restarts) {
 		err = errRestartHold // an answer of the restarted Redis: decided locally
 	}
 	if err == nil {

@@ -233,11 +233,29 @@ func slidingUsed(t *testing.T, r *testRedis, key string, w time.Duration) int {
 	return n
 }
 
-// waitLog waits until c's log holds msg.
-func waitLog(c *caddyProcess, msg string, d time.Duration) bool {
+// slidingBefore counts the admissions in Redis's sliding log of key
+// stamped before t.
+func slidingBefore(t *testing.T, r *testRedis, key string, before time.Time) int {
+	t.Helper()
+	v, _ := r.Client().Get(t.Context(), key).Bytes()
+	n := 0
+	for off := 24; off+8 <= len(v); off += 8 {
+		if at := int64(math.Float64frombits(binary.BigEndian.Uint64(v[off : off+8]))); at > 0 && at < before.UnixMicro() {
+			n++
+		}
+	}
+	return n
+}
+
+// waitLog waits until c's log holds msg (after the first line that holds
+// after, when after is not "").
+func waitLog(c *caddyProcess, msg, after string, d time.Duration) bool {
 	return waitFor(d, func() bool {
 		b, _ := os.ReadFile(c.log)
-		return bytes.Contains(b, []byte(msg))
+		if i := bytes.Index(b, []byte(after)); i >= 0 {
+			return bytes.Contains(b[i:], []byte(msg))
+		}
+		return false
 	})
 }
 
@@ -287,7 +305,7 @@ func TestWholeCaddyFailLocalReload(t *testing.T) {
 	}) {
 		t.Errorf("Redis holds %d admissions of the key 20 s after SIGCONT, want the 7 local ones", slidingUsed(t, r, key, time.Minute))
 	}
-	if !waitLog(a, "local rate limiting (fail_local) ends", 20*time.Second) {
+	if !waitLog(a, "local rate limiting (fail_local) ends", "", 20*time.Second) {
 		t.Fatal("A not back to Redis 20 s after SIGCONT")
 	}
 	if used := slidingUsed(t, r, key, time.Minute); used < 7 || used > 7+2 {
@@ -415,7 +433,18 @@ func TestWholeCaddyFailLocalRestartEmpty(t *testing.T) {
 	time.Sleep(3 * time.Second) // the outage
 	r = startRedisOnPort(t, r.Port)
 	restarted := time.Now()
-	time.Sleep(15 * time.Second) // past the window after the return
+	// Each instance goes back to Redis after its hold, and Redis then
+	// holds the admissions made before the kill again.
+	for _, c := range cs {
+		if !waitLog(c, "local rate limiting (fail_local) ends", "redis restarted", 20*time.Second) {
+			t.Errorf("Caddy %s not back to Redis 20 s after the restart", c.name)
+		}
+	}
+	back := time.Since(restarted)
+	if old := slidingBefore(t, r, DefaultRateLimitPrefix+"{k}:sw:21/10s", killed); old == 0 {
+		t.Error("Redis holds none of the admissions made before the kill: they were not charged again")
+	}
+	time.Sleep(15*time.Second - back) // past the window after the return
 	close(stop)
 	statuses := wait()
 	as := up.arrivals("k")

@@ -96,20 +96,29 @@ func (h *RedisRateLimit) restarts() uint64 {
 // redisRestarted reports whether the answer of a call made when the
 // client had seen before restarts may come from a restarted Redis: the
 // count rose during the call (the connection hook raises it before a new
-// connection's first command), or a restart is known and not yet answered,
-// or this instance holds local decisions after one. The first to see a
-// restart starts the hold and the charge of the current windows.
+// connection's first command), or a restart is known that no call had
+// answered yet. The first to see a restart starts the hold and the charge
+// of the current windows. (A call answered during the hold, sent before it
+// began, may come from the new process as well: see holding.)
 func (h *RedisRateLimit) redisRestarted(before uint64, now time.Time, log *zap.Logger) bool {
 	after := h.client.check.Restarts()
 	seen := h.seen.count.Load()
 	if after == before && after == seen {
-		return h.local.restart.holding(now)
+		return false
 	}
 	first := after > seen && h.seen.count.CompareAndSwap(seen, after)
 	if first {
 		h.restartHold(now, log)
 	}
-	return after != before || first || h.local.restart.holding(now)
+	return after != before || first
+}
+
+// fromRestarted reports whether a decision's answer, of a call made when
+// the client had seen before restarts, may come from a restarted Redis
+// before this instance had charged its windows there: not to be used.
+func (h *RedisRateLimit) fromRestarted(before uint64) bool {
+	now := time.Now()
+	return h.redisRestarted(before, now, h.logger) || h.local.restart.holding(now)
 }
 
 // restartHold starts deciding locally for a heartbeat's life and makes
