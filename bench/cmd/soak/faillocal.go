@@ -8,38 +8,34 @@ package main
 // above the limit. The checker records each admission's bounds (X-Sent ..
 // X-Admitted, as for /rl/) and the instance, and the fault schedule says
 // when the single Redis was unreachable from every Caddy (SIGSTOP, kill -9
-// until restarted, blackhole from every Caddy). Afterwards it asserts:
+// until restarted, blackhole from every Caddy; also a reload of a Caddy,
+// or a kill and an empty restart, during a SIGSTOP). Afterwards it asserts
+// the bound, for every set of admissions surely decided within less than a
+// window (n+1 proven within less than w, as the /rl/ check):
 //
-//   - while Redis is unreachable: admissions surely decided inside
-//     [stop, back + 1s] (the fault's effect until it is lifted, plus the
-//     second SPEC allows the return to Redis) never hold more than the
-//     local bound Σ ceil(n ÷ N) = 20 within one window (n+1 proven within
-//     less than w, as the /rl/ check), plus flReturnSlack when the window
-//     reaches into that return second (below);
+//   - near an outage (a window that meets it, or its return second):
+//     at most Σ over instances of max(what Redis admitted through it in
+//     the window, share), an admission counting as Redis's unless it was
+//     surely decided inside the outage or its return second; and what was
+//     surely decided by Redis, at most n. Redis restarted empty is no
+//     exception: the instances charge their windows again;
 //   - never none: every whole window inside [stop + 500ms, back] (after the
 //     first call's timeout moved the instances to local mode) holds an
 //     admission;
-//   - elsewhere exact: n per window, except in windows that meet a span
-//     where some decisions are local and others Redis's ("mixed": the
-//     window before an outage and its return, a blackhole from one Caddy,
-//     latency or reset faults on the single Redis, whose calls may time out
-//     or fail, and any /fl/ answer that took 250 ms or more, until a second
-//     after it: a call that timed out on a loaded machine without a fault
-//     is decided locally): there at most n + Σ shares − share (each instance admits at
-//     most max(share, what Redis admitted through it) in a window, since
-//     its local limiter starts from its own admissions; Redis at most n).
-//
-// A single Redis restarted empty drops Redis's window and the heartbeats:
-// the windows after it (exSingleEmpty: outside, and those of its own outage
-// that reach past the restart; those of its down time are checked) and outages that start within 4 s of
-// it (N read from a heartbeat set that is filling up again may be under 4:
-// a bigger share) are counted apart.
+//   - near a partial failure, where some instances decide locally and the
+//     checker cannot tell which (a blackhole from one Caddy, latency or
+//     reset faults on the single Redis, whose calls may time out or fail,
+//     and any /fl/ answer that took 250 ms or more, until a second after
+//     it: a call that timed out on a loaded machine without a fault is
+//     decided locally): the most that bound can be, n + (N−1)·share;
+//   - elsewhere exact: n per window.
 
 import (
 	"fmt"
 	"math/rand"
 	"net/http"
 	"sort"
+	"strings"
 	"time"
 )
 
@@ -48,25 +44,16 @@ const (
 	flRateWindow = time.Second
 	flInstances  = 4
 	flShare      = (flRateN + flInstances - 1) / flInstances
-	// flReturnSlack: when Redis answers again the instances go back within
-	// about a second, one after the other: one already back may be admitted
-	// by Redis what another, still local, admitted but has not charged yet.
-	// An admission per instance (as TestWholeCaddyFailLocal allows 22 of 20
-	// over two instances around the return).
-	flReturnSlack = flInstances
 	// flSettle: after the fault's effect, the instances are local once the
 	// first call timed out (timeout 300–400 ms).
 	flSettle = 500 * time.Millisecond
 	// flSlow: the route's timeout is 300–400 ms.
 	flSlow = 250 * time.Millisecond
-	// flReturn: SPEC: decisions go back to Redis within a second.
-	flReturn = time.Second
-	// flHeartbeatRefill: heartbeats live 3 s and are written every second:
-	// after a restart empty, a count read within this may be under N.
-	flHeartbeatRefill = 4 * time.Second
+	// flReturn: SPEC: decisions go back to Redis within a second (after a
+	// restart empty, a heartbeat's life, 3 s, and that second).
+	flReturn        = time.Second
+	flRestartReturn = 3*time.Second + flReturn
 )
-
-const exFlHeartbeats = "single Redis restarted empty shortly before: N read from the refilling heartbeat set may be under 4 (a bigger local share)"
 
 // flAdmission is one admission on /fl/ as the checker saw it.
 type flAdmission struct {
@@ -79,17 +66,20 @@ type flSpan struct {
 	kind     string
 	full     bool // unreachable from every Caddy
 	from, to time.Duration
+	back     time.Duration // how long after to the instances may still decide locally
 }
 
+// end is when the instances are surely back to Redis.
+func (sp flSpan) end() time.Duration { return sp.to + sp.back }
+
 type flState struct {
-	adm     []flAdmission
-	spans   []flSpan
-	emptyAt []time.Duration // single Redis up again, empty
+	adm   []flAdmission
+	spans []flSpan
 	// slow answers and the second after (flAnswer): windows that meet one are mixed
 	localSeen []flSpan
 	// figures for the report
-	coreChecked, coreMax, mixedMax, exactMax int
-	noneChecked                              int
+	nearChecked, nearMax, nearBound, mixedMax, exactMax int
+	noneChecked                                         int
 }
 
 // flRoute is the route of the tier; -no-fail-local drops fail_local (the
@@ -142,10 +132,12 @@ func (s *soak) flFault(f fault, from, to time.Duration) {
 	if f.redis != 0 {
 		return
 	}
-	sp := flSpan{kind: f.kind, from: from, to: to}
+	sp := flSpan{kind: f.kind, from: from, to: to, back: flReturn}
 	switch f.kind {
-	case fPause, fRestart:
+	case fPause, fPauseReload:
 		sp.full = true
+	case fRestart, fPauseRestart:
+		sp.full, sp.back = true, flRestartReturn
 	case fBlackhole:
 		sp.full = f.caddy < 0
 	case fLatency, fReset:
@@ -154,30 +146,27 @@ func (s *soak) flFault(f fault, from, to time.Duration) {
 	}
 	s.check.mu.Lock()
 	s.check.fl.spans = append(s.check.fl.spans, sp)
-	if f.kind == fRestart {
-		s.check.fl.emptyAt = append(s.check.fl.emptyAt, to)
-	}
 	s.check.mu.Unlock()
 }
 
 // flWindows: every set of admissions of as (sorted by lo) whose bounds lie
-// within less than w of one admission's lo, as [from, until] and count.
-func flWindows(as []flAdmission, w time.Duration, visit func(from, until time.Duration, n int)) {
+// within less than w of one admission's lo, as [from, until] and the set.
+func flWindows(as []flAdmission, w time.Duration, visit func(from, until time.Duration, in []flAdmission)) {
 	for i, a := range as {
-		var his []time.Duration
+		var in []flAdmission
+		until := a.lo
 		for _, b := range as[i:] {
 			if b.lo-a.lo >= w {
 				break
 			}
 			if b.hi-a.lo < w {
-				his = append(his, b.hi)
+				in = append(in, b)
+				until = max(until, b.hi)
 			}
 		}
-		if len(his) == 0 {
-			continue
+		if len(in) > 0 {
+			visit(a.lo, until, in)
 		}
-		sort.Slice(his, func(x, y int) bool { return his[x] < his[y] })
-		visit(a.lo, his[len(his)-1], len(his))
 	}
 }
 
@@ -188,129 +177,138 @@ func (s *soak) flCheck() {
 	defer c.mu.Unlock()
 	fl := &c.fl
 	sort.Slice(fl.adm, func(i, j int) bool { return fl.adm[i].lo < fl.adm[j].lo })
-	w := flRateWindow
 	ev := func(at, until time.Duration, what, detail string) {
 		c.events = append(c.events, event{at: at, until: until, what: what, backend: "faillocal", key: "/fl/k0", detail: detail})
 	}
-	afterEmpty := func(t time.Duration) bool {
-		for _, e := range fl.emptyAt {
-			if t >= e && t < e+flHeartbeatRefill {
-				return true
-			}
-		}
-		return false
-	}
-	localBound := flShare * flInstances
-	for _, sp := range fl.spans {
-		if !sp.full {
-			continue
-		}
-		// While unreachable (and the return second): the local bound.
-		var in []flAdmission
-		for _, a := range fl.adm {
-			if a.lo >= sp.from && a.hi <= sp.to+flReturn {
-				in = append(in, a)
-			}
-		}
-		flWindows(in, w, func(from, until time.Duration, n int) {
-			fl.coreChecked++
-			fl.coreMax = max(fl.coreMax, n)
-			limit := localBound
-			if until > sp.to {
-				limit += flReturnSlack
-			}
-			if n > limit {
-				what := "local limit"
-				switch {
-				case sp.kind == fRestart && until > sp.to:
-					// Back, but empty: Redis admits n afresh while the
-					// instances still local spend what their own earlier
-					// admissions left them (seen: 28).
-					what = "local limit, Redis back empty"
-				case afterEmpty(sp.from):
-					what = "local limit after a restart empty"
-				}
-				ev(from, until, what, fmt.Sprintf("%d admissions surely within %v while the single Redis was unreachable (%s %.3fs–%.3fs; bound %d)",
-					n, until-from, sp.kind, sp.from.Seconds(), sp.to.Seconds(), limit))
-			}
-		})
-		// Never none: every whole window in [from + settle, to].
-		if sp.to-sp.from-flSettle < w {
-			continue
-		}
-		fl.noneChecked++
-		last, gapEnd := sp.from+flSettle, sp.to
-		for _, a := range fl.adm {
-			if a.hi < last {
-				continue
-			}
-			if a.lo > sp.to {
-				break
-			}
-			if a.lo-last >= w {
-				gapEnd = a.lo
-				break
-			}
-			last = max(last, a.hi)
-		}
-		if gapEnd-last >= w {
-			ev(last, gapEnd, "none admitted", fmt.Sprintf("no admission in %v from %.3fs while the single Redis was unreachable (%s %.3fs–%.3fs)",
-				gapEnd-last, last.Seconds(), sp.kind, sp.from.Seconds(), sp.to.Seconds()))
-		}
-	}
-	// Elsewhere: exact, or the mixed bound near failures.
-	mixedBound := flRateN + localBound - flShare
-	mixed := func(from, until time.Duration) bool {
-		for _, sp := range fl.spans {
-			lo, hi := sp.from-w, sp.to+flReturn+w
-			if from <= hi && until >= lo {
-				return true
-			}
-		}
-		for _, sp := range fl.localSeen {
-			if from <= sp.to && until >= sp.from {
-				return true
-			}
-		}
-		return false
-	}
-	inCore := func(from, until time.Duration) bool {
-		for _, sp := range fl.spans {
-			if sp.full && from >= sp.from && until <= sp.to+flReturn {
-				return true
-			}
-		}
-		return false
-	}
-	flWindows(fl.adm, w, func(from, until time.Duration, n int) {
-		if inCore(from, until) { // checked above
-			return
-		}
-		if mixed(from, until) {
+	flWindows(fl.adm, flRateWindow, func(from, until time.Duration, in []flAdmission) {
+		full, partial := fl.near(from, until)
+		n := len(in)
+		switch {
+		case partial:
 			fl.mixedMax = max(fl.mixedMax, n)
-			if n > mixedBound {
-				ev(from, until, "fleet limit", fmt.Sprintf("%d admissions surely within %v near a failure of the single Redis (bound %d)", n, until-from, mixedBound))
+			if bound := flRateN + (flInstances-1)*flShare; n > bound {
+				ev(from, until, "fleet limit", fmt.Sprintf("%d admissions surely within %v near a failure of the single Redis (bound n + (N−1)·share = %d)", n, until-from, bound))
 			}
-			return
-		}
-		fl.exactMax = max(fl.exactMax, n)
-		if n > flRateN {
-			ev(from, until, "fleet limit", fmt.Sprintf("%d admissions surely within %v (limit %d per %v)", n, until-from, flRateN, w))
+		case len(full) > 0:
+			fl.nearChecked++
+			bound, redis := fl.bound(in, full)
+			if n > fl.nearMax {
+				fl.nearMax, fl.nearBound = n, bound
+			}
+			if n > bound {
+				ev(from, until, "local limit", fmt.Sprintf("%d admissions surely within %v near an outage of the single Redis (%s), %v by instance; bound Σ max(through Redis, share) = %d",
+					n, until-from, fl.describe(full), flPerInstance(in), bound))
+			}
+			if redis > flRateN {
+				ev(from, until, "fleet limit", fmt.Sprintf("%d admissions surely decided by Redis within %v near an outage of the single Redis (%s); limit %d", redis, until-from, fl.describe(full), flRateN))
+			}
+		default:
+			fl.exactMax = max(fl.exactMax, n)
+			if n > flRateN {
+				ev(from, until, "fleet limit", fmt.Sprintf("%d admissions surely within %v (limit %d per %v)", n, until-from, flRateN, flRateWindow))
+			}
 		}
 	})
+	for _, sp := range fl.spans {
+		if sp.full {
+			fl.checkNone(sp, ev)
+		}
+	}
 }
 
-// flExcuse: the documented exceptions of the tier's events.
-func (s *soak) flExcuse(e event) string {
-	switch e.what {
-	case "local limit after a restart empty":
-		return exFlHeartbeats
-	case "local limit, Redis back empty":
-		return exSingleEmpty
-	case "fleet limit":
-		return s.win.excuse(e.at, e.until, "ratelimit") // restarted empty: Redis's window is gone
+// near reports the outages whose [from − w, end + w] the window [from,
+// until] meets, and whether it meets a partial failure or a slow answer.
+func (fl *flState) near(from, until time.Duration) (full []flSpan, partial bool) {
+	w := flRateWindow
+	for _, sp := range fl.spans {
+		if from > sp.end()+w || until < sp.from-w {
+			continue
+		}
+		if !sp.full {
+			partial = true
+			continue
+		}
+		full = append(full, sp)
 	}
-	return ""
+	for _, sp := range fl.localSeen {
+		if from <= sp.to && until >= sp.from {
+			partial = true
+		}
+	}
+	return full, partial
+}
+
+// bound is the bound of a window near the outages full: Σ over instances
+// of max(what Redis admitted through it in the window, share), where an
+// admission counts as Redis's unless it was surely decided inside an
+// outage or its return (a Redis decision counted as local only makes the
+// bound stricter); and redis, the admissions surely decided by Redis
+// (outside every outage and its return).
+func (fl *flState) bound(in []flAdmission, full []flSpan) (bound, redis int) {
+	via := map[string]int{}
+	for _, a := range in {
+		local, outside := false, true
+		for _, sp := range full {
+			local = local || a.lo >= sp.from && a.hi <= sp.end()
+			outside = outside && (a.hi < sp.from || a.lo > sp.end())
+		}
+		if !local {
+			via[a.inst]++
+		}
+		if outside {
+			redis++
+		}
+	}
+	for i := range flInstances {
+		bound += max(via[fmt.Sprint(i)], flShare)
+	}
+	return bound, redis
+}
+
+// checkNone: every whole window in [from + settle, to] of outage sp holds
+// an admission.
+func (fl *flState) checkNone(sp flSpan, ev func(at, until time.Duration, what, detail string)) {
+	w := flRateWindow
+	if sp.to-sp.from-flSettle < w {
+		return
+	}
+	fl.noneChecked++
+	last, gapEnd := sp.from+flSettle, sp.to
+	for _, a := range fl.adm {
+		if a.hi < last {
+			continue
+		}
+		if a.lo > sp.to {
+			break
+		}
+		if a.lo-last >= w {
+			gapEnd = a.lo
+			break
+		}
+		last = max(last, a.hi)
+	}
+	if gapEnd-last >= w {
+		ev(last, gapEnd, "none admitted", fmt.Sprintf("no admission in %v from %.3fs while the single Redis was unreachable (%s %.3fs–%.3fs)",
+			gapEnd-last, last.Seconds(), sp.kind, sp.from.Seconds(), sp.to.Seconds()))
+	}
+}
+
+// describe names outages in an event.
+func (fl *flState) describe(spans []flSpan) string {
+	var parts []string
+	for _, sp := range spans {
+		parts = append(parts, fmt.Sprintf("%s %.3fs–%.3fs", sp.kind, sp.from.Seconds(), sp.to.Seconds()))
+	}
+	return strings.Join(parts, "; ")
+}
+
+// flPerInstance counts admissions by instance.
+func flPerInstance(as []flAdmission) map[string]int {
+	m := map[string]int{}
+	for _, a := range as {
+		m[a.inst]++
+	}
+	return m
 }
 
 // flSummary is the report's line on the tier.
@@ -325,7 +323,7 @@ func (s *soak) flSummary() string {
 			full++
 		}
 	}
-	return fmt.Sprintf("%d admissions, %d slow answers (maybe local); %d outages of the single Redis (%d spans of failures): busiest window while unreachable %d (bound %d, +%d into the return second), %d windows checked; near failures %d (bound %d); elsewhere %d (limit %d); %d outages long enough for the never-none check",
-		len(fl.adm), len(fl.localSeen), full, len(fl.spans), fl.coreMax, flShare*flInstances, flReturnSlack, fl.coreChecked,
-		fl.mixedMax, flRateN+flShare*flInstances-flShare, fl.exactMax, flRateN, fl.noneChecked)
+	return fmt.Sprintf("%d admissions, %d slow answers (maybe local); %d outages of the single Redis (%d spans of failures): busiest window near an outage %d (its bound Σ max(through Redis, share) %d), %d windows checked; near partial failures %d (bound %d); elsewhere %d (limit %d); %d outages long enough for the never-none check",
+		len(fl.adm), len(fl.localSeen), full, len(fl.spans), fl.nearMax, fl.nearBound, fl.nearChecked,
+		fl.mixedMax, flRateN+(flInstances-1)*flShare, fl.exactMax, flRateN, fl.noneChecked)
 }

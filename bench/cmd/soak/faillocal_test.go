@@ -6,10 +6,15 @@ import (
 	"time"
 )
 
-// TestFlCheck: the fail_local tier's checker fails a window above the local
-// bound while Redis was unreachable, a whole window without admissions
-// then, and more than n in a window elsewhere; it passes the local shares
-// and the mixed bound near a failure.
+// TestFlCheck: the fail_local tier's checker holds the bound near an
+// outage, Σ over instances of max(what Redis admitted through it in the
+// window, share): it passes the local shares, uneven load before an
+// outage, and n + (N−1)·share near a partial failure; it fails a window
+// above the bound (an instance failing open while unreachable, an instance
+// admitting its share on top of what Redis admitted through it, a restart
+// empty that lets Redis admit n afresh), more than n decided by Redis, a
+// whole window without admissions while unreachable, and more than n
+// elsewhere.
 func TestFlCheck(t *testing.T) {
 	sec := func(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
 	// every admits k admissions per instance and second, from..to, each
@@ -34,7 +39,19 @@ func TestFlCheck(t *testing.T) {
 		}
 		return as
 	}
-	outage := flSpan{kind: fPause, full: true, from: sec(10), to: sec(13)}
+	// through admits n admissions through the instances insts, at at.
+	through := func(at float64, n int, insts ...int) []flAdmission {
+		var as []flAdmission
+		for j := 0; j < n; j++ {
+			lo := sec(at) + time.Duration(j)*time.Millisecond
+			as = append(as, flAdmission{lo: lo, hi: lo + 2*time.Millisecond, inst: strconv.Itoa(insts[j%len(insts)])})
+		}
+		return as
+	}
+	outage := flSpan{kind: fPause, full: true, from: sec(10), to: sec(13), back: flReturn}
+	short := flSpan{kind: fPause, full: true, from: sec(10), to: sec(11), back: flReturn} // too short for the never-none check
+	restart := flSpan{kind: fRestart, full: true, from: sec(10), to: sec(10.1), back: flRestartReturn}
+	latency := flSpan{kind: fLatency, from: sec(10), to: sec(12), back: flReturn}
 	cat := func(xs ...[]flAdmission) []flAdmission {
 		var out []flAdmission
 		for _, x := range xs {
@@ -55,8 +72,13 @@ func TestFlCheck(t *testing.T) {
 		{"local shares while unreachable", every(0, 20, 5), []flSpan{outage}, nil, ""},
 		{"failing open while unreachable", cat(every(0, 10, 5), burst(11.0, 60), every(12, 20, 5)), []flSpan{outage}, nil, "local limit"},
 		{"none while unreachable", cat(every(0, 10.5, 5), every(12.6, 20, 5)), []flSpan{outage}, nil, "none admitted"},
-		{"mixed near a failure", cat(every(0, 8, 5), burst(9.1, 30), every(10.5, 20, 5)), []flSpan{outage}, nil, ""},
-		{"above the mixed bound near a failure", cat(every(0, 8, 5), burst(9.1, 36), every(10.5, 20, 5)), []flSpan{outage}, nil, "fleet limit"},
+		{"uneven before an outage", cat(through(9.5, 20, 0), through(10.2, 15, 1, 2, 3)), []flSpan{short}, nil, ""},
+		{"a share on top of Redis's admissions", cat(through(9.5, 20, 0), through(10.2, 18, 1, 2, 3, 0, 1, 2)), []flSpan{short}, nil, "local limit"},
+		{"Redis above n near an outage", cat(every(0, 8, 5), burst(9.1, 21)), []flSpan{short}, nil, "fleet limit"},
+		{"restart empty, charged again", cat(burst(9.5, 20), every(11, 20, 5)), []flSpan{restart}, nil, ""},
+		{"restart empty, n afresh", cat(burst(9.5, 20), burst(10.2, 20)), []flSpan{restart}, nil, "local limit"},
+		{"near a partial failure", cat(every(0, 10, 5), burst(10.5, 35), every(12, 20, 5)), []flSpan{latency}, nil, ""},
+		{"above n + (N−1)·share near a partial failure", cat(every(0, 10, 5), burst(10.5, 36), every(12, 20, 5)), []flSpan{latency}, nil, "fleet limit"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := &soak{check: &checker{start: time.Now()}}

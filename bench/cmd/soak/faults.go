@@ -25,9 +25,14 @@ const (
 	fReload    = "reload a Caddy (POST /load)"
 	fCancel    = "clients cancel while waiting"
 	fStall     = "upstream stalls past the ttl"
+	// Two faults at once, the edges of fail_local (faillocal.go): during an
+	// outage of the single Redis (SIGSTOP), a Caddy reloads, or the Redis
+	// is killed and restarted empty.
+	fPauseReload  = "SIGSTOP the single Redis, reload a Caddy meanwhile"
+	fPauseRestart = "SIGSTOP the single Redis, kill -9 it meanwhile, restart empty"
 )
 
-var faultKinds = []string{fPause, fRestart, fLatency, fBlackhole, fReset, fKillCaddy, fReload, fCancel, fStall}
+var faultKinds = []string{fPause, fRestart, fLatency, fBlackhole, fReset, fKillCaddy, fReload, fCancel, fStall, fPauseReload, fPauseRestart}
 
 // Documented exceptions (README "How we test"): what happens inside their
 // windows is counted apart, by name.
@@ -54,6 +59,8 @@ func (f fault) String() string {
 	}
 	fmt.Fprintf(&b, " %s", f.kind)
 	switch f.kind {
+	case fPauseReload:
+		fmt.Fprintf(&b, " caddy%d", f.caddy)
 	case fPause, fRestart, fLatency, fBlackhole, fReset:
 		fmt.Fprintf(&b, " %s", redisNames[f.redis])
 		if f.kind != fPause && f.kind != fRestart {
@@ -107,6 +114,11 @@ func schedule(seed int64, total time.Duration, kinds []string) []fault {
 			f.dur = randDur(rng, 500*time.Millisecond, 2*time.Second)
 		case fStall:
 			f.dur = randDur(rng, 1500*time.Millisecond, 3*time.Second) // the upstream's hold, ttl is 1s
+		case fPauseReload, fPauseRestart:
+			// Long enough for every instance to be local (a call times out
+			// in 300–400 ms) before the reload or the kill, halfway.
+			f.dur = randDur(rng, time.Second, 2500*time.Millisecond)
+			f.redis = 0
 		}
 		if f.kind == fLatency || f.kind == fBlackhole || f.kind == fReset {
 			if rng.Intn(2) == 0 {
@@ -203,15 +215,7 @@ func (s *soak) inject(f fault) error {
 		if err := s.redis[f.redis].start(); err != nil {
 			return err
 		}
-		up := now()
-		if f.redis == 0 {
-			s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
-			s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})
-			// A late write of a holder from before the kill, after it.
-			s.win.add(window{name: exFenceEmpty, backends: []string{"fence"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
-		} else {
-			s.win.add(window{name: exRedlockEmpty, backends: []string{"redlock"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
-		}
+		s.restartedEmpty(f.redis, from, now())
 	case fLatency:
 		from := now()
 		for _, p := range proxies() {
@@ -238,6 +242,32 @@ func (s *soak) inject(f fault) error {
 			p.Reset()
 		}
 		s.flFault(f, from, now())
+	case fPauseReload:
+		s.redis[0].signal(syscall.SIGSTOP)
+		stopped := now()
+		time.Sleep(f.dur / 2)
+		c := s.caddies[f.caddy]
+		from := now()
+		err := c.reload(s, 1-c.variant)
+		s.win.add(window{name: "caddy reload", caddy: f.caddy, from: from, to: now() + time.Second})
+		time.Sleep(max(0, f.dur-(now()-stopped))) // the reload may take a while
+		s.flFault(f, stopped, now())
+		s.redis[0].signal(syscall.SIGCONT)
+		if err != nil {
+			return err
+		}
+	case fPauseRestart:
+		s.redis[0].signal(syscall.SIGSTOP)
+		stopped := now()
+		time.Sleep(f.dur / 2)
+		from := now()
+		s.redis[0].kill9()
+		time.Sleep(f.dur / 2)
+		s.flFault(f, stopped, now()) // it may answer as soon as it starts
+		if err := s.redis[0].start(); err != nil {
+			return err
+		}
+		s.restartedEmpty(0, from, now())
 	case fKillCaddy:
 		c := s.caddies[f.caddy]
 		from := now()
@@ -262,4 +292,18 @@ func (s *soak) inject(f fault) error {
 		s.stall(f.dur)
 	}
 	return nil
+}
+
+// restartedEmpty adds the documented exceptions of Redis r killed at from
+// and up again, empty, at up. (The fail_local tier has none: its instances
+// charge their windows again, faillocal.go.)
+func (s *soak) restartedEmpty(r int, from, up time.Duration) {
+	if r != 0 {
+		s.win.add(window{name: exRedlockEmpty, backends: []string{"redlock"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
+		return
+	}
+	s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
+	s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})
+	// A late write of a holder from before the kill, after it.
+	s.win.add(window{name: exFenceEmpty, backends: []string{"fence"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 }

@@ -149,8 +149,6 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 			k.excuse = staleExcuse(e)
 		case "write out of token order":
 			k.excuse = exReordered
-		case "local limit after a restart empty", "local limit, Redis back empty", "fleet limit":
-			k.excuse = s.flExcuse(e)
 		}
 		if k.excuse == "" && e.what != "token" { // tokens increase across every fault, restarts included
 			k.excuse = s.win.excuse(e.at, e.until, e.backend)
@@ -256,9 +254,9 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	row("stored writes out of token order", line("write out of token order"))
 	row("fenced writes", s.check.fenceSummary())
 	row("unexpected fence answers", line("unexpected fence answer"))
-	row("fail_local: local limit broken while Redis was unreachable", line("local limit")+"; into the return to a Redis restarted empty: "+line("local limit, Redis back empty")+"; after a restart empty: "+line("local limit after a restart empty"))
+	row("fail_local: bound Σ max(through Redis, share) broken near an outage", line("local limit"))
 	row("fail_local: none admitted for a window while Redis was unreachable", line("none admitted"))
-	row("fail_local: fleet limit broken outside outages", line("fleet limit"))
+	row("fail_local: more than n decided by Redis, near a partial failure more than n + (N−1)·share, elsewhere more than n", line("fleet limit"))
 	row("fail_local tier (/fl/)", s.flSummary())
 	row("bad requests served", line("bad request served"))
 	row("statuses", counted(t.statuses, strconv.Itoa))
