@@ -159,6 +159,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	redisLine := 0      // line of the last `redis` subdirective, for the server count check
 	var addrLines []int // the line of each of h.Addresses
 	replayLine := 0     // line of `replay`, for the checks against other subdirectives
+	var keyLines []int  // the line of each of h.Keys
 	seen := subdirectives{repeatable: lockRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -181,6 +182,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				if err := checkKeyTemplate(a); err != nil {
 					return d.Errf("%s: key: %v", dir, err)
 				}
+				keyLines = append(keyLines, d.Line())
 			}
 			h.Keys = append(h.Keys, args...)
 		case "ttl":
@@ -251,10 +253,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			if !validHeaderName(v) {
-				return d.Errf("%s: fencing_header: %q is not a valid header name (letters, digits and !#$%%&'*+-.^_`|~ only)", dir, v)
-			}
-			h.FencingHeader = v
+			h.FencingHeader = v // checked at the end of the block, against the keys and fingerprint
 		case "on_lost":
 			v, err := oneArg(d, dir)
 			if err != nil {
@@ -339,6 +338,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		}
 	}
+	if err := h.checkFencingHeader(); err != nil {
+		return fmt.Errorf("%s: %v, at %s:%d", dir, err, d.File(), fencingHeaderLine(err, seen.lines, keyLines))
+	}
 	if h.Permits > 1 && len(h.Addresses) > 1 {
 		return fmt.Errorf("%s: permits: %d permits cannot be used with a Redlock quorum of %d servers (holders granted by different majorities could be more than the permits); use one Redis for a semaphore, at %s:%d", dir, h.Permits, len(h.Addresses), d.File(), redisLine)
 	}
@@ -360,6 +362,19 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return fmt.Errorf("%s: redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority, at %s:%d", dir, n, d.File(), redisLine)
 	}
 	return nil
+}
+
+// fencingHeaderLine is the Caddyfile line of a refused fencing header:
+// fencing_header's, else that of what reads the default header.
+func fencingHeaderLine(err error, lines map[string]int, keyLines []int) int {
+	var fe *fencingHeaderError
+	switch {
+	case lines["fencing_header"] > 0 || !errors.As(err, &fe):
+		return lines["fencing_header"]
+	case fe.sub == "key" && fe.key < len(keyLines):
+		return keyLines[fe.key]
+	}
+	return lines[fe.sub]
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
