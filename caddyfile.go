@@ -615,7 +615,12 @@ func parseSharedOption(d *caddyfile.Dispenser, dir string, o sharedOptions) (boo
 		return true, err
 	case "prefix":
 		v, err := oneArg(d, dir)
-		if err == nil && strings.ContainsAny(v, "{}") {
+		switch {
+		case err != nil:
+		case v == "":
+			// In JSON an empty prefix is the default; written out, it is a mistake.
+			err = d.Errf("%s: prefix: must not be empty (leave prefix out for the default)", dir)
+		case strings.ContainsAny(v, "{}"):
 			err = d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag; the handler adds it)", dir, v)
 		}
 		*o.prefix = v
