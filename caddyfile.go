@@ -86,6 +86,9 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if sub == "token" {
 				check, field = checkTemplate, &h.Token
 			}
+			if v == "" { // in JSON the default; written out, a mistake
+				return d.Errf("%s: %s: must not be empty (leave it out for the default)", dir, sub)
+			}
 			if err := check(v); err != nil {
 				return d.Errf("%s: %s: %v", dir, sub, err)
 			}
@@ -252,6 +255,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			v, err := oneArg(d, dir)
 			if err != nil {
 				return err
+			}
+			if v == "" { // in JSON the default; written out, a mistake
+				return d.Errf("%s: fencing_header: must not be empty (leave it out for the default, or off for none)", dir)
 			}
 			h.FencingHeader = v // checked at the end of the block, against the keys and fingerprint
 		case "on_lost":

@@ -39,6 +39,7 @@ func TestLockCaddyfileErrors(t *testing.T) {
 		{"max_waiters negative", "max_waiters -1", "max_waiters: want an integer >= 0"},
 		{"fencing_header missing", "fencing_header", "fencing_header: want exactly one argument"},
 		{"fencing_header bad", "fencing_header a:b", "fencing_header: "},
+		{"fencing_header empty", `fencing_header ""`, "fencing_header: must not be empty"},
 		{"fencing_header parenthesis", "fencing_header X(1)", `fencing_header: "X(1)" is not a valid header name`},
 		{"fencing_header comma", "fencing_header A,B", `fencing_header: "A,B" is not a valid header name`},
 		{"status low", "status 200", "status: want an HTTP status code in 400-599"},

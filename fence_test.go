@@ -322,6 +322,8 @@ func TestFenceCaddyfile(t *testing.T) {
 		{"redis 127.0.0.1:1 127.0.0.1:2", "exactly one"},
 		{"jitter 0.1", "unknown subdirective"},
 		{"retain 1h\n\tretain 2h", "given twice"},
+		{`token ""`, "token: must not be empty"},
+		{`key ""`, "key: "},
 	} {
 		err := new(RedisFence).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_fence {\n\t" + tc.block + "\n}"))
 		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "redis_fence") {
