@@ -100,7 +100,10 @@ type RedisLock struct {
 	MaxWaiters int `json:"max_waiters,omitempty"`
 
 	// Request header that carries the fencing token to the next handler.
-	// Any value the client sent in it is replaced. "off" sends none.
+	// Any value the client sent in it is replaced. "off" sends none. It
+	// must not be a hop-by-hop header, Host, Content-Length, Authorization,
+	// a header a key or fingerprint placeholder reads, or (under replay)
+	// Cookie: the token would replace what the request needs.
 	// Default: Lock-Fencing-Token.
 	FencingHeader string `json:"fencing_header,omitempty"`
 
@@ -437,10 +440,74 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: credential_cookies: a cookie name must not be empty")
 	case len(h.Fingerprint) > 1 && slices.Contains(h.Fingerprint, "off"):
 		return errors.New("redis_lock: fingerprint: off stands alone")
-	case h.FencingHeader != "" && !validHeaderName(h.FencingHeader):
-		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name (letters, digits and !#$%%&'*+-.^_`|~ only)", h.FencingHeader)
+	}
+	if err := h.checkFencingHeader(); err != nil {
+		return fmt.Errorf("redis_lock: %w", err)
 	}
 	return nil
+}
+
+// fencingHeaderError refuses the fencing header. sub names the template
+// that reads it ("key", the keys[key]; "fingerprint"), or is "": the
+// Caddyfile parser gives that subdirective's line when the refused header
+// is the default (no fencing_header line).
+type fencingHeaderError struct {
+	msg string
+	sub string
+	key int
+}
+
+func (e *fencingHeaderError) Error() string { return e.msg }
+
+// checkFencingHeader is the rule on the header the lock sets the token in
+// (fencing_header, else its default): a header name, and one the lock may
+// replace. Not a hop-by-hop header (a proxy drops it, so the token never
+// reaches the upstream), Host or Content-Length (they route and frame the
+// request), nor a header the handler reads: a key's or the fingerprint's
+// placeholder, or the credentials (Authorization; under replay Cookie,
+// which identifies the client by credential_cookies, or whole for a
+// private answer).
+func (h *RedisLock) checkFencingHeader() error {
+	name, what := h.FencingHeader, fmt.Sprintf("%q", h.FencingHeader)
+	if name == "" {
+		name, what = DefaultFencingHeader, fmt.Sprintf("%q (the default)", DefaultFencingHeader)
+	}
+	refuse := func(sub string, key int, why string) error {
+		return &fencingHeaderError{msg: "fencing_header: " + what + " " + why, sub: sub, key: key}
+	}
+	switch {
+	case strings.EqualFold(name, "off"):
+		return nil
+	case !validHeaderName(name):
+		return refuse("", 0, "is not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+	case hasHeader(hopByHop, name):
+		return refuse("", 0, "is a hop-by-hop header: a proxy removes it, so the token would never reach the upstream")
+	case strings.EqualFold(name, "Host"):
+		return refuse("", 0, "names the site the request is for; the token would replace it")
+	case strings.EqualFold(name, "Content-Length"):
+		return refuse("", 0, "frames the request body; the token would replace it")
+	case strings.EqualFold(name, "Authorization"):
+		return refuse("", 0, "carries the client's credentials; the token would replace them")
+	case strings.EqualFold(name, "Cookie") && (h.Replay > 0 || len(h.CredentialCookies) > 0):
+		return refuse("", 0, "identifies the client under replay (credential_cookies, or the whole header for a private answer); the token would replace it")
+	}
+	for i, k := range h.Keys {
+		if hasHeader(templateHeaders(k), name) {
+			return refuse("key", i, fmt.Sprintf("is read by the key %q; the token would replace the client's value in it", k))
+		}
+	}
+	for _, f := range h.Fingerprint {
+		if hasHeader(templateHeaders(f), name) {
+			return refuse("fingerprint", 0, fmt.Sprintf("is read by the fingerprint %q; the token would replace the client's value in it", f))
+		}
+	}
+	return nil
+}
+
+// hasHeader reports whether names holds name, compared as header names
+// are (case-insensitively).
+func hasHeader(names []string, name string) bool {
+	return slices.ContainsFunc(names, func(n string) bool { return strings.EqualFold(n, name) })
 }
 
 // validHeaderName reports whether s is an HTTP field name (RFC 9110 §5.1, a
