@@ -209,8 +209,6 @@ func (s *soak) inject(f fault) error {
 		if f.redis == 0 {
 			s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 			s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})
-			// A late write of a holder from before the kill, after it.
-			s.win.add(window{name: exFenceEmpty, backends: []string{"fence"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 			// Orders whose attempts meet the restart lost their run records.
 			s.win.add(window{name: exOnceEmpty, backends: []string{"once"}, caddy: -1, from: from - onceSpan, to: up + onceSpan})
 		} else {
