@@ -65,6 +65,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			if !d.Allowed {
 				h.remember(cacheID, id, p, d, sent, got)
 			}
+			if d.Ban == ratelimit.BanStarted {
+				h.announceBan(ctx, id, d, sent)
+			}
 			return d, nil
 		}
 	} else if h.Wait > 0 && ctx.Err() != nil && c.Taken() {
@@ -124,6 +127,25 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 		d.Ban = ratelimit.Banned
 	}
 	return d, true
+}
+
+// announceBan tells every instance of the ban decision d started
+// (ratelimit.PublishBan, ratelimit_forget.go), so that each holds it until
+// it ends, also through an outage that follows. It is sent before the
+// request is answered, even when its client went away.
+func (h *RedisRateLimit) announceBan(ctx context.Context, id string, d decision, sent time.Time) {
+	// The ban started after sent: what is left of it is at least this.
+	gone := h.now().Sub(sent)
+	left, retry := h.ban()-gone, d.Wait-gone
+	if left <= 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.timeout)
+	defer cancel()
+	if err := ratelimit.PublishBan(ctx, h.client.client, h.Prefix, id, left, retry); err != nil {
+		h.logger.Warn("announcing a ban to the other instances failed; they learn it from redis on the key's next request there",
+			zap.String("redis", h.client.settings.Display()), zap.Error(err))
+	}
 }
 
 // remember puts a rejection in the deny cache: a ban under the key (it

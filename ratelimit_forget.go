@@ -1,7 +1,9 @@
 package redisdlm
 
 import (
+	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 )
@@ -12,6 +14,11 @@ import (
 // makes every handler on that client with that prefix forget the key: in
 // its deny cache, and with fail_local in its local limiter. This is the one
 // way a reset reaches the other instances.
+//
+// Bans travel the same way: the instance whose decision starts a ban
+// publishes it (ratelimit.PublishBan), and every instance holds it in the
+// deny cache of every handler on that client with that prefix and a ban,
+// until it ends, so it holds there through an outage and in local mode.
 
 // resetRegistry holds the provisioned redis_ratelimit handlers that keep
 // something of a key in memory (a deny cache, a fail_local limiter), with
@@ -26,6 +33,7 @@ type resetTarget struct {
 	client  *pooledClient
 	prefix  string
 	keyHead string
+	bans    bool                 // the handler bans: it holds announced bans
 	deny    *ratelimit.DenyCache // nil without
 	local   *ratelimit.Local     // fail_local; nil without
 	// announced: the keys whose rate_limit_exceeded went out this period;
@@ -49,7 +57,7 @@ func (t resetTarget) forget(id string) {
 // registerResets adds h (its Provision), when it keeps anything a reset
 // must reach.
 func registerResets(h *RedisRateLimit) {
-	t := resetTarget{client: h.client, prefix: h.Prefix, keyHead: h.keyHead, deny: h.deny, announced: h.announced}
+	t := resetTarget{client: h.client, prefix: h.Prefix, keyHead: h.keyHead, bans: h.ban() > 0, deny: h.deny, announced: h.announced}
 	if h.local != nil {
 		t.local = h.local.lim
 	}
@@ -83,6 +91,23 @@ func (f resetForgetter) Forget(prefix, id string) {
 		if t.client == f.client && t.prefix == prefix {
 			t.forget(id)
 		}
+	}
+}
+
+// Ban holds a ban announced by any instance in the handlers on the client
+// under prefix that ban.
+func (f resetForgetter) Ban(prefix, id string, left, retry time.Duration) {
+	held := 0
+	resetRegistry.mu.Lock()
+	for _, t := range resetRegistry.hs {
+		if t.client == f.client && t.prefix == prefix && t.bans && t.deny != nil {
+			t.deny.Announced(id, left, retry)
+			held++
+		}
+	}
+	resetRegistry.mu.Unlock()
+	if held > 0 {
+		f.client.users.slogger("rl")().Debug("ban announced: held until it ends", slog.String("key", id), slog.Duration("ban_left", left))
 	}
 }
 

@@ -5,20 +5,25 @@ import (
 	"errors"
 	"log/slog"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"time"
 
 	"github.com/redis/go-redis/v9"
 )
 
-// Admin resets (a key's quota, its ban) reach every instance's deny caches
-// through Redis Pub/Sub: the instance that resets publishes the limit's
-// prefix and id on ForgetChannel; every instance listening forgets the id in
-// the deny caches of that prefix at once. A listener that lost its
-// subscription (a connection lost, Redis restarted) may have missed a reset:
-// each subscription after its first forgets everything instead. (The first
-// follows the first rate-limit call by a round trip; a reset published just
-// then, of a key rejected just then, is the only one a listener may miss.)
+// Admin resets (a key's quota, its ban) and bans reach every instance's
+// deny caches through Redis Pub/Sub. The instance that resets publishes the
+// limit's prefix and id on ForgetChannel; every instance listening forgets
+// the id in the deny caches of that prefix at once. The instance whose
+// decision starts a ban publishes it on the same channel (PublishBan: the
+// prefix, the id, when the ban ends); every instance holds it in the deny
+// caches of that prefix until it ends, so a ban holds on every instance
+// through an outage. A listener that lost its subscription (a connection
+// lost, Redis restarted) may have missed a reset: each subscription after
+// its first forgets everything instead. (The first follows the first
+// rate-limit call by a round trip; a reset published just then, of a key
+// rejected just then, is the only one a listener may miss.)
 
 // ForgetChannel is the Pub/Sub channel of admin resets.
 const ForgetChannel = "redisdlm:rl:forget"
@@ -39,10 +44,49 @@ func PublishForget(ctx context.Context, c Publisher, prefix, id string) error {
 	return c.Publish(ctx, ForgetChannel, prefix+"\x00"+id).Err()
 }
 
-// Forgetter is told what to forget: one id of the limits under prefix, or
-// (all) everything, after a reset may have been missed.
+// banTag starts a ban's message. A prefix never holds a brace, so no reset
+// message starts with it (and a listener that does not know bans reads it
+// as a reset of a prefix that no handler has).
+const banTag = "{ban}\x00"
+
+// PublishBan tells every listening instance that id of the limits under
+// prefix is banned: the ban ends in left, and a request may pass in retry
+// (later than left when the quota that started the ban admits only then).
+func PublishBan(ctx context.Context, c Publisher, prefix, id string, left, retry time.Duration) error {
+	msg := banTag + prefix + "\x00" + strconv.FormatInt(left.Milliseconds(), 10) + "\x00" +
+		strconv.FormatInt(retry.Milliseconds(), 10) + "\x00" + id
+	return c.Publish(ctx, ForgetChannel, msg).Err()
+}
+
+// parseBan reads a ban's message (PublishBan); ok is false for anything
+// else, or a ban message that does not parse.
+func parseBan(payload string) (prefix, id string, left, retry time.Duration, ok bool) {
+	rest, isBan := strings.CutPrefix(payload, banTag)
+	if !isBan {
+		return "", "", 0, 0, false
+	}
+	f := strings.SplitN(rest, "\x00", 4)
+	if len(f) != 4 {
+		return "", "", 0, 0, false
+	}
+	l, err1 := strconv.ParseInt(f[1], 10, 64)
+	r, err2 := strconv.ParseInt(f[2], 10, 64)
+	if err1 != nil || err2 != nil || l <= 0 || r < 0 || l > maxBanMs || r > maxBanMs {
+		return "", "", 0, 0, false
+	}
+	return f[0], f[3], time.Duration(l) * time.Millisecond, time.Duration(r) * time.Millisecond, true
+}
+
+// maxBanMs bounds the moments of a ban's message (about 292 years: what a
+// time.Duration holds).
+const maxBanMs = int64(time.Duration(1<<63-1) / time.Millisecond)
+
+// Forgetter is told what to forget and what to hold: one id of the limits
+// under prefix to forget (a reset), one to hold as banned, or (all)
+// everything to forget, after a reset may have been missed.
 type Forgetter interface {
 	Forget(prefix, id string)
+	Ban(prefix, id string, left, retry time.Duration)
 	ForgetAll()
 }
 
@@ -56,8 +100,8 @@ type ForgetListener struct {
 	subscribed bool // once: later subscriptions forget everything
 }
 
-// ListenForget starts listening on c until Close; f is told of each reset.
-// logger returns the logger of the moment, for a panic.
+// ListenForget starts listening on c until Close; f is told of each reset
+// and ban. logger returns the logger of the moment, for a panic.
 func ListenForget(c Subscriber, f Forgetter, logger func() *slog.Logger) *ForgetListener {
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &ForgetListener{client: c, forgetter: f, logger: logger, cancel: cancel, done: make(chan struct{})}
@@ -111,12 +155,19 @@ func (l *ForgetListener) listen(ctx context.Context) (panicked bool) {
 			}
 			l.subscribed = true
 		case *redis.Message:
-			if prefix, id, ok := strings.Cut(m.Payload, "\x00"); ok {
-				l.forgetter.Forget(prefix, id)
-			}
+			l.deliver(m.Payload)
 		}
 	}
 	return false
+}
+
+// deliver passes one message on: a ban, or a reset.
+func (l *ForgetListener) deliver(payload string) {
+	if prefix, id, left, retry, ok := parseBan(payload); ok {
+		l.forgetter.Ban(prefix, id, left, retry)
+	} else if prefix, id, ok := strings.Cut(payload, "\x00"); ok && !strings.HasPrefix(payload, banTag) {
+		l.forgetter.Forget(prefix, id)
+	}
 }
 
 // retryReceive handles a failed receive: a quiet channel is pinged, any
