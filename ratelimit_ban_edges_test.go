@@ -3,17 +3,19 @@ package redisdlm
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 )
 
-// A ban at the edges: three Caddy processes share one redis-server; a ban
-// started through one is announced to all, and each holds it until it
-// ends, through an outage.
+// A ban at the edges: three Caddy processes share one redis-server; a ban started through one is announced to all,
+// and each holds it until it ends, through an outage, a Redis restarted
+// empty and a Pub/Sub reconnect.
 
 // banQuota is the fleet's quota per 3s: enough that each of the three
 // instances may admit a key once in a window.
@@ -183,4 +185,99 @@ func TestWholeCaddyBanHoldsThroughOutage(t *testing.T) {
 			f.expectAdmitted(t, "carol", 10*time.Second, "after the ban ended, Redis still paused")
 		})
 	}
+}
+
+// TestWholeCaddyBanHoldsThroughEmptyRestart (issue row 7): carol is banned
+// through A, then Redis is killed (SIGKILL) and started again empty on its
+// port. No instance admits carol until the ban ends (their listeners
+// subscribe again to a new process and keep the ban), and the ban key is
+// back in Redis with about the ban's remaining lifetime (written back), so
+// the new process enforces it for every instance, also one that never
+// heard of it. Once the ban ends, carol passes.
+func TestWholeCaddyBanHoldsThroughEmptyRestart(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	const ban = 12 * time.Second
+	r := startRedis(t)
+	f := startBanFleet(t, r, ban, "")
+	started := banVia(t, f.procs[0], "carol", ban)
+	// B and C answer carol from their deny caches before the restart too.
+	for _, p := range f.procs[1:] {
+		if st, _ := banStatus(t, p.url(), "carol"); st != 429 {
+			t.Fatalf("carol on %s before the restart: %d, want 429", p.name, st)
+		}
+	}
+	r.Restart()
+	rc := r.Client()
+	key := DefaultRateLimitPrefix + "{carol}:ban"
+	var back time.Duration // the ban key's lifetime when first seen back
+	var backAt time.Duration
+	f.expectBanned(t, "carol", started, ban, ban-700*time.Millisecond, func() {
+		if back > 0 {
+			return
+		}
+		if ttl, err := rc.PTTL(context.Background(), key).Result(); err == nil && ttl > 0 {
+			back, backAt = ttl, time.Since(started)
+		}
+	})
+	if back == 0 {
+		t.Fatalf("the ban key %s never came back to the restarted Redis within the ban", key)
+	}
+	if left := ban - backAt; back > left+200*time.Millisecond || back < left-2*time.Second {
+		t.Fatalf("the ban key came back %.1fs into the ban with %s to live, want about %s (what was left of the ban)", backAt.Seconds(), back, left)
+	}
+	f.expectAdmitted(t, "carol", 10*time.Second, "after the ban ended")
+}
+
+// TestWholeCaddyBanLiftMissedOnReconnect: carol and mallory are banned
+// through A, and B and C have each answered both from Redis. B and C are
+// paused (SIGSTOP) while the Pub/Sub connections are cut (CLIENT KILL TYPE
+// pubsub) and carol's ban is lifted through A's admin API, so B and C miss
+// the lift. Resumed, they subscribe again to the same Redis process: carol's
+// next request there is checked with Redis and admitted; mallory's ban is
+// kept, and holds when Redis is paused then (her check with Redis fails),
+// until it ends.
+func TestWholeCaddyBanLiftMissedOnReconnect(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	const ban = 25 * time.Second
+	r := startRedis(t)
+	f := startBanFleet(t, r, ban, "")
+	banVia(t, f.procs[0], "carol", ban)
+	started := banVia(t, f.procs[0], "mallory", ban)
+	for _, p := range f.procs[1:] {
+		for _, user := range []string{"carol", "mallory"} {
+			if st, _ := banStatus(t, p.url(), user); st != 429 {
+				t.Fatalf("%s on %s: %d, want 429 (banned)", user, p.name, st)
+			}
+		}
+	}
+
+	for _, p := range f.procs[1:] {
+		p.signal(t, syscall.SIGSTOP)
+	}
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			for _, p := range f.procs[1:] {
+				p.signal(t, syscall.SIGCONT)
+			}
+		}
+	}
+	defer resume()
+	rc := r.Client()
+	if err := rc.Do(context.Background(), "client", "kill", "type", "pubsub").Err(); err != nil {
+		t.Fatal(err)
+	}
+	req, _ := http.NewRequest(http.MethodDelete, fmt.Sprintf("http://localhost:%d/redisdlm/limits/bans/carol", f.admin[0]), nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("DELETE of carol's limit: %v %v, want 200", resp, err)
+	}
+	resp.Body.Close()
+	resume()
+
+	f.expectAdmitted(t, "carol", 10*time.Second, "after her ban was lifted while the instance was cut off")
+	r.Pause()
+	defer r.Resume()
+	f.expectBanned(t, "mallory", started, ban, time.Since(started)+4*time.Second, nil)
 }

@@ -1,6 +1,7 @@
 package redisdlm
 
 import (
+	"context"
 	"log/slog"
 	"sync"
 	"time"
@@ -19,6 +20,10 @@ import (
 // publishes it (ratelimit.PublishBan), and every instance holds it in the
 // deny cache of every handler on that client with that prefix and a ban,
 // until it ends, so it holds there through an outage and in local mode.
+// A resubscription (ratelimit.Forgetter.Resubscribed) keeps the bans: to be
+// checked with Redis on the key's next request when Redis runs the same
+// process (a lift may have been missed), written back when it runs a new
+// one (it may have lost them).
 
 // resetRegistry holds the provisioned redis_ratelimit handlers that keep
 // something of a key in memory (a deny cache, a fail_local limiter), with
@@ -111,19 +116,47 @@ func (f resetForgetter) Ban(prefix, id string, left, retry time.Duration) {
 	}
 }
 
-// ForgetAll empties the deny caches of the handlers on the client (a reset
-// may have been missed). Local limiters keep their state: it holds
-// admissions not yet charged to Redis, and a missed reset only leaves them
-// stricter than needed until the key's windows pass.
-func (f resetForgetter) ForgetAll() {
+// Resubscribed empties the deny caches of the handlers on the client (a
+// reset may have been missed) but for their bans, which hold until they
+// end: checked with Redis on their key's next request when Redis runs the
+// process it ran before (a lift may have been missed), written back to a
+// new process (it may have lost them). Local limiters keep their state: it
+// holds admissions not yet charged to Redis, and a missed reset only leaves
+// them stricter than needed until the key's windows pass.
+func (f resetForgetter) Resubscribed(newProcess bool) {
+	var kept []ratelimit.KeptBan
 	resetRegistry.mu.Lock()
-	defer resetRegistry.mu.Unlock()
 	for _, t := range resetRegistry.hs {
-		if t.client == f.client && t.deny != nil {
-			t.deny.Clear()
+		if t.client != f.client {
+			continue
 		}
-		if t.client == f.client && t.announced != nil {
+		if t.deny != nil {
+			banKey := func(id string) string { return t.keyHead + id + "}:ban" } // as RedisRateLimit.banKey
+			kept = append(kept, t.deny.KeepBans(!newProcess, banKey)...)
+		}
+		if t.announced != nil {
 			t.announced.Clear()
 		}
 	}
+	resetRegistry.mu.Unlock()
+	if newProcess && len(kept) > 0 {
+		f.writeBack(kept)
+	}
+}
+
+// writeBack writes the bans this instance holds back to a new Redis process
+// (ratelimit.WriteBackBans), on the listener's goroutine: a reset that
+// arrives meanwhile is applied after it.
+func (f resetForgetter) writeBack(kept []ratelimit.KeptBan) {
+	log := f.client.users.slogger("rl")()
+	ctx, cancel := context.WithTimeout(context.Background(), max(4*f.client.settings.Timeout, 2*time.Second))
+	defer cancel()
+	n, err := ratelimit.WriteBackBans(ctx, f.client.client, kept)
+	if err != nil {
+		log.Warn("redis runs a new process: writing back the bans this instance holds failed; this instance holds them until they end",
+			slog.Int("bans", len(kept)), slog.Int("written", n), slog.Any("error", err))
+		return
+	}
+	log.Info("redis runs a new process: the bans this instance holds were written back",
+		slog.Int("bans", len(kept)), slog.Int("written", n))
 }

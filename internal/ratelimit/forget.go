@@ -3,12 +3,14 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"runtime/debug"
 	"strconv"
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -19,9 +21,16 @@ import (
 // decision starts a ban publishes it on the same channel (PublishBan: the
 // prefix, the id, when the ban ends); every instance holds it in the deny
 // caches of that prefix until it ends, so a ban holds on every instance
-// through an outage. A listener that lost its subscription (a connection
-// lost, Redis restarted) may have missed a reset: each subscription after
-// its first forgets everything instead. (The first follows the first
+// through an outage.
+//
+// A listener that lost its subscription (a connection lost, Redis
+// restarted) may have missed a reset: each subscription after its first
+// forgets everything but the bans (Forgetter.Resubscribed). Whether the
+// Redis process is the one of the previous subscription tells what to do
+// with them: the same process may have lifted one meanwhile, so each is
+// checked with Redis on its key's next request; a new process (a restart,
+// possibly empty, or a failover) may have lost them, so they are written
+// back (WriteBackBans). (The first subscription follows the first
 // rate-limit call by a round trip; a reset published just then, of a key
 // rejected just then, is the only one a listener may miss.)
 
@@ -82,29 +91,37 @@ func parseBan(payload string) (prefix, id string, left, retry time.Duration, ok 
 const maxBanMs = int64(time.Duration(1<<63-1) / time.Millisecond)
 
 // Forgetter is told what to forget and what to hold: one id of the limits
-// under prefix to forget (a reset), one to hold as banned, or (all)
-// everything to forget, after a reset may have been missed.
+// under prefix to forget (a reset), one to hold as banned, and, after a
+// resubscription (a reset may have been missed), everything to forget but
+// the bans, knowing whether Redis runs a new process since the previous
+// subscription.
 type Forgetter interface {
 	Forget(prefix, id string)
 	Ban(prefix, id string, left, retry time.Duration)
-	ForgetAll()
+	Resubscribed(newProcess bool)
 }
 
 // ForgetListener receives the resets published on one Redis.
 type ForgetListener struct {
 	client     Subscriber
 	forgetter  Forgetter
+	restarts   func() uint64
 	logger     func() *slog.Logger
 	cancel     context.CancelFunc
 	done       chan struct{}
-	subscribed bool // once: later subscriptions forget everything
+	subscribed bool   // once: later subscriptions forget everything but bans
+	seen       uint64 // restarts() at the last subscription
 }
 
 // ListenForget starts listening on c until Close; f is told of each reset
-// and ban. logger returns the logger of the moment, for a panic.
-func ListenForget(c Subscriber, f Forgetter, logger func() *slog.Logger) *ForgetListener {
+// and ban. restarts counts the Redis processes c found replaced (it must be
+// raised before a new connection's first command, as
+// redisconn.Check.Restarts is: go-redis runs the connection hook on a
+// Pub/Sub connection too, before it subscribes). logger returns the logger
+// of the moment, for a panic.
+func ListenForget(c Subscriber, f Forgetter, restarts func() uint64, logger func() *slog.Logger) *ForgetListener {
 	ctx, cancel := context.WithCancel(context.Background())
-	l := &ForgetListener{client: c, forgetter: f, logger: logger, cancel: cancel, done: make(chan struct{})}
+	l := &ForgetListener{client: c, forgetter: f, restarts: restarts, logger: logger, cancel: cancel, done: make(chan struct{})}
 	go l.supervise(ctx)
 	return l
 }
@@ -150,15 +167,26 @@ func (l *ForgetListener) listen(ctx context.Context) (panicked bool) {
 		fails = 0
 		switch m := msg.(type) {
 		case *redis.Subscription:
-			if m.Kind == "subscribe" && l.subscribed {
-				l.forgetter.ForgetAll() // resets published meanwhile were missed
-			}
-			l.subscribed = true
+			l.onSubscription(m.Kind)
 		case *redis.Message:
 			l.deliver(m.Payload)
 		}
 	}
 	return false
+}
+
+// onSubscription handles a subscription's confirmation: after the first,
+// resets published meanwhile were missed, and bans may have been lifted
+// (the same Redis process) or lost (a new one).
+func (l *ForgetListener) onSubscription(kind string) {
+	if kind != "subscribe" {
+		return
+	}
+	n := l.restarts()
+	if l.subscribed {
+		l.forgetter.Resubscribed(n != l.seen)
+	}
+	l.subscribed, l.seen = true, n
 }
 
 // deliver passes one message on: a ban, or a reset.
@@ -168,6 +196,48 @@ func (l *ForgetListener) deliver(payload string) {
 	} else if prefix, id, ok := strings.Cut(payload, "\x00"); ok && !strings.HasPrefix(payload, banTag) {
 		l.forgetter.Forget(prefix, id)
 	}
+}
+
+// writeBackLua sets a ban key the Redis lacks, as the decision script
+// would have: expiring when the ban ends (ARGV[1], ms), holding the moment
+// a request may pass (Redis TIME + ARGV[2] µs).
+const writeBackLua = `local t = redis.call('TIME')
+local at = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[2])
+return redis.call('SET', KEYS[1], string.format('%d', at), 'PX', ARGV[1], 'NX') and 1 or 0
+`
+
+var writeBackScript = redisconn.NewScript(writeBackLua)
+
+// Pipeliner is what WriteBackBans needs of a Redis client.
+type Pipeliner interface {
+	Pipeline() redis.Pipeliner
+}
+
+// WriteBackBans writes the bans an instance holds back to a Redis that may
+// have lost them (a new process), in one pipeline: each ban key that is
+// missing is set with the ban's remaining lifetime; one that is there (the
+// ban was started again, or another instance wrote it back) is left as it
+// is. It returns how many it set.
+func WriteBackBans(ctx context.Context, c Pipeliner, bans []KeptBan) (int, error) {
+	if len(bans) == 0 {
+		return 0, nil
+	}
+	pipe := c.Pipeline()
+	cmds := make([]*redis.Cmd, 0, len(bans))
+	for _, b := range bans {
+		cmds = append(cmds, writeBackScript.Eval(ctx, pipe, []string{b.Key}, max(b.Left.Milliseconds(), 1), max(b.Retry, b.Left).Microseconds()))
+	}
+	_, err := pipe.Exec(ctx)
+	set := 0
+	for _, cmd := range cmds {
+		if n, e := cmd.Int(); e == nil && n == 1 {
+			set++
+		}
+	}
+	if err != nil {
+		return set, fmt.Errorf("writing back bans: %w", err)
+	}
+	return set, nil
 }
 
 // retryReceive handles a failed receive: a quiet channel is pinged, any
