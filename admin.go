@@ -8,6 +8,7 @@ package redisdlm
 //	GET    /redisdlm/                             the handlers of the running config
 //	GET    /redisdlm/locks/<handler>/<key>        holders, fence, waiters, stored replay
 //	POST   /redisdlm/locks/<handler>/<key>/release force-release the lock
+//	DELETE /redisdlm/locks/<handler>/<key>/replay  clear the run record and stored answer
 //	GET    /redisdlm/limits/<handler>/<key>       per rate: used, remaining, reset
 //	DELETE /redisdlm/limits/<handler>/<key>       reset that key's quota
 //
@@ -318,11 +319,12 @@ func (a *AdminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		}
 		parts[i] = v
 	}
-	// {locks|limits}/<handler>/<key>[/release]
+	// {locks|limits}/<handler>/<key>[/release|/replay]
 	kinds := map[string]string{"locks": "redis_lock", "limits": "redis_ratelimit"}
 	kind := kinds[parts[0]]
 	release := len(parts) == 4 && parts[0] == "locks" && parts[3] == "release"
-	if kind == "" || len(parts) != 3 && !release {
+	replay := len(parts) == 4 && parts[0] == "locks" && parts[3] == "replay"
+	if kind == "" || len(parts) != 3 && !release && !replay {
 		return adminError(http.StatusNotFound, "no such redisdlm admin resource %q; see GET /redisdlm/", r.URL.Path)
 	}
 	e, err := findHandler(parts[1], kind)
@@ -337,6 +339,11 @@ func (a *AdminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 			return releaseLock(w, r, e, key)
 		}
 		allowed = "POST"
+	case replay:
+		if r.Method == http.MethodDelete {
+			return clearReplay(w, r, e, key)
+		}
+		allowed = "DELETE"
 	case e.lock != nil:
 		if r.Method == http.MethodGet {
 			return inspectLock(w, r, e, key)

@@ -86,6 +86,9 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if sub == "token" {
 				check, field = checkTemplate, &h.Token
 			}
+			if v == "" { // in JSON the default; written out, a mistake
+				return d.Errf("%s: %s: must not be empty (leave it out for the default)", dir, sub)
+			}
 			if err := check(v); err != nil {
 				return d.Errf("%s: %s: %v", dir, sub, err)
 			}
@@ -159,6 +162,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	redisLine := 0      // line of the last `redis` subdirective, for the server count check
 	var addrLines []int // the line of each of h.Addresses
 	replayLine := 0     // line of `replay`, for the checks against other subdirectives
+	var keyLines []int  // the line of each of h.Keys
 	seen := subdirectives{repeatable: lockRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -181,6 +185,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				if err := checkKeyTemplate(a); err != nil {
 					return d.Errf("%s: key: %v", dir, err)
 				}
+				keyLines = append(keyLines, d.Line())
 			}
 			h.Keys = append(h.Keys, args...)
 		case "ttl":
@@ -251,10 +256,10 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			if !validHeaderName(v) {
-				return d.Errf("%s: fencing_header: %q is not a valid header name (letters, digits and !#$%%&'*+-.^_`|~ only)", dir, v)
+			if v == "" { // in JSON the default; written out, a mistake
+				return d.Errf("%s: fencing_header: must not be empty (leave it out for the default, or off for none)", dir)
 			}
-			h.FencingHeader = v
+			h.FencingHeader = v // checked at the end of the block, against the keys and fingerprint
 		case "on_lost":
 			v, err := oneArg(d, dir)
 			if err != nil {
@@ -339,6 +344,9 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 		}
 	}
+	if err := h.checkFencingHeader(); err != nil {
+		return fmt.Errorf("%s: %v, at %s:%d", dir, err, d.File(), fencingHeaderLine(err, seen.lines, keyLines))
+	}
 	if h.Permits > 1 && len(h.Addresses) > 1 {
 		return fmt.Errorf("%s: permits: %d permits cannot be used with a Redlock quorum of %d servers (holders granted by different majorities could be more than the permits); use one Redis for a semaphore, at %s:%d", dir, h.Permits, len(h.Addresses), d.File(), redisLine)
 	}
@@ -360,6 +368,19 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return fmt.Errorf("%s: redis: %d servers given; a Redlock quorum needs an odd count of 1, 3, 5 or 7 servers, because with an even count a split in half leaves no majority, at %s:%d", dir, n, d.File(), redisLine)
 	}
 	return nil
+}
+
+// fencingHeaderLine is the Caddyfile line of a refused fencing header:
+// fencing_header's, else that of what reads the default header.
+func fencingHeaderLine(err error, lines map[string]int, keyLines []int) int {
+	var fe *fencingHeaderError
+	switch {
+	case lines["fencing_header"] > 0 || !errors.As(err, &fe):
+		return lines["fencing_header"]
+	case fe.sub == "key" && fe.key < len(keyLines):
+		return keyLines[fe.key]
+	}
+	return lines[fe.sub]
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
@@ -600,7 +621,12 @@ func parseSharedOption(d *caddyfile.Dispenser, dir string, o sharedOptions) (boo
 		return true, err
 	case "prefix":
 		v, err := oneArg(d, dir)
-		if err == nil && strings.ContainsAny(v, "{}") {
+		switch {
+		case err != nil:
+		case v == "":
+			// In JSON an empty prefix is the default; written out, it is a mistake.
+			err = d.Errf("%s: prefix: must not be empty (leave prefix out for the default)", dir)
+		case strings.ContainsAny(v, "{}"):
 			err = d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag; the handler adds it)", dir, v)
 		}
 		*o.prefix = v

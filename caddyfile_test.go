@@ -1,9 +1,12 @@
 package redisdlm
 
 import (
+	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	_ "github.com/caddyserver/caddy/v2/modules/standard"
@@ -36,6 +39,7 @@ func TestLockCaddyfileErrors(t *testing.T) {
 		{"max_waiters negative", "max_waiters -1", "max_waiters: want an integer >= 0"},
 		{"fencing_header missing", "fencing_header", "fencing_header: want exactly one argument"},
 		{"fencing_header bad", "fencing_header a:b", "fencing_header: "},
+		{"fencing_header empty", `fencing_header ""`, "fencing_header: must not be empty"},
 		{"fencing_header parenthesis", "fencing_header X(1)", `fencing_header: "X(1)" is not a valid header name`},
 		{"fencing_header comma", "fencing_header A,B", `fencing_header: "A,B" is not a valid header name`},
 		{"status low", "status 200", "status: want an HTTP status code in 400-599"},
@@ -117,5 +121,88 @@ func TestCaddyfileAdaptErrors(t *testing.T) {
 	_, _, err := adapter.Adapt([]byte(in), map[string]any{"filename": "Caddyfile"})
 	if err == nil || !strings.Contains(err.Error(), "Caddyfile:4") || !strings.Contains(err.Error(), "redis_lock: ttl") {
 		t.Fatalf("adapt error %v: want Caddyfile:4 and redis_lock: ttl", err)
+	}
+}
+
+// TestFencingHeaderRule (issue 47 row 11, SPEC §6): fencing_header must
+// not name a hop-by-hop header, Host, Content-Length, or a header the
+// handler's keys, fingerprint or credentials read (compared
+// case-insensitively). The Caddyfile parser names the line (fencing_header's,
+// or the key's when the default header is read by a key); the same config
+// in JSON fails Validate with the same reason.
+func TestFencingHeaderRule(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, block string
+		line        int
+		want        string
+	}{
+		{"Connection", "fencing_header Connection", 2, `"Connection" is a hop-by-hop header`},
+		{"Keep-Alive", "fencing_header keep-alive", 2, "is a hop-by-hop header"},
+		{"Proxy-Authenticate", "fencing_header Proxy-Authenticate", 2, "is a hop-by-hop header"},
+		{"Proxy-Authorization", "fencing_header proxy-authorization", 2, "is a hop-by-hop header"},
+		{"Proxy-Connection", "fencing_header Proxy-Connection", 2, "is a hop-by-hop header"},
+		{"Te", "fencing_header TE", 2, "is a hop-by-hop header"},
+		{"Trailer", "fencing_header Trailer", 2, "is a hop-by-hop header"},
+		{"Transfer-Encoding", "fencing_header Transfer-Encoding", 2, "is a hop-by-hop header"},
+		{"Upgrade", "fencing_header upgrade", 2, "is a hop-by-hop header"},
+		{"Host", "ttl 5s\n\tfencing_header Host", 3, `"Host" names the site the request is for`},
+		{"Content-Length", "fencing_header content-length", 2, "frames the request body"},
+		{"Authorization", "fencing_header Authorization", 2, "carries the client's credentials"},
+		{"Cookie with credential_cookies", "replay 1m\n\tcredential_cookies session\n\tfencing_header Cookie", 4, "identifies the client under replay"},
+		{"Cookie under replay", "replay 1m\n\tfencing_header cookie", 3, "identifies the client under replay"},
+		{"a key's header", "key user:{http.request.header.X-User}\n\tfencing_header x-user", 3, `"x-user" is read by the key "user:{http.request.header.X-User}"`},
+		{"a key's header, shorthand", "fencing_header X-USER\n\tkey {header.X-User}", 2, "is read by the key"},
+		{"the second key's header", "key {http.request.uri.path}\n\tkey {http.request.header.X-Account}\n\tfencing_header X-Account", 4, "is read by the key"},
+		{"a key's cookie", "key {http.request.cookie.session}\n\tfencing_header Cookie", 3, "is read by the key"},
+		{"the fingerprint's header", "replay 1m\n\tfingerprint {method} {http.request.header.X-Body-Hash}\n\tfencing_header X-Body-Hash", 4, "is read by the fingerprint"},
+		{"the default, read by a key", "ttl 5s\n\tkey {http.request.uri.path}\n\tkey {http.request.header.Lock-Fencing-Token}", 4, `"Lock-Fencing-Token" (the default) is read by the key`},
+		{"the default, read by the fingerprint", "replay 1m\n\tfingerprint {header.lock-fencing-token}", 3, "(the default) is read by the fingerprint"},
+		{"not a header name", "fencing_header X(1)", 2, "is not a valid header name"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := new(RedisLock)
+			err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\t" + tc.block + "\n}"))
+			if err == nil || !strings.Contains(err.Error(), "redis_lock: fencing_header: ") || !strings.Contains(err.Error(), tc.want) ||
+				!strings.Contains(err.Error(), fmt.Sprintf("Testfile:%d", tc.line)) {
+				t.Fatalf("Caddyfile: %v; want redis_lock: fencing_header, %q and Testfile:%d", err, tc.want, tc.line)
+			}
+			raw, _ := json.Marshal(h) // what the parser had read: the same config in JSON
+			j := new(RedisLock)
+			if err := caddy.StrictUnmarshalJSON(raw, j); err != nil {
+				t.Fatal(err)
+			}
+			if err := j.Validate(); err == nil || !strings.Contains(err.Error(), "redis_lock: fencing_header: ") || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("JSON %s: Validate: %v; want %q", raw, err, tc.want)
+			}
+		})
+	}
+	// The neighbours stay valid.
+	for _, block := range []string{
+		"key {http.request.header.X-User}\n\tfencing_header X-Token",
+		"key {http.request.header.X-User-ID}\n\tfencing_header X-User",
+		"key {http.request.header.Lock-Fencing-Token}\n\tfencing_header off",
+		"replay 1m\n\tfingerprint {http.request.header.X-Idem}\n\tcredential_cookies session\n\tfencing_header X-Token",
+		"key {http.request.cookie.session}",
+	} {
+		h := new(RedisLock)
+		if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\t" + block + "\n}")); err != nil {
+			t.Errorf("Caddyfile %q: %v, want it accepted", block, err)
+			continue
+		}
+		raw, _ := json.Marshal(h)
+		j := new(RedisLock)
+		if err := caddy.StrictUnmarshalJSON(raw, j); err != nil {
+			t.Fatal(err)
+		}
+		if err := j.Validate(); err != nil {
+			t.Errorf("JSON %s: Validate: %v, want it accepted", raw, err)
+		}
+	}
+	// caddy adapt without --validate names the line.
+	in := ":8080\n\nredis_lock {\n\tkey {http.request.header.X-User}\n\tfencing_header X-User\n}\nrespond ok\n"
+	if _, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(in), map[string]any{"filename": "Caddyfile"}); err == nil ||
+		!strings.Contains(err.Error(), "Caddyfile:5") || !strings.Contains(err.Error(), "redis_lock: fencing_header") {
+		t.Errorf("adapt: %v; want redis_lock: fencing_header at Caddyfile:5", err)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
@@ -47,6 +48,9 @@ var (
 	ErrBadToken     = errors.New("redisdlm: missing or malformed fencing token")
 	ErrFutureToken  = errors.New("redisdlm: fencing token from the future (no lock issued it)")
 	errFenceUnknown = errors.New("redisdlm: fence could not ask redis")
+	// errFenceRestarted: the fence's Redis process changed twice during
+	// one write's check; no verdict can be trusted.
+	errFenceRestarted = errors.New("redisdlm: the fence's redis restarted while a token was checked")
 )
 
 // RedisFence admits a write only when its fencing token is at least the
@@ -57,8 +61,9 @@ var (
 // behind the redis_lock that issued the token: fencing then protects the
 // data without code in the upstream. The guarantee is "stale when it
 // reaches the fence": a write delayed after the fence is the storage's own
-// check. The lock needs `permits 1` (holders of several permits hold
-// different tokens).
+// check. A token older than the fence's Redis process is refused too: a
+// restart without persistence loses the records. The lock needs `permits 1`
+// (holders of several permits hold different tokens).
 type RedisFence struct {
 	// The lock's key, as a template rendered per request with the lock's
 	// key-hashing rules. A key that renders empty, or with a placeholder
@@ -102,6 +107,7 @@ type RedisFence struct {
 	clientKey string
 	timeout   time.Duration
 	warn      *warnings
+	noStart   *sync.Once // the warning that the Redis process start is unknown
 }
 
 // CaddyModule returns the Caddy module information.
@@ -115,6 +121,7 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	h.label = handlerLabel("fence", h.Name, h)
 	h.logger = ctx.Logger().With(zap.String("handler", h.label))
 	h.warn = newWarnings(time.Second)
+	h.noStart = new(sync.Once)
 	if h.Key == "" {
 		h.Key = DefaultLockKey
 	}
@@ -199,8 +206,7 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
 	h.client.conn.Use()
-	n, err := fenceAdmitScript.Run(ctx, h.client.client, []string{storedKey(h.Prefix, key)},
-		strconv.FormatUint(token, 10), time.Duration(h.Retain).Milliseconds(), maxTokenLead.Microseconds()).Int64()
+	n, err := h.admit(ctx, key, token)
 	h.client.conn.Unuse()
 	if err != nil {
 		h.writes[fenceError].Inc()
@@ -220,9 +226,44 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	h.writes[fenceStale].Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "fence: stale token refused"); c != nil {
-		c.Write(zap.String("key", key), zap.Uint64("token", token))
+		c.Write(zap.String("key", key), zap.Uint64("token", token), zap.Bool("before_redis_start", n == -2))
+	}
+	if n == -2 {
+		return caddyhttp.Error(h.Status, fmt.Errorf("%w (token %d is older than the fence's redis process, which may have lost the records)", ErrStaleToken, token))
 	}
 	return caddyhttp.Error(h.Status, fmt.Errorf("%w (token %d)", ErrStaleToken, token))
+}
+
+// admit runs the fence's script with the start of the fence's Redis
+// process, so that a token older than the process is refused: a restart
+// without persistence loses the records the token was refused by. The
+// connection hook reads the start before a new connection's first
+// command, so an answer from a process the call did not know of is seen
+// with Started already changed: that verdict does not count, and the call
+// is made again with the new start (once; a second change answers 503).
+func (h *RedisFence) admit(ctx context.Context, key string, token uint64) (int64, error) {
+	keys := []string{storedKey(h.Prefix, key)}
+	start := h.client.check.Started()
+	for range 2 {
+		n, err := fenceAdmitScript.Run(ctx, h.client.client, keys, strconv.FormatUint(token, 10),
+			time.Duration(h.Retain).Milliseconds(), maxTokenLead.Microseconds(), start).Int64()
+		now := h.client.check.Started()
+		if err != nil || now == start {
+			if err == nil && now == 0 {
+				h.noStart.Do(h.warnNoStart)
+			}
+			return n, err
+		}
+		start = now
+	}
+	return 0, errFenceRestarted
+}
+
+// warnNoStart says once that the fence's Redis keeps its process start
+// from it, so a restart of it goes unnoticed.
+func (h *RedisFence) warnNoStart() {
+	h.logger.Warn("restart protection off: the fence cannot read when its redis process started (INFO server refused); "+
+		"after a restart that loses the records a stale token can be admitted", zap.String("server", h.client.settings.Display()))
 }
 
 // Interface guards

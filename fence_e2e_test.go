@@ -178,6 +178,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	b := startCaddyProcess(t, "B", portB, locking(portB))
 
 	paths := []string{"/fenced/7", "/plain/7"}
+	awaitRedisAge(t, fenceRedis) // the lock's tokens are newer than the fence's Redis
 	answersA := map[string]<-chan fetchResult{}
 	for _, p := range paths {
 		answersA[p] = goFetchHdr(a.url()+p, "X-Client", "A")
@@ -255,5 +256,67 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	}
 	if rec, err := fenceRedis.Client().Get(context.Background(), storedKey(DefaultFencePrefix, "/fenced/7")).Int64(); err != nil || rec != tb {
 		t.Errorf("the fence's record: %d %v, want B's token %d", rec, err, tb)
+	}
+}
+
+// TestFenceEndToEndRedisRestart (issue 47 row 8): a fencing Caddy process
+// whose Redis is killed (SIGKILL) and restarted empty on its port. T2 was
+// written and T1 < T2 refused before; after the restart, with the record
+// gone, T1 is refused twice and T2 too (a hold across the restart), and
+// the storage sees none of them; a token issued after the restart passes.
+func TestFenceEndToEndRedisRestart(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	t.Parallel()
+	fenceRedis := startRedis(t)
+	store := &e2eStorage{writes: map[string][]int64{}}
+	storeSrv := httptest.NewServer(store)
+	t.Cleanup(storeSrv.Close)
+	port := freePort(t)
+	f := startCaddyProcess(t, "F", port, func(dir string) string {
+		return fmt.Sprintf(`{
+	admin off
+	auto_https off
+	persist_config off
+	storage file_system %s
+	log {
+		level WARN
+	}
+}
+http://127.0.0.1:%d {
+	redis_fence {
+		redis %s
+	}
+	reverse_proxy %s
+}
+`, dir, port, fenceRedis.Addr, storeSrv.Listener.Addr())
+	})
+	writer := &e2eApp{fence: f.url()}
+	put := func(token int64) int { return writer.write("/accounts/7", strconv.FormatInt(token, 10)) }
+
+	awaitRedisAge(t, fenceRedis)
+	t1 := redisMicros(t, fenceRedis)
+	t2 := t1 + 1000
+	if got := put(t2); got != http.StatusNoContent {
+		t.Fatalf("T2 before the restart: %d, want 204", got)
+	}
+	if got := put(t1); got != http.StatusConflict {
+		t.Fatalf("T1 < T2 before the restart: %d, want 409", got)
+	}
+	fenceRedis.Restart()
+	for _, tc := range []struct {
+		name  string
+		token int64
+	}{{"T1 after the restart", t1}, {"T1 again", t1}, {"T2, a hold across the restart", t2}} {
+		if got := put(tc.token); got != http.StatusConflict {
+			t.Errorf("%s: %d, want 409 (the token is older than the fence's Redis process)", tc.name, got)
+		}
+	}
+	awaitRedisAge(t, fenceRedis)
+	t3 := redisMicros(t, fenceRedis)
+	if got := put(t3); got != http.StatusNoContent {
+		t.Errorf("a token issued after the restart: %d, want 204", got)
+	}
+	if got, want := store.seen("/accounts/7"), []int64{t2, t3}; !slices.Equal(got, want) {
+		t.Errorf("the storage saw %v, want T2 before the restart and the new token after it, %v", got, want)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -14,6 +15,9 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	dto "github.com/prometheus/client_model/go"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // storage records the fencing token of every write that reaches it.
@@ -47,6 +51,7 @@ func (s *storage) seen() []int64 {
 func TestFenceRefusesAStaleHolder(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
+	awaitRedisAge(t, r) // the lock's tokens are newer than the fence's Redis
 	store := new(storage)
 	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"key":"{http.request.uri.path}"}`, r.Addr))
 	fenceSrv := handlerServer(t, fence, store.ServeHTTP)
@@ -101,6 +106,127 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	}
 }
 
+// TestFenceAcrossRedisRestart (issue 47 row 8, SPEC §3b): T2 is written
+// and T1 < T2 refused; the fence's Redis is killed (SIGKILL) and restarted
+// empty on its port, so the record that refused T1 is gone. The fence
+// still refuses every token older than the new process: T1 twice (the
+// first call after the restart goes on a new connection with the old
+// start, and its verdict must not count; the second knows the new start)
+// and T2 as well, whose hold would span the restart. The storage sees
+// neither; a token issued after the restart is admitted.
+func TestFenceAcrossRedisRestart(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	store := new(storage)
+	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"2s"}`, r.Addr))
+	srv := handlerServer(t, h, store.ServeHTTP)
+	put := func(token int64) int {
+		t.Helper()
+		resp, _ := get(t, srv.URL+"/accounts/7", DefaultFencingHeader, strconv.FormatInt(token, 10))
+		if resp == nil {
+			t.Fatalf("token %d: no answer", token)
+		}
+		return resp.StatusCode
+	}
+	awaitRedisAge(t, r)
+	t1 := redisMicros(t, r)
+	t2 := t1 + 1000
+	if got := put(t2); got != http.StatusNoContent {
+		t.Fatalf("T2 before the restart: %d, want 204", got)
+	}
+	if got := put(t1); got != http.StatusConflict {
+		t.Fatalf("T1 < T2 before the restart: %d, want 409", got)
+	}
+	before := fenceCount(h.label, fenceStale)
+	r.Restart()
+	for _, tc := range []struct {
+		name  string
+		token int64
+	}{{"T1, first call after the restart", t1}, {"T1 again", t1}, {"T2, a hold across the restart", t2}} {
+		if got := put(tc.token); got != http.StatusConflict {
+			t.Errorf("%s: %d, want 409 (the token is older than the fence's Redis process)", tc.name, got)
+		}
+	}
+	if got := fenceCount(h.label, fenceStale) - before; got != 3 {
+		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v after the restart, want 3", got)
+	}
+	awaitRedisAge(t, r)
+	t3 := redisMicros(t, r)
+	if got := put(t3); got != http.StatusNoContent {
+		t.Errorf("a token issued after the restart: %d, want 204", got)
+	}
+	if got, want := store.seen(), []int64{t2, t3}; !slices.Equal(got, want) {
+		t.Errorf("the storage saw %v, want T2 before the restart and the new token after it, %v", got, want)
+	}
+}
+
+// TestFenceWarnsWithoutRedisStart: under an ACL that refuses INFO the
+// fence cannot know when its Redis started. It keeps fencing by the
+// records, and says once, naming the server, that restart protection is
+// off.
+func TestFenceWarnsWithoutRedisStart(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t, "--user", "default", "off", "--user", "fence", "on", ">fence-pw",
+		"~caddy:fence:*", "-@all", "+evalsha", "+eval", "+time", "+get", "+set", "+pexpire", "+ping")
+	store := new(storage)
+	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"username":"fence","password":"fence-pw"}`, r.Addr))
+	core, logs := observer.New(zapcore.WarnLevel)
+	h.logger = zap.New(core)
+	srv := handlerServer(t, h, store.ServeHTTP)
+	tok := time.Now().UnixMicro()
+	for i, tc := range []struct {
+		token int64
+		want  int
+	}{{tok, http.StatusNoContent}, {tok + 1, http.StatusNoContent}, {tok, http.StatusConflict}} {
+		resp, _ := get(t, srv.URL+"/k", DefaultFencingHeader, strconv.FormatInt(tc.token, 10))
+		if resp == nil || resp.StatusCode != tc.want {
+			t.Fatalf("write %d: %v, want %d", i+1, resp, tc.want)
+		}
+	}
+	warned := logs.FilterMessageSnippet("restart protection off").All()
+	if len(warned) != 1 {
+		t.Fatalf("%d warnings that restart protection is off, want 1 (logs: %v)", len(warned), logs.All())
+	}
+	if got := warned[0].ContextMap()["server"]; got != r.Addr {
+		t.Errorf("the warning names the server %v, want %s", got, r.Addr)
+	}
+}
+
+// awaitRedisAge waits until r's process is 3 s old (INFO's uptime). The
+// fence knows when a Redis process started only to the second, and errs
+// late (up to 2 s after the real start): it refuses tokens issued in the
+// process's first seconds, as older than the process.
+func awaitRedisAge(t testing.TB, r *testRedis) {
+	t.Helper()
+	c := r.Client()
+	if !waitFor(20*time.Second, func() bool {
+		info, err := c.Info(context.Background(), "server").Result()
+		if err != nil {
+			return false
+		}
+		for _, line := range strings.Split(info, "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "uptime_in_seconds:"); ok {
+				up, _ := strconv.Atoi(v)
+				return up >= 3
+			}
+		}
+		return false
+	}) {
+		t.Fatalf("%s never reported an uptime of 3 s", r)
+	}
+}
+
+// redisMicros is r's TIME in µs: a fencing token as a lock on r would
+// issue it now.
+func redisMicros(t testing.TB, r *testRedis) int64 {
+	t.Helper()
+	now, err := r.Client().Time(context.Background()).Result()
+	if err != nil {
+		t.Fatalf("%s: TIME: %v", r, err)
+	}
+	return now.UnixMicro()
+}
+
 // fenceCount reads caddy_redis_fence_writes_total of one handler for one result.
 func fenceCount(handler string, result int) float64 {
 	initMetrics()
@@ -128,6 +254,7 @@ func TestFenceAnswers(t *testing.T) {
 	store := new(storage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"retain":"10s","timeout":"1s"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
+	awaitRedisAge(t, r)
 	now := time.Now().UnixMicro()
 	put := func(path, token string) int {
 		t.Helper()
@@ -195,6 +322,8 @@ func TestFenceCaddyfile(t *testing.T) {
 		{"redis 127.0.0.1:1 127.0.0.1:2", "exactly one"},
 		{"jitter 0.1", "unknown subdirective"},
 		{"retain 1h\n\tretain 2h", "given twice"},
+		{`token ""`, "token: must not be empty"},
+		{`key ""`, "key: "},
 	} {
 		err := new(RedisFence).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_fence {\n\t" + tc.block + "\n}"))
 		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "redis_fence") {
@@ -220,6 +349,7 @@ func TestFenceJSONShorthandToken(t *testing.T) {
 	store := new(storage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"token":"{header.X-Tok}"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
+	awaitRedisAge(t, r)
 	req, _ := http.NewRequest("PUT", srv.URL+"/s", nil)
 	req.Header.Set("X-Tok", strconv.FormatInt(time.Now().UnixMicro(), 10))
 	resp, err := http.DefaultClient.Do(req)

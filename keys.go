@@ -176,6 +176,12 @@ func requestField(field string) bool {
 // fingerprint), after Caddyfile shorthands: any name may be set by a
 // handler before (map, vars), but a field of http.request.* must exist.
 func checkTemplate(raw string) error {
+	return eachPlaceholder(raw, checkRequestField)
+}
+
+// eachPlaceholder calls f with the name of every placeholder of a
+// template, after Caddyfile shorthands, and stops at its first error.
+func eachPlaceholder(raw string, f func(name string) error) error {
 	s := expandShorthands(raw)
 	for {
 		i := strings.IndexByte(s, '{')
@@ -190,11 +196,26 @@ func checkTemplate(raw string) error {
 		if end < 0 {
 			return fmt.Errorf("unclosed placeholder in %q", raw)
 		}
-		if err := checkRequestField(s[i+1 : i+end]); err != nil {
+		if err := f(s[i+1 : i+end]); err != nil {
 			return err
 		}
 		s = s[i+end+1:]
 	}
+}
+
+// templateHeaders lists the request headers a template reads: X for
+// {http.request.header.X} (or {header.X}), Cookie for a cookie placeholder.
+func templateHeaders(raw string) []string {
+	var out []string
+	_ = eachPlaceholder(raw, func(name string) error {
+		if hdr, ok := strings.CutPrefix(name, "http.request.header."); ok {
+			out = append(out, hdr)
+		} else if strings.HasPrefix(name, "http.request.cookie.") {
+			out = append(out, "Cookie")
+		}
+		return nil
+	})
+	return out
 }
 
 func knownNamespace(name string) bool {

@@ -60,6 +60,11 @@ type lockServerView struct {
 	InstancesWaiting int          `json:"instances_waiting"`
 	ThisInstanceWait bool         `json:"this_instance_waiting"`
 	Replay           *replayView  `json:"replay"`
+	// InDoubt: a run record (replay, an unsafe method) with no stored
+	// answer and no live lease: its run may or may not have happened, so
+	// duplicates are refused (409) until it ends or is cleared (DELETE
+	// .../replay).
+	InDoubt bool `json:"in_doubt"`
 }
 
 // holderView is one holder; its token is a secret (it releases the lock)
@@ -68,7 +73,8 @@ type holderView struct {
 	LeaseLeftMs int64 `json:"lease_left_ms"`
 }
 
-// replayView is a response stored for replay under <lockkey>:replay.
+// replayView is a response stored for replay under <lockkey>:replay, or
+// a run record there (Format "run1", no Status).
 type replayView struct {
 	Status      *int   `json:"status"` // null when the stored form is not readable
 	Size        int64  `json:"size"`   // of the body, or of the whole value when not readable
@@ -169,9 +175,9 @@ func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 // fill reads the inspect script's answer:
 // {holders' lease left ms {..}, fence or "", waiting instances, this
 // instance waiting 0|1, replay type, replay expiry ms, replay status or "",
-// replay size}.
+// replay size, run record 0|1|2 (2: in doubt)}.
 func (sv *lockServerView) fill(res []any) error {
-	if len(res) != 8 {
+	if len(res) != 9 {
 		return fmt.Errorf("unexpected inspect answer of %d values", len(res))
 	}
 	left, _ := res[0].([]any)
@@ -195,6 +201,8 @@ func (sv *lockServerView) fill(res []any) error {
 		sv.Replay = newReplayView(typ, head, size)
 		sv.Replay.ExpiryMs, _ = res[5].(int64)
 	}
+	run, _ := res[8].(int64)
+	sv.InDoubt = run == 2
 	return nil
 }
 
@@ -202,6 +210,10 @@ func (sv *lockServerView) fill(res []any) error {
 // (see storedAnswer.encode: "<format>\n<json head>\n<body>").
 func newReplayView(typ, head string, size int64) *replayView {
 	rv := &replayView{Size: size, StoredBytes: size, Format: typ}
+	if head == "run1" {
+		rv.Format, rv.Size = head, 0
+		return rv
+	}
 	format, rest, ok := strings.Cut(head, "\n")
 	if typ != "string" || !ok {
 		return rv
@@ -274,4 +286,45 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 		return map[string]any{"handler": h.label, "key": eventKey(key), "reason": "force-released through the admin API", "holders_removed": total}
 	})
 	return writeJSON(w, out)
+}
+
+// clearReplay deletes a lock key's run record and stored answer on every
+// server: a key left in doubt (its run's outcome unknown) may be run again
+// by the next request, and a stored answer is no longer replayed.
+func clearReplay(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
+	h := e.lock
+	if key == "" {
+		return adminError(http.StatusBadRequest, "empty lock key")
+	}
+	rk := storedKey(h.Prefix, key)
+	clients := lockClients(h)
+	deleted := make([]int64, len(clients))
+	errs := make([]string, len(clients))
+	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
+		n, err := c.Del(ctx, lock.ReplayKey(rk)).Result()
+		deleted[i] = n
+		if err != nil {
+			errs[i] = err.Error()
+		}
+	})
+	total, failed := int64(0), 0
+	for i := range clients {
+		total += deleted[i]
+		if errs[i] != "" {
+			failed++
+		}
+	}
+	if failed > 0 {
+		return adminError(http.StatusBadGateway, "clearing the replay state of %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
+	}
+	if total == 0 {
+		return adminError(http.StatusNotFound, "no run record or stored answer for lock key %q (Redis key %s)", key, rk)
+	}
+	h.logger.Warn("replay state cleared through the admin API: the next request with the key runs the route", zap.String("key", key))
+	return writeJSON(w, struct {
+		Handler  string `json:"handler"`
+		Key      string `json:"key"`
+		RedisKey string `json:"redis_key"`
+		Cleared  bool   `json:"cleared"`
+	}{handlerRef(h.Name), key, rk, true})
 }

@@ -100,7 +100,10 @@ type RedisLock struct {
 	MaxWaiters int `json:"max_waiters,omitempty"`
 
 	// Request header that carries the fencing token to the next handler.
-	// Any value the client sent in it is replaced. "off" sends none.
+	// Any value the client sent in it is replaced. "off" sends none. It
+	// must not be a hop-by-hop header, Host, Content-Length, Authorization,
+	// a header a key or fingerprint placeholder reads, or (under replay)
+	// Cookie: the token would replace what the request needs.
 	// Default: Lock-Fencing-Token.
 	FencingHeader string `json:"fencing_header,omitempty"`
 
@@ -148,6 +151,17 @@ type RedisLock struct {
 	// this time gets the stored response, with `Idempotent-Replayed: true`,
 	// instead of running the rest of the route.
 	//
+	// Never twice: for an unsafe method the upstream sees at most one run
+	// per key within this window. The grant writes a run record (with the
+	// fingerprint) that lives this long; a duplicate that finds it with no
+	// live lease (the holder paused or crashed past it) gets 409 with
+	// Retry-After. A 5xx the route wrote, a 408, 409, 425 or 429, or a
+	// request reverse_proxy could not deliver clears it; any other unstored
+	// end leaves the key in doubt until the record ends or DELETE
+	// /redisdlm/locks/<name>/<key>/replay clears it. An answer that would
+	// start after the holder's own clock says its lease ended goes out
+	// only once stored as the run's own (else 503).
+	//
 	// The answer outlives the client: a client that goes away does not cut
 	// the route short. The route runs to its end on a context the client's
 	// departure does not cancel (bounded by max_hold if set, else one ttl
@@ -160,8 +174,10 @@ type RedisLock struct {
 	// 204, 300, 301, 308, 404, 405, 410 and 414 are kept); answers to
 	// requests carrying Range or If-* headers; `Vary: *`; a body over
 	// replay_max; a stream (server-sent events, 101); an answer the route
-	// broke off (it returned an error); a lost lease. Then the waiters
-	// take the lock in turn and run the route.
+	// broke off (it returned an error); a lost lease (an unsafe method's
+	// answer is still stored over its own run record). Then GET and HEAD
+	// waiters take the lock in turn and run the route; an unsafe method's
+	// key is cleared or in doubt as above.
 	//
 	// A stored answer is given only to requests it can answer: the same
 	// fingerprint (which covers the credentials), the same values of the
@@ -424,10 +440,74 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: credential_cookies: a cookie name must not be empty")
 	case len(h.Fingerprint) > 1 && slices.Contains(h.Fingerprint, "off"):
 		return errors.New("redis_lock: fingerprint: off stands alone")
-	case h.FencingHeader != "" && !validHeaderName(h.FencingHeader):
-		return fmt.Errorf("redis_lock: fencing_header: %q is not a valid header name (letters, digits and !#$%%&'*+-.^_`|~ only)", h.FencingHeader)
+	}
+	if err := h.checkFencingHeader(); err != nil {
+		return fmt.Errorf("redis_lock: %w", err)
 	}
 	return nil
+}
+
+// fencingHeaderError refuses the fencing header. sub names the template
+// that reads it ("key", the keys[key]; "fingerprint"), or is "": the
+// Caddyfile parser gives that subdirective's line when the refused header
+// is the default (no fencing_header line).
+type fencingHeaderError struct {
+	msg string
+	sub string
+	key int
+}
+
+func (e *fencingHeaderError) Error() string { return e.msg }
+
+// checkFencingHeader is the rule on the header the lock sets the token in
+// (fencing_header, else its default): a header name, and one the lock may
+// replace. Not a hop-by-hop header (a proxy drops it, so the token never
+// reaches the upstream), Host or Content-Length (they route and frame the
+// request), nor a header the handler reads: a key's or the fingerprint's
+// placeholder, or the credentials (Authorization; under replay Cookie,
+// which identifies the client by credential_cookies, or whole for a
+// private answer).
+func (h *RedisLock) checkFencingHeader() error {
+	name, what := h.FencingHeader, fmt.Sprintf("%q", h.FencingHeader)
+	if name == "" {
+		name, what = DefaultFencingHeader, fmt.Sprintf("%q (the default)", DefaultFencingHeader)
+	}
+	refuse := func(sub string, key int, why string) error {
+		return &fencingHeaderError{msg: "fencing_header: " + what + " " + why, sub: sub, key: key}
+	}
+	switch {
+	case strings.EqualFold(name, "off"):
+		return nil
+	case !validHeaderName(name):
+		return refuse("", 0, "is not a valid header name (letters, digits and !#$%&'*+-.^_`|~ only)")
+	case hasHeader(hopByHop, name):
+		return refuse("", 0, "is a hop-by-hop header: a proxy removes it, so the token would never reach the upstream")
+	case strings.EqualFold(name, "Host"):
+		return refuse("", 0, "names the site the request is for; the token would replace it")
+	case strings.EqualFold(name, "Content-Length"):
+		return refuse("", 0, "frames the request body; the token would replace it")
+	case strings.EqualFold(name, "Authorization"):
+		return refuse("", 0, "carries the client's credentials; the token would replace them")
+	case strings.EqualFold(name, "Cookie") && (h.Replay > 0 || len(h.CredentialCookies) > 0):
+		return refuse("", 0, "identifies the client under replay (credential_cookies, or the whole header for a private answer); the token would replace it")
+	}
+	for i, k := range h.Keys {
+		if hasHeader(templateHeaders(k), name) {
+			return refuse("key", i, fmt.Sprintf("is read by the key %q; the token would replace the client's value in it", k))
+		}
+	}
+	for _, f := range h.Fingerprint {
+		if hasHeader(templateHeaders(f), name) {
+			return refuse("fingerprint", 0, fmt.Sprintf("is read by the fingerprint %q; the token would replace the client's value in it", f))
+		}
+	}
+	return nil
+}
+
+// hasHeader reports whether names holds name, compared as header names
+// are (case-insensitively).
+func hasHeader(names []string, name string) bool {
+	return slices.ContainsFunc(names, func(n string) bool { return strings.EqualFold(n, name) })
 }
 
 // validHeaderName reports whether s is an HTTP field name (RFC 9110 §5.1, a
@@ -481,8 +561,14 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 	}
 
 	start := time.Now()
+	run := h.Replay > 0 && !id.safe // never twice: the run is recorded
 	h.m.waiters.Inc()
-	lease, err := h.locker.Acquire(r.Context(), keys)
+	var lease *lease
+	if run {
+		lease, err = h.locker.AcquireRun(r.Context(), keys, lock.Run{Fingerprint: id.fp})
+	} else {
+		lease, err = h.locker.Acquire(r.Context(), keys)
+	}
 	h.m.waiters.Dec()
 	waited := time.Since(start)
 	repl.Set("http.redis_lock.key", display)
@@ -500,10 +586,13 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 			}
 			return h.serveReplay(w, r, display, a)
 		}
+		if refused, err := h.runRefused(w, r, next, id, display, err); refused {
+			return err
+		}
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
 	h.m.acquired.Observe(waited.Seconds())
-	return h.serveLocked(w, r, next, held{repl: repl, lease: lease, display: display, waited: waited, id: id})
+	return h.serveLocked(w, r, next, held{repl: repl, lease: lease, display: display, waited: waited, id: id, run: run})
 }
 
 // held is a request that got its lock.
@@ -513,6 +602,7 @@ type held struct {
 	display string        // the rendered key, for logs and events
 	waited  time.Duration // how long the request waited for the lock
 	id      identity      // the request's replay identity (replay on)
+	run     bool          // replay of an unsafe method: its run is recorded (never twice)
 }
 
 // acquireFailed answers a request that did not get the lock.
@@ -604,6 +694,12 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	base := r.Context()
 	if h.Replay > 0 {
 		rec = newRecorder(w, r.Context(), h.ReplayMax, rw.before.header())
+		if hd.run {
+			// Never twice: an answer that would start after this holder's
+			// own clock says its lease ended waits until it is stored as
+			// the run's own (a duplicate may have been refused meanwhile).
+			rec.withhold = func() bool { return hd.lease.Valid() <= 0 }
+		}
 		w = rec
 		// The answer outlives the client: the route runs to its end, the
 		// lock held, and its answer is stored for the client's retry.
@@ -624,9 +720,13 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	defer func() {
 		// Stop the extender first, so no extension can follow the release.
 		keep.Stop()
-		end := routeEnd{err: err, broken: !completed || rw.lost.Load(), clientGone: r.Context().Err() != nil, cutOff: cutOff}
+		end := routeEnd{err: err, panicked: !completed, lost: rw.lost.Load(), clientGone: r.Context().Err() != nil, cutOff: cutOff}
 		cancel(nil)
-		h.release(hd, r, rec, end, wait)
+		if withheld := h.release(hd, r, rec, end, wait); withheld != nil && err == nil {
+			rw.restoreHeader()
+			w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(h.inDoubtRetry(time.Duration(h.Replay))), 10))
+			err = withheld
+		}
 		if err == nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
 			rw.restoreHeader()
 			err = caddyhttp.Error(http.StatusServiceUnavailable, ErrLeaseLost)
@@ -681,7 +781,8 @@ func (h *RedisLock) onLost(fence int64, display string, rw *startedWriter, cance
 // routeEnd is how the route under the lock ended.
 type routeEnd struct {
 	err        error // what it returned
-	broken     bool  // it panicked, or the lease was lost
+	panicked   bool  // it panicked
+	lost       bool  // the lease was lost while it ran
 	clientGone bool  // the client went away while it still ran
 	// cutOff: a replay route whose client went away was cancelled at its
 	// bound (see detach): its answer is not stored, and its upstream may
@@ -692,14 +793,16 @@ type routeEnd struct {
 // release gives the lease back once the route returned (in the
 // background: the answer does not wait for Redis; with wait, once the
 // response is on the wire) and records the hold.
-// With replay the answer is stored with it when it can be replayed.
+// With replay the answer is stored with it when it can be replayed; an
+// answer withheld (see releaseWithheld) that could not be stored returns
+// the error to answer with instead.
 // Without replay, a client that went away while the route still ran
 // abandons the lease: with lock_delay, nobody gets the key for the delay,
 // since the upstream may still be writing.
-func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEnd, wait *responseWait) {
+func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEnd, wait *responseWait) (withheld error) {
 	switch {
 	case rec != nil:
-		h.releaseReplay(hd, r, rec, end)
+		withheld = h.releaseReplay(hd, r, rec, end)
 	case end.clientGone && h.LockDelay > 0:
 		if c := h.logger.Check(zapcore.DebugLevel, "lock abandoned: the client went away while the route ran; lock_delay applies"); c != nil {
 			c.Write(zap.String("key", hd.display), zap.Duration("lock_delay", time.Duration(h.LockDelay)))
@@ -721,6 +824,7 @@ func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEn
 	if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
 		c.Write(zap.String("key", hd.display), zap.Int64("fencing_token", hd.lease.Fence()))
 	}
+	return withheld
 }
 
 // errDetachedRunOver ends a replay route whose client went away once the
@@ -909,11 +1013,22 @@ func (w *startedWriter) Flush() { _ = w.FlushError() }
 func (w *startedWriter) Unwrap() http.ResponseWriter { return w.ResponseWriterWrapper.ResponseWriter }
 
 // releaseReplay releases a replay lock, storing the holder's answer with
-// the release when it can be replayed.
-func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end routeEnd) {
+// the release when it can be replayed. A run (an unsafe method) whose
+// answer says it did not happen or failed clears its run record; any other
+// unstored outcome leaves the key in doubt (duplicates get 409).
+func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end routeEnd) error {
 	ans, why := "", "the client went away and the route was cancelled at its bound (max_hold, or one ttl after the client left)"
 	if !end.cutOff {
-		ans, why = rec.answer(r, hd.id, end.err, end.broken)
+		// A run's answer is stored as its own over its run record even
+		// when the lease was lost (nobody else ran: the record refused
+		// them); without a run record, a lost lease stores nothing.
+		ans, why = rec.answer(r, hd.id, end.err, end.panicked || end.lost && !hd.run)
+	}
+	if hd.run && runDidNotHappen(end, rec) {
+		hd.lease.ClearRun()
+	}
+	if rec.withheld {
+		return h.releaseWithheld(hd, rec, ans, why)
 	}
 	if ans == "" {
 		h.m.notStored.Inc()
@@ -925,13 +1040,14 @@ func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end r
 			// be writing, so lock_delay applies (SPEC §3 item 13).
 			h.m.delayAbandoned.Inc()
 			hd.lease.Abandon()
-			return
+			return nil
 		}
 		hd.lease.ReleaseInBackground("")
-		return
+		return nil
 	}
 	h.m.stored.Inc()
 	hd.lease.ReleaseInBackground(ans)
+	return nil
 }
 
 // estimateFree estimates when a busy lock will be free for this request

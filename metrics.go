@@ -97,8 +97,8 @@ func initMetrics() {
 		}, h)
 		lockReplays = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_replays_total",
-			Help: "redis_lock replay outcomes: answers replayed, responses stored or not stored, requests that did not match the stored one.",
-		}, hr) // replayed|stored|not_stored|mismatch
+			Help: "redis_lock replay outcomes: answers replayed, responses stored or not stored, requests that did not match the stored one, requests refused because the key's run is in doubt.",
+		}, hr) // replayed|stored|not_stored|mismatch|in_doubt
 		rateLimitTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
@@ -155,7 +155,7 @@ type lockSeries struct {
 	lost                                   prometheus.Counter
 	delayLost, delayAbandoned, delayForced prometheus.Counter // lock_delay began, by why
 	replayed, stored, notStored            prometheus.Counter
-	mismatch                               prometheus.Counter
+	mismatch, inDoubt                      prometheus.Counter
 }
 
 func newLockSeries(label string) lockSeries {
@@ -171,6 +171,7 @@ func newLockSeries(label string) lockSeries {
 		delayLost: lockDelays.WithLabelValues(label, "lost"), delayAbandoned: lockDelays.WithLabelValues(label, "abandoned"),
 		delayForced: lockDelays.WithLabelValues(label, "forced"),
 		replayed:    r("replayed"), stored: r("stored"), notStored: r("not_stored"), mismatch: r("mismatch"),
+		inDoubt: r("in_doubt"),
 	}
 }
 

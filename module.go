@@ -306,7 +306,7 @@ func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs rat
 	}
 	if p.rl == nil {
 		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: p.users.slogger("rl")})
-		p.forget = ratelimit.ListenForget(p.client, resetForgetter{p}, p.users.slogger("rl"))
+		p.forget = ratelimit.ListenForget(p.client, resetForgetter{p}, p.check.Restarts, p.users.slogger("rl"))
 	}
 	b := p.rl
 	p.mu.Unlock()

@@ -242,9 +242,12 @@ type RedisRateLimit struct {
 	// `rate_limit_banned` announces the ban once, when it starts. The ban is
 	// kept in Redis next to the key's rates (set by the decision that
 	// rejects, checked first by every decision; it expires when it ends),
-	// and each instance answers a ban it has seen from memory until its
-	// end. The admin API shows it (`banned_until`) and its DELETE lifts it
-	// with the quota, on every instance within a second. Bad input, a cost
+	// announced to every instance as it starts, and each instance answers
+	// a ban it has seen from memory until its end, also while Redis is
+	// unreachable, whatever the fail policy, and across a reconnect to
+	// Redis (after one to a restarted Redis it writes the ban back). The
+	// admin API shows it (`banned_until`) and its DELETE lifts it with the
+	// quota, on every instance within a second. Bad input, a cost
 	// above a rate's capacity, dry_run, and requests that `wait` holds and
 	// admits never ban (a request `wait` cannot absorb does). At least 1ms.
 	// Default: 0 (no ban).

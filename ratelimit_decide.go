@@ -18,7 +18,7 @@ import (
 type decision = ratelimit.Decision
 
 // decide answers from the deny cache, else asks Redis (one script call).
-func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decision, error) {
+func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out decision, err error) {
 	if p.over >= 0 {
 		// More than a rate can ever admit: rejected at once, with no
 		// Retry-After (no moment would do).
@@ -30,6 +30,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 	}
 	if d, ok := h.cached(cacheID, id, p); ok {
 		return d, nil
+	}
+	if _, ok := h.keptBan(id); ok {
+		defer func() { out, err = h.checkedBan(ctx, id, out, err) }()
 	}
 	var reserved ratelimit.Reservation
 	if h.local != nil {
@@ -67,6 +70,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (decisi
 			}
 			if !d.Allowed {
 				h.remember(cacheID, id, p, d, sent, got)
+			}
+			if d.Ban == ratelimit.BanStarted {
+				h.announceBan(ctx, id, d, sent)
 			}
 			return d, nil
 		}
@@ -121,12 +127,67 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 	if !ok {
 		return decision{}, false
 	}
+	return h.fromCache(e), true
+}
+
+// fromCache is the decision a deny-cache entry makes now.
+func (h *RedisRateLimit) fromCache(e ratelimit.DenyEntry) decision {
 	now := h.now()
 	d := decision{Tight: e.Tight, Remaining: e.Left, Wait: e.RetryAt.Sub(now), Reset: e.RetryAt.Sub(now), Cached: true}
 	if e.Banned {
 		d.Ban = ratelimit.Banned
 	}
-	return d, true
+	return d
+}
+
+// keptBan is id's ban kept across a Pub/Sub reconnect to the same Redis
+// process (ratelimit_forget.go), as the decision it makes: a lift may have
+// been missed, so the key's next request asks Redis (checkedBan).
+func (h *RedisRateLimit) keptBan(id string) (decision, bool) {
+	if h.deny == nil {
+		return decision{}, false
+	}
+	e, ok := h.deny.Kept(id)
+	if !ok {
+		return decision{}, false
+	}
+	return h.fromCache(e), true
+}
+
+// checkedBan settles a kept ban once Redis was asked about its key:
+// Redis's decision stands, and one without the ban means the ban was lifted
+// meanwhile; without a decision (Redis unreachable, local mode) the kept
+// ban holds until it ends.
+func (h *RedisRateLimit) checkedBan(ctx context.Context, id string, d decision, err error) (decision, error) {
+	if err == nil {
+		if d.Ban == ratelimit.NotBanned {
+			h.deny.DropKept(id)
+		}
+		return d, nil
+	}
+	if kept, ok := h.keptBan(id); ok && ctx.Err() == nil {
+		return kept, nil
+	}
+	return d, err
+}
+
+// announceBan tells every instance of the ban decision d started
+// (ratelimit.PublishBan, ratelimit_forget.go), so that each holds it until
+// it ends, also through an outage that follows. It is sent before the
+// request is answered, even when its client went away.
+func (h *RedisRateLimit) announceBan(ctx context.Context, id string, d decision, sent time.Time) {
+	// The ban started after sent: what is left of it is at least this.
+	gone := h.now().Sub(sent)
+	left, retry := h.ban()-gone, d.Wait-gone
+	if left <= 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.timeout)
+	defer cancel()
+	if err := ratelimit.PublishBan(ctx, h.client.client, h.Prefix, id, left, retry); err != nil {
+		h.logger.Warn("announcing a ban to the other instances failed; they learn it from redis on the key's next request there",
+			zap.String("redis", h.client.settings.Display()), zap.Error(err))
+	}
 }
 
 // remember puts a rejection in the deny cache: a ban under the key (it

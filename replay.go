@@ -19,9 +19,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -371,6 +374,11 @@ type recorder struct {
 	body     bytes.Buffer
 	overflow bool // the body outgrew max
 	gone     bool // the client went away: nothing more is sent to it
+	// withhold, when set, is asked as the answer starts (status below
+	// 500): true keeps the whole answer back (withheld) until the
+	// release decides whether it may go out (sendWithheld).
+	withhold func() bool
+	withheld bool
 }
 
 // newRecorder records what the route writes to w; before is w's header as
@@ -405,8 +413,9 @@ func (rec *recorder) WriteHeader(code int) {
 		}
 		slices.Sort(rec.removed)
 		rec.private, rec.varyBy = privateAnswer(rec.Header()), varyNames(rec.Header())
+		rec.withheld = code < 500 && rec.withhold != nil && rec.withhold()
 	}
-	if rec.clientGone() {
+	if rec.clientGone() || rec.withheld {
 		return
 	}
 	rec.ResponseWriterWrapper.WriteHeader(code)
@@ -424,7 +433,7 @@ func (rec *recorder) Write(b []byte) (int, error) {
 			rec.body.Write(b)
 		}
 	}
-	if rec.clientGone() {
+	if rec.clientGone() || rec.withheld {
 		return len(b), nil
 	}
 	if _, err := rec.ResponseWriterWrapper.Write(b); err != nil {
@@ -446,12 +455,23 @@ func (rec *recorder) Flush() {
 	if rec.status == 0 {
 		rec.WriteHeader(http.StatusOK) // a flush sends the header: record it now
 	}
-	if rec.clientGone() {
+	if rec.clientGone() || rec.withheld {
 		return
 	}
 	if err := http.NewResponseController(rec.ResponseWriterWrapper).Flush(); err != nil && !errors.Is(err, http.ErrNotSupported) {
 		rec.gone = true
 	}
+}
+
+// sendWithheld sends the withheld answer (stored whole, so its body is
+// all there).
+func (rec *recorder) sendWithheld() {
+	rec.withheld = false
+	if rec.clientGone() {
+		return
+	}
+	rec.ResponseWriterWrapper.WriteHeader(rec.status)
+	_, _ = rec.ResponseWriterWrapper.Write(rec.body.Bytes())
 }
 
 // streamed reports an answer that is a stream by nature (server-sent
@@ -471,7 +491,7 @@ func (rec *recorder) storable(id identity, handlerErr error, lost bool) string {
 	case handlerErr != nil:
 		return "the route returned an error (the response was aborted)"
 	case lost:
-		return "the lease was lost"
+		return "the lease was lost, or the route panicked"
 	case rec.status == 0:
 		return "no response was written"
 	case rec.status >= 500:
@@ -567,4 +587,95 @@ func parseSize(s string) (int64, error) {
 		return 0, fmt.Errorf("invalid size %q: too large", s)
 	}
 	return n * mult, nil
+}
+
+// errAnswerWithheld answers a holder whose answer was withheld and could
+// not be stored as its run's own (see releaseWithheld).
+var errAnswerWithheld = errors.New("redisdlm: the lease ended before the answer could go out, and it could not be stored as this run's own; the key's outcome is in doubt")
+
+// errRunInDoubt is logged for a duplicate refused while the key's run is in
+// doubt.
+var errRunInDoubt = errors.New("redisdlm: a request with this key began earlier and its outcome is unknown (its holder lost its lease before an answer was stored)")
+
+// transientStatuses say that the request was not acted on: under replay
+// they clear the key's run record (as a 5xx the route wrote does).
+var transientStatuses = []int{http.StatusRequestTimeout, http.StatusConflict, http.StatusTooEarly, http.StatusTooManyRequests}
+
+// runDidNotHappen reports an end of a run (replay, an unsafe method) that
+// says the upstream did not act on it or failed, so a duplicate may run:
+// reverse_proxy could not connect, or the route itself wrote a 5xx or a
+// transient 408, 409, 425 or 429 (also after the lease was lost, with
+// on_lost continue). Any other unstored end leaves the key in doubt: an
+// error after the upstream may have begun (a broken upstream connection, a
+// cancelled context: on_lost cancel's 503), a panic, a detached run cut
+// off, an answer that cannot be stored.
+func runDidNotHappen(end routeEnd, rec *recorder) bool {
+	if end.err != nil {
+		var dial reverseproxy.DialError
+		return errors.As(end.err, &dial)
+	}
+	if end.panicked || end.cutOff {
+		return false
+	}
+	return rec.status >= 500 || slices.Contains(transientStatuses, rec.status)
+}
+
+// releaseWithheld ends a run whose answer was withheld: it began after the
+// holder's own clock said its lease ended, so a duplicate may have been
+// refused as in doubt meanwhile, and only the answer stored as this run's
+// own may go out. It is stored over the run's own record (or while the
+// lease still holds), then sent; otherwise the client gets 503 (returned)
+// and the key stays in doubt, unless the answer cleared it.
+func (h *RedisLock) releaseWithheld(hd held, rec *recorder, ans, why string) error {
+	stored := false
+	if ans != "" {
+		var err error
+		if stored, err = hd.lease.KeepAnswer(context.Background(), ans); err != nil {
+			why = "storing it failed: " + err.Error()
+		} else if !stored {
+			why = "the key's run record is no longer this run's"
+		}
+	}
+	hd.lease.ReleaseInBackground("")
+	if stored {
+		h.m.stored.Inc()
+		rec.sendWithheld()
+		return nil
+	}
+	h.m.notStored.Inc()
+	h.logger.Warn("replay: the lease ended before the answer could go out and the answer could not be stored; answering 503",
+		zap.String("reason", why), zap.Int("status", rec.status))
+	return caddyhttp.Error(http.StatusServiceUnavailable, errAnswerWithheld)
+}
+
+// runRefused answers a request whose key's run was started by another
+// request (replay, an unsafe method): its outcome in doubt gets 409 with a
+// short reason (a problem+json body, as the Idempotency-Key draft asks)
+// and Retry-After; another request's run gets what a mismatch gets.
+// refused is false for any other error (nothing was answered).
+func (h *RedisLock) runRefused(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, id identity, display string, err error) (refused bool, _ error) {
+	var doubt *lock.InDoubtError
+	switch {
+	case errors.As(err, &doubt):
+		h.m.inDoubt.Inc()
+		if c := h.logger.Check(zapcore.DebugLevel, "replay: the key's run is in doubt; answering 409"); c != nil {
+			c.Write(zap.String("key", display), zap.Duration("record_left", doubt.RecordLeft()))
+		}
+		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(jittered(h.inDoubtRetry(doubt.RecordLeft()), h.Jitter)), 10))
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusConflict)
+		_, _ = io.WriteString(w, `{"type":"about:blank","title":"Conflict","status":409,"detail":"a request with this key began earlier and its outcome is unknown; it is not run again"}`+"\n")
+		return true, nil
+	case errors.Is(err, lock.ErrRunMismatch):
+		return true, h.refuseReplay(w, r, next, id, display, "the key's run was started by another request")
+	}
+	return false, nil
+}
+
+// inDoubtRetry is the Retry-After of a refusal while the key's run is in
+// doubt: one ttl (a holder that was paused and comes back stores its
+// answer by then, and the retry is replayed), or what is left of the run
+// record when that is sooner (then the key may run again).
+func (h *RedisLock) inDoubtRetry(recordLeft time.Duration) time.Duration {
+	return min(time.Duration(h.TTL), recordLeft)
 }

@@ -142,42 +142,50 @@ func TestReplayDuplicatesRunOnce(t *testing.T) {
 }
 
 // TestReplayNotStored: a 5xx, a body over replay_max, a streamed response
-// and a response whose client went away are not stored: the next request
-// runs the route.
+// and an answer the route broke off are not stored. A 5xx the route wrote
+// says the run failed: the next request runs the route. The others leave
+// the key in doubt (the upstream may have acted): the next request with
+// the key gets 409 and the route runs once (never twice).
 func TestReplayNotStored(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	for _, tc := range []struct {
 		name, query string
+		calls       int64
+		second      int // the duplicate's status
 	}{
-		{"5xx", "status=503"},
-		{"over replay_max", "size=100"},
+		{"5xx", "status=503", 2, 503},
+		{"over replay_max", "size=100", 1, http.StatusConflict},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			up := new(orderUpstream)
 			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":64,"prefix":"ns:`+tc.name+`:"`))
 			srv := handlerServer(t, h, up.ServeHTTP)
+			var st int
 			for i := 1; i <= 2; i++ {
-				_, hdr, _, err := post(srv.URL+"/o?"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
+				var hdr http.Header
+				var err error
+				st, hdr, _, err = post(srv.URL+"/o?"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
 				if err != nil || hdr.Get(HeaderIdempotentReplayed) != "" {
 					t.Fatalf("request %d: %v, replayed %q: a %s response must not be replayed", i, err, hdr.Get(HeaderIdempotentReplayed), tc.name)
 				}
 			}
-			if c := up.calls.Load(); c != 2 {
-				t.Fatalf("%d upstream calls, want 2 (%s not stored)", c, tc.name)
+			if c := up.calls.Load(); c != tc.calls || st != tc.second {
+				t.Fatalf("%d upstream calls, the duplicate got %d; want %d calls and %d (%s not stored)", c, st, tc.calls, tc.second, tc.name)
 			}
 		})
 	}
 	t.Run("streamed", func(t *testing.T) {
 		t.Parallel()
-		// Server-sent events are a stream: not stored. A flushed answer
-		// that ends is (reverse_proxy flushes every answer without a
+		// Server-sent events are a stream: not stored, and the key is in
+		// doubt (409 for the duplicate). A flushed answer that ends is
+		// stored (reverse_proxy flushes every answer without a
 		// Content-Length).
 		for _, tc := range []struct {
 			contentType string
-			calls       int64
-		}{{"text/event-stream", 2}, {"application/json", 1}} {
+			second      string
+		}{{"text/event-stream", "409"}, {"application/json", "part and the rest"}} {
 			var calls atomic.Int64
 			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:streamed:`+tc.contentType+`:"`))
 			srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
@@ -190,18 +198,23 @@ func TestReplayNotStored(t *testing.T) {
 			})
 			var bodies []string
 			for i := 0; i < 2; i++ {
-				_, _, body, _ := post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
+				st, _, body, _ := post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
+				if st == http.StatusConflict {
+					body = "409"
+				}
 				bodies = append(bodies, body)
 			}
-			if c := calls.Load(); c != tc.calls || bodies[1] != "part and the rest" {
-				t.Fatalf("%s, flushed: %d calls, second answer %q; want %d calls", tc.contentType, c, bodies[1], tc.calls)
+			if c := calls.Load(); c != 1 || bodies[1] != tc.second {
+				t.Fatalf("%s, flushed: %d calls, second answer %q; want 1 call and %q", tc.contentType, c, bodies[1], tc.second)
 			}
 		}
 	})
 	t.Run("the route broke off", func(t *testing.T) {
 		t.Parallel()
 		// An answer the route itself failed to finish (reverse_proxy returns
-		// an error when the upstream breaks off) is aborted: not stored.
+		// an error when the upstream breaks off) is aborted: not stored, and
+		// the key is in doubt (the upstream acted, or may have). A GET, which
+		// may run again, does.
 		var calls atomic.Int64
 		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:brokeoff:"`))
 		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
@@ -214,8 +227,11 @@ func TestReplayNotStored(t *testing.T) {
 			return nil
 		})
 		post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
-		if _, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k"); body != "second" || hdr.Get(HeaderIdempotentReplayed) != "" {
-			t.Fatalf("after a broken-off answer: %q replayed=%q, want the route to run again", body, hdr.Get(HeaderIdempotentReplayed))
+		if st, _, _, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusConflict || calls.Load() != 1 {
+			t.Fatalf("after a broken-off answer: %d, %d route runs; want 409 and 1 run", st, calls.Load())
+		}
+		if _, hdr, body, _ := sendBody("GET", srv.URL+"/g", "", "X-User", "u", "Idempotency-Key", "k"); body != "second" || hdr.Get(HeaderIdempotentReplayed) != "" {
+			t.Fatalf("a GET after a broken-off answer: %q replayed=%q, want the route to run again", body, hdr.Get(HeaderIdempotentReplayed))
 		}
 	})
 	t.Run("holder's client went away", func(t *testing.T) {

@@ -90,3 +90,39 @@ func TestStrictConfig(t *testing.T) {
 		t.Errorf("JSON lock key {http.request.heder.X}: %v, want an error", err)
 	}
 }
+
+// TestEmptyPrefix (issue 47 row 11, SPEC §6): `prefix ""` written in a
+// Caddyfile is an error on every directive that has prefix, naming the
+// directive, the subdirective and the line (it silently meant the
+// default); in JSON an empty prefix is the default.
+func TestEmptyPrefix(t *testing.T) {
+	t.Parallel()
+	type unmarshaler interface {
+		UnmarshalCaddyfile(*caddyfile.Dispenser) error
+		Validate() error
+	}
+	for _, tc := range []struct {
+		dir, block string
+		h          func() unmarshaler
+	}{
+		{"redis_lock", "ttl 5s\n\tprefix \"\"", func() unmarshaler { return new(RedisLock) }},
+		{"redis_ratelimit", "rate 10 1m\n\tprefix \"\"", func() unmarshaler { return new(RedisRateLimit) }},
+		{"redis_fence", "retain 1h\n\tprefix \"\"", func() unmarshaler { return new(RedisFence) }},
+	} {
+		err := tc.h().UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.dir + " {\n\t" + tc.block + "\n}"))
+		if err == nil || !strings.Contains(err.Error(), tc.dir+": prefix: must not be empty") || !strings.Contains(err.Error(), "Testfile:3") {
+			t.Errorf("%s with prefix \"\": %v; want %s: prefix: must not be empty, at Testfile:3", tc.dir, err, tc.dir)
+		}
+		h := tc.h()
+		if err := json.Unmarshal([]byte(`{"prefix":""}`), h); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Validate(); err != nil && strings.Contains(err.Error(), "prefix") {
+			t.Errorf("%s in JSON with \"prefix\":\"\": %v, want the default", tc.dir, err)
+		}
+	}
+	h := provisionFence(t, `{"redis":["127.0.0.1:1"],"prefix":""}`) // never dials
+	if h.Prefix != DefaultFencePrefix {
+		t.Errorf(`redis_fence in JSON with "prefix":"": prefix %q, want the default %q`, h.Prefix, DefaultFencePrefix)
+	}
+}

@@ -7,8 +7,11 @@
 -- Returns {{lease left ms of each live holder}, fencing counter or "",
 --          live waiting instances, 1 if ARGV[1] is one of them else 0,
 --          replay type ("none" when absent), replay expiry ms (PTTL),
---          the replay's first 8 KiB (a string) or "", its size in bytes}.
--- Holder tokens are never returned: a token can release the lock.
+--          the replay's first 8 KiB (a string) or "", its size in bytes,
+--          run: 0 no run record, 1 a run record whose holder's lease is
+--          live, 2 one with no live lease (in doubt)}.
+-- Holder tokens are never returned: a token can release the lock (a run
+-- record's head is returned as "run1" alone).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local left = {}
@@ -34,4 +37,15 @@ if rtype ~= 'none' then
 		rhead = redis.call('GETRANGE', KEYS[4], 0, 8191)
 	end
 end
-return {left, fence, waiting, me, rtype, rttl, rhead, rsize}
+local run = 0
+if string.sub(rhead, 1, 5) == 'run1\n' then
+	local record = redis.call('GET', KEYS[4])
+	local nl = string.find(record, '\n', 6, true)
+	local leaseEnd = redis.call('ZSCORE', KEYS[1], string.sub(record, 6, nl - 1))
+	run = 2
+	if leaseEnd and tonumber(leaseEnd) > now then
+		run = 1
+	end
+	rhead = 'run1'
+end
+return {left, fence, waiting, me, rtype, rttl, rhead, rsize, run}

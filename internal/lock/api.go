@@ -4,6 +4,7 @@ package lock
 // the engine, besides Acquire.
 
 import (
+	"context"
 	"slices"
 	"time"
 
@@ -81,4 +82,25 @@ func (ls *Lease) Abandon() {
 // (any more) is reported lost when its validity ends.
 func (ls *Lease) Keep(o KeepOptions) Keeper {
 	return Keeper{newKeeper(ls, o)}
+}
+
+// ClearRun says that the lease's run did not happen or failed (the route
+// wrote a 5xx or a transient 408, 409, 425 or 429, or never reached its
+// upstream): its release deletes the run record, so a duplicate may run.
+// Without it the record stays for the replay window, refusing duplicates
+// as in doubt, unless an answer is stored over it.
+func (ls *Lease) ClearRun() { ls.clearRun.Store(true) }
+
+// KeepAnswer stores answer for replay before the lease is released, for a
+// holder whose own clock says its lease ended: it is stored only while the
+// token still holds the lock, or over the lease's own run record (nobody
+// else ran since). It reports whether it was stored. The lease is released
+// afterwards, as any (without the answer).
+func (ls *Lease) KeepAnswer(ctx context.Context, answer string) (bool, error) {
+	l := ls.l
+	ctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+	defer cancel()
+	n, err := keepAnswerScript.Run(ctx, l.servers[0].client, []string{ls.keys[0], ReplayKey(ls.keys[0])},
+		ls.token, answer, l.opts.Replay.Milliseconds()).Int64()
+	return n == 1, err
 }

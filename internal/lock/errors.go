@@ -52,6 +52,24 @@ func (e *BusyError) Ahead() int { return e.ahead }
 // (each waits with at least one request).
 func (e *BusyError) OthersWaiting() int { return e.facts.others }
 
+// ErrRunMismatch: under replay, the key's run was started by another
+// request (its fingerprint differs).
+var ErrRunMismatch = errors.New("redisdlm: the key's run was started by another request")
+
+// InDoubtError is what Acquire returns for a Run whose key was run already
+// by a holder that no longer holds a live lease (paused or crashed past
+// it, or force-released) and left no answer: that run may or may not
+// have happened, so this one must not start.
+type InDoubtError struct{ left time.Duration }
+
+func (e *InDoubtError) Error() string {
+	return "redisdlm: the key's run started earlier and its outcome is unknown (its holder lost its lease before an answer was stored)"
+}
+
+// RecordLeft is how long the run record that keeps the key in doubt still
+// lives.
+func (e *InDoubtError) RecordLeft() time.Duration { return e.left }
+
 // Replayed is what Acquire returns when an earlier holder's answer is
 // stored for the key: the request is answered with it, no lock is taken.
 type Replayed struct{ answer string }

@@ -103,7 +103,7 @@ func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*fa
 		t.Cleanup(func() { c.Close() })
 		// Loaded first, so each script call is one command (no NOSCRIPT
 		// and EVAL after a hooked EVALSHA).
-		for _, sc := range []*redisconn.Script{AcquireScript, ReleaseScript, ReleaseStoreScript, ExtendScript, renewScript, fenceRaiseScript} {
+		for _, sc := range []*redisconn.Script{AcquireScript, ReleaseScript, ReleaseStoreScript, ExtendScript, renewScript, fenceRaiseScript, keepAnswerScript} {
 			if err := c.ScriptLoad(context.Background(), sc.Source()).Err(); err != nil {
 				t.Fatal(err)
 			}

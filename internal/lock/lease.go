@@ -68,6 +68,10 @@ type Lease struct {
 	raise    int64 // Redlock: fencing counter to write back on release
 	lost     atomic.Bool
 	unclean  atomic.Bool // abandoned: the holder did not finish cleanly
+	// run: taken by AcquireRun, so the grant wrote a run record; clearRun:
+	// its release deletes it (ClearRun).
+	run      bool
+	clearRun atomic.Bool
 }
 
 // Valid reports the remaining validity of the lease.
@@ -233,7 +237,8 @@ func (ls *Lease) release(answer string) leaseRelease {
 		msgs = ls.q.wakeMsgs
 	}
 	return leaseRelease{keys: ls.keys, msgs: msgs, token: ls.token, raise: ls.raise, removed: ls.removed,
-		unknown: ls.outcomeUnknown(), answer: answer, unclean: ls.unclean.Load() || ls.lost.Load()}
+		unknown: ls.outcomeUnknown(), answer: answer, unclean: ls.unclean.Load() || ls.lost.Load(),
+		clearRun: ls.run && ls.clearRun.Load()}
 }
 
 // outcomeUnknown reports whether some server may hold the lease in a way
@@ -271,6 +276,11 @@ func (ls *Lease) dropRefs() {
 // queue sharing a key).
 func (ls *Lease) handOff() bool {
 	if ls.lost.Load() || ls.q == nil || (ls.unclean.Load() && ls.l.opts.LockDelay > 0) {
+		return false
+	}
+	if ls.l.opts.Replay > 0 {
+		// Under replay the next waiter asks Redis: it may find the
+		// answer stored, or the run record that refuses it.
 		return false
 	}
 	fence, left, reserved := ls.fence+1, ls.chainLeft, ls.reserved

@@ -59,7 +59,7 @@ type Locker struct {
 // constArgv are the acquire script's arguments that never change for a
 // locker, boxed once instead of per call.
 type constArgv struct {
-	ttlMs, permits, self, life, delayMs any
+	ttlMs, permits, self, life, delayMs, replayMs any
 }
 
 // New builds a locker over servers (1, 3, 5 or 7). It does not dial.
@@ -87,7 +87,7 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 		logger:  logger,
 	}
 	l.argv = constArgv{ttlMs: opts.TTL.Milliseconds(), permits: opts.Permits, self: l.dom.id,
-		life: l.waitqLife().Milliseconds(), delayMs: opts.LockDelay.Milliseconds()}
+		life: l.waitqLife().Milliseconds(), delayMs: opts.LockDelay.Milliseconds(), replayMs: opts.Replay.Milliseconds()}
 	l.spawn = func(f func()) {
 		background.Go(func() {
 			defer l.recoverPanic("sending a release nobody waits for")
@@ -100,13 +100,34 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 // close drops this locker's reference to its shared queue domain.
 func (l *Locker) close() { releaseDomain(l.dom) }
 
+// Run names a request that must run at most once per key within the
+// replay window (replay, an unsafe method): its grant writes a run record
+// under the key, with Fingerprint, that refuses every other request until
+// an answer is stored or the run is cleared (see Lease.ClearRun).
+type Run struct {
+	Fingerprint string
+}
+
 // Acquire takes the lock on all keys (sorted, deduplicated Redis keys) or
 // none, waiting up to opts.Wait. Errors: *BusyError (ErrNotObtained,
-// ErrTooManyWaiters), ErrUnavailable, or the context's error.
+// ErrTooManyWaiters), ErrUnavailable, or the context's error; with
+// replay also *Replayed.
 //
 // The returned lease holds a reference to the key's local queue until it
 // is released, so waiters that arrive while it is held queue behind it.
 func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
+	return l.acquire(ctx, keys, nil)
+}
+
+// AcquireRun is Acquire for a Run (one key; replay on): besides Acquire's
+// errors, *InDoubtError when another request's run of the key started and
+// its outcome is unknown, and ErrRunMismatch when it was another request's
+// (fingerprint).
+func (l *Locker) AcquireRun(ctx context.Context, keys []string, run Run) (*Lease, error) {
+	return l.acquire(ctx, keys, &run)
+}
+
+func (l *Locker) acquire(ctx context.Context, keys []string, run *Run) (*Lease, error) {
 	q := l.dom.queue(keys)
 	w, ok := q.enqueue(l.opts.MaxWaiters)
 	if !ok {
@@ -114,7 +135,7 @@ func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
 		return nil, newBusy(ErrTooManyWaiters, q.retryHint(), q.waiting())
 	}
 	l.useServers()
-	ls, err := l.wait(ctx, q, w, keys)
+	ls, err := l.wait(ctx, q, w, keys, run)
 	if err != nil {
 		var busy *BusyError
 		if errors.As(err, &busy) {
@@ -167,8 +188,8 @@ func (l *Locker) unuseServers() {
 }
 
 // wait runs one waiter's turn: queue, attempts, wake-ups and polls.
-func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string) (*Lease, error) {
-	wt := &waiting{l: l, ctx: ctx, q: q, w: w, keys: keys, last: unknownBusy}
+func (l *Locker) wait(ctx context.Context, q *keyQueue, w *waiter, keys []string, run *Run) (*Lease, error) {
+	wt := &waiting{l: l, ctx: ctx, q: q, w: w, keys: keys, run: run, last: unknownBusy}
 	if l.opts.Wait > 0 {
 		wt.end = time.Now().Add(l.opts.Wait)
 		defer wt.stopDeadline()
@@ -200,6 +221,7 @@ type waiting struct {
 	q         *keyQueue
 	w         *waiter
 	keys      []string
+	run       *Run        // nil: no run record
 	end       time.Time   // the end of the wait; zero with wait 0
 	deadlineT *time.Timer // fires at end; made when the waiter first waits
 
@@ -306,7 +328,7 @@ func (wt *waiting) step(n int) (*Lease, waitStep, error) {
 	}
 	mine := wt.q.retryHint() // with local: of the holder here
 	began := time.Now()
-	a := l.tryAcquire(wt.ctx, wt.keys, l.chainSize(wt.q, wt.keys), wt.busyKey)
+	a := l.tryAcquire(wt.ctx, wt.keys, wt.run, l.chainSize(wt.q, wt.keys), wt.busyKey)
 	wt.took = time.Since(began)
 	switch {
 	case a.err != nil && wt.ctx.Err() != nil:
@@ -317,6 +339,8 @@ func (wt *waiting) step(n int) (*Lease, waitStep, error) {
 		return a.lease, stepDone, nil
 	case a.answer != "":
 		return nil, stepDone, &Replayed{answer: a.answer}
+	case a.runRefused != nil:
+		return nil, stepDone, a.runRefused
 	}
 	wt.retryAfter, wt.busyKey, wt.split, wt.last = a.retryAfter, a.busyKey, a.split, a.busy
 	if wt.local && mine.held >= 0 && (wt.last.held < 0 || mine.held < wt.last.held) {
@@ -398,7 +422,7 @@ func (l *Locker) backoff(n int) time.Duration {
 // chainSize is how many fencing tokens an acquisition reserves: one per
 // holder it may serve by local hand-off (single key, one permit only).
 func (l *Locker) chainSize(q *keyQueue, keys []string) int {
-	if len(keys) != 1 || l.opts.Permits != 1 {
+	if len(keys) != 1 || l.opts.Permits != 1 || l.opts.Replay > 0 {
 		return 1
 	}
 	n := q.waiting() // this waiter included

@@ -41,6 +41,9 @@ type attempt struct {
 	split  bool
 	err    error  // Redis unreachable / no quorum
 	answer string // a stored answer to replay (replay on)
+	// runRefused: the key's run was started by another request that is
+	// in doubt (*InDoubtError) or differs (ErrRunMismatch).
+	runRefused error
 }
 
 // tryAcquire makes one attempt on every key (sorted) and every server.
@@ -49,8 +52,8 @@ type attempt struct {
 // first is the index of the key that was busy last time: it is asked
 // first, so a request for several keys does not take and give back its free
 // keys again and again while one of them stays busy.
-func (l *Locker) tryAcquire(ctx context.Context, keys []string, chain, first int) attempt {
-	t := l.newTry(ctx, keys, chain, first)
+func (l *Locker) tryAcquire(ctx context.Context, keys []string, run *Run, chain, first int) attempt {
+	t := l.newTry(ctx, keys, run, chain, first)
 	for i, k := range t.order {
 		if a, over := t.takeKey(i, k); over {
 			return a
@@ -67,6 +70,7 @@ type try struct {
 	keys  []string // sorted
 	order []string // as asked: the key that was busy last time first
 	token string
+	run   *Run // nil: no run record
 	chain int
 	start time.Time
 	fence int64 // the highest counter a granting majority returned
@@ -109,8 +113,8 @@ type try struct {
 	argv []any // the one key's acquire call (t.own.argv); nil with several keys
 }
 
-func (l *Locker) newTry(ctx context.Context, keys []string, chain, first int) *try {
-	t := &try{l: l, ctx: ctx, keys: keys, token: newToken(), chain: chain, start: l.now()}
+func (l *Locker) newTry(ctx context.Context, keys []string, run *Run, chain, first int) *try {
+	t := &try{l: l, ctx: ctx, keys: keys, run: run, token: newToken(), chain: chain, start: l.now()}
 	// What the lease shares with the attempt, and the per-key records: in
 	// the try's own allocation.
 	t.released, t.removed, t.unknown, t.inflight = &t.own.released, &t.own.removed, &t.own.unknown, &t.own.inflight
@@ -159,6 +163,9 @@ func (t *try) takeKey(i int, k string) (a attempt, over bool) {
 	}
 	if a := t.answer.Load(); a != nil {
 		return attempt{answer: *a}, true
+	}
+	if err := runRefusal(results); err != nil {
+		return attempt{runRefused: err}, true
 	}
 	if granted, _, _ := tally(results); granted >= l.quorum {
 		for _, r := range results {
@@ -334,7 +341,7 @@ func (t *try) finish() attempt {
 	}
 	t.own.lease = Lease{l: l, keys: t.keys, names: t.own.names, token: t.token, fence: t.fence - int64(t.chain) + 1, start: t.start, reserved: t.start,
 		until: t.start.Add(validity), released: t.released, removed: t.removed, unknown: t.unknown, inflight: t.inflight,
-		chainLeft: t.chain - 1, raise: raise}
+		chainLeft: t.chain - 1, raise: raise, run: t.run != nil}
 	return attempt{lease: &t.own.lease}
 }
 
@@ -348,16 +355,39 @@ func (l *Locker) validity(start time.Time) time.Duration {
 	return v
 }
 
+// runRefusal is the refusal of a Run in an attempt's answers (replay has
+// one server): its outcome in doubt (3), or another request's (4).
+func runRefusal(results []result) error {
+	if len(results) != 1 || !results[0].done || results[0].err != nil {
+		return nil
+	}
+	switch v := results[0].v.([]int64); v[0] {
+	case 3:
+		return &InDoubtError{left: time.Duration(v[1]) * time.Millisecond}
+	case 4:
+		return ErrRunMismatch
+	}
+	return nil
+}
+
 // acquireArgc is the number of the acquire script's arguments (ARGV).
-const acquireArgc = 9
+const acquireArgc = 12
 
 // acquireArgv is the acquire call of keys (a key's acquireKeyArray),
 // appended to buf (see redisconn.Script.Argv): the token goes by
 // reference (no allocation to box it).
 func (t *try) acquireArgv(buf []any, keys []string) []any {
 	l, c := t.l, &t.l.argv
-	return AcquireScript.Argv(buf, keys, &t.token, c.ttlMs, c.permits, c.self, c.life, t.chain, l.replayFlag(), l.turnsFlag(len(t.keys)), c.delayMs)
+	run, fp := flagArgs[0], emptyArg
+	if t.run != nil {
+		run, fp = flagArgs[1], &t.run.Fingerprint
+	}
+	return AcquireScript.Argv(buf, keys, &t.token, c.ttlMs, c.permits, c.self, c.life, t.chain, l.replayFlag(), l.turnsFlag(len(t.keys)), c.delayMs,
+		run, fp, c.replayMs)
 }
+
+// emptyArg is a script's empty argument, boxed once.
+var emptyArg any = ""
 
 // acquireSynced runs the acquire script and WAIT in one pipeline on the
 // key's own master (WAIT counts the replicas that have this connection's

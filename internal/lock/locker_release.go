@@ -25,6 +25,8 @@ type leaseRelease struct {
 	// unclean: the holder did not finish cleanly; with lock_delay, nobody
 	// gets the keys for the delay.
 	unclean bool
+	// clearRun: the lease's run record is deleted (see Lease.ClearRun).
+	clearRun bool
 }
 
 // releaseLease releases a lease on every server, in parallel, and
@@ -48,7 +50,7 @@ func (l *Locker) releaseJobs(r leaseRelease) []releaseJob {
 func (l *Locker) leaseJob(r leaseRelease, i int) releaseJob {
 	k := r.keys[i]
 	job := l.releaseJob(k, r.token)
-	job.raise, job.unknown, job.answer, job.unclean = r.raise, r.unknown, r.answer, r.unclean
+	job.raise, job.unknown, job.answer, job.unclean, job.clearRun = r.raise, r.unknown, r.answer, r.unclean, r.clearRun
 	if r.msgs != nil {
 		job.msg = r.msgs[i]
 	} else {
@@ -60,8 +62,10 @@ func (l *Locker) leaseJob(r leaseRelease, i int) releaseJob {
 // releaseJob is the release of token on key k, with nothing to write back,
 // announce or store.
 func (l *Locker) releaseJob(k, token string) releaseJob {
+	// An attempt undone (or granted late) never ran: its run record, if
+	// any, goes.
 	return releaseJob{key: k, token: token, ttlMs: l.opts.TTL.Milliseconds(), replayMs: l.opts.Replay.Milliseconds(),
-		self: l.dom.id, handler: l.opts.Handler, delayMs: l.opts.LockDelay.Milliseconds()}
+		self: l.dom.id, handler: l.opts.Handler, delayMs: l.opts.LockDelay.Milliseconds(), clearRun: l.opts.Replay > 0}
 }
 
 // notAsked is the answer of a server that a release skips.

@@ -33,6 +33,10 @@ type releaseJob struct {
 	// gets the key for that long after the release (lock_delay).
 	unclean bool
 	delayMs int64
+	// clearRun: a run record of this token under the key (replay) is
+	// deleted, so another request may run the key: the run did not
+	// happen or failed, or the attempt never ran (an undo).
+	clearRun bool
 }
 
 // isOOM reports whether Redis refused a call for being over maxmemory.
@@ -97,7 +101,7 @@ func (c *releaseCall) answered(cmd *redis.Cmd) {
 }
 
 // releaseArgs is the number of the release scripts' arguments.
-const releaseArgs = 11
+const releaseArgs = 12
 
 // fill writes the release script's arguments into a.
 func (j *releaseJob) fill(a *[releaseArgs]any) {
@@ -107,5 +111,5 @@ func (j *releaseJob) fill(a *[releaseArgs]any) {
 		// delayed on its way to Redis is refused until then.
 		dead = 2*j.ttlMs + releaseGiveUpExtra.Milliseconds()
 	}
-	*a = [releaseArgs]any{&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs}
+	*a = [releaseArgs]any{&j.token, WakeChannel, &j.msg, j.raise, &j.ttlMs, &j.answer, &j.replayMs, &j.self, dead, flagArg(j.unclean), &j.delayMs, flagArg(j.clearRun)}
 }

@@ -21,12 +21,15 @@ var (
 	fenceRaiseLua string
 	//go:embed scripts/lock_renew.lua
 	renewLua string
+	//go:embed scripts/lock_keep_answer.lua
+	keepAnswerLua string
 
 	AcquireScript    = redisconn.NewScript(acquireLua)
 	ExtendScript     = redisconn.NewScript(extendLua)
 	ReleaseScript    = redisconn.NewScript(releaseLua)
 	fenceRaiseScript = redisconn.NewScript(fenceRaiseLua)
 	renewScript      = redisconn.NewScript(renewLua)
+	keepAnswerScript = redisconn.NewScript(keepAnswerLua)
 )
 
 // ReleaseStoreScript is the release script without allow-oom, for a

@@ -25,6 +25,11 @@ type DenyEntry struct {
 	Left    int64     // its remaining quota when Redis rejected (less than cost)
 	Cost    int64     // the rejected cost: only a request of this cost is answered here
 	Banned  bool      // a ban: every request of the key is answered here, whatever its cost
+	// Recheck: a ban kept across a Pub/Sub reconnect to the same Redis
+	// process, during which a lift may have been missed: the key's next
+	// request asks Redis, and is answered from here only when Redis cannot
+	// answer (Kept).
+	Recheck bool
 }
 
 // NewDenyCache makes a cache of at most max entries, on clock (nil:
@@ -44,7 +49,8 @@ func (f ClockFunc) Now() time.Time { return f() }
 
 // Get returns the entry of id if it still rejects a request of cost. Only
 // the same cost, unless it is a ban: a cheaper request may pass, and a
-// costlier one passes later than RetryAt, so both ask Redis.
+// costlier one passes later than RetryAt, so both ask Redis. A ban to be
+// checked with Redis (Recheck) is not returned.
 func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
 	now := c.clock.Now()
 	c.mu.Lock()
@@ -57,7 +63,7 @@ func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
 		delete(c.m, id)
 		return e, false
 	}
-	return e, e.Banned || cost == e.Cost
+	return e, !e.Recheck && (e.Banned || cost == e.Cost)
 }
 
 // Put remembers a rejection of id until e.Until (nothing once it is past).
@@ -122,7 +128,7 @@ func (c *DenyCache) Mark(id string, until time.Time) bool {
 	return true
 }
 
-// Clear forgets every entry (an admin reset may have been missed).
+// Clear forgets every entry.
 func (c *DenyCache) Clear() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -146,5 +152,82 @@ func (c *DenyCache) Forget(id string) {
 		if strings.HasPrefix(k, id+"\x00") {
 			delete(c.m, k)
 		}
+	}
+}
+
+// Announced remembers a ban another instance (or this one) announced: it
+// ends in left and a request may pass in retry (later, when the quota that
+// started it admits only then), both from now. A ban this cache holds from
+// a Redis answer is kept (its moments are closer); a message arrives a
+// little after it was sent, so the ban is held until a margin before left.
+func (c *DenyCache) Announced(id string, left, retry time.Duration) {
+	now := c.clock.Now()
+	e := DenyEntry{Until: now.Add(left - time.Millisecond - left/1000), RetryAt: now.Add(max(left, retry)), Banned: true}
+	if !now.Before(e.Until) {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	old, ok := c.m[id]
+	if ok && old.Banned && !old.Recheck && now.Before(old.Until) {
+		return
+	}
+	if !ok && len(c.m) >= c.max {
+		c.makeRoom(now)
+	}
+	c.m[id] = e
+}
+
+// KeptBan is a ban an instance holds, to be written back to a Redis that
+// may have lost it: its Redis key, when it ends and when its Retry-After
+// points, from now.
+type KeptBan struct {
+	Key         string
+	Left, Retry time.Duration
+}
+
+// KeepBans forgets every entry but the bans that have not ended (a reset
+// may have been missed while the Pub/Sub connection was down; a ban is held
+// until it ends). With recheck (a reconnect to the same Redis process, which
+// may have lifted a ban meanwhile) every ban kept is marked to be checked
+// with Redis. It returns the bans kept that are not to be checked, each
+// under its Redis key (key of its id), for a new Redis process that lost
+// them.
+func (c *DenyCache) KeepBans(recheck bool, key func(id string) string) []KeptBan {
+	now := c.clock.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var out []KeptBan
+	for id, e := range c.m {
+		switch {
+		case !e.Banned || !now.Before(e.Until):
+			delete(c.m, id)
+		case recheck:
+			e.Recheck = true
+			c.m[id] = e
+		case !e.Recheck:
+			out = append(out, KeptBan{Key: key(id), Left: e.Until.Sub(now), Retry: e.RetryAt.Sub(now)})
+		}
+	}
+	return out
+}
+
+// Kept returns id's ban if it is to be checked with Redis (Recheck) and has
+// not ended: the answer while Redis cannot give one.
+func (c *DenyCache) Kept(id string) (DenyEntry, bool) {
+	now := c.clock.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.m[id]
+	return e, ok && e.Recheck && now.Before(e.Until)
+}
+
+// DropKept forgets id's ban if it is to be checked with Redis: Redis
+// answered without it, so it was lifted meanwhile.
+func (c *DenyCache) DropKept(id string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m[id].Recheck {
+		delete(c.m, id)
 	}
 }

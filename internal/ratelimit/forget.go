@@ -3,22 +3,36 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/redis/go-redis/v9"
 )
 
-// Admin resets (a key's quota, its ban) reach every instance's deny caches
-// through Redis Pub/Sub: the instance that resets publishes the limit's
-// prefix and id on ForgetChannel; every instance listening forgets the id in
-// the deny caches of that prefix at once. A listener that lost its
-// subscription (a connection lost, Redis restarted) may have missed a reset:
-// each subscription after its first forgets everything instead. (The first
-// follows the first rate-limit call by a round trip; a reset published just
-// then, of a key rejected just then, is the only one a listener may miss.)
+// Admin resets (a key's quota, its ban) and bans reach every instance's
+// deny caches through Redis Pub/Sub. The instance that resets publishes the
+// limit's prefix and id on ForgetChannel; every instance listening forgets
+// the id in the deny caches of that prefix at once. The instance whose
+// decision starts a ban publishes it on the same channel (PublishBan: the
+// prefix, the id, when the ban ends); every instance holds it in the deny
+// caches of that prefix until it ends, so a ban holds on every instance
+// through an outage.
+//
+// A listener that lost its subscription (a connection lost, Redis
+// restarted) may have missed a reset: each subscription after its first
+// forgets everything but the bans (Forgetter.Resubscribed). Whether the
+// Redis process is the one of the previous subscription tells what to do
+// with them: the same process may have lifted one meanwhile, so each is
+// checked with Redis on its key's next request; a new process (a restart,
+// possibly empty, or a failover) may have lost them, so they are written
+// back (WriteBackBans). (The first subscription follows the first
+// rate-limit call by a round trip; a reset published just then, of a key
+// rejected just then, is the only one a listener may miss.)
 
 // ForgetChannel is the Pub/Sub channel of admin resets.
 const ForgetChannel = "redisdlm:rl:forget"
@@ -39,28 +53,75 @@ func PublishForget(ctx context.Context, c Publisher, prefix, id string) error {
 	return c.Publish(ctx, ForgetChannel, prefix+"\x00"+id).Err()
 }
 
-// Forgetter is told what to forget: one id of the limits under prefix, or
-// (all) everything, after a reset may have been missed.
+// banTag starts a ban's message. A prefix never holds a brace, so no reset
+// message starts with it (and a listener that does not know bans reads it
+// as a reset of a prefix that no handler has).
+const banTag = "{ban}\x00"
+
+// PublishBan tells every listening instance that id of the limits under
+// prefix is banned: the ban ends in left, and a request may pass in retry
+// (later than left when the quota that started the ban admits only then).
+func PublishBan(ctx context.Context, c Publisher, prefix, id string, left, retry time.Duration) error {
+	msg := banTag + prefix + "\x00" + strconv.FormatInt(left.Milliseconds(), 10) + "\x00" +
+		strconv.FormatInt(retry.Milliseconds(), 10) + "\x00" + id
+	return c.Publish(ctx, ForgetChannel, msg).Err()
+}
+
+// parseBan reads a ban's message (PublishBan); ok is false for anything
+// else, or a ban message that does not parse.
+func parseBan(payload string) (prefix, id string, left, retry time.Duration, ok bool) {
+	rest, isBan := strings.CutPrefix(payload, banTag)
+	if !isBan {
+		return "", "", 0, 0, false
+	}
+	f := strings.SplitN(rest, "\x00", 4)
+	if len(f) != 4 {
+		return "", "", 0, 0, false
+	}
+	l, err1 := strconv.ParseInt(f[1], 10, 64)
+	r, err2 := strconv.ParseInt(f[2], 10, 64)
+	if err1 != nil || err2 != nil || l <= 0 || r < 0 || l > maxBanMs || r > maxBanMs {
+		return "", "", 0, 0, false
+	}
+	return f[0], f[3], time.Duration(l) * time.Millisecond, time.Duration(r) * time.Millisecond, true
+}
+
+// maxBanMs bounds the moments of a ban's message (about 292 years: what a
+// time.Duration holds).
+const maxBanMs = int64(time.Duration(1<<63-1) / time.Millisecond)
+
+// Forgetter is told what to forget and what to hold: one id of the limits
+// under prefix to forget (a reset), one to hold as banned, and, after a
+// resubscription (a reset may have been missed), everything to forget but
+// the bans, knowing whether Redis runs a new process since the previous
+// subscription.
 type Forgetter interface {
 	Forget(prefix, id string)
-	ForgetAll()
+	Ban(prefix, id string, left, retry time.Duration)
+	Resubscribed(newProcess bool)
 }
 
 // ForgetListener receives the resets published on one Redis.
 type ForgetListener struct {
 	client     Subscriber
 	forgetter  Forgetter
+	restarts   func() uint64
 	logger     func() *slog.Logger
 	cancel     context.CancelFunc
 	done       chan struct{}
-	subscribed bool // once: later subscriptions forget everything
+	subscribed bool   // once: later subscriptions forget everything but bans
+	seen       uint64 // restarts() at the last subscription
 }
 
-// ListenForget starts listening on c until Close; f is told of each reset.
-// logger returns the logger of the moment, for a panic.
-func ListenForget(c Subscriber, f Forgetter, logger func() *slog.Logger) *ForgetListener {
+// ListenForget starts listening on c until Close; f is told of each reset
+// and ban. restarts counts the Redis processes c found replaced (it must be
+// raised before a new connection's first command, as
+// redisconn.Check.Restarts is: go-redis runs the connection hook on a
+// Pub/Sub connection too, before it subscribes). logger returns the logger
+// of the moment, for a panic.
+func ListenForget(c Subscriber, f Forgetter, restarts func() uint64, logger func() *slog.Logger) *ForgetListener {
 	ctx, cancel := context.WithCancel(context.Background())
-	l := &ForgetListener{client: c, forgetter: f, logger: logger, cancel: cancel, done: make(chan struct{})}
+	l := &ForgetListener{client: c, forgetter: f, restarts: restarts, logger: logger, cancel: cancel, done: make(chan struct{})}
 	go l.supervise(ctx)
 	return l
 }
@@ -106,17 +167,77 @@ func (l *ForgetListener) listen(ctx context.Context) (panicked bool) {
 		fails = 0
 		switch m := msg.(type) {
 		case *redis.Subscription:
-			if m.Kind == "subscribe" && l.subscribed {
-				l.forgetter.ForgetAll() // resets published meanwhile were missed
-			}
-			l.subscribed = true
+			l.onSubscription(m.Kind)
 		case *redis.Message:
-			if prefix, id, ok := strings.Cut(m.Payload, "\x00"); ok {
-				l.forgetter.Forget(prefix, id)
-			}
+			l.deliver(m.Payload)
 		}
 	}
 	return false
+}
+
+// onSubscription handles a subscription's confirmation: after the first,
+// resets published meanwhile were missed, and bans may have been lifted
+// (the same Redis process) or lost (a new one).
+func (l *ForgetListener) onSubscription(kind string) {
+	if kind != "subscribe" {
+		return
+	}
+	n := l.restarts()
+	if l.subscribed {
+		l.forgetter.Resubscribed(n != l.seen)
+	}
+	l.subscribed, l.seen = true, n
+}
+
+// deliver passes one message on: a ban, or a reset.
+func (l *ForgetListener) deliver(payload string) {
+	if prefix, id, left, retry, ok := parseBan(payload); ok {
+		l.forgetter.Ban(prefix, id, left, retry)
+	} else if prefix, id, ok := strings.Cut(payload, "\x00"); ok && !strings.HasPrefix(payload, banTag) {
+		l.forgetter.Forget(prefix, id)
+	}
+}
+
+// writeBackLua sets a ban key the Redis lacks, as the decision script
+// would have: expiring when the ban ends (ARGV[1], ms), holding the moment
+// a request may pass (Redis TIME + ARGV[2] µs).
+const writeBackLua = `local t = redis.call('TIME')
+local at = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[2])
+return redis.call('SET', KEYS[1], string.format('%d', at), 'PX', ARGV[1], 'NX') and 1 or 0
+`
+
+var writeBackScript = redisconn.NewScript(writeBackLua)
+
+// Pipeliner is what WriteBackBans needs of a Redis client.
+type Pipeliner interface {
+	Pipeline() redis.Pipeliner
+}
+
+// WriteBackBans writes the bans an instance holds back to a Redis that may
+// have lost them (a new process), in one pipeline: each ban key that is
+// missing is set with the ban's remaining lifetime; one that is there (the
+// ban was started again, or another instance wrote it back) is left as it
+// is. It returns how many it set.
+func WriteBackBans(ctx context.Context, c Pipeliner, bans []KeptBan) (int, error) {
+	if len(bans) == 0 {
+		return 0, nil
+	}
+	pipe := c.Pipeline()
+	cmds := make([]*redis.Cmd, 0, len(bans))
+	for _, b := range bans {
+		cmds = append(cmds, writeBackScript.Eval(ctx, pipe, []string{b.Key}, max(b.Left.Milliseconds(), 1), max(b.Retry, b.Left).Microseconds()))
+	}
+	_, err := pipe.Exec(ctx)
+	set := 0
+	for _, cmd := range cmds {
+		if n, e := cmd.Int(); e == nil && n == 1 {
+			set++
+		}
+	}
+	if err != nil {
+		return set, fmt.Errorf("writing back bans: %w", err)
+	}
+	return set, nil
 }
 
 // retryReceive handles a failed receive: a quiet channel is pinged, any

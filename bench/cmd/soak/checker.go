@@ -104,7 +104,8 @@ type checker struct {
 	fenceKeys map[string]*fenceKey
 	late      sync.WaitGroup // late writes still to send
 
-	fl flState // the fail_local tier (faillocal.go)
+	fl   flState   // the fail_local tier (faillocal.go)
+	once onceState // the execute-once tier (once.go)
 }
 
 func startChecker(start time.Time) (*checker, error) {
@@ -144,6 +145,9 @@ func (c *checker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	key := r.URL.Path
 	c.mu.Lock()
 	c.served[rt]++
+	if rt == "once" && r.Method == http.MethodPost {
+		c.onceRun(key, r.Header.Get("X-Instance"))
+	}
 	if rt == "rl" {
 		c.admits[key] = append(c.admits[key], c.now())
 		sent, err1 := strconv.ParseInt(r.Header.Get("X-Sent"), 10, 64)

@@ -32,7 +32,7 @@ const (
 	fPauseRestart = "SIGSTOP the single Redis, kill -9 it meanwhile, restart empty"
 )
 
-var faultKinds = []string{fPause, fRestart, fLatency, fBlackhole, fReset, fKillCaddy, fReload, fCancel, fStall, fPauseReload, fPauseRestart}
+var faultKinds = []string{fPause, fRestart, fLatency, fBlackhole, fReset, fKillCaddy, fReload, fCancel, fStall, fPauseCaddy, fPauseReload, fPauseRestart}
 
 // Documented exceptions (README "How we test"): what happens inside their
 // windows is counted apart, by name.
@@ -70,7 +70,7 @@ func (f fault) String() string {
 				fmt.Fprintf(&b, " from caddy%d", f.caddy)
 			}
 		}
-	case fKillCaddy, fReload:
+	case fKillCaddy, fReload, fPauseCaddy:
 		fmt.Fprintf(&b, " caddy%d", f.caddy)
 	}
 	if f.amount > 0 {
@@ -114,6 +114,8 @@ func schedule(seed int64, total time.Duration, kinds []string) []fault {
 			f.dur = randDur(rng, 500*time.Millisecond, 2*time.Second)
 		case fStall:
 			f.dur = randDur(rng, 1500*time.Millisecond, 3*time.Second) // the upstream's hold, ttl is 1s
+		case fPauseCaddy:
+			f.dur = randDur(rng, 1500*time.Millisecond, 3*time.Second) // past the once route's ttl, 1s
 		case fPauseReload, fPauseRestart:
 			// Long enough for every instance to be local (a call times out
 			// in 300–400 ms) before the reload or the kill, halfway.
@@ -290,6 +292,8 @@ func (s *soak) inject(f fault) error {
 		s.cancelers(f.dur)
 	case fStall:
 		s.stall(f.dur)
+	case fPauseCaddy:
+		s.pauseCaddy(f.caddy, f.dur)
 	}
 	return nil
 }
@@ -304,6 +308,6 @@ func (s *soak) restartedEmpty(r int, from, up time.Duration) {
 	}
 	s.win.add(window{name: exSingleEmpty, backends: []string{"single"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
 	s.win.add(window{name: exSingleEmpty, backends: []string{"ratelimit"}, caddy: -1, from: from, to: up + rateWindow + 100*time.Millisecond})
-	// A late write of a holder from before the kill, after it.
-	s.win.add(window{name: exFenceEmpty, backends: []string{"fence"}, caddy: -1, from: from, to: up + s.maxTTL + time.Second})
+	// Orders whose attempts meet the restart lost their run records.
+	s.win.add(window{name: exOnceEmpty, backends: []string{"once"}, caddy: -1, from: from - onceSpan, to: up + onceSpan})
 }

@@ -33,9 +33,6 @@ import (
 // exReordered: see the package comment above.
 const exReordered = "admitted in token order, overtaken on the way from the fence to the storage"
 
-// exFenceEmpty: the fence's records live in the single Redis.
-const exFenceEmpty = "single Redis restarted empty (no persistence) drops the fence's records"
-
 // fenceStats counts the writes of the fencing tier by kind and answer.
 type fenceStats struct {
 	sent   map[string]map[int]int // "in lease" | "late" → status (0: no answer) → writes

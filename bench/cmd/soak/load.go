@@ -206,6 +206,10 @@ func (s *soak) runLoad(stop time.Time) {
 		wg.Add(1)
 		go func(i int) { defer wg.Done(); s.fenceWork(i, stop) }(i)
 	}
+	for i := 0; i < *onceWorkers; i++ {
+		wg.Add(1)
+		go func(i int) { defer wg.Done(); s.onceWork(i, stop) }(i)
+	}
 	wg.Wait()
 }
 

@@ -7,7 +7,7 @@
 // the checking upstream, all on loopback ports. Clients keep hot and cold
 // lock keys, a `permits 2` route, fenced writes (a redis_fence tier in
 // front of the checker as storage), rate-limited keys and a fail_local
-// rate limit (faillocal.go) busy while faults,
+// rate limit (faillocal.go) and execute-once orders (once.go) busy while faults,
 // drawn from -seed, strike one at a time. Afterwards it checks that nothing
 // is still held and that connections and goroutines are back where they
 // were, and prints a Markdown summary.
@@ -49,6 +49,8 @@ var (
 	fenceWorkers   = flag.Int("fence-workers", 4, "clients on the fenced-write route (/f/)")
 	noFence        = flag.Bool("no-fence", false, "drop redis_fence from the storage's route (a self-test: late writes must then show as stale writes stored)")
 	flWorkers      = flag.Int("fl-workers", 2, "clients on the fail_local route (/fl/, faillocal.go)")
+	onceWorkers    = flag.Int("once-workers", 2, "clients placing orders on the execute-once route (/once/, once.go)")
+	noReplay       = flag.Bool("no-replay", false, "drop replay from the /once/ route (a self-test: retries then run again, and must show as keys run twice)")
 	noFailLocal    = flag.Bool("no-fail-local", false, "drop fail_local from the /fl/ route (a self-test: it fails open, so outages of the single Redis must show as local limits broken)")
 	verboseFlt     = flag.Bool("v", false, "print every fault as it starts")
 	onlyFaults     = flag.String("faults", "", "comma-separated words: draw only the fault kinds containing one of them (e.g. latency,pause); default all")
@@ -155,6 +157,7 @@ http://127.0.0.1:%d {
 		lock("f", fmt.Sprintf("\t\t\tttl %s\n\t\t\twait 3s\n\t\t\tredis %s\n", stallTTL, p(0))) +
 		s.fenceRoute(timeout, p(0)) +
 		s.flRoute(timeout, p(0)) +
+		s.onceRoute(stallTTL, timeout, p(0)) +
 		lock("probe", fmt.Sprintf("\t\t\tttl %s\n\t\t\tredis %s\n", ttl, redlock)) +
 		lock("bad", fmt.Sprintf("\t\t\tkey {http.request.header.X-Missing}\n\t\t\tredis %s\n", p(0))) +
 		fmt.Sprintf(`	handle /rl/* {
@@ -331,7 +334,7 @@ func run() error {
 func (s *soak) probe() []string {
 	var failed []string
 	for _, c := range s.caddies {
-		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", "/f/probe", fmt.Sprintf("/rl/probe%d", c.idx), fmt.Sprintf("/fl/probe%d", c.idx)} {
+		for _, path := range []string{"/probe/x", "/s/probe", "/r/probe", "/p/probe", "/stall/probe", "/f/probe", fmt.Sprintf("/rl/probe%d", c.idx), fmt.Sprintf("/fl/probe%d", c.idx), "/once/probe"} {
 			ok := false
 			for deadline := time.Now().Add(10 * time.Second); !ok && time.Now().Before(deadline); {
 				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

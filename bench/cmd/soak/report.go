@@ -143,10 +143,16 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 		switch e.what {
 		case "overlap":
 			k.excuse = overlapExcuse(e) // the most specific name first
+			if k.excuse == "" {
+				k.excuse = s.pausedExcuse(e)
+			}
 		case "token":
 			// The lock issued the tokens in order; a late zombie request
 			// carries the older one, and fencing is what refuses it.
 			k.excuse = staleExcuse(e)
+			if k.excuse == "" {
+				k.excuse = s.pausedExcuse(e)
+			}
 		case "write out of token order":
 			k.excuse = exReordered
 		}
@@ -217,6 +223,9 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	if len(s.check.fl.adm) == 0 {
 		failures = append(failures, "the fail_local route admitted nothing")
 	}
+	if len(s.check.once.runs) == 0 {
+		failures = append(failures, "the execute-once route ran nothing")
+	}
 	if s.check.fenceVacuous() {
 		failures = append(failures, "the fence refused none of the late writes")
 	}
@@ -258,6 +267,8 @@ func (s *soak) report(plan []fault, faults map[string]int, base, end snapshot, p
 	row("fail_local: none admitted for a window while Redis was unreachable", line("none admitted"))
 	row("fail_local: more than n decided by Redis, near a partial failure more than n + (N−1)·share, elsewhere more than n", line("fleet limit"))
 	row("fail_local tier (/fl/)", s.flSummary())
+	row("execute once: a key run twice (/once/)", line("run twice"))
+	row("execute-once tier (/once/)", s.onceSummary())
 	row("bad requests served", line("bad request served"))
 	row("statuses", counted(t.statuses, strconv.Itoa))
 	row("client cancels (Caddy logs 499)", strconv.Itoa(t.canceled))

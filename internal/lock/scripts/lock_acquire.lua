@@ -3,7 +3,8 @@
 -- KEYS[1] lock: sorted set, member = holder token, score = lease end (ms, Redis TIME)
 -- KEYS[2] fence: the key's fencing counter; it expires once the lock is idle
 -- KEYS[3] waitq: sorted set of waiting Caddy instances, score = entry expiry (ms)
--- KEYS[4] replay (with ARGV[7] = "1"): the stored answer of an earlier holder
+-- KEYS[4] replay (with ARGV[7] = "1"): the stored answer of an earlier
+-- holder, or a run record (ARGV[10])
 -- KEYS[5] dead: sorted set of tokens whose attempt was given up while its
 -- outcome was unknown (member = token, score = until when, ms): such a
 -- token is never granted, so an acquire that reaches Redis after its own
@@ -28,24 +29,55 @@
 -- permit) from everyone until then; a clean release removes its entry.
 -- ARGV[9] this lock's lock_delay in ms (0 = none): a grant writes its entry,
 -- the lease's end + the delay
+-- ARGV[10] "1" when the request is a run that must happen at most once
+-- (replay, an unsafe method): KEYS[4] then holds, until an answer is stored
+-- there, the run record "run1\n<token>\n<fingerprint>" of the holder
+-- that started it, written by the grant and kept ARGV[12] ms (the replay
+-- window); ARGV[11] the request's fingerprint. A run started by another
+-- token: while its lease is live the request waits (busy); with no live
+-- lease (the holder paused or crashed past its lease, or force-released)
+-- the run's outcome is in doubt and the request is refused; another
+-- fingerprint is refused at once.
 -- Returns {1, fence} when taken (the block's last token); {0, ms until the
 -- earliest lease ends, ms since the current holder's grant (-1: unknown),
 -- other instances in the wait list} when busy ({0, 0} when it is another
 -- instance's turn or the token is dead); {2, 0, answer} when an earlier
 -- holder's answer is stored (then nothing is taken: the request is
--- answered with it).
+-- answered with it); {3, ms the run record still lives} when another
+-- holder's run is in doubt; {4, 0} when it was started by another request
+-- (fingerprint).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
 if ARGV[7] == '1' then
 	local stored = redis.call('GET', KEYS[4])
-	if stored then
+	if stored and string.sub(stored, 1, 5) ~= 'run1\n' then
 		if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
 			return {0, 0}
 		end
 		return {2, 0, stored}
 	end
+	-- A safe method (coalescing) passes a run record by.
+	if stored and ARGV[10] == '1' then
+		local nl = string.find(stored, '\n', 6, true)
+		local holder = string.sub(stored, 6, nl - 1)
+		if holder ~= ARGV[1] then
+			if string.sub(stored, nl + 1) ~= ARGV[11] then
+				return {4, 0}
+			end
+			local leaseEnd = redis.call('ZSCORE', KEYS[1], holder)
+			if not leaseEnd or tonumber(leaseEnd) <= now then
+				return {3, redis.call('PTTL', KEYS[4])}
+			end
+		end
+	end
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
+-- A grant's run record (see ARGV[10]).
+local function runRecord()
+	if ARGV[10] == '1' then
+		redis.call('SET', KEYS[4], 'run1\n' .. ARGV[1] .. '\n' .. ARGV[11], 'PX', ARGV[12])
+	end
+end
 -- The fencing token: the counter, never below TIME in µs (see the top).
 local function fence(expireAt)
 	local k = tonumber(ARGV[6])
@@ -74,6 +106,7 @@ if redis.call('EXISTS', KEYS[1], KEYS[3], KEYS[5], KEYS[6]) == 0 then
 	redis.call('PEXPIREAT', KEYS[1], now + ttl)
 	local f = fence(now + ttl)
 	delayEntry()
+	runRecord()
 	return {1, f}
 end
 if redis.call('ZSCORE', KEYS[5], ARGV[1]) then
@@ -116,6 +149,7 @@ if free or held then
 	redis.call('ZREM', KEYS[3], ARGV[4])
 	local f = fence(tonumber(last[2]))
 	delayEntry()
+	runRecord()
 	return {1, f}
 end
 -- Busy: queue this instance and say when the earliest lease ends. An entry

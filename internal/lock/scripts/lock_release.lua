@@ -23,13 +23,19 @@
 -- lease keeps the key from everyone for the delay from now; a clean one (also
 -- the undo of an outcome nobody knew) removes the token's entry. A lease that
 -- ended without its release (expired, force-released) keeps its entry.
+-- ARGV[12] "1": a run record of this token (see lock_acquire.lua) in KEYS[3]
+-- is deleted (the run did not happen, or failed: another may run); "0": it
+-- stays (the run's outcome is in doubt), unless an answer is stored over it.
+-- An answer is stored while the token holds the lock, or when KEYS[3] holds
+-- this token's own run record (nobody else can have run since: the record
+-- refused them); never over another token's run record.
 -- Returns 1 when this token held the lock, 0 otherwise.
 local dead = tonumber(ARGV[9])
 -- The uncontended path: nothing to mark dead, write back or store, no
 -- lock_delay to start, and no delay entry or wait list on the key (one
 -- EXISTS for both): the release is the owner-checked ZREM alone (nobody
 -- waits elsewhere, so there is no wake-up to send).
-if dead == 0 and ARGV[4] == '0' and ARGV[6] == '' and (ARGV[10] ~= '1' or ARGV[11] == '0')
+if dead == 0 and ARGV[4] == '0' and ARGV[6] == '' and (ARGV[10] ~= '1' or ARGV[11] == '0') and ARGV[12] ~= '1'
 	and redis.call('EXISTS', KEYS[4], KEYS[6]) == 0 then
 	return redis.call('ZREM', KEYS[1], ARGV[1])
 end
@@ -54,11 +60,18 @@ if raise > 0 then
 		end
 	end
 end
-if ARGV[6] ~= '' then
+if ARGV[6] ~= '' or ARGV[12] == '1' then
+	local cur = redis.call('GET', KEYS[3])
+	local own = 'run1\n' .. ARGV[1] .. '\n'
+	local ownRun = cur and string.sub(cur, 1, #own) == own
+	local otherRun = cur and not ownRun and string.sub(cur, 1, 5) == 'run1\n'
 	local leaseEnd = redis.call('ZSCORE', KEYS[1], ARGV[1])
 	local t = redis.call('TIME')
-	if leaseEnd and tonumber(leaseEnd) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) then
+	local live = leaseEnd and tonumber(leaseEnd) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+	if ARGV[6] ~= '' and not otherRun and (live or ownRun) then
 		redis.call('SET', KEYS[3], ARGV[6], 'PX', tonumber(ARGV[7]))
+	elseif ARGV[12] == '1' and ownRun then
+		redis.call('DEL', KEYS[3])
 	end
 end
 local leaseEnd = redis.call('ZSCORE', KEYS[1], ARGV[1])
