@@ -156,8 +156,9 @@ type RedisRateLimit struct {
 	// a second after that the instance holds every key to its share as well
 	// (the others come back and charge meanwhile). After Redis restarted
 	// empty, an instance decides locally for 3 s while it charges its
-	// admissions of the current windows again. A local 429 says Retry-After:
-	// 1, the next probe of Redis. Local decisions count as `local` in the
+	// admissions of the current windows again. A local 429's Retry-After is
+	// the time to the next probe of Redis: 1 s (after a restart, until the
+	// 3 s end). Local decisions count as `local` in the
 	// metrics, and a warning is logged when local mode starts and ends.
 	// Under local mode `wait` holds nothing and `count` counts every
 	// admitted answer. Not with fail_closed. Default: false (fail open).
