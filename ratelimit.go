@@ -143,10 +143,12 @@ type RedisRateLimit struct {
 	// with fail_local keeps in Redis (one per process, living 3 s; the last
 	// count seen is used), or given with `instances`. A reload keeps the
 	// local state (counts, pending charges, local mode). With no count ever
-	// seen and no `instances`, requests get 503 as with fail_closed (logged);
-	// so do those of an instance that joined within the last heartbeat (the
-	// others do not count it yet), and those of a new key when the local
-	// limiter is full of admissions still to charge.
+	// seen and no `instances`, requests get 503 as with fail_closed (logged).
+	// An instance that joined within the last heartbeat (the others do not
+	// count it yet, about a second after each Caddy process starts) holds
+	// its requests until they do, and answers 503 if Redis goes away first;
+	// so does a new key when the local limiter is full of admissions still
+	// to charge.
 	// The local limiter starts from this instance's own admissions of the
 	// current window (kept in memory while Redis decides), and what it
 	// admits is charged to Redis once Redis answers again, so neither edge

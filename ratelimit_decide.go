@@ -36,6 +36,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out de
 	}
 	var reserved ratelimit.Reservation
 	if h.local != nil {
+		if err := h.awaitCounted(ctx); err != nil {
+			return decision{}, err
+		}
 		if err := h.chargeFirst(ctx, id, p); err != nil {
 			return decision{}, err
 		}

@@ -13,8 +13,10 @@ package redisdlm
 import (
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
@@ -63,6 +65,8 @@ type fleet struct {
 	// oldest first) and keep every one a burst opened from ever idling
 	// long enough for the reaper.
 	conn *redis.Conn
+	// failing: the last heartbeat got no answer (Redis unreachable).
+	failing atomic.Bool
 }
 
 // fleetKey is the heartbeat set of the handler's prefix. The hash tag holds
@@ -118,7 +122,10 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 		}
 		now := time.Now()
 		ok := false
-		if now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || local {
+		// Not counted yet: a beat every tick, so joining ends soon after
+		// the others counted this instance (awaitCounted waits for it).
+		counted := h.local.instances.Load() > 0 && h.local.joining.Load() == 0
+		if now.Sub(lastBeat) >= heartbeatEvery-fleetTick/2 || local || !counted {
 			if ok = h.heartbeat(ctx); ok {
 				lastBeat = now
 			}
@@ -143,6 +150,7 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	res, err := rateLimitFleetScript.Run(ctx, p, []string{h.fleetKey()}, h.fleet.member, heartbeatLife.Microseconds(), h.local.joining.Load()).Int64Slice()
 	now := time.Now()
 	restarted := err == nil && h.redisRestarted(restarts, now, h.fleet.logger)
+	h.fleet.failing.Store(err != nil)
 	if err == nil && len(res) != 4 {
 		err = fmt.Errorf("unexpected answer of %d values", len(res))
 	}
@@ -169,11 +177,12 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 // life) is joining while the others have not read a count with it in it:
 // each of them reads one with its next heartbeat, up to a second later,
 // and until then takes a share too big by this instance's. So while it is
-// joining, the instance decides nothing locally (serveLocal answers as
-// fail_closed) and holds every key to its share also while Redis decides
-// (capReturn): it adds at most its share to what the others' shares admit.
-// After a restart every instance is added again, but the others' N still
-// counts it: it joins again only when it was joining before.
+// joining the instance admits nothing, through Redis or locally: its
+// requests wait until it is counted (awaitCounted), and an outage that
+// begins meanwhile finds it with no share (serveLocal answers as
+// fail_closed). After a restart every instance is added again, but the
+// others' N still counts it: it joins again only when it was joining
+// before.
 func (h *RedisRateLimit) noteFleet(at, n int64, added bool, behind int64, afterRestart bool) {
 	if n > 0 && (!afterRestart || n > h.local.instances.Load()) {
 		h.local.instances.Store(n)
@@ -189,6 +198,52 @@ func (h *RedisRateLimit) noteFleet(at, n int64, added bool, behind int64, afterR
 	case joining != 0 && behind == 0:
 		h.local.joining.Store(0)
 	}
+}
+
+// joinWait bounds how long a request waits for its instance to be counted
+// by the others (awaitCounted): each of them reads a count with its next
+// heartbeat, a second apart, and one that stopped leaves the set after a
+// heartbeat's life.
+const joinWait = heartbeatLife + fleetTick
+
+// errNotCounted: the others have not counted this instance within
+// joinWait (Redis unreachable, or an instance that stopped beating): it
+// admits nothing, and serveLocal answers as fail_closed.
+var errNotCounted = errors.New("redis_ratelimit: this instance is not yet counted by the others sharing the limit (fail_local)")
+
+// awaitCounted holds a request of a fail_local handler (with N from the
+// heartbeats) until its instance is counted: it has a count, and every
+// other instance has read one with it in it. Until then an admission here,
+// even Redis's, could go beyond the bound when an outage begins, since
+// the others' shares do not leave room for this instance's. It happens
+// once per process (a reload keeps the instance and its state), for about
+// a second, the loop's first heartbeat being made at once.
+func (h *RedisRateLimit) awaitCounted(ctx context.Context) error {
+	counted := func() bool { return h.local.instances.Load() > 0 && h.local.joining.Load() == 0 }
+	if h.Instances > 0 || counted() {
+		return nil
+	}
+	select {
+	case h.fleet.wake <- struct{}{}: // the first heartbeat at once
+	default:
+	}
+	t := time.NewTimer(joinWait)
+	defer t.Stop()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for !counted() {
+		if h.fleet.failing.Load() || h.local.mode.Load() {
+			return errNotCounted // Redis does not answer: no count to wait for
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+			return errNotCounted
+		case <-tick.C:
+		}
+	}
+	return nil
 }
 
 // fleetConn returns the loop's own connection, taking one out of the pool

@@ -215,8 +215,7 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 }
 
 // capReturn holds a request to this instance's share for returnCap after
-// local mode ends, and while this instance is joining (see noteFleet): the
-// request takes its place in the local limiter before Redis decides it
+// local mode ends: the request takes its place in the local limiter before Redis decides it
 // (reserved, so concurrent requests do not pass the share together). It
 // reports the reservation (zero: no cap now), or a returnCapError when the
 // share rejects the request. Not while local mode lasts: the request that
@@ -228,8 +227,7 @@ func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, e
 	}
 	now := h.now()
 	back := h.local.back.Load()
-	joining := h.Instances == 0 && h.local.joining.Load() != 0
-	if !joining && (back == 0 || now.Sub(time.Unix(0, back)) >= returnCap) {
+	if back == 0 || now.Sub(time.Unix(0, back)) >= returnCap {
 		return ratelimit.Reservation{}, nil
 	}
 	n := h.instances()
@@ -291,8 +289,8 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		return h.localClosed(w, r, p, h.warn, "redis unavailable for rate limiting and the number of instances sharing the limit was never seen (no heartbeat read, no instances set): rejecting requests with 503, as fail_closed",
 			fmt.Errorf("redis_ratelimit: no decision (fail_local, but no instance count known): %w", cause))
 	}
-	if h.Instances == 0 && h.local.joining.Load() != 0 {
-		return h.localClosed(w, r, p, h.warn, "redis unavailable for rate limiting, and this instance joined the others within the last heartbeat (their share does not count it yet): rejecting requests with 503, as fail_closed",
+	if h.Instances == 0 && h.local.joining.Load() != 0 || errors.Is(cause, errNotCounted) {
+		return h.localClosed(w, r, p, h.warn, "this instance is not yet counted by the others sharing the limit (it joined within the last heartbeat, and their share does not count it yet): rejecting requests with 503, as fail_closed",
 			fmt.Errorf("redis_ratelimit: no decision (fail_local, this instance not yet counted by the others): %w", cause))
 	}
 	var capped returnCapError

@@ -321,18 +321,19 @@ func TestWholeCaddyFailLocalReload(t *testing.T) {
 func waitFleetSeen(t *testing.T, r *testRedis, n int) {
 	t.Helper()
 	key := DefaultRateLimitPrefix + "{~fleet}:instances"
-	var joined float64
+	// Every instance beats after the last one joined (so each counts all),
+	// then once more (so each joiner has seen that it is counted).
+	var marks []float64
 	ok := waitFor(60*time.Second, func() bool {
 		zs, err := r.Client().ZRangeWithScores(t.Context(), key, 0, -1).Result()
 		if err != nil || len(zs) != n {
-			joined = 0
+			marks = nil
 			return false
 		}
-		if joined == 0 {
-			joined = zs[len(zs)-1].Score
-			return false
+		if len(marks) == 0 || zs[0].Score > marks[len(marks)-1] {
+			marks = append(marks, zs[len(zs)-1].Score)
 		}
-		return zs[0].Score > joined
+		return len(marks) == 3
 	})
 	if !ok {
 		t.Fatalf("the heartbeat set does not hold %d instances that each counted the others 60 s on", n)

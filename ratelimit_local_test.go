@@ -682,9 +682,9 @@ func TestFailLocalRestartKeepsN(t *testing.T) {
 
 // TestFailLocalJoining: an instance new in the heartbeat set, whose other
 // instance has not beaten since (its N does not count this one yet, so its
-// share is too big by this one's), holds every key to its share also while
-// Redis decides, and decides nothing locally (503, as fail_closed) while
-// Redis is unreachable. Once the other has beaten, Redis decides alone.
+// share is too big by this one's), admits nothing: its requests wait until
+// the other has counted it (up to joinWait), and then Redis decides; an
+// outage before that finds it with no share (503, as fail_closed).
 func TestFailLocalJoining(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
@@ -692,31 +692,46 @@ func TestFailLocalJoining(t *testing.T) {
 		now, _ := r.Client().Time(t.Context()).Result()
 		r.Client().ZAdd(t.Context(), DefaultRateLimitPrefix+"{~fleet}:instances", redis.Z{Score: float64(now.UnixMicro()), Member: "other"})
 	}
-	other()
-	h := newRateLimit(t, r, func(h *RedisRateLimit) {
+	join := func() *RedisRateLimit {
+		other()
+		return newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.FailLocal = true
+			h.Timeout = caddy.Duration(300 * time.Millisecond)
+			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+		})
+	}
+	// A request made while joining waits until the other instance counted
+	// this one (its next heartbeat, 1 s later here), then Redis decides it.
+	h := join()
+	beat := time.AfterFunc(time.Second, other)
+	defer beat.Stop()
+	const ip = "192.0.2.69"
+	start := time.Now()
+	if res := serveRL(h, ip, nil); !res.passed || h.instances() != 2 {
+		t.Fatalf("a request while joining: passed %v, N %d; want it admitted once counted, with N = 2", res.passed, h.instances())
+	}
+	if waited := time.Since(start); waited < 900*time.Millisecond {
+		t.Errorf("the request was decided %v after it came, before the other instance counted this one (1 s)", waited)
+	}
+	if passed, statuses := countPassed(h, ip, 12); passed != 9 {
+		t.Errorf("after joining: %d of 12 admitted (%v), want the 9 left of 10 (Redis decides)", passed, statuses)
+	}
+	// An outage that begins while an instance is joining finds it with no
+	// share: 503, as fail_closed.
+	h2 := newRateLimit(t, r, func(h *RedisRateLimit) {
 		h.FailLocal = true
+		h.Prefix = "joining2:"
 		h.Timeout = caddy.Duration(300 * time.Millisecond)
 		h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
 	})
-	if !waitFor(15*time.Second, func() bool { return h.instances() == 2 }) {
-		t.Fatalf("N = %d, want 2", h.instances())
-	}
-	if h.local.joining.Load() == 0 {
-		t.Fatal("not joining, while the other instance has not beaten since")
-	}
-	const ip = "192.0.2.69"
-	if passed, statuses := countPassed(h, ip, 7); passed != 5 {
-		t.Errorf("joining, Redis up: %d of 7 admitted (%v), want the share 5", passed, statuses)
+	now, _ := r.Client().Time(t.Context()).Result()
+	r.Client().ZAdd(t.Context(), "joining2:{~fleet}:instances", redis.Z{Score: float64(now.UnixMicro()), Member: "other"})
+	if !waitFor(15*time.Second, func() bool { return h2.instances() == 2 && h2.local.joining.Load() != 0 }) {
+		t.Fatalf("N = %d, joining %v; want 2 and joining", h2.instances(), h2.local.joining.Load() != 0)
 	}
 	r.Pause()
-	if passed, statuses := countPassed(h, "192.0.2.70", 3); passed != 0 || statuses[http.StatusServiceUnavailable] != 3 {
+	defer r.Resume()
+	if passed, statuses := countPassed(h2, "192.0.2.70", 3); passed != 0 || statuses[http.StatusServiceUnavailable] != 3 {
 		t.Errorf("joining, Redis unreachable: %d of 3 admitted (%v), want 3 × 503", passed, statuses)
-	}
-	r.Resume()
-	if !waitFor(15*time.Second, func() bool { other(); return h.local.joining.Load() == 0 }) {
-		t.Fatal("still joining 15 s after the other instance beat")
-	}
-	if !waitFor(15*time.Second, func() bool { return serveRL(h, ip, nil).passed }) {
-		t.Error("not admitted by Redis 15 s after joining ended (Redis holds 5 of 10)")
 	}
 }
