@@ -48,6 +48,7 @@ type logRecorder struct {
 }
 
 type logRecord struct {
+	level slog.Level
 	msg   string
 	attrs map[string]any
 }
@@ -57,7 +58,7 @@ func (l *logRecorder) WithAttrs([]slog.Attr) slog.Handler       { return l }
 func (l *logRecorder) WithGroup(string) slog.Handler            { return l }
 
 func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
-	rec := logRecord{msg: r.Message, attrs: map[string]any{}}
+	rec := logRecord{level: r.Level, msg: r.Message, attrs: map[string]any{}}
 	r.Attrs(func(a slog.Attr) bool {
 		rec.attrs[a.Key] = a.Value.Any()
 		return true

@@ -95,6 +95,15 @@ func scriptCall(cmd redis.Cmder) (script *redisconn.Script, token string) {
 // faultClients (returned in server order).
 func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*faultClient) {
 	t.Helper()
+	return testInstance(t, "", rs, o)
+}
+
+// testInstance is testLocker for another Caddy instance on the same
+// servers (a handler with other connection settings looks the same): its
+// servers have clients and ids of their own, so it has its own local
+// queues, wait-list id and wake-up listeners.
+func testInstance(t *testing.T, instance string, rs []*testredis.Server, o Options) (*Locker, []*faultClient) {
+	t.Helper()
 	discard := func() *slog.Logger { return slog.New(slog.DiscardHandler) }
 	var servers []*Server
 	var fcs []*faultClient
@@ -108,7 +117,7 @@ func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*fa
 				t.Fatal(err)
 			}
 		}
-		s := NewServer(fmt.Sprintf("%s/%d/%s", t.Name(), i, r.Addr), redisconn.NewConn(c, o.Timeout), discard)
+		s := NewServer(fmt.Sprintf("%s/%s/%d/%s", t.Name(), instance, i, r.Addr), redisconn.NewConn(c, o.Timeout), discard)
 		t.Cleanup(func() { s.wake.stop() })
 		fc := &faultClient{Client: s.client}
 		s.setClient(fc)
