@@ -91,6 +91,20 @@ func scriptCall(cmd redis.Cmder) (script *redisconn.Script, token string) {
 	return nil, ""
 }
 
+// heldArgs are the arguments of a call a test holds back on its way to
+// Redis, copied so that it can land later, on a connection of its own.
+func heldArgs(cmd redis.Cmder) []any {
+	a := cmd.Args()
+	out := make([]any, len(a))
+	for i, x := range a {
+		if s, ok := redisconn.Arg(x); ok {
+			x = s
+		}
+		out[i] = x
+	}
+	return out
+}
+
 // testLocker builds a locker over rs whose servers' clients are wrapped in
 // faultClients (returned in server order).
 func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*faultClient) {
@@ -108,7 +122,12 @@ func testInstance(t *testing.T, instance string, rs []*testredis.Server, o Optio
 	var servers []*Server
 	var fcs []*faultClient
 	for i, r := range rs {
-		c := redis.NewClient(&redis.Options{Addr: r.Addr})
+		// A client as the plugin builds one (its timeouts, no resend).
+		check := redisconn.NewCheck(redisconn.CheckOptions{Logger: discard})
+		c, err := redisconn.Settings{Mode: "single", Addrs: []string{r.Addr}, Timeout: o.Timeout}.NewClient(check)
+		if err != nil {
+			t.Fatal(err)
+		}
 		t.Cleanup(func() { c.Close() })
 		// Loaded first, so each script call is one command (no NOSCRIPT
 		// and EVAL after a hooked EVALSHA).

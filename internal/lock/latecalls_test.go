@@ -1,0 +1,85 @@
+package lock
+
+// Calls that reach Redis after their caller gave up on them (held back on
+// their way, or their answer lost) take nothing: the undo or the release
+// marked their token dead there.
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// TestUndoMarksEveryUnknownKeyDead: a Redlock attempt on keys {a, b} whose
+// answer for a was lost on the third server (the acquire still on its way
+// there) and that then found b busy everywhere: its undo marks the token
+// dead for a on every server, so the acquire that reaches the third server
+// late takes nothing. Before, the undo passed only b's unknown flag (false),
+// and a stayed held there for the ttl by a token nobody owned.
+func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 3)
+	o := testOptions()
+	o.TTL = 20 * time.Second
+	l, fcs := testLocker(t, rs, o)
+	ctx := context.Background()
+	ka, kb := "caddy:lock:{a}", "caddy:lock:{b}"
+	for _, r := range rs { // a rival holds b everywhere
+		r.Client().ZAdd(ctx, kb, redisZ(time.Now().Add(time.Minute), "rival"))
+	}
+	// The third server's acquire of a is held back on its way (the caller
+	// sees its answer lost); it lands once the attempt is over.
+	var held atomic.Pointer[[]any]
+	lost := make(chan struct{})
+	var undone atomic.Bool
+	fcs[2].setHook(func(cmd redis.Cmder, next func() error) error {
+		s, _ := scriptCall(cmd)
+		switch {
+		case s == AcquireScript && firstKey(cmd) == ka && held.Load() == nil:
+			args := heldArgs(cmd)
+			held.Store(&args)
+			close(lost)
+			cmd.SetErr(errLostAnswer)
+			return errLostAnswer
+		case s == ReleaseScript && firstKey(cmd) == ka:
+			err := next()
+			undone.Store(true)
+			return err
+		}
+		return next()
+	})
+	// The other two answer b a little late: a's loss is known by then.
+	for _, fc := range fcs[:2] {
+		fc.setHook(func(cmd redis.Cmder, next func() error) error {
+			if s, _ := scriptCall(cmd); s == AcquireScript && firstKey(cmd) == kb {
+				_ = waitClosed(lost)
+				time.Sleep(100 * time.Millisecond) // a slow answer, not a wait for a state
+			}
+			return next()
+		})
+	}
+	if _, err := l.Acquire(ctx, []string{ka, kb}); !errors.Is(err, ErrNotObtained) {
+		t.Fatalf("b is held by a rival: %v, want ErrNotObtained", err)
+	}
+	if held.Load() == nil {
+		t.Fatal("the acquire of a was never held back on the third server")
+	}
+	if !waitFor(10*time.Second, undone.Load) {
+		t.Fatal("the undo never reached the third server")
+	}
+	ans, err := rs[2].Client().Do(ctx, (*held.Load())...).Result()
+	if err != nil {
+		t.Fatalf("the late acquire: %v", err)
+	}
+	if n := heldBy(rs[2], ka); n != 0 {
+		pttl := rs[2].Client().PTTL(ctx, ka).Val()
+		t.Fatalf("the late acquire holds a on the third server for a token nobody owns (answer %v, PTTL %v)", ans, pttl)
+	}
+	if !allFree(time.Second, ka, rs) {
+		t.Fatal("a is still held somewhere after the attempt failed")
+	}
+}
