@@ -2,14 +2,102 @@ package lock
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
+
+// TestPausedHolderIsNotRevived: a holder whose process was paused past its
+// lease (modelled by a lease nobody extends) must find it lost when it
+// extends again — on one server and on a Redlock quorum, where the extend
+// script used to re-create the missing lease — even after a rival held
+// and released the lock meanwhile. Its clock stands still meanwhile (a
+// paused process does not see time pass), so it is Redis that refuses;
+// once its clock catches up, the extension is refused before Redis is
+// asked.
+func TestPausedHolderIsNotRevived(t *testing.T) {
+	t.Parallel()
+	onOneAndThreeServers(t, func(t *testing.T, rs []*testredis.Server) {
+		clock := newFakeClock()
+		o := testOptions()
+		o.TTL, o.Wait, o.Clock = 600*time.Millisecond, 5*time.Second, clock
+		l, _ := testLocker(t, rs, o)
+		o.Clock = nil
+		rival, _ := testInstance(t, "rival", rs, o)
+		ctx := context.Background()
+		keys := []string{"caddy:lock:{/paused}"}
+		ls, err := l.Acquire(ctx, keys)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !allFree(10*time.Second, keys[0], rs) { // "paused" past the lease
+			t.Fatal("the lease never ran out in Redis")
+		}
+		other, err := rival.Acquire(ctx, keys)
+		if err != nil {
+			t.Fatalf("rival: %v", err)
+		}
+		other.Release()
+		if err := l.Extend(ctx, ls); !errors.Is(err, ErrLeaseLost) {
+			t.Fatalf("extension after the lease ran out: %v, want ErrLeaseLost", err)
+		}
+		for _, r := range rs {
+			// The rival's release may still be on its way to a minority;
+			// what must not be there is the lapsed lease's own token.
+			if _, err := r.Client().ZScore(ctx, keys[0], ls.token).Result(); err != redis.Nil {
+				t.Errorf("%s holds the lapsed lease again (%v)", r, err)
+			}
+		}
+		// The keeper reports it through on_lost.
+		lost := make(chan error, 1)
+		k := ls.Keep(KeepOptions{Extend: true, OnLost: func(err error) { lost <- err }})
+		defer k.Stop()
+		select {
+		case err := <-lost:
+			if !errors.Is(err, ErrLeaseLost) {
+				t.Fatalf("on_lost got %v", err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("the keeper did not report the lapsed lease lost")
+		}
+		clock.Advance(o.TTL)
+		if err := l.Extend(ctx, ls); !errors.Is(err, ErrLeaseLost) {
+			t.Fatalf("extension after the lease ran out by the holder's own clock: %v, want ErrLeaseLost", err)
+		}
+	})
+}
+
+// TestRedlockRestartedMemberRecreatedAtOnce: the extension round after a
+// member restarted empty re-creates the lease there, although a majority
+// answered first (its call is not cut off).
+func TestRedlockRestartedMemberRecreatedAtOnce(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 3)
+	o := testOptions()
+	o.TTL = 20 * time.Second
+	l, _ := testLocker(t, rs, o)
+	key := "caddy:lock:{/member}"
+	ls, err := l.Acquire(context.Background(), []string{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ls.Release()
+	rs[0].Restart()
+	ctx, cancel := context.WithCancel(context.Background())
+	if err := l.Extend(ctx, ls); err != nil {
+		t.Fatalf("extend: %v", err)
+	}
+	cancel() // as the keeper does after each round
+	if !waitFor(3*time.Second, func() bool { return heldBy(rs[0], key) == 1 }) {
+		t.Fatal("the restarted member did not get the lease back in this extension round")
+	}
+}
 
 // TestLateExtensionDoesNotRecreateReleasedLease: a Redlock lease of two
 // keys whose extension to one member (restarted empty) was still in flight,

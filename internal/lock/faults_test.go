@@ -155,6 +155,17 @@ func startServers(t *testing.T, n int) []*testredis.Server {
 	return rs
 }
 
+// onOneAndThreeServers runs f as parallel subtests on one Redis server and
+// on a Redlock of three.
+func onOneAndThreeServers(t *testing.T, f func(t *testing.T, rs []*testredis.Server)) {
+	for _, n := range []int{1, 3} {
+		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
+			t.Parallel()
+			f(t, startServers(t, n))
+		})
+	}
+}
+
 // allFree waits (up to d) until no server holds key.
 func allFree(d time.Duration, key string, rs []*testredis.Server) bool {
 	return waitFor(d, func() bool {

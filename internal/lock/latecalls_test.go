@@ -83,3 +83,69 @@ func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
 		t.Fatal("a is still held somewhere after the attempt failed")
 	}
 }
+
+// TestNoOrphanAfterLostAnswer: an acquire whose caller went away mid-call
+// (Redis paused) leaves nothing held for longer than about a second after
+// Redis answers again; a release that Redis did not answer is counted as
+// a failure and sent again until it does.
+func TestNoOrphanAfterLostAnswer(t *testing.T) {
+	t.Parallel()
+	t.Run("client gone mid-call", func(t *testing.T) {
+		t.Parallel()
+		rs := startServers(t, 1)
+		o := testOptions()
+		o.Timeout, o.Wait = 3*time.Second, 10*time.Second
+		l, _ := testLocker(t, rs, o)
+		key := "caddy:lock:{/gone}"
+		warm, err := l.Acquire(context.Background(), []string{key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		warm.Release()
+		rs[0].Pause()
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		_, err = l.Acquire(ctx, []string{key})
+		cancel()
+		if err == nil {
+			t.Fatal("acquired with Redis paused")
+		}
+		rs[0].Resume()
+		if !allFree(3*time.Second, key, rs) {
+			t.Fatal("the lease of a caller that went away mid-call is still held 3s after Redis answered again")
+		}
+	})
+	t.Run("release not answered", func(t *testing.T) {
+		t.Parallel()
+		rs := startServers(t, 1)
+		o := testOptions()
+		o.Timeout = 300 * time.Millisecond
+		l, fcs := testLocker(t, rs, o)
+		var failures, sent atomic.Int32
+		l.servers[0].OnReleaseFailure(func(string) { failures.Add(1) })
+		fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
+			if s, _ := scriptCall(cmd); s == ReleaseScript {
+				sent.Add(1)
+			}
+			return next()
+		})
+		key := "caddy:lock:{/rel}"
+		ls, err := l.Acquire(context.Background(), []string{key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rs[0].Pause()
+		ls.Release()
+		// Sent again while Redis still does not answer.
+		again := waitFor(10*time.Second, func() bool { return sent.Load() >= 2 })
+		rs[0].Resume()
+		if !again {
+			t.Fatalf("the release was sent %d times while Redis did not answer, want it sent again", sent.Load())
+		}
+		if !allFree(3*time.Second, key, rs) {
+			t.Fatal("a release Redis did not answer was not retried: the key is still held 3s after Redis answered again")
+		}
+		if failures.Load() == 0 {
+			t.Error("the failed release was not counted")
+		}
+	})
+}
