@@ -149,3 +149,132 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		}
 	})
 }
+
+// TestNoOrphanAfterDelayedAcquire: an acquire that reaches Redis only after
+// its caller gave up on it and undid it (held back on its way past the
+// timeout) takes nothing: the undo marked its token dead. Before, one that
+// landed after the undo's confirmation left the key held for its whole ttl
+// by a token nobody owns.
+func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		releases int32 // of the undo, answered before the acquire lands
+	}{{"lands before the undo's confirmation", 1}, {"lands after the undo's confirmation", 2}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			rs := startServers(t, 1)
+			o := testOptions()
+			o.TTL = 20 * time.Second
+			l, fcs := testLocker(t, rs, o)
+			ctx := context.Background()
+			key := "caddy:lock:{/pay}"
+			var held atomic.Pointer[[]any]
+			var releases atomic.Int32
+			fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
+				switch s, _ := scriptCall(cmd); {
+				case s == AcquireScript && held.Load() == nil:
+					args := heldArgs(cmd)
+					held.Store(&args)
+					cmd.SetErr(errLostAnswer) // on its way: the caller sees a timeout
+					return errLostAnswer
+				case s == ReleaseScript:
+					err := next()
+					releases.Add(1)
+					return err
+				}
+				return next()
+			})
+			if _, err := l.Acquire(ctx, []string{key}); err == nil {
+				t.Fatal("an acquire held back past the timeout succeeded")
+			}
+			if !waitFor(10*time.Second, func() bool { return releases.Load() >= tc.releases }) {
+				t.Fatalf("the undo sent %d releases, want %d", releases.Load(), tc.releases)
+			}
+			if _, err := rs[0].Client().Do(ctx, (*held.Load())...).Result(); err != nil {
+				t.Fatalf("the late acquire: %v", err)
+			}
+			if !allFree(time.Second, key, rs) {
+				pttl, _ := rs[0].Client().PTTL(ctx, key).Result()
+				t.Fatalf("the key is held by a lost acquisition nobody owns (PTTL %v)", pttl)
+			}
+			dead := rs[0].Client().PTTL(ctx, DeadKey(key)).Val()
+			if dead <= 0 || dead > 2*o.TTL+releaseGiveUpExtra {
+				t.Errorf("the dead-token set's PTTL is %v, want an expiry of at most 2 × ttl + %v", dead, releaseGiveUpExtra)
+			}
+			// The key is usable at once by a new attempt.
+			ls, err := l.Acquire(ctx, []string{key})
+			if err != nil {
+				t.Fatalf("after the lost acquisition: %v", err)
+			}
+			ls.Release()
+		})
+	}
+}
+
+// TestDeadTokensOutliveShorterUndos: the dead-token set lives as long as
+// its longest-lived token: handlers with other ttls may share a key, and
+// an undo of the shorter one must not cut the other's mark short.
+func TestDeadTokensOutliveShorterUndos(t *testing.T) {
+	t.Parallel()
+	r := startServers(t, 1)[0]
+	ctx := context.Background()
+	c := r.Client()
+	key := "caddy:lock:{x}"
+	keys := []string{key, FenceKey(key), ReplayKey(key), WaitqKey(key), DeadKey(key), DelayKey(key)}
+	for _, undo := range []struct {
+		token string
+		ttlMs int64
+	}{{"A", 300000}, {"B", 1000}} { // ttl 5m, then 1s
+		if err := ReleaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+releaseGiveUpExtra.Milliseconds(), "0", 0).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	until := c.ZScore(ctx, DeadKey(key), "A").Val()
+	left := time.Duration(int64(until)-c.Time(ctx).Val().UnixMilli()) * time.Millisecond
+	if pttl := c.PTTL(ctx, DeadKey(key)).Val(); pttl < left-time.Second {
+		t.Fatalf("token A must stay dead %v more, but the set expires in %v", left.Round(time.Second), pttl.Round(time.Second))
+	}
+}
+
+// TestNoOrphanOnRedlockMinority: a Redlock lease granted by a majority while
+// the third server's acquire was held back: the lease's release marks the
+// token dead on every server, so that acquire, reaching the third server
+// after the release, takes nothing there. Before, it held the key on that
+// server for the whole ttl (one more failure would then leave no majority).
+func TestNoOrphanOnRedlockMinority(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 3)
+	o := testOptions()
+	o.TTL = 20 * time.Second
+	l, fcs := testLocker(t, rs, o)
+	ctx := context.Background()
+	key := "caddy:lock:{/pay}"
+	var held atomic.Pointer[[]any]
+	lost := make(chan struct{})
+	fcs[2].setHook(func(cmd redis.Cmder, next func() error) error {
+		if s, _ := scriptCall(cmd); s == AcquireScript && held.Load() == nil {
+			args := heldArgs(cmd)
+			held.Store(&args)
+			close(lost)
+			cmd.SetErr(errLostAnswer) // on its way: the caller sees a timeout
+			return errLostAnswer
+		}
+		return next()
+	})
+	ls, err := l.Acquire(ctx, []string{key})
+	if err != nil {
+		t.Fatalf("two of three servers answer: %v", err)
+	}
+	if waitClosed(lost) != nil { // the third server's call has failed, the lease is held
+		t.Fatal("the third server's acquire was never held back")
+	}
+	ls.Release()
+	if _, err := rs[2].Client().Do(ctx, (*held.Load())...).Result(); err != nil {
+		t.Fatalf("the late acquire: %v", err)
+	}
+	if !allFree(time.Second, key, rs) {
+		pttl, _ := rs[2].Client().PTTL(ctx, key).Result()
+		t.Fatalf("the third server holds the key for a token nobody owns (PTTL %v)", pttl)
+	}
+}
