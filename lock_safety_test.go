@@ -121,7 +121,7 @@ func TestReloadKeepsClientForRelease(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client := h.locker.Servers()[0].Client()
+	client := h.locker.Clients()[0]
 	cleanup() // the old config goes away
 	ls.Release()
 	if heldBy(r, key) != 0 {
@@ -285,7 +285,7 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 		rl.Rates, rl.Count = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, []string{"401"}
 		rl.Timeout = caddy.Duration(456 * time.Millisecond) // the lock's client
 	})
-	if rl.client.lock != h.locker.Servers()[0] {
+	if rl.client.client != h.locker.Clients()[0] {
 		t.Fatal("the lock and the limiter with the same settings do not share a client")
 	}
 	cleanup()                     // the old config goes away ...

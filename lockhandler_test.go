@@ -90,7 +90,7 @@ func TestLockMutualExclusionTwoInstances(t *testing.T) {
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"2s","wait":"60s"}`, r.Addr))
 	b := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"3s","wait":"60s"}`, r.Addr))
-	if a.locker.SharesQueues(b.locker) {
+	if lockInstanceID(a) == lockInstanceID(b) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -334,9 +334,10 @@ func awaitWaiters(t testing.TB, h *RedisLock, rendered string, n int) {
 	}
 }
 
-// lockWaitersFor counts local waiters queued for one rendered key.
+// lockWaitersFor counts this instance's local waiters for one rendered key.
 func lockWaitersFor(h *RedisLock, rendered string) int {
-	return h.locker.WaitersFor(storedKey(h.Prefix, rendered))
+	w, _ := h.locker.Local(storedKey(h.Prefix, rendered))
+	return w
 }
 
 // TestLockMultiKeyOppositeOrder: requests naming the same two keys in

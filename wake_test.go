@@ -233,7 +233,7 @@ func TestWakeCrossInstanceWithoutBackoff(t *testing.T) {
 	up := newHoldUpstream()
 	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
 	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
-	if a.locker.SharesQueues(b.locker) {
+	if lockInstanceID(a) == lockInstanceID(b) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -487,7 +487,7 @@ func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","wait":"30s"`))
 	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","wait":"30s"`))
-	if a.locker.SharesQueues(b.locker) {
+	if lockInstanceID(a) == lockInstanceID(b) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	srv := [2]string{handlerServer(t, a, up.ServeHTTP).URL, handlerServer(t, b, up.ServeHTTP).URL}

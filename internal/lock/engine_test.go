@@ -112,11 +112,11 @@ func TestReleaserSurvivesPanic(t *testing.T) {
 	// pendingCount takes the releaser's lock: it never answers if the
 	// lock is still held.
 	drained := make(chan bool, 1)
-	go func() { drained <- waitFor(5*time.Second, func() bool { return s.PendingReleases() == 0 }) }()
+	go func() { drained <- waitFor(5*time.Second, func() bool { return s.rel.pendingCount() == 0 }) }()
 	select {
 	case ok := <-drained:
 		if !ok {
-			t.Errorf("%d releases still pending", s.PendingReleases())
+			t.Errorf("%d releases still pending", s.rel.pendingCount())
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the releaser is deadlocked: its lock is still held after the panic")

@@ -238,7 +238,7 @@ func TestReleaseOvertakesAcquire(t *testing.T) {
 	if err != nil {
 		t.Fatalf("first acquire: %v", err)
 	}
-	token1.Store(ls.Token())
+	token1.Store(ls.token)
 	ls.Release() // answered by members 0 and 2; member 1's release waits
 	close(goAcq)
 	if err := waitClosed(executed); err != nil {
@@ -502,8 +502,8 @@ func TestBackgroundReleaseLost(t *testing.T) {
 				t.Fatal("releases still owed")
 			}
 			// Every release settled: its lease gave its local queue back.
-			if !waitFor(10*time.Second, func() bool { return l.Queues() == 0 }) {
-				t.Fatalf("%d local queues left: a release never settled", l.Queues())
+			if !waitFor(10*time.Second, func() bool { return l.queueCount() == 0 }) {
+				t.Fatalf("%d local queues left: a release never settled", l.queueCount())
 			}
 			ls, err := l.Acquire(ctx, []string{lost})
 			if err != nil {
@@ -571,8 +571,8 @@ func TestClientHookPanics(t *testing.T) {
 	if rec := logs.matching("panic")[1]; fmt.Sprint(rec.attrs["panic"]) != "hook exploded on a release" || rec.attrs["stack"] == "" {
 		t.Fatalf("the release's panic is not logged with its stack: %v", rec.attrs)
 	}
-	if !waitFor(10*time.Second, func() bool { return l.servers[0].rel.pendingCount() == 0 && l.Queues() == 0 }) {
-		t.Fatalf("%d releases owed, %d local queues left", l.servers[0].rel.pendingCount(), l.Queues())
+	if !waitFor(10*time.Second, func() bool { return l.servers[0].rel.pendingCount() == 0 && l.queueCount() == 0 }) {
+		t.Fatalf("%d releases owed, %d local queues left", l.servers[0].rel.pendingCount(), l.queueCount())
 	}
 	noKeyForever(t, rs)
 }
