@@ -94,7 +94,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		t.Parallel()
 		rs := startServers(t, 1)
 		o := testOptions()
-		o.Timeout, o.Wait = 3*time.Second, 10*time.Second
+		o.Timeout, o.Wait = time.Second, 10*time.Second // the caller goes at 200ms, within the call
 		l, _ := testLocker(t, rs, o)
 		key := "caddy:lock:{/gone}"
 		warm, err := l.Acquire(context.Background(), []string{key})
