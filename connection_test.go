@@ -208,7 +208,7 @@ func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after
 	r, h, s := warmLock(t)
 	rc = r.Client()
 	base = connectedClients(t, rc)
-	shared := h.locker.Servers()[0].Client()
+	shared := h.locker.Clients()[0]
 	r.Pause()
 	var done []<-chan fetchResult
 	pings := make(chan error, n)
@@ -253,10 +253,9 @@ func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
 	for i := 0; i < n; i++ {
 		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/p%d", s.URL, i)))
 	}
-	srv := h.locker.Servers()[0]
-	if !waitFor(5*time.Second, func() bool { return srv.QueuedCalls() >= n-redisconn.PipeInFlight }) {
+	if !waitFor(5*time.Second, func() bool { return h.locker.QueuedCalls() >= n-redisconn.PipeInFlight }) {
 		r.Resume()
-		t.Fatalf("%d of %d locked requests queued in the pipe after 5s of a paused Redis, want %d: the test never met its premise", srv.QueuedCalls(), n, n-redisconn.PipeInFlight)
+		t.Fatalf("%d of %d locked requests queued in the pipe after 5s of a paused Redis, want %d: the test never met its premise", h.locker.QueuedCalls(), n, n-redisconn.PipeInFlight)
 	}
 	r.Resume()
 	for i, ch := range done {
@@ -417,7 +416,7 @@ func TestRedlockDuplicateServers(t *testing.T) {
 
 	// Three distinct servers are a quorum (the third need not run: nothing dials).
 	ok := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,"127.0.0.1:%d"]}`, a.Addr, "redis://"+b.Addr+"/1", freePort(t)))
-	if n := len(ok.locker.Servers()); n != 3 {
+	if n := len(ok.locker.Clients()); n != 3 {
 		t.Errorf("a quorum of three distinct servers has %d servers", n)
 	}
 

@@ -116,35 +116,6 @@ func delayExpires(t *testing.T, rs []*testRedis, key string) {
 	}
 }
 
-// TestLockDelayAfterExpiry: a holder that never releases (it crashed)
-// keeps the key until its lease ends and then lock_delay longer; the
-// waiter, queued all along, gets it then (it does not sleep until its wait
-// runs out) — on one server and on a Redlock.
-func TestLockDelayAfterExpiry(t *testing.T) {
-	t.Parallel()
-	onOneAndThreeServers(t, func(t *testing.T, _ []*testRedis, addrs string) {
-		const ttl = 800 * time.Millisecond
-		crashed := provisionLock(t, delayedCfg(addrs, ttl.String(), "0s")) // another ttl: another local queue
-		h := provisionLock(t, delayedCfg(addrs, "30s", "10s"))
-		up := newEntryTimes()
-		srv := handlerServer(t, h, up.ServeHTTP)
-		key := storedKey(h.Prefix, "/exp")
-		asked := time.Now()
-		ls, err := crashed.locker.Acquire(context.Background(), []string{key})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer ls.Release() // long after its expiry: it finds nothing
-		status := sendAsync(context.Background(), srv.URL+"/exp?n=B")
-		if s := <-status; s != 200 {
-			t.Fatalf("the waiter got %d, want 200 once the delay ended (before its 10s wait ran out)", s)
-		}
-		if got, earliest := up.at(up.entered, "B"), asked.Add(ttl+lockDelay); got.Before(earliest) {
-			t.Errorf("the waiter got the lock %s after the lease expired; want at least lock_delay %s", got.Sub(asked.Add(ttl)), lockDelay)
-		}
-	})
-}
-
 // TestLockDelayAfterForceRelease: a lock force-released through the admin
 // API is granted to nobody for lock_delay; then the waiter gets it.
 func TestLockDelayAfterForceRelease(t *testing.T) {

@@ -43,6 +43,11 @@ func (l *Locker) Local(redisKey string) (waiters, held int) {
 	return waiters, held
 }
 
+// Extend extends ls once on every server, as its keeper does every ttl/3:
+// ErrLeaseLost when a majority no longer holds it for ls or its validity
+// ended, ErrUnavailable when too few servers answered.
+func (l *Locker) Extend(ctx context.Context, ls *Lease) error { return l.extend(ctx, ls) }
+
 // WakeLocal wakes this instance's waiters of a Redis lock key.
 func (l *Locker) WakeLocal(redisKey string) { l.dom.wakeKeys([]string{redisKey}) }
 

@@ -48,6 +48,7 @@ type logRecorder struct {
 }
 
 type logRecord struct {
+	level slog.Level
 	msg   string
 	attrs map[string]any
 }
@@ -57,7 +58,7 @@ func (l *logRecorder) WithAttrs([]slog.Attr) slog.Handler       { return l }
 func (l *logRecorder) WithGroup(string) slog.Handler            { return l }
 
 func (l *logRecorder) Handle(_ context.Context, r slog.Record) error {
-	rec := logRecord{msg: r.Message, attrs: map[string]any{}}
+	rec := logRecord{level: r.Level, msg: r.Message, attrs: map[string]any{}}
 	r.Attrs(func(a slog.Attr) bool {
 		rec.attrs[a.Key] = a.Value.Any()
 		return true
@@ -111,11 +112,11 @@ func TestReleaserSurvivesPanic(t *testing.T) {
 	// pendingCount takes the releaser's lock: it never answers if the
 	// lock is still held.
 	drained := make(chan bool, 1)
-	go func() { drained <- waitFor(5*time.Second, func() bool { return s.PendingReleases() == 0 }) }()
+	go func() { drained <- waitFor(5*time.Second, func() bool { return s.rel.pendingCount() == 0 }) }()
 	select {
 	case ok := <-drained:
 		if !ok {
-			t.Errorf("%d releases still pending", s.PendingReleases())
+			t.Errorf("%d releases still pending", s.rel.pendingCount())
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the releaser is deadlocked: its lock is still held after the panic")

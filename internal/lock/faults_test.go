@@ -91,15 +91,43 @@ func scriptCall(cmd redis.Cmder) (script *redisconn.Script, token string) {
 	return nil, ""
 }
 
+// heldArgs are the arguments of a call a test holds back on its way to
+// Redis, copied so that it can land later, on a connection of its own.
+func heldArgs(cmd redis.Cmder) []any {
+	a := cmd.Args()
+	out := make([]any, len(a))
+	for i, x := range a {
+		if s, ok := redisconn.Arg(x); ok {
+			x = s
+		}
+		out[i] = x
+	}
+	return out
+}
+
 // testLocker builds a locker over rs whose servers' clients are wrapped in
 // faultClients (returned in server order).
 func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*faultClient) {
+	t.Helper()
+	return testInstance(t, "", rs, o)
+}
+
+// testInstance is testLocker for another Caddy instance on the same
+// servers (a handler with other connection settings looks the same): its
+// servers have clients and ids of their own, so it has its own local
+// queues, wait-list id and wake-up listeners.
+func testInstance(t *testing.T, instance string, rs []*testredis.Server, o Options) (*Locker, []*faultClient) {
 	t.Helper()
 	discard := func() *slog.Logger { return slog.New(slog.DiscardHandler) }
 	var servers []*Server
 	var fcs []*faultClient
 	for i, r := range rs {
-		c := redis.NewClient(&redis.Options{Addr: r.Addr})
+		// A client as the plugin builds one (its timeouts, no resend).
+		check := redisconn.NewCheck(redisconn.CheckOptions{Logger: discard})
+		c, err := redisconn.Settings{Mode: "single", Addrs: []string{r.Addr}, Timeout: o.Timeout}.NewClient(check)
+		if err != nil {
+			t.Fatal(err)
+		}
 		t.Cleanup(func() { c.Close() })
 		// Loaded first, so each script call is one command (no NOSCRIPT
 		// and EVAL after a hooked EVALSHA).
@@ -108,7 +136,7 @@ func testLocker(t *testing.T, rs []*testredis.Server, o Options) (*Locker, []*fa
 				t.Fatal(err)
 			}
 		}
-		s := NewServer(fmt.Sprintf("%s/%d/%s", t.Name(), i, r.Addr), redisconn.NewConn(c, o.Timeout), discard)
+		s := NewServer(fmt.Sprintf("%s/%s/%d/%s", t.Name(), instance, i, r.Addr), redisconn.NewConn(c, o.Timeout), discard)
 		t.Cleanup(func() { s.wake.stop() })
 		fc := &faultClient{Client: s.client}
 		s.setClient(fc)
@@ -125,6 +153,17 @@ func startServers(t *testing.T, n int) []*testredis.Server {
 		rs[i] = testredis.Start(t)
 	}
 	return rs
+}
+
+// onOneAndThreeServers runs f as parallel subtests on one Redis server and
+// on a Redlock of three.
+func onOneAndThreeServers(t *testing.T, f func(t *testing.T, rs []*testredis.Server)) {
+	for _, n := range []int{1, 3} {
+		t.Run(fmt.Sprintf("%d servers", n), func(t *testing.T) {
+			t.Parallel()
+			f(t, startServers(t, n))
+		})
+	}
 }
 
 // allFree waits (up to d) until no server holds key.
@@ -199,7 +238,7 @@ func TestReleaseOvertakesAcquire(t *testing.T) {
 	if err != nil {
 		t.Fatalf("first acquire: %v", err)
 	}
-	token1.Store(ls.Token())
+	token1.Store(ls.token)
 	ls.Release() // answered by members 0 and 2; member 1's release waits
 	close(goAcq)
 	if err := waitClosed(executed); err != nil {
@@ -463,8 +502,8 @@ func TestBackgroundReleaseLost(t *testing.T) {
 				t.Fatal("releases still owed")
 			}
 			// Every release settled: its lease gave its local queue back.
-			if !waitFor(10*time.Second, func() bool { return l.Queues() == 0 }) {
-				t.Fatalf("%d local queues left: a release never settled", l.Queues())
+			if !waitFor(10*time.Second, func() bool { return l.queueCount() == 0 }) {
+				t.Fatalf("%d local queues left: a release never settled", l.queueCount())
 			}
 			ls, err := l.Acquire(ctx, []string{lost})
 			if err != nil {
@@ -532,8 +571,8 @@ func TestClientHookPanics(t *testing.T) {
 	if rec := logs.matching("panic")[1]; fmt.Sprint(rec.attrs["panic"]) != "hook exploded on a release" || rec.attrs["stack"] == "" {
 		t.Fatalf("the release's panic is not logged with its stack: %v", rec.attrs)
 	}
-	if !waitFor(10*time.Second, func() bool { return l.servers[0].rel.pendingCount() == 0 && l.Queues() == 0 }) {
-		t.Fatalf("%d releases owed, %d local queues left", l.servers[0].rel.pendingCount(), l.Queues())
+	if !waitFor(10*time.Second, func() bool { return l.servers[0].rel.pendingCount() == 0 && l.queueCount() == 0 }) {
+		t.Fatalf("%d releases owed, %d local queues left", l.servers[0].rel.pendingCount(), l.queueCount())
 	}
 	noKeyForever(t, rs)
 }

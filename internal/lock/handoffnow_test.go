@@ -40,7 +40,7 @@ func TestHandOffNow(t *testing.T) {
 			got <- ls
 		}()
 	}
-	if !waitFor(5*time.Second, func() bool { return first.QueueWaiting() == 2 }) {
+	if !waitFor(5*time.Second, func() bool { return first.q.waiting() == 2 }) {
 		t.Fatal("the two acquires never queued behind the first")
 	}
 	next := func() *Lease {
@@ -63,7 +63,7 @@ func TestHandOffNow(t *testing.T) {
 	if first.HandOffNow() {
 		t.Fatal("a lease without reserved tokens was handed on")
 	}
-	if heldBy(rs[0], "k") == 0 || first.QueueWaiting() != 2 {
+	if heldBy(rs[0], "k") == 0 || first.q.waiting() != 2 {
 		t.Fatal("a HandOffNow that handed nothing on freed the key or dropped a waiter")
 	}
 	first.ReleaseInBackground("")

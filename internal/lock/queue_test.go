@@ -1,6 +1,10 @@
 package lock
 
-import "testing"
+import (
+	"context"
+	"testing"
+	"time"
+)
 
 // A queue of one key is one allocation besides its wake message, and its
 // wake entry survives a second queue of the same key coming and going in
@@ -59,5 +63,47 @@ func TestWaiterRecycledEmpty(t *testing.T) {
 	w.recycle()
 	if len(w.wake) != 0 || len(w.grant) != 0 || w.q != nil || w.turn != nil {
 		t.Fatalf("recycled waiter not empty: wake %d, grant %d, queue %v, turn %v", len(w.wake), len(w.grant), w.q, w.turn)
+	}
+}
+
+// TestLeaseKeepsItsQueue: the first holder of a quiet key keeps its local
+// queue until it releases, so a waiter that arrives later queues behind it
+// (where the hand-off and heldLocally look) instead of in a fresh queue.
+func TestLeaseKeepsItsQueue(t *testing.T) {
+	t.Parallel()
+	o := testOptions()
+	o.Wait = 10 * time.Second
+	l, _ := testLocker(t, startServers(t, 1), o)
+	keys := []string{"caddy:lock:{/quiet}"}
+	ls, err := l.Acquire(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan *Lease, 1)
+	go func() {
+		l2, err := l.Acquire(context.Background(), keys)
+		if err != nil {
+			t.Errorf("waiter: %v", err)
+		}
+		got <- l2
+	}()
+	if !waitFor(5*time.Second, func() bool { return ls.q.waiting() == 1 }) {
+		t.Fatalf("the later waiter did not queue in the holder's queue (holder's queue has %d waiters)", ls.q.waiting())
+	}
+	if !ls.q.heldLocally(1) {
+		t.Fatal("the holder's queue does not know the lock is held here")
+	}
+	ls.Release()
+	select {
+	case l2 := <-got:
+		if l2 == nil {
+			t.Fatal("waiter got no lease")
+		}
+		l2.Release()
+	case <-time.After(10 * time.Second):
+		t.Fatal("waiter not served within 10s of the release")
+	}
+	if n := l.queueCount(); n != 0 {
+		t.Fatalf("%d queues left in the domain after every lease was released", n)
 	}
 }
