@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -159,7 +160,7 @@ func TestACLMinimalRedlockAndCount(t *testing.T) {
 	admin2 := aclAdmin(t, rs[2])
 	recreated := func() bool {
 		for _, k := range []string{"x", "y"} {
-			if n, _ := admin2.ZCard(context.Background(), storedKey(lock.Prefix, k)).Result(); n != 1 {
+			if n, _ := admin2.ZCard(context.Background(), shared.StoredKey(lock.Prefix, k)).Result(); n != 1 {
 				return false
 			}
 		}

@@ -20,7 +20,6 @@ import (
 	"bytes"
 	_ "embed"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -29,6 +28,8 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -105,7 +106,7 @@ func adminRegister(ctx caddy.Context, h any) error {
 	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok {
 		e.server = srv.Name()
 	}
-	var rc *RedisConfig
+	var rc *shared.RedisConfig
 	switch h := h.(type) {
 	case *RedisLock:
 		e.lock, rc = h, &h.RedisConfig
@@ -116,11 +117,11 @@ func adminRegister(ctx caddy.Context, h any) error {
 	}
 	name := e.name()
 	if name != "" {
-		if err := checkHandlerName(name); err != nil {
+		if err := shared.CheckHandlerName(name); err != nil {
 			return fmt.Errorf("%s: name: %w", e.kind(), err)
 		}
 	}
-	settings, err := rc.resolve()
+	settings, err := rc.Resolve()
 	if err != nil {
 		return fmt.Errorf("%s: %w", e.kind(), err)
 	}
@@ -240,31 +241,9 @@ func splitNumber(s string) (string, int) {
 	return s[:i], n
 }
 
-// checkHandlerName accepts letters, digits, '-', '_' and '.', not all
-// digits (a number addresses a handler by its position).
-func checkHandlerName(name string) error {
-	if name == "" {
-		return errors.New("must not be empty")
-	}
-	digits := true
-	for _, c := range name {
-		switch {
-		case c >= '0' && c <= '9':
-		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c == '-', c == '_', c == '.':
-			digits = false
-		default:
-			return fmt.Errorf("%q: use letters, digits, '-', '_' and '.' only", name)
-		}
-	}
-	if digits {
-		return fmt.Errorf("%q: must not be all digits (a number addresses a handler by its position)", name)
-	}
-	return nil
-}
-
 // displayServer names a logical Redis for the admin API as logs do, but
 // without any user info (user name, password) or URL query.
-func displayServer(s serverSettings) string {
+func displayServer(s redisconn.Settings) string {
 	c := s
 	c.Addrs = make([]string, len(s.Addrs))
 	for i, a := range s.Addrs {

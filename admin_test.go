@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -618,7 +619,7 @@ func TestAdminOnCluster(t *testing.T) {
 	}
 	ctx := t.Context()
 	for _, key := range []string{"alpha", "beta/1", "gamma"} {
-		rk := storedKey(h.Prefix, key)
+		rk := shared.StoredKey(h.Prefix, key)
 		ls, err := h.locker.Acquire(ctx, []string{rk})
 		if err != nil {
 			t.Fatal(err)
@@ -713,11 +714,11 @@ func TestAdminLockReplayView(t *testing.T) {
 		t.Errorf("the lock view shows the stored response: %s", body)
 	}
 	// A value the plugin did not write is reported by its Redis type.
-	r.Client().HSet(t.Context(), lock.ReplayKey(storedKey(h.Prefix, "odd")), "x", "y")
+	r.Client().HSet(t.Context(), lock.ReplayKey(shared.StoredKey(h.Prefix, "odd")), "x", "y")
 	if sv, body := inspect("odd"); sv["replay"] == nil || sv["replay"].(map[string]any)["format"] != "hash" || sv["replay"].(map[string]any)["status"] != nil {
 		t.Errorf("a hash under :replay: %s", body)
 	}
-	r.Client().Set(t.Context(), lock.FenceKey(storedKey(h.Prefix, "n")), "7", time.Minute)
+	r.Client().Set(t.Context(), lock.FenceKey(shared.StoredKey(h.Prefix, "n")), "7", time.Minute)
 	if sv, body := inspect("n"); sv["replay"] != nil || sv["fencing_counter"] != 7.0 {
 		t.Errorf("no replay: %s, want replay null and fencing counter 7", body)
 	}
@@ -732,7 +733,7 @@ func TestAdminInspectAcrossUnregister(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"name":"inspect-unregister","timeout":"2s"}`, r.Addr))
-	rk := storedKey(h.Prefix, "k")
+	rk := shared.StoredKey(h.Prefix, "k")
 	ls, err := h.locker.Acquire(t.Context(), []string{rk})
 	if err != nil {
 		t.Fatal(err)

@@ -9,48 +9,25 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func init() {
-	httpcaddyfile.RegisterHandlerDirective("redis_lock", parseHandler[RedisLock])
+	httpcaddyfile.RegisterHandlerDirective("redis_lock", shared.ParseHandler[RedisLock])
 	// The lock wraps everything after it (handle, route, reverse_proxy,
 	// ...); encode wraps the lock, so a replayed answer is compressed for
 	// the client it answers, not stored compressed.
 	httpcaddyfile.RegisterDirectiveOrder("redis_lock", httpcaddyfile.After, "encode")
-	httpcaddyfile.RegisterHandlerDirective("redis_ratelimit", parseHandler[RedisRateLimit])
+	httpcaddyfile.RegisterHandlerDirective("redis_ratelimit", shared.ParseHandler[RedisRateLimit])
 	// After authentication, so {http.auth.user.id} is known.
 	httpcaddyfile.RegisterDirectiveOrder("redis_ratelimit", httpcaddyfile.After, "forward_auth")
 	// Right before the upstream handlers (after redis_lock, which sets the
 	// token on a one-tier route).
-	httpcaddyfile.RegisterHandlerDirective("redis_fence", parseHandler[RedisFence])
+	httpcaddyfile.RegisterHandlerDirective("redis_fence", shared.ParseHandler[RedisFence])
 	httpcaddyfile.RegisterDirectiveOrder("redis_fence", httpcaddyfile.Before, "push")
-}
-
-// parseHandler reads one of the directives into its handler.
-func parseHandler[T any, P interface {
-	*T
-	caddyhttp.MiddlewareHandler
-	caddyfile.Unmarshaler
-}](h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
-	m := P(new(T))
-	if err := m.UnmarshalCaddyfile(h.Dispenser); err != nil {
-		return nil, err
-	}
-	return m, nil
-}
-
-// openBlock consumes the directive name; options go in its block, after
-// the matcher Caddy has taken.
-func openBlock(d *caddyfile.Dispenser, dir string) error {
-	d.Next()
-	if d.NextArg() {
-		return d.Errf("%s: unexpected argument %q (a matcher goes before the block; options go inside it)", dir, d.Val())
-	}
-	return nil
 }
 
 // UnmarshalCaddyfile sets up the handler from Caddyfile tokens. Syntax:
@@ -66,25 +43,25 @@ func openBlock(d *caddyfile.Dispenser, dir string) error {
 //	}
 func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_fence"
-	if err := openBlock(d, dir); err != nil {
+	if err := shared.OpenBlock(d, dir); err != nil {
 		return err
 	}
-	seen := subdirectives{repeatable: []string{"cluster"}}
+	seen := shared.Subdirectives{Repeatable: []string{"cluster"}}
 	var jitter float64 // not an option of redis_fence
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if err := seen.check(d, dir); err != nil {
+		if err := seen.Check(d, dir); err != nil {
 			return err
 		}
 		switch sub {
 		case "key", "token":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
-			check, field := checkKeyTemplate, &h.Key
+			check, field := shared.CheckKeyTemplate, &h.Key
 			if sub == "token" {
-				check, field = checkTemplate, &h.Token
+				check, field = shared.CheckTemplate, &h.Token
 			}
 			if v == "" { // in JSON the default; written out, a mistake
 				return d.Errf("%s: %s: must not be empty (leave it out for the default)", dir, sub)
@@ -94,7 +71,7 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			*field = v
 		case "retain":
-			v, err := parsePositiveDuration(d, dir)
+			v, err := shared.ParsePositiveDuration(d, dir)
 			if err != nil {
 				return err
 			}
@@ -105,7 +82,7 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "jitter":
 			return d.Errf("%s: unknown subdirective %q", dir, sub)
 		default:
-			ok, err := parseSharedOption(d, dir, sharedOptions{&h.Status, &h.Prefix, &h.Name, &jitter, &h.RedisConfig})
+			ok, err := shared.ParseSharedOption(d, dir, shared.SharedOptions{Status: &h.Status, Prefix: &h.Prefix, Name: &h.Name, Jitter: &jitter, Redis: &h.RedisConfig})
 			if err != nil {
 				return err
 			}
@@ -156,17 +133,17 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 //	}
 func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_lock"
-	if err := openBlock(d, dir); err != nil {
+	if err := shared.OpenBlock(d, dir); err != nil {
 		return err
 	}
 	redisLine := 0      // line of the last `redis` subdirective, for the server count check
 	var addrLines []int // the line of each of h.Addresses
 	replayLine := 0     // line of `replay`, for the checks against other subdirectives
 	var keyLines []int  // the line of each of h.Keys
-	seen := subdirectives{repeatable: lockRepeatable}
+	seen := shared.Subdirectives{Repeatable: lockRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if err := seen.check(d, dir); err != nil {
+		if err := seen.Check(d, dir); err != nil {
 			return err
 		}
 		switch sub {
@@ -182,20 +159,20 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: key: needs a template, e.g. {http.request.header.X-User-ID}", dir)
 			}
 			for _, a := range args {
-				if err := checkKeyTemplate(a); err != nil {
+				if err := shared.CheckKeyTemplate(a); err != nil {
 					return d.Errf("%s: key: %v", dir, err)
 				}
 				keyLines = append(keyLines, d.Line())
 			}
 			h.Keys = append(h.Keys, args...)
 		case "ttl":
-			v, err := parsePositiveDuration(d, dir)
+			v, err := shared.ParsePositiveDuration(d, dir)
 			if err != nil {
 				return err
 			}
 			h.TTL = caddy.Duration(v)
 		case "wait":
-			dur, err := parseNonNegativeDuration(d, dir)
+			dur, err := shared.ParseNonNegativeDuration(d, dir)
 			if err != nil {
 				return err
 			}
@@ -206,11 +183,11 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(args) != 2 {
 				return d.Errf("%s: backoff: want <min> <max>, got %d arguments", dir, len(args))
 			}
-			lo, err := parseDuration(d, dir, sub, args[0])
+			lo, err := shared.ParseDuration(d, dir, sub, args[0])
 			if err != nil {
 				return err
 			}
-			hi, err := parseDuration(d, dir, sub, args[1])
+			hi, err := shared.ParseDuration(d, dir, sub, args[1])
 			if err != nil {
 				return err
 			}
@@ -222,37 +199,37 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.BackoffMin, h.BackoffMax = caddy.Duration(lo), caddy.Duration(hi)
 		case "auto_extend":
-			on, err := parseOnOff(d, dir)
+			on, err := shared.ParseOnOff(d, dir)
 			if err != nil {
 				return err
 			}
 			h.AutoExtend = &on
 		case "max_hold":
-			v, err := parsePositiveDuration(d, dir)
+			v, err := shared.ParsePositiveDuration(d, dir)
 			if err != nil {
 				return err
 			}
 			h.MaxHold = caddy.Duration(v)
 		case "lock_delay":
-			v, err := parseNonNegativeDuration(d, dir)
+			v, err := shared.ParseNonNegativeDuration(d, dir)
 			if err != nil {
 				return err
 			}
 			h.LockDelay = caddy.Duration(v)
 		case "permits":
-			n, err := parsePositiveInt(d, dir, 1)
+			n, err := shared.ParsePositiveInt(d, dir, 1)
 			if err != nil {
 				return err
 			}
 			h.Permits = n
 		case "max_waiters":
-			n, err := parsePositiveInt(d, dir, 0)
+			n, err := shared.ParsePositiveInt(d, dir, 0)
 			if err != nil {
 				return err
 			}
 			h.MaxWaiters = n
 		case "fencing_header":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
@@ -261,7 +238,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.FencingHeader = v // checked at the end of the block, against the keys and fingerprint
 		case "on_lost":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
@@ -275,13 +252,13 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.FailOpen = true
 		case "sync_replicas":
-			n, err := parsePositiveInt(d, dir, 0)
+			n, err := shared.ParsePositiveInt(d, dir, 0)
 			if err != nil {
 				return err
 			}
 			h.SyncReplicas = n
 		case "replay":
-			v, err := parsePositiveDuration(d, dir)
+			v, err := shared.ParsePositiveDuration(d, dir)
 			if err != nil {
 				return err
 			}
@@ -290,7 +267,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Replay = caddy.Duration(v)
 		case "replay_max":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
@@ -311,7 +288,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: fingerprint: off stands alone", dir)
 			}
 			for _, a := range args {
-				if err := checkTemplate(a); err != nil {
+				if err := shared.CheckTemplate(a); err != nil {
 					return d.Errf("%s: fingerprint: %v", dir, err)
 				}
 			}
@@ -323,7 +300,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.CredentialCookies = append(h.CredentialCookies, args...)
 		default:
-			ok, err := parseSharedOption(d, dir, sharedOptions{&h.Status, &h.Prefix, &h.Name, &h.Jitter, &h.RedisConfig})
+			ok, err := shared.ParseSharedOption(d, dir, shared.SharedOptions{Status: &h.Status, Prefix: &h.Prefix, Name: &h.Name, Jitter: &h.Jitter, Redis: &h.RedisConfig})
 			if err != nil {
 				return err
 			}
@@ -345,7 +322,7 @@ func (h *RedisLock) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		}
 	}
 	if err := h.checkFencingHeader(); err != nil {
-		return fmt.Errorf("%s: %v, at %s:%d", dir, err, d.File(), fencingHeaderLine(err, seen.lines, keyLines))
+		return fmt.Errorf("%s: %v, at %s:%d", dir, err, d.File(), fencingHeaderLine(err, seen.Lines, keyLines))
 	}
 	if h.Permits > 1 && len(h.Addresses) > 1 {
 		return fmt.Errorf("%s: permits: %d permits cannot be used with a Redlock quorum of %d servers (holders granted by different majorities could be more than the permits); use one Redis for a semaphore, at %s:%d", dir, h.Permits, len(h.Addresses), d.File(), redisLine)
@@ -421,25 +398,25 @@ func fencingHeaderLine(err error, lines map[string]int, keyLines []int) int {
 // the Caddyfile line; placeholders when a request renders them.
 func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	const dir = "redis_ratelimit"
-	if err := openBlock(d, dir); err != nil {
+	if err := shared.OpenBlock(d, dir); err != nil {
 		return err
 	}
 	// Checks that depend on a later subdirective (algorithm) are made at the
 	// end of the block, with the line of the subdirective they concern.
 	var slidingErr, gcraErr, burstErr, instancesErr error
-	seen := subdirectives{repeatable: rateLimitRepeatable}
+	seen := shared.Subdirectives{Repeatable: rateLimitRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if err := seen.check(d, dir); err != nil {
+		if err := seen.Check(d, dir); err != nil {
 			return err
 		}
 		switch sub {
 		case "key":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
-			if err := checkKeyTemplate(expandShorthands(v)); err != nil {
+			if err := shared.CheckKeyTemplate(shared.ExpandShorthands(v)); err != nil {
 				return d.Errf("%s: key: %v", dir, err)
 			}
 			h.Key = v
@@ -450,7 +427,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			rate, err := RateOf(args[0], args[1])
 			if err == nil {
-				err = errors.Join(checkTemplate(args[0]), checkTemplate(args[1]))
+				err = errors.Join(shared.CheckTemplate(args[0]), shared.CheckTemplate(args[1]))
 			}
 			if err != nil {
 				return d.Errf("%s: rate: %v", dir, err)
@@ -477,11 +454,11 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Rates = append(h.Rates, rate)
 		case "cost":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
-			if err := checkTemplate(v); err != nil {
+			if err := shared.CheckTemplate(v); err != nil {
 				return d.Errf("%s: cost: %v", dir, err)
 			}
 			if !redisconn.HasPlaceholder(v) {
@@ -502,13 +479,13 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Count = append(h.Count, args...)
 		case "wait":
-			dur, err := parseNonNegativeDuration(d, dir)
+			dur, err := shared.ParseNonNegativeDuration(d, dir)
 			if err != nil {
 				return err
 			}
 			h.Wait = caddy.Duration(dur)
 		case "ban":
-			dur, err := parsePositiveDuration(d, dir)
+			dur, err := shared.ParsePositiveDuration(d, dir)
 			if err != nil {
 				return err
 			}
@@ -517,7 +494,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Ban = caddy.Duration(dur)
 		case "algorithm":
-			v, err := oneArg(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
@@ -527,14 +504,14 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.Algorithm = v
 		case "burst":
-			n, err := parsePositiveInt(d, dir, 1)
+			n, err := shared.ParsePositiveInt(d, dir, 1)
 			if err != nil {
 				return err
 			}
 			h.Burst = n
 			burstErr = d.Errf("%s: burst: only valid with algorithm gcra", dir)
 		case "headers":
-			on, err := parseOnOff(d, dir)
+			on, err := shared.ParseOnOff(d, dir)
 			if err != nil {
 				return err
 			}
@@ -555,7 +532,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: %s: fail_local and fail_closed cannot be combined (choose one fail policy)", dir, sub)
 			}
 		case "instances":
-			n, err := parsePositiveInt(d, dir, 1)
+			n, err := shared.ParsePositiveInt(d, dir, 1)
 			if err != nil {
 				return err
 			}
@@ -573,7 +550,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.IPPrefix = []int{v4, v6}
 		default:
-			ok, err := parseSharedOption(d, dir, sharedOptions{&h.Status, &h.Prefix, &h.Name, &h.Jitter, &h.RedisConfig})
+			ok, err := shared.ParseSharedOption(d, dir, shared.SharedOptions{Status: &h.Status, Prefix: &h.Prefix, Name: &h.Name, Jitter: &h.Jitter, Redis: &h.RedisConfig})
 			if err != nil {
 				return err
 			}
@@ -600,154 +577,6 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return slidingErr
 }
 
-// sharedOptions points at the fields of the subdirectives both directives
-// take with the same syntax and meaning.
-type sharedOptions struct {
-	status *int
-	prefix *string
-	name   *string
-	jitter *float64
-	redis  *RedisConfig
-}
-
-// parseSharedOption handles a subdirective both directives take: status,
-// prefix, name, jitter and the connection options. It reports whether
-// d.Val() was one of them.
-func parseSharedOption(d *caddyfile.Dispenser, dir string, o sharedOptions) (bool, error) {
-	switch sub := d.Val(); sub {
-	case "status":
-		n, err := parseStatus(d, dir)
-		*o.status = n
-		return true, err
-	case "prefix":
-		v, err := oneArg(d, dir)
-		switch {
-		case err != nil:
-		case v == "":
-			// In JSON an empty prefix is the default; written out, it is a mistake.
-			err = d.Errf("%s: prefix: must not be empty (leave prefix out for the default)", dir)
-		case strings.ContainsAny(v, "{}"):
-			err = d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag; the handler adds it)", dir, v)
-		}
-		*o.prefix = v
-		return true, err
-	case "name":
-		v, err := parseName(d, dir)
-		*o.name = v
-		return true, err
-	case "jitter":
-		v, err := oneArg(d, dir)
-		if err != nil {
-			return true, err
-		}
-		f, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(f >= 0 && f <= 1) { // NaN too
-			return true, d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
-		}
-		*o.jitter = f
-		return true, nil
-	}
-	return parseRedisOption(d, dir, o.redis)
-}
-
-// parseRedisOption handles the connection subdirectives shared by both
-// directives. It reports whether d.Val() was one of them.
-//
-//	redis    <address|url>...
-//	cluster  <address|url>...
-//	sentinel <master> <address>...
-//	username <name>
-//	password <secret>
-//	db       <index>
-//	tls      [<ca_file>]
-//	tls_client_cert <cert_file> <key_file>
-//	timeout  <duration>
-func parseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool, error) {
-	sub := d.Val()
-	switch sub {
-	case "redis", "cluster":
-		args := d.RemainingArgs()
-		if len(args) == 0 {
-			return true, d.Errf("%s: %s: needs at least one address", dir, sub)
-		}
-		for _, a := range args {
-			if err := redisconn.ValidateAddress(a); err != nil {
-				return true, d.Errf("%s: %s: %v", dir, sub, err)
-			}
-		}
-		if sub == "redis" {
-			c.Addresses = append(c.Addresses, args...)
-		} else {
-			c.Cluster = append(c.Cluster, args...)
-			if _, _, err := redisconn.SplitSeeds("cluster", c.Cluster); err != nil {
-				return true, d.Errf("%s: %v", dir, err)
-			}
-		}
-	case "sentinel":
-		args := d.RemainingArgs()
-		if len(args) < 2 {
-			return true, d.Errf("%s: sentinel: needs a master name and at least one sentinel address", dir)
-		}
-		for _, a := range args[1:] {
-			if err := redisconn.ValidateAddress(a); err != nil {
-				return true, d.Errf("%s: sentinel: %v", dir, err)
-			}
-		}
-		c.SentinelMaster, c.Sentinels = args[0], append(c.Sentinels, args[1:]...)
-		if _, _, err := redisconn.SplitSeeds("sentinel", c.Sentinels); err != nil {
-			return true, d.Errf("%s: %v", dir, err)
-		}
-	case "username", "password":
-		v, err := oneArg(d, dir)
-		if err != nil {
-			return true, err
-		}
-		if sub == "username" {
-			c.Username = v
-		} else {
-			c.Password = v
-		}
-	case "db":
-		v, err := oneArg(d, dir)
-		if err != nil {
-			return true, err
-		}
-		n, err := strconv.Atoi(v)
-		if err != nil || n < 0 {
-			return true, d.Errf("%s: db: want a non-negative integer, got %q", dir, v)
-		}
-		c.DB = n
-	case "tls":
-		args := d.RemainingArgs()
-		if len(args) > 1 {
-			return true, d.Errf("%s: tls: takes at most one argument (a CA file), got %d", dir, len(args))
-		}
-		c.TLS = true
-		if len(args) == 1 {
-			c.TLSCAFile = args[0]
-		}
-	case "tls_client_cert":
-		args := d.RemainingArgs()
-		if len(args) != 2 {
-			return true, d.Errf("%s: tls_client_cert: want <cert_file> <key_file>, got %d argument(s)", dir, len(args))
-		}
-		c.TLS = true
-		c.TLSClientCertFile, c.TLSClientKeyFile = args[0], args[1]
-	case "timeout":
-		v, err := parsePositiveDuration(d, dir)
-		if err != nil {
-			return true, err
-		}
-		c.Timeout = caddy.Duration(v)
-	default:
-		return false, nil
-	}
-	if len(c.Addresses) > 0 && len(c.Cluster) > 0 || len(c.Addresses) > 0 && len(c.Sentinels) > 0 || len(c.Cluster) > 0 && len(c.Sentinels) > 0 {
-		return true, d.Errf("%s: %s: redis, cluster and sentinel are mutually exclusive: use one of them", dir, sub)
-	}
-	return true, nil
-}
-
 // The subdirectives that may be given more than once (they add to a
 // list); every other one takes one value, and a second is an error rather
 // than a silent "last one wins".
@@ -755,149 +584,6 @@ var (
 	lockRepeatable      = []string{"key", "redis", "cluster", "credential_cookies"}
 	rateLimitRepeatable = []string{"rate", "count", "redis", "cluster"} // redis: "takes exactly one address" says more
 )
-
-// subdirectives remembers the line of each subdirective of one block.
-type subdirectives struct {
-	repeatable []string
-	lines      map[string]int
-}
-
-// check fails when the current subdirective takes one value and was given
-// before in the block, naming both lines.
-func (s *subdirectives) check(d *caddyfile.Dispenser, dir string) error {
-	sub := d.Val()
-	if slices.Contains(s.repeatable, sub) {
-		return nil
-	}
-	if first, ok := s.lines[sub]; ok {
-		return d.Errf("%s: %s: given twice (first at line %d); it takes one value", dir, sub, first)
-	}
-	if s.lines == nil {
-		s.lines = map[string]int{}
-	}
-	s.lines[sub] = d.Line()
-	return nil
-}
-
-// parseName reads the handler's admin API name.
-func parseName(d *caddyfile.Dispenser, dir string) (string, error) {
-	v, err := oneArg(d, dir)
-	if err != nil {
-		return "", err
-	}
-	if err := checkHandlerName(v); err != nil {
-		return "", d.Errf("%s: name: %v", dir, err)
-	}
-	return v, nil
-}
-
-// oneArg reads exactly one argument of the current subdirective.
-func oneArg(d *caddyfile.Dispenser, dir string) (string, error) {
-	sub := d.Val()
-	args := d.RemainingArgs()
-	if len(args) != 1 {
-		return "", d.Errf("%s: %s: want exactly one argument, got %d", dir, sub, len(args))
-	}
-	return args[0], nil
-}
-
-// parseDuration parses a Caddy duration ("500ms", "30s", "1d").
-func parseDuration(d *caddyfile.Dispenser, dir, sub, v string) (time.Duration, error) {
-	dur, err := caddy.ParseDuration(v)
-	if err != nil {
-		return 0, d.Errf("%s: %s: invalid duration %q", dir, sub, v)
-	}
-	return dur, nil
-}
-
-// parsePositiveDuration reads one argument that must be a duration > 0.
-func parsePositiveDuration(d *caddyfile.Dispenser, dir string) (time.Duration, error) {
-	sub := d.Val()
-	v, err := oneArg(d, dir)
-	if err != nil {
-		return 0, err
-	}
-	dur, err := parseDuration(d, dir, sub, v)
-	if err != nil {
-		return 0, err
-	}
-	if dur <= 0 {
-		return 0, d.Errf("%s: %s: must be positive, got %q", dir, sub, v)
-	}
-	return dur, nil
-}
-
-// parseNonNegativeDuration reads one argument that must be a duration >= 0.
-func parseNonNegativeDuration(d *caddyfile.Dispenser, dir string) (time.Duration, error) {
-	sub := d.Val()
-	v, err := oneArg(d, dir)
-	if err != nil {
-		return 0, err
-	}
-	dur, err := parseDuration(d, dir, sub, v)
-	if err != nil {
-		return 0, err
-	}
-	if dur < 0 {
-		return 0, d.Errf("%s: %s: must not be negative, got %q", dir, sub, v)
-	}
-	return dur, nil
-}
-
-// parseOnOff reads one argument that is "on" or "off".
-func parseOnOff(d *caddyfile.Dispenser, dir string) (bool, error) {
-	sub := d.Val()
-	v, err := oneArg(d, dir)
-	if err != nil {
-		return false, err
-	}
-	switch strings.ToLower(v) {
-	case "on":
-		return true, nil
-	case "off":
-		return false, nil
-	}
-	return false, d.Errf("%s: %s: want on or off, got %q", dir, sub, v)
-}
-
-// parseStatus reads one HTTP status code in 400–599.
-func parseStatus(d *caddyfile.Dispenser, dir string) (int, error) {
-	sub := d.Val()
-	v, err := oneArg(d, dir)
-	if err != nil {
-		return 0, err
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 400 || n > 599 {
-		return 0, d.Errf("%s: %s: want an HTTP status code in 400-599, got %q", dir, sub, v)
-	}
-	return n, nil
-}
-
-// parsePositiveInt reads one integer argument ≥ min.
-func parsePositiveInt(d *caddyfile.Dispenser, dir string, min int) (int, error) {
-	sub := d.Val()
-	v, err := oneArg(d, dir)
-	if err != nil {
-		return 0, err
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < min {
-		return 0, d.Errf("%s: %s: want an integer >= %d, got %q", dir, sub, min, v)
-	}
-	return n, nil
-}
-
-// expandShorthands turns Caddyfile shorthands such as {client_ip} or
-// {header.X} into full placeholders, so JSON configs may use them too.
-func expandShorthands(s string) string {
-	if !strings.Contains(s, "{") {
-		return s
-	}
-	seg := caddyfile.Segment{caddyfile.Token{Text: s}}
-	httpcaddyfile.NewShorthandReplacer().ApplyToSegment(&seg)
-	return seg[0].Text
-}
 
 // Interface guards
 var (

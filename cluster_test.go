@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -99,7 +100,7 @@ func TestSentinelLock(t *testing.T) {
 	}
 	wg.Wait()
 	up.check(t)
-	if v, _ := master.Client().Get(context.Background(), lock.FenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
+	if v, _ := master.Client().Get(context.Background(), lock.FenceKey(shared.StoredKey(h.Prefix, "/s"))).Int(); v < 1 {
 		t.Errorf("fencing counter on the master is %d; the lock did not go through the sentinel's master", v)
 	}
 }

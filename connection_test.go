@@ -15,6 +15,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
@@ -121,10 +122,10 @@ func TestPoolKeyFollowsTLSFiles(t *testing.T) {
 	if err := os.WriteFile(ca, []byte("first"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cfg := RedisConfig{Addresses: []string{"127.0.0.1:6390"}, TLS: true, TLSCAFile: ca}
+	cfg := shared.RedisConfig{Addresses: []string{"127.0.0.1:6390"}, TLS: true, TLSCAFile: ca}
 	key := func() string {
 		t.Helper()
-		ss, err := cfg.resolve()
+		ss, err := cfg.Resolve()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -328,7 +329,7 @@ func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
 			go func() {
 				defer wg.Done()
 				for j := range n {
-					ls, err := h.locker.Acquire(t.Context(), []string{storedKey(h.Prefix, fmt.Sprintf("k%d-%d", i, (from+j)%50))})
+					ls, err := h.locker.Acquire(t.Context(), []string{shared.StoredKey(h.Prefix, fmt.Sprintf("k%d-%d", i, (from+j)%50))})
 					if err != nil {
 						t.Error(err)
 						return
@@ -450,26 +451,26 @@ func TestSeedURLsResolve(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
 		name string
-		cfg  RedisConfig
-		want serverSettings
+		cfg  shared.RedisConfig
+		want redisconn.Settings
 	}{
-		{"cluster URLs", RedisConfig{Cluster: []string{"rediss://u:" + secretPW + "@h1:7000?client_name=c", "h2:7001", "rediss://u:" + secretPW + "@h3:7002/0?client_name=c"}, Password: "other"},
-			serverSettings{Mode: "cluster", Addrs: []string{"h1:7000", "h2:7001", "h3:7002"}, Username: "u", Password: secretPW, TLS: true, ClientName: "c"}},
-		{"cluster URLs without credentials", RedisConfig{Cluster: []string{"redis://h1:7000"}, Username: "du", Password: "dp"},
-			serverSettings{Mode: "cluster", Addrs: []string{"h1:7000"}, Username: "du", Password: "dp"}},
-		{"sentinel URLs", RedisConfig{SentinelMaster: "m", Sentinels: []string{"redis://:" + secretPW + "@s1:26379/3", "redis://:" + secretPW + "@s2:26379/3"}},
-			serverSettings{Mode: "sentinel", Master: "m", Addrs: []string{"s1:26379", "s2:26379"}, Password: secretPW, DB: 3}},
+		{"cluster URLs", shared.RedisConfig{Cluster: []string{"rediss://u:" + secretPW + "@h1:7000?client_name=c", "h2:7001", "rediss://u:" + secretPW + "@h3:7002/0?client_name=c"}, Password: "other"},
+			redisconn.Settings{Mode: "cluster", Addrs: []string{"h1:7000", "h2:7001", "h3:7002"}, Username: "u", Password: secretPW, TLS: true, ClientName: "c"}},
+		{"cluster URLs without credentials", shared.RedisConfig{Cluster: []string{"redis://h1:7000"}, Username: "du", Password: "dp"},
+			redisconn.Settings{Mode: "cluster", Addrs: []string{"h1:7000"}, Username: "du", Password: "dp"}},
+		{"sentinel URLs", shared.RedisConfig{SentinelMaster: "m", Sentinels: []string{"redis://:" + secretPW + "@s1:26379/3", "redis://:" + secretPW + "@s2:26379/3"}},
+			redisconn.Settings{Mode: "sentinel", Master: "m", Addrs: []string{"s1:26379", "s2:26379"}, Password: secretPW, DB: 3}},
 	} {
-		if err := c.cfg.validate(true); err != nil {
+		if err := c.cfg.Validate(true); err != nil {
 			t.Errorf("%s: validate: %v", c.name, err)
 			continue
 		}
-		got, err := c.cfg.resolve()
+		got, err := c.cfg.Resolve()
 		if err != nil || len(got) != 1 {
 			t.Errorf("%s: resolve: %v, %v", c.name, got, err)
 			continue
 		}
-		c.want.Timeout = DefaultTimeout
+		c.want.Timeout = shared.DefaultTimeout
 		if g, w := fmt.Sprintf("%+v", got[0]), fmt.Sprintf("%+v", c.want); g != w {
 			t.Errorf("%s: resolved to\n%s, want\n%s", c.name, g, w)
 		}
@@ -486,14 +487,14 @@ func TestSeedURLsResolve(t *testing.T) {
 		{"cluster", []string{"redis://:" + secretPW + "@h1:1/2"}, "supports only database 0"},
 		{"sentinel", []string{"redis://s1:1/1", "redis://s2:1/2"}, "differ in their db"},
 	} {
-		cfg := RedisConfig{Cluster: c.addrs}
+		cfg := shared.RedisConfig{Cluster: c.addrs}
 		src := "redis_ratelimit {\n\trate 1 1s\n\tcluster " + strings.Join(c.addrs, " ") + "\n}"
 		if c.sub == "sentinel" {
-			cfg = RedisConfig{SentinelMaster: "m", Sentinels: c.addrs}
+			cfg = shared.RedisConfig{SentinelMaster: "m", Sentinels: c.addrs}
 			src = "redis_ratelimit {\n\trate 1 1s\n\tsentinel m " + strings.Join(c.addrs, " ") + "\n}"
 		}
-		errs := []error{cfg.validate(false)}
-		_, err := cfg.resolve()
+		errs := []error{cfg.Validate(false)}
+		_, err := cfg.Resolve()
 		errs = append(errs, err)
 		for _, err := range errs {
 			if err == nil || !strings.HasPrefix(err.Error(), c.sub+": ") || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), secretPW) {
@@ -588,7 +589,7 @@ func TestSentinelURL(t *testing.T) {
 	}
 	c := redis.NewClient(&redis.Options{Addr: master.Addr, Password: secretPW, DB: 2})
 	defer c.Close()
-	if v, _ := c.Get(ctx, lock.FenceKey(storedKey(h.Prefix, "/s"))).Int(); v < 1 {
+	if v, _ := c.Get(ctx, lock.FenceKey(shared.StoredKey(h.Prefix, "/s"))).Int(); v < 1 {
 		t.Errorf("fencing counter in db 2 of the master is %d; the lock did not go there", v)
 	}
 }

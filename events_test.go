@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -63,7 +64,7 @@ func eventsNamed(mark int, name string) []caddy.Event {
 // has field set to value.
 func exceededWith(mark int, field, value string) int {
 	n := 0
-	for _, e := range eventsNamed(mark, EventRateLimitExceeded) {
+	for _, e := range eventsNamed(mark, shared.EventRateLimitExceeded) {
 		if e.Data[field] == value {
 			n++
 		}
@@ -84,7 +85,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 	// extension surely comes after the force release.
 	mark := sinkMark()
 	slow := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		waitFor(20*time.Second, func() bool { return len(eventsNamed(mark, EventLockLost)) > 0 })
+		waitFor(20*time.Second, func() bool { return len(eventsNamed(mark, shared.EventLockLost)) > 0 })
 		w.WriteHeader(200)
 	}))
 	defer slow.Close()
@@ -136,7 +137,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 			t.Fatalf("request %d: %v, want %d", i, resp, want)
 		}
 	}
-	ex := eventsNamed(mark, EventRateLimitExceeded)
+	ex := eventsNamed(mark, shared.EventRateLimitExceeded)
 	if len(ex) != 1 {
 		t.Fatalf("%d rate_limit_exceeded events for three rejections of one key (the deny cache answers the later two), want 1", len(ex))
 	}
@@ -169,7 +170,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 	}
 
 	holder := goFetch(context.Background(), base+"/job/42")
-	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(DefaultLockPrefix, "/job/42")) == 1 }) {
+	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(DefaultLockPrefix, "/job/42")) == 1 }) {
 		t.Fatal("the job never held its lock")
 	}
 	resp, err := http.Post(fmt.Sprintf("http://localhost:%d/redisdlm/locks/jobs/%%2Fjob%%2F42/release", admin), "", nil)
@@ -178,7 +179,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 	}
 	resp.Body.Close()
 	await(t, holder, 20*time.Second, "the job")
-	forced, lost := eventsNamed(mark, EventLockForced), eventsNamed(mark, EventLockLost)
+	forced, lost := eventsNamed(mark, shared.EventLockForced), eventsNamed(mark, shared.EventLockLost)
 	if len(forced) != 1 || forced[0].Data["handler"] != "jobs" || forced[0].Data["key"] != "/job/42" {
 		t.Fatalf("redis_lock_forced events %v, want one for jobs /job/42", forced)
 	}

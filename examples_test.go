@@ -22,12 +22,19 @@ var comingMetrics = map[string]string{}
 
 // exportedMetrics reads the names and types of the Prometheus collectors the
 // plugin creates: every prometheus.New<Type>(...Opts{Name: "caddy_redis_..."})
-// in the package's non-test Go files.
+// in the non-test Go files of the module's packages.
 func exportedMetrics(t *testing.T) map[string]string {
 	t.Helper()
 	files, err := filepath.Glob("*.go")
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, dir := range []string{"internal/*", "*"} {
+		more, err := filepath.Glob(filepath.Join(dir, "*.go"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, more...)
 	}
 	out := map[string]string{}
 	fset := token.NewFileSet()
@@ -74,7 +81,7 @@ func exportedMetrics(t *testing.T) map[string]string {
 		})
 	}
 	if len(out) == 0 {
-		t.Fatal("found no Prometheus collector in the package")
+		t.Fatal("found no Prometheus collector in the module")
 	}
 	return out
 }

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -223,7 +224,7 @@ func clusterHotKey(t *testing.T, rs []*testRedis) (ls, rls *httptest.Server, up 
 	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"fail_closed":true,"key":"/hot","algorithm":"gcra","rates":[{"requests":1000000,"window":"1h"}]}`, conn))
 	rls = handlerServer(t, rl, okHandler)
 	ctx := context.Background()
-	slot, err := rs[0].Client().ClusterKeySlot(ctx, storedKey(lock.Prefix, "/hot")).Result()
+	slot, err := rs[0].Client().ClusterKeySlot(ctx, shared.StoredKey(lock.Prefix, "/hot")).Result()
 	if err != nil {
 		t.Fatal(err)
 	}

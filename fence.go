@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -95,18 +96,18 @@ type RedisFence struct {
 
 	// Redis connection settings: one logical Redis (a server, a Cluster or
 	// a Sentinel), the lock's or any.
-	RedisConfig
+	shared.RedisConfig
 
 	logger    *zap.Logger
 	label     string
-	writes    [len(fenceResults)]prometheus.Counter // as fenceResults
-	obs       *labelClaim
-	keyTmpl   *keyTemplate
+	writes    [len(shared.FenceResults)]prometheus.Counter // as fenceResults
+	obs       *shared.LabelClaim
+	keyTmpl   *shared.KeyTemplate
 	tokenTmpl string // Token with the Caddyfile shorthands expanded
-	client    *pooledClient
+	client    *shared.Client
 	clientKey string
 	timeout   time.Duration
-	warn      *warnings
+	warn      *shared.Warnings
 	noStart   *sync.Once // the warning that the Redis process start is unknown
 }
 
@@ -118,9 +119,9 @@ func (RedisFence) CaddyModule() caddy.ModuleInfo {
 // Provision sets defaults, then takes the shared Redis client; it never
 // dials.
 func (h *RedisFence) Provision(ctx caddy.Context) error {
-	h.label = handlerLabel("fence", h.Name, h)
+	h.label = shared.HandlerLabel("fence", h.Name, h)
 	h.logger = ctx.Logger().With(zap.String("handler", h.label))
-	h.warn = newWarnings(time.Second)
+	h.warn = shared.NewWarnings(time.Second)
 	h.noStart = new(sync.Once)
 	if h.Key == "" {
 		h.Key = DefaultLockKey
@@ -128,7 +129,7 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	if h.Token == "" {
 		h.Token = DefaultFenceToken
 	}
-	h.tokenTmpl = expandShorthands(h.Token) // as Validate checks it, in JSON too
+	h.tokenTmpl = shared.ExpandShorthands(h.Token) // as Validate checks it, in JSON too
 	if h.Status == 0 {
 		h.Status = DefaultFenceStatus
 	}
@@ -141,32 +142,32 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	if err := h.Validate(); err != nil {
 		return err
 	}
-	if err := registerMetrics(ctx); err != nil {
+	if err := shared.RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
 	var err error
-	if h.keyTmpl, err = parseKeyTemplate(h.Key); err != nil {
+	if h.keyTmpl, err = shared.ParseKeyTemplate(h.Key); err != nil {
 		return fmt.Errorf("redis_fence: key: %w", err)
 	}
-	if h.client, h.clientKey, h.timeout, err = h.RedisConfig.acquireOne("redis_fence"); err != nil {
+	if h.client, h.clientKey, h.timeout, err = h.RedisConfig.AcquireOne("redis_fence"); err != nil {
 		return err
 	}
-	h.writes = newFenceSeries(h.label)
-	h.obs = observeHandler("fence", h.label, h.logger, h.client)
+	h.writes = shared.NewFenceSeries(h.label)
+	h.obs = shared.ObserveHandler("fence", h.label, h.logger, h.client)
 	return nil
 }
 
 // Validate checks the configuration; it is pure.
 func (h *RedisFence) Validate() error {
-	if err := h.RedisConfig.validate(false); err != nil {
+	if err := h.RedisConfig.Validate(false); err != nil {
 		return fmt.Errorf("redis_fence: %w", err)
 	}
 	if h.Key != "" {
-		if err := checkKeyTemplate(h.Key); err != nil {
+		if err := shared.CheckKeyTemplate(h.Key); err != nil {
 			return fmt.Errorf("redis_fence: key: %w", err)
 		}
 	}
-	if err := checkTemplate(h.Token); err != nil {
+	if err := shared.CheckTemplate(h.Token); err != nil {
 		return fmt.Errorf("redis_fence: token: %w", err)
 	}
 	switch {
@@ -182,8 +183,8 @@ func (h *RedisFence) Validate() error {
 
 // Cleanup gives back the shared client.
 func (h *RedisFence) Cleanup() error {
-	h.obs.release()
-	releaseClient(h.clientKey)
+	h.obs.Release()
+	shared.ReleaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil
 }
@@ -193,23 +194,23 @@ func (h *RedisFence) Cleanup() error {
 // 503 (Redis could not be asked: a fence that admits blindly is no fence).
 func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	repl := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	key, err := h.keyTmpl.render(repl)
+	key, err := h.keyTmpl.Render(repl)
 	if err != nil {
-		return caddyhttp.Error(http.StatusBadRequest, fmt.Errorf("rendering fence key %q: %w", h.keyTmpl.raw, err))
+		return caddyhttp.Error(http.StatusBadRequest, fmt.Errorf("rendering fence key %q: %w", h.keyTmpl.Raw, err))
 	}
 	raw := repl.ReplaceAll(h.tokenTmpl, "")
 	token, err := strconv.ParseUint(raw, 10, 63)
 	if err != nil || raw == "" || raw[0] == '+' {
-		h.writes[fenceMalformed].Inc()
+		h.writes[shared.FenceMalformed].Inc()
 		return caddyhttp.Error(h.Status, fmt.Errorf("%w: %q", ErrBadToken, raw))
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
-	h.client.conn.Use()
+	h.client.Conn.Use()
 	n, err := h.admit(ctx, key, token)
-	h.client.conn.Unuse()
+	h.client.Conn.Unuse()
 	if err != nil {
-		h.writes[fenceError].Inc()
+		h.writes[shared.FenceError].Inc()
 		if due, k := h.warn.Due(); due {
 			h.logger.Warn("redis unreachable for the fence; answering 503", zap.Error(err), zap.Int64("requests_since_last_warning", k))
 		}
@@ -218,13 +219,13 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 	}
 	switch n {
 	case 1:
-		h.writes[fenceAdmitted].Inc()
+		h.writes[shared.FenceAdmitted].Inc()
 		return next.ServeHTTP(w, r)
 	case -1:
-		h.writes[fenceMalformed].Inc()
+		h.writes[shared.FenceMalformed].Inc()
 		return caddyhttp.Error(h.Status, fmt.Errorf("%w: %d", ErrFutureToken, token))
 	}
-	h.writes[fenceStale].Inc()
+	h.writes[shared.FenceStale].Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "fence: stale token refused"); c != nil {
 		c.Write(zap.String("key", key), zap.Uint64("token", token), zap.Bool("before_redis_start", n == -2))
 	}
@@ -242,12 +243,12 @@ func (h *RedisFence) ServeHTTP(w http.ResponseWriter, r *http.Request, next cadd
 // with Started already changed: that verdict does not count, and the call
 // is made again with the new start (once; a second change answers 503).
 func (h *RedisFence) admit(ctx context.Context, key string, token uint64) (int64, error) {
-	keys := []string{storedKey(h.Prefix, key)}
-	start := h.client.check.Started()
+	keys := []string{shared.StoredKey(h.Prefix, key)}
+	start := h.client.Check.Started()
 	for range 2 {
-		n, err := fenceAdmitScript.Run(ctx, h.client.client, keys, strconv.FormatUint(token, 10),
+		n, err := fenceAdmitScript.Run(ctx, h.client.Redis, keys, strconv.FormatUint(token, 10),
 			time.Duration(h.Retain).Milliseconds(), maxTokenLead.Microseconds(), start).Int64()
-		now := h.client.check.Started()
+		now := h.client.Check.Started()
 		if err != nil || now == start {
 			if err == nil && now == 0 {
 				h.noStart.Do(h.warnNoStart)
@@ -263,7 +264,7 @@ func (h *RedisFence) admit(ctx context.Context, key string, token uint64) (int64
 // from it, so a restart of it goes unnoticed.
 func (h *RedisFence) warnNoStart() {
 	h.logger.Warn("restart protection off: the fence cannot read when its redis process started (INFO server refused); "+
-		"after a restart that loses the records a stale token can be admitted", zap.String("server", h.client.settings.Display()))
+		"after a restart that loses the records a stale token can be admitted", zap.String("server", h.client.Settings.Display()))
 }
 
 // Interface guards

@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 )
 
 // e2eStorage is the storage behind the fencing Caddy: it records every
@@ -254,7 +256,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	if got, want := store.seen("/plain/7"), []int64{pa, pb, pa}; !slices.Equal(got, want) {
 		t.Errorf("the storage saw %v on the unfenced key, want %v (the stale write after B's)", got, want)
 	}
-	if rec, err := fenceRedis.Client().Get(context.Background(), storedKey(DefaultFencePrefix, "/fenced/7")).Int64(); err != nil || rec != tb {
+	if rec, err := fenceRedis.Client().Get(context.Background(), shared.StoredKey(DefaultFencePrefix, "/fenced/7")).Int64(); err != nil || rec != tb {
 		t.Errorf("the fence's record: %d %v, want B's token %d", rec, err, tb)
 	}
 }

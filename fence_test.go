@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	dto "github.com/prometheus/client_model/go"
@@ -84,10 +85,10 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	lockSrv := handlerServer(t, lock, app)
 
 	staleAnswer := goFetch(context.Background(), lockSrv.URL+"/accounts/7")
-	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(lock.Prefix, "/accounts/7")) == 1 }) {
+	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(lock.Prefix, "/accounts/7")) == 1 }) {
 		t.Fatal("the first holder never held the lock")
 	}
-	before := fenceCount(fence.label, fenceStale)
+	before := fenceCount(fence.label, shared.FenceStale)
 	// The rival waits for the lease to run out (1 s), takes the lock, writes.
 	if resp, _ := get(t, lockSrv.URL+"/accounts/7"); resp == nil || resp.StatusCode != http.StatusNoContent {
 		t.Fatalf("the rival's write: %v, want 204 from the storage", resp)
@@ -101,7 +102,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	if len(writes) != 1 {
 		t.Fatalf("the storage saw %d writes (%v), want only the rival's", len(writes), writes)
 	}
-	if got := fenceCount(fence.label, fenceStale) - before; got < 1 {
+	if got := fenceCount(fence.label, shared.FenceStale) - before; got < 1 {
 		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v, want at least 1", got)
 	}
 }
@@ -137,7 +138,7 @@ func TestFenceAcrossRedisRestart(t *testing.T) {
 	if got := put(t1); got != http.StatusConflict {
 		t.Fatalf("T1 < T2 before the restart: %d, want 409", got)
 	}
-	before := fenceCount(h.label, fenceStale)
+	before := fenceCount(h.label, shared.FenceStale)
 	r.Restart()
 	for _, tc := range []struct {
 		name  string
@@ -147,7 +148,7 @@ func TestFenceAcrossRedisRestart(t *testing.T) {
 			t.Errorf("%s: %d, want 409 (the token is older than the fence's Redis process)", tc.name, got)
 		}
 	}
-	if got := fenceCount(h.label, fenceStale) - before; got != 3 {
+	if got := fenceCount(h.label, shared.FenceStale) - before; got != 3 {
 		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v after the restart, want 3", got)
 	}
 	awaitRedisAge(t, r)
@@ -229,9 +230,9 @@ func redisMicros(t testing.TB, r *testRedis) int64 {
 
 // fenceCount reads caddy_redis_fence_writes_total of one handler for one result.
 func fenceCount(handler string, result int) float64 {
-	initMetrics()
+	shared.InitMetrics()
 	var m dto.Metric
-	_ = fenceWritesVec.WithLabelValues(handler, fenceResults[result]).Write(&m)
+	_ = shared.FenceWritesVec.WithLabelValues(handler, shared.FenceResults[result]).Write(&m)
 	return m.GetCounter().GetValue()
 }
 
@@ -294,7 +295,7 @@ func TestFenceAnswers(t *testing.T) {
 	if n := len(store.seen()); n != 4 {
 		t.Errorf("the storage saw %d writes, want the 4 admitted", n)
 	}
-	if ttl := r.Client().PTTL(context.Background(), storedKey(DefaultFencePrefix, "/x")).Val(); ttl <= 0 || ttl > 10*time.Second {
+	if ttl := r.Client().PTTL(context.Background(), shared.StoredKey(DefaultFencePrefix, "/x")).Val(); ttl <= 0 || ttl > 10*time.Second {
 		t.Errorf("the record of /x expires in %v, want within retain (10s)", ttl)
 	}
 	r.Kill()

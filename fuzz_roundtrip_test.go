@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -22,7 +23,7 @@ type provisionable interface {
 // or fails with an error that names the directive. Provision never dials.
 // Configs naming files (TLS) are not provisioned: a fuzzed path could be a
 // device that never ends.
-func checkRoundTrip(t *testing.T, dir string, parsed any, conn *RedisConfig, fresh provisionable) {
+func checkRoundTrip(t *testing.T, dir string, parsed any, conn *shared.RedisConfig, fresh provisionable) {
 	t.Helper()
 	b1, err := json.Marshal(parsed)
 	if err != nil {

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -55,7 +56,7 @@ func provisionJSON(t testing.TB, cfg string, h provisionable) {
 // module provisioned without a config (as in these tests) by quietLogger.
 func quietLock(h *RedisLock) {
 	h.logger = quietLogger()
-	h.locker.SetLogger(slogFor(h.logger))
+	h.locker.SetLogger(shared.SlogFor(h.logger))
 }
 
 func quietRateLimit(h *RedisRateLimit) { h.logger = quietLogger() }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -59,7 +60,7 @@ func TestIPPrefix(t *testing.T) {
 		})
 	}
 	t.Run("grouping", func(t *testing.T) {
-		p := ipPrefix{v4: 24, v6: 64}
+		p := shared.IPPrefix{V4: 24, V6: 64}
 		for in, want := range map[string]string{
 			"192.0.2.77":               "192.0.2.0/24",
 			"::ffff:192.0.2.77":        "192.0.2.0/24",
@@ -68,11 +69,11 @@ func TestIPPrefix(t *testing.T) {
 			"not-an-ip":                "not-an-ip",
 			"unix:/run/caddy.sock@abc": "unix:/run/caddy.sock@abc",
 		} {
-			if got := p.group(in); got != want {
+			if got := p.Group(in); got != want {
 				t.Errorf("group(%q) = %q, want %q", in, got, want)
 			}
 		}
-		if got := (ipPrefix{}).group("192.0.2.77"); got != "192.0.2.77" {
+		if got := (shared.IPPrefix{}).Group("192.0.2.77"); got != "192.0.2.77" {
 			t.Errorf("no prefix: %q", got)
 		}
 	})

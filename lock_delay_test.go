@@ -3,7 +3,6 @@ package redisdlm
 import (
 	"context"
 	"fmt"
-	dto "github.com/prometheus/client_model/go"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -11,7 +10,10 @@ import (
 	"testing"
 	"time"
 
+	dto "github.com/prometheus/client_model/go"
+
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -125,7 +127,7 @@ func TestLockDelayAfterForceRelease(t *testing.T) {
 		h := provisionLock(t, delayedCfg(addrs, "20s", "10s"))
 		up := newEntryTimes()
 		srv := handlerServer(t, h, up.ServeHTTP)
-		key := storedKey(h.Prefix, "/forced")
+		key := shared.StoredKey(h.Prefix, "/forced")
 		ls, err := stuck.locker.Acquire(context.Background(), []string{key})
 		if err != nil {
 			t.Fatal(err)
@@ -174,7 +176,7 @@ func TestLockDelayAfterClientGone(t *testing.T) {
 		h := provisionLock(t, delayedCfg(addrs, "30s", "10s"))
 		up := newEntryTimes()
 		srv := handlerServer(t, h, up.ServeHTTP)
-		key := storedKey(h.Prefix, "/gone")
+		key := shared.StoredKey(h.Prefix, "/gone")
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		first := sendAsync(ctx, srv.URL+"/gone?n=A&block=1")
@@ -203,7 +205,7 @@ func TestLockDelayAfterClientGone(t *testing.T) {
 // delayCount reads caddy_redis_lock_delays_total of a handler and result.
 func delayCount(handler, result string) float64 {
 	var m dto.Metric
-	_ = lockDelays.WithLabelValues(handler, result).Write(&m)
+	_ = shared.LockDelays.WithLabelValues(handler, result).Write(&m)
 	return m.GetCounter().GetValue()
 }
 

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -51,7 +52,7 @@ func FuzzStoredKey(f *testing.F) {
 		f.Add(s, "other")
 	}
 	f.Fuzz(func(t *testing.T, a, b string) {
-		ka, kb := storedKey("p:", a), storedKey("p:", b)
+		ka, kb := shared.StoredKey("p:", a), shared.StoredKey("p:", b)
 		if a != b && ka == kb {
 			t.Fatalf("keys %q and %q share the Redis key %q", a, b, ka)
 		}
@@ -60,7 +61,7 @@ func FuzzStoredKey(f *testing.F) {
 		if open < 0 || close < 0 || open+1+close != len(ka)-1 {
 			t.Fatalf("Redis key %q: the hash tag must span the whole key", ka)
 		}
-		if len(ka) > len("p:{}")+maxKeyLen {
+		if len(ka) > len("p:{}")+shared.MaxKeyLen {
 			t.Fatalf("Redis key %q longer than the bound", ka)
 		}
 	})
@@ -85,15 +86,15 @@ func FuzzKeyRender(f *testing.F) {
 		f.Add(s[0], s[1], s[2])
 	}
 	f.Fuzz(func(t *testing.T, tmpl, hdr, path string) {
-		kt, err := parseKeyTemplate(tmpl)
+		kt, err := shared.ParseKeyTemplate(tmpl)
 		if err != nil {
 			return
 		}
 		r := &http.Request{Method: "GET", URL: &url.URL{Path: path}, Header: http.Header{"X-U": {hdr}}, Host: "h"}
 		repl := caddyhttp.NewTestReplacer(r)
-		k, err := kt.render(repl)
+		k, err := kt.Render(repl)
 		if err != nil {
-			if !errors.Is(err, errKeyEmpty) && !errors.Is(err, errKeyUnknown) {
+			if !errors.Is(err, shared.ErrKeyEmpty) && !errors.Is(err, shared.ErrKeyUnknown) {
 				t.Fatalf("render %q: unexpected error %v", tmpl, err)
 			}
 			return
@@ -101,12 +102,12 @@ func FuzzKeyRender(f *testing.F) {
 		if k == "" {
 			t.Fatalf("template %q rendered an empty key without an error", tmpl)
 		}
-		for _, rk := range []string{storedKey("caddy:lock:", k), "caddy:rl:{" + limitIDFor(k, "") + "}"} {
+		for _, rk := range []string{shared.StoredKey("caddy:lock:", k), "caddy:rl:{" + limitIDFor(k, "") + "}"} {
 			open, closing := strings.IndexByte(rk, '{'), strings.IndexByte(rk, '}')
 			if open < 0 || closing != len(rk)-1 || strings.Count(rk, "{") != 1 {
 				t.Fatalf("key %q: Redis key %q breaks the hash tag", k, rk)
 			}
-			if len(rk) > len("caddy:lock:{}")+maxKeyLen {
+			if len(rk) > len("caddy:lock:{}")+shared.MaxKeyLen {
 				t.Fatalf("key %q: Redis key of %d bytes, over the bound", k, len(rk))
 			}
 		}

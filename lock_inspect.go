@@ -17,6 +17,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
@@ -115,7 +116,7 @@ func lockTimeout(h *RedisLock) time.Duration {
 	if h.Timeout > 0 {
 		return time.Duration(h.Timeout)
 	}
-	return DefaultTimeout
+	return shared.DefaultTimeout
 }
 
 // handlerRef names a handler in answers and logs.
@@ -131,7 +132,7 @@ func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty lock key")
 	}
-	rk := storedKey(h.Prefix, key)
+	rk := shared.StoredKey(h.Prefix, key)
 	v := lockView{Handler: handlerRef(h.Name), Key: key, RedisKey: rk}
 	v.WaitersHere, v.HeldHere = lockLocal(h, rk)
 	clients := lockClients(h)
@@ -238,7 +239,7 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty lock key")
 	}
-	rk := storedKey(h.Prefix, key)
+	rk := shared.StoredKey(h.Prefix, key)
 	clients := lockClients(h)
 	removed := make([]int64, len(clients))
 	errs := make([]string, len(clients))
@@ -278,12 +279,12 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 		return adminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
 	}
 	if h.LockDelay > 0 {
-		h.m.delayForced.Inc()
+		h.m.DelayForced.Inc()
 	}
 	h.logger.Warn("lock force-released through the admin API",
 		zap.String("key", key), zap.Int64("holders_removed", total), zap.Int("servers_failed", failed))
-	h.events.emit(EventLockForced, func() map[string]any { // through the target handler's own context
-		return map[string]any{"handler": h.label, "key": eventKey(key), "reason": "force-released through the admin API", "holders_removed": total}
+	h.events.Emit(shared.EventLockForced, func() map[string]any { // through the target handler's own context
+		return map[string]any{"handler": h.label, "key": shared.EventKey(key), "reason": "force-released through the admin API", "holders_removed": total}
 	})
 	return writeJSON(w, out)
 }
@@ -296,7 +297,7 @@ func clearReplay(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	if key == "" {
 		return adminError(http.StatusBadRequest, "empty lock key")
 	}
-	rk := storedKey(h.Prefix, key)
+	rk := shared.StoredKey(h.Prefix, key)
 	clients := lockClients(h)
 	deleted := make([]int64, len(clients))
 	errs := make([]string, len(clients))

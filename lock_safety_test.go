@@ -12,6 +12,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -28,9 +29,9 @@ func heldBy(r *testRedis, key string) int64 {
 
 // releaseFailures reads caddy_redis_lock_release_failures_total of one handler.
 func releaseFailures(handler string) float64 {
-	initMetrics()
+	shared.InitMetrics()
 	var m dto.Metric
-	_ = lockReleaseFailures.WithLabelValues(handler).Write(&m)
+	_ = shared.LockReleaseFailures.WithLabelValues(handler).Write(&m)
 	return m.GetCounter().GetValue()
 }
 
@@ -73,7 +74,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 			for _, r := range rs {
 				r.Resume()
 			}
-			for _, k := range []string{storedKey(h.Prefix, "a"), storedKey(h.Prefix, "b")} {
+			for _, k := range []string{shared.StoredKey(h.Prefix, "a"), shared.StoredKey(h.Prefix, "b")} {
 				if !freeWithin(3*time.Second, k, rs...) {
 					t.Fatalf("%d servers: %s still held 3s after Redis answered again", n, k)
 				}
@@ -103,7 +104,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		if !counted {
 			t.Fatal("the failed release was not counted in caddy_redis_lock_release_failures_total")
 		}
-		if !freeWithin(3*time.Second, storedKey(h.Prefix, "/rel"), r) {
+		if !freeWithin(3*time.Second, shared.StoredKey(h.Prefix, "/rel"), r) {
 			t.Fatal("a release Redis did not answer was not retried: the key is still held 3s after Redis answered again")
 		}
 	})
@@ -116,7 +117,7 @@ func TestReloadKeepsClientForRelease(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h, cleanup := provisionLockScoped(t, lockCfg(r.Addr, `"timeout":"444ms"`))
-	key := storedKey(h.Prefix, "/reload")
+	key := shared.StoredKey(h.Prefix, "/reload")
 	ls, err := h.locker.Acquire(context.Background(), []string{key})
 	if err != nil {
 		t.Fatal(err)
@@ -162,13 +163,13 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 	b := provisionLock(t, lockCfg(r.Addr, `"wait":"10s","timeout":"600ms"`))
 	sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
 	holder := goFetch(context.Background(), sa.URL+"/secret-alice?hold=1")
-	if !waitFor(10*time.Second, func() bool { return heldBy(r, storedKey(a.Prefix, "/secret-alice")) > 0 }) {
+	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(a.Prefix, "/secret-alice")) > 0 }) {
 		t.Fatal("the holder never took the lock")
 	}
 	waiter := goFetch(context.Background(), sb.URL+"/secret-alice")
 	// Release once the waiter's instance is on the key's wait list (a
 	// fixed sleep lost that race on a loaded machine).
-	wq := lock.WaitqKey(storedKey(a.Prefix, "/secret-alice"))
+	wq := lock.WaitqKey(shared.StoredKey(a.Prefix, "/secret-alice"))
 	if !waitFor(10*time.Second, func() bool { return r.Client().ZCard(context.Background(), wq).Val() > 0 }) {
 		t.Fatal("the waiter's instance never joined the wait list")
 	}
@@ -285,13 +286,13 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 		rl.Rates, rl.Count = []Rate{{Requests: 1, Window: caddy.Duration(time.Minute)}}, []string{"401"}
 		rl.Timeout = caddy.Duration(456 * time.Millisecond) // the lock's client
 	})
-	if rl.client.client != h.locker.Clients()[0] {
+	if rl.client.Redis != h.locker.Clients()[0] {
 		t.Fatal("the lock and the limiter with the same settings do not share a client")
 	}
-	cleanup()                     // the old config goes away ...
-	rlCleanup()                   // ... with both handlers
-	time.Sleep(destructGrace / 2) // while its requests are on their way
-	ls, err := h.locker.Acquire(context.Background(), []string{storedKey(h.Prefix, "/late")})
+	cleanup()                            // the old config goes away ...
+	rlCleanup()                          // ... with both handlers
+	time.Sleep(shared.DestructGrace / 2) // while its requests are on their way
+	ls, err := h.locker.Acquire(context.Background(), []string{shared.StoredKey(h.Prefix, "/late")})
 	if err != nil {
 		t.Fatalf("a lock request of the old config after Cleanup: %v", err)
 	}
@@ -306,14 +307,14 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 	if a := serveRLWith(context.Background(), rl, "192.0.2.90", nil, ok(401)); !a.passed {
 		t.Fatalf("after a settle sent after Cleanup: %d %v, want the unit given back", a.status, a.err)
 	}
-	client := rl.client.client
-	if !waitFor(destructGrace+5*time.Second, func() bool { return client.Ping(context.Background()).Err() != nil }) {
+	client := rl.client.Redis
+	if !waitFor(shared.DestructGrace+5*time.Second, func() bool { return client.Ping(context.Background()).Err() != nil }) {
 		t.Fatal("the old client was not closed after the grace")
 	}
-	if _, err := rl.client.rateLimit(context.Background(), &ratelimit.Call{Script: ratelimit.SlidingScript}, (*breakerLog)(rl)); !errors.Is(err, ratelimit.ErrBatcherDone) {
+	if _, err := rl.client.RateLimit(context.Background(), &ratelimit.Call{Script: ratelimit.SlidingScript}, (*breakerLog)(rl)); !errors.Is(err, ratelimit.ErrBatcherDone) {
 		t.Fatalf("a call on a closed client: %v, want ratelimit.ErrBatcherDone", err)
 	}
-	if b := rl.client.batcher(); b == nil {
+	if b := rl.client.Batcher(); b == nil {
 		t.Fatal("no batcher: the limiter's calls did not run")
 	} else {
 		select {
@@ -340,8 +341,8 @@ func TestSettleAfterTheGrace(t *testing.T) {
 	old, reload := mk(567 * time.Millisecond)
 	reload() // the request below is on its way
 	slow := func(w http.ResponseWriter, r *http.Request) error {
-		time.Sleep(destructGrace + 300*time.Millisecond) // answers after the grace
-		w.WriteHeader(http.StatusOK)                     // not counted: the unit goes back
+		time.Sleep(shared.DestructGrace + 300*time.Millisecond) // answers after the grace
+		w.WriteHeader(http.StatusOK)                            // not counted: the unit goes back
 		return nil
 	}
 	if a := serveRLWith(context.Background(), old, "192.0.2.91", nil, slow); !a.passed {

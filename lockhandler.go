@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -248,20 +249,20 @@ type RedisLock struct {
 	Name string `json:"name,omitempty"`
 
 	// Redis connection settings.
-	RedisConfig
+	shared.RedisConfig
 
 	logger   *zap.Logger
 	label    string // the name, else a short hash of the JSON config
-	m        lockSeries
-	obs      *labelClaim
-	events   emitter
-	keyTmpls []*keyTemplate
+	m        shared.LockSeries
+	obs      *shared.LabelClaim
+	events   shared.Emitter
+	keyTmpls []*shared.KeyTemplate
 	locker   *locker
 	holds    *holdTimes
 	timeout  time.Duration // bound of one Redis call (the release's, in Retry-After)
 	poolKeys []string
 	hook     *serverHook // its server's connection hooks (see afterresponse.go)
-	warn     *warnings
+	warn     *shared.Warnings
 }
 
 // CaddyModule returns the Caddy module information.
@@ -275,12 +276,12 @@ func (RedisLock) CaddyModule() caddy.ModuleInfo {
 // Provision sets defaults, then takes the shared Redis clients. It never
 // dials Redis: connections are made by the first request.
 func (h *RedisLock) Provision(ctx caddy.Context) error {
-	h.label = handlerLabel("lock", h.Name, h)
+	h.label = shared.HandlerLabel("lock", h.Name, h)
 	h.logger = ctx.Logger().With(zap.String("handler", h.label))
-	h.events = newEmitter(ctx)
-	h.warn = newWarnings(time.Second)
+	h.events = shared.NewEmitter(ctx)
+	h.warn = shared.NewWarnings(time.Second)
 	h.holds = new(holdTimes)
-	if err := registerMetrics(ctx); err != nil {
+	if err := shared.RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
 	if len(h.Keys) == 0 {
@@ -328,30 +329,30 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		return err
 	}
 	for _, k := range h.Keys {
-		t, err := parseKeyTemplate(k)
+		t, err := shared.ParseKeyTemplate(k)
 		if err != nil {
 			return fmt.Errorf("redis_lock: key: %w", err)
 		}
 		h.keyTmpls = append(h.keyTmpls, t)
 	}
 
-	settings, err := h.RedisConfig.resolve()
+	settings, err := h.RedisConfig.Resolve()
 	if err != nil {
 		return fmt.Errorf("redis_lock: %w", err)
 	}
 	servers := make([]*server, 0, len(settings))
-	clients := make([]*pooledClient, 0, len(settings))
+	clients := make([]*shared.Client, 0, len(settings))
 	for _, s := range settings {
-		pc, key, err := acquireClient(s)
+		pc, key, err := shared.AcquireClient(s)
 		if err != nil {
 			return fmt.Errorf("redis_lock: loading redis client for %s: %w", s.Display(), err)
 		}
 		h.poolKeys = append(h.poolKeys, key)
-		servers = append(servers, pc.lock)
+		servers = append(servers, pc.Lock)
 		clients = append(clients, pc)
 	}
-	h.m = newLockSeries(h.label)
-	h.obs = observeHandler("lock", h.label, h.logger, clients...)
+	h.m = shared.NewLockSeries(h.label)
+	h.obs = shared.ObserveHandler("lock", h.label, h.logger, clients...)
 	timeout := settings[0].Timeout
 	h.timeout = timeout
 	h.locker = lock.New(servers, lockOptions{
@@ -366,7 +367,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		Replay:       time.Duration(h.Replay),
 		LockDelay:    time.Duration(h.LockDelay),
 		Handler:      h.label,
-	}, slogFor(h.logger))
+	}, shared.SlogFor(h.logger))
 	if err := adminRegister(ctx, h); err != nil {
 		return err
 	}
@@ -376,16 +377,16 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 
 // Validate checks the configuration; it is pure.
 func (h *RedisLock) Validate() error {
-	if err := h.RedisConfig.validate(true); err != nil {
+	if err := h.RedisConfig.Validate(true); err != nil {
 		return fmt.Errorf("redis_lock: %w", err)
 	}
 	for _, k := range h.Keys {
-		if err := checkKeyTemplate(k); err != nil {
+		if err := shared.CheckKeyTemplate(k); err != nil {
 			return fmt.Errorf("redis_lock: key: %w", err)
 		}
 	}
 	for _, f := range h.Fingerprint {
-		if err := checkTemplate(f); err != nil {
+		if err := shared.CheckTemplate(f); err != nil {
 			return fmt.Errorf("redis_lock: fingerprint: %w", err)
 		}
 	}
@@ -492,12 +493,12 @@ func (h *RedisLock) checkFencingHeader() error {
 		return refuse("", 0, "identifies the client under replay (credential_cookies, or the whole header for a private answer); the token would replace it")
 	}
 	for i, k := range h.Keys {
-		if hasHeader(templateHeaders(k), name) {
+		if hasHeader(shared.TemplateHeaders(k), name) {
 			return refuse("key", i, fmt.Sprintf("is read by the key %q; the token would replace the client's value in it", k))
 		}
 	}
 	for _, f := range h.Fingerprint {
-		if hasHeader(templateHeaders(f), name) {
+		if hasHeader(shared.TemplateHeaders(f), name) {
 			return refuse("fingerprint", 0, fmt.Sprintf("is read by the fingerprint %q; the token would replace the client's value in it", f))
 		}
 	}
@@ -531,9 +532,9 @@ func (h *RedisLock) Cleanup() error {
 	if h.locker != nil {
 		h.locker.Close()
 	}
-	h.obs.release()
+	h.obs.Release()
 	for _, k := range h.poolKeys {
-		releaseClient(k)
+		shared.ReleaseClient(k)
 	}
 	h.poolKeys = nil
 	afterResponse.unhook(h.hook)
@@ -562,14 +563,14 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 
 	start := time.Now()
 	run := h.Replay > 0 && !id.safe // never twice: the run is recorded
-	h.m.waiters.Inc()
+	h.m.Waiters.Inc()
 	var lease *lease
 	if run {
 		lease, err = h.locker.AcquireRun(r.Context(), keys, lock.Run{Fingerprint: id.fp})
 	} else {
 		lease, err = h.locker.Acquire(r.Context(), keys)
 	}
-	h.m.waiters.Dec()
+	h.m.Waiters.Dec()
 	waited := time.Since(start)
 	repl.Set("http.redis_lock.key", display)
 	repl.Set("http.redis_lock.wait_ms", waited.Milliseconds())
@@ -591,7 +592,7 @@ func (h *RedisLock) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddy
 		}
 		return h.acquireFailed(w, r, next, display, waited, err)
 	}
-	h.m.acquired.Observe(waited.Seconds())
+	h.m.Acquired.Observe(waited.Seconds())
 	return h.serveLocked(w, r, next, held{repl: repl, lease: lease, display: display, waited: waited, id: id, run: run})
 }
 
@@ -610,17 +611,17 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 	var busy *busyError
 	switch {
 	case errors.As(err, &busy):
-		h.m.timeout.Observe(waited.Seconds())
-		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(jittered(h.estimateFree(busy), h.Jitter)), 10))
+		h.m.Timeout.Observe(waited.Seconds())
+		w.Header().Set("Retry-After", strconv.FormatInt(shared.RetryAfterSeconds(shared.Jittered(h.estimateFree(busy), h.Jitter)), 10))
 		if c := h.logger.Check(zapcore.DebugLevel, "lock busy"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("waited", waited), zap.Error(err))
 		}
 		return caddyhttp.Error(h.Status, err)
 	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || r.Context().Err() != nil:
-		h.m.canceled.Observe(waited.Seconds())
+		h.m.Canceled.Observe(waited.Seconds())
 		return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while waiting for the lock: %w", err))
 	default:
-		h.m.errored.Observe(waited.Seconds())
+		h.m.Errored.Observe(waited.Seconds())
 		if h.FailOpen {
 			h.warnRedis("redis unreachable; serving without a lock (fail_open)", err)
 			h.setFencingHeader(r, "")
@@ -724,7 +725,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		cancel(nil)
 		if withheld := h.release(hd, r, rec, end, wait); withheld != nil && err == nil {
 			rw.restoreHeader()
-			w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(h.inDoubtRetry(time.Duration(h.Replay))), 10))
+			w.Header().Set("Retry-After", strconv.FormatInt(shared.RetryAfterSeconds(h.inDoubtRetry(time.Duration(h.Replay))), 10))
 			err = withheld
 		}
 		if err == nil && rw.lost.Load() && h.OnLost == "cancel" && !rw.hasStarted() {
@@ -735,6 +736,18 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	func() {
 		// Also when next panics (reverse_proxy aborts a copy cut short).
 		defer func() { cutOff = rec != nil && errors.Is(context.Cause(base), errDetachedRunOver) }()
+		// A copy aborted while the answer is withheld sent the client
+		// nothing: it gets 503 (see releaseWithheld), not a dropped
+		// connection.
+		defer func() {
+			if rec != nil && rec.withheld {
+				if p := recover(); p != nil && p != http.ErrAbortHandler {
+					panic(p)
+				} else if p != nil {
+					err = fmt.Errorf("the route aborted its answer: %w", context.Canceled)
+				}
+			}
+		}()
 		err = next.ServeHTTP(rw, r.WithContext(reqCtx))
 	}()
 	completed = true
@@ -762,14 +775,14 @@ func (h *RedisLock) announceLock(r *http.Request, hd held) {
 func (h *RedisLock) onLost(fence int64, display string, rw *startedWriter, cancel context.CancelCauseFunc) func(error) {
 	return func(cause error) {
 		rw.lost.Store(true)
-		h.m.lost.Inc()
+		h.m.Lost.Inc()
 		if h.LockDelay > 0 {
-			h.m.delayLost.Inc()
+			h.m.DelayLost.Inc()
 		}
 		h.logger.Error("lock lease lost while the request ran",
 			zap.String("on_lost", h.OnLost), zap.Int64("fencing_token", fence), zap.Error(cause))
-		h.events.emit(EventLockLost, func() map[string]any {
-			return map[string]any{"handler": h.label, "key": eventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
+		h.events.Emit(shared.EventLockLost, func() map[string]any {
+			return map[string]any{"handler": h.label, "key": shared.EventKey(display), "reason": cause.Error(), "on_lost": h.OnLost}
 		})
 		if h.OnLost == "cancel" {
 			rw.refuse()
@@ -807,7 +820,7 @@ func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEn
 		if c := h.logger.Check(zapcore.DebugLevel, "lock abandoned: the client went away while the route ran; lock_delay applies"); c != nil {
 			c.Write(zap.String("key", hd.display), zap.Duration("lock_delay", time.Duration(h.LockDelay)))
 		}
-		h.m.delayAbandoned.Inc()
+		h.m.DelayAbandoned.Inc()
 		hd.lease.Abandon()
 	case wait != nil:
 		// A waiter of this instance gets the lease now; a release in
@@ -819,7 +832,7 @@ func (h *RedisLock) release(hd held, r *http.Request, rec *recorder, end routeEn
 		hd.lease.ReleaseInBackground("")
 	}
 	held := time.Since(hd.lease.Granted())
-	h.m.held.Observe(held.Seconds())
+	h.m.Held.Observe(held.Seconds())
 	h.holds.add(held)
 	if c := h.logger.Check(zapcore.DebugLevel, "lock released"); c != nil {
 		c.Write(zap.String("key", hd.display), zap.Int64("fencing_token", hd.lease.Fence()))
@@ -1031,21 +1044,21 @@ func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end r
 		return h.releaseWithheld(hd, rec, ans, why)
 	}
 	if ans == "" {
-		h.m.notStored.Inc()
+		h.m.NotStored.Inc()
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: response not stored"); c != nil {
 			c.Write(zap.String("key", hd.display), zap.String("reason", why))
 		}
 		if end.cutOff && h.LockDelay > 0 {
 			// Cut short with its client gone: its upstream may still
 			// be writing, so lock_delay applies (SPEC §3 item 13).
-			h.m.delayAbandoned.Inc()
+			h.m.DelayAbandoned.Inc()
 			hd.lease.Abandon()
 			return nil
 		}
 		hd.lease.ReleaseInBackground("")
 		return nil
 	}
-	h.m.stored.Inc()
+	h.m.Stored.Inc()
 	hd.lease.ReleaseInBackground(ans)
 	return nil
 }

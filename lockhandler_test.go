@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -336,7 +337,7 @@ func awaitWaiters(t testing.TB, h *RedisLock, rendered string, n int) {
 
 // lockWaitersFor counts this instance's local waiters for one rendered key.
 func lockWaitersFor(h *RedisLock, rendered string) int {
-	w, _ := h.locker.Local(storedKey(h.Prefix, rendered))
+	w, _ := h.locker.Local(shared.StoredKey(h.Prefix, rendered))
 	return w
 }
 
@@ -489,7 +490,7 @@ func TestLockReleasedOnErrorAndPanic(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":0}`, r.Addr))
-	keys := []string{storedKey(h.Prefix, "/p")}
+	keys := []string{shared.StoredKey(h.Prefix, "/p")}
 	rec := func(next caddyhttp.HandlerFunc) (err error, p any) {
 		defer func() { p = recover() }()
 		req, _ := http.NewRequest("GET", "http://x/p", nil)
@@ -555,7 +556,7 @@ func TestLockOnLost(t *testing.T) {
 			go func() { resp, _ := get(t, srv.URL+"/l"); done <- resp }()
 			recvWithin(t, entered, 30*time.Second, "the upstream entered")
 			// Steal the lease: delete the lock key behind the holder's back.
-			if err := r.Client().Del(context.Background(), storedKey(h.Prefix, "/l")).Err(); err != nil {
+			if err := r.Client().Del(context.Background(), shared.StoredKey(h.Prefix, "/l")).Err(); err != nil {
 				t.Fatal(err)
 			}
 			resp := recvWithin(t, done, 30*time.Second, "the answer")
@@ -711,7 +712,7 @@ func TestLockLocalHandOff(t *testing.T) {
 // lostCount reads caddy_redis_lock_lost_total of one handler.
 func lostCount(handler string) float64 {
 	var m dto.Metric
-	_ = lockLostTotal.WithLabelValues(handler).Write(&m)
+	_ = shared.LockLostTotal.WithLabelValues(handler).Write(&m)
 	return m.GetCounter().GetValue()
 }
 
@@ -885,7 +886,7 @@ func TestOnLostCancelNoAnswerWithoutTheLock(t *testing.T) {
 			done := make(chan answer, 1)
 			go func() { resp, b := get(t, srv.URL+"/l"); done <- answer{resp, b} }()
 			recvWithin(t, entered, 30*time.Second, "the upstream entered")
-			if err := r.Client().Del(context.Background(), storedKey(h.Prefix, "/l")).Err(); err != nil {
+			if err := r.Client().Del(context.Background(), shared.StoredKey(h.Prefix, "/l")).Err(); err != nil {
 				t.Fatal(err)
 			}
 			select {
@@ -932,7 +933,7 @@ func TestLockHandOffKeepsTokensFresh(t *testing.T) {
 		handOff bool
 	}{{"short hold", 50 * time.Millisecond, true}, {"hold past the ttl", 1500 * time.Millisecond, false}} {
 		path := "/fresh-" + strings.ReplaceAll(tc.name, " ", "-")
-		key := storedKey(h.Prefix, path)
+		key := shared.StoredKey(h.Prefix, path)
 		done := make(chan struct{}, 3)
 		go func() { get(t, srv.URL+path+"?hold=1"); done <- struct{}{} }()
 		<-tokens

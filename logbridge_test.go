@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -17,7 +18,7 @@ import (
 func TestSlogForWritesZapLines(t *testing.T) {
 	t.Parallel()
 	core, logs := observer.New(zapcore.InfoLevel)
-	lg := slogFor(zap.New(core).Named("redisdlm"))
+	lg := shared.SlogFor(zap.New(core).Named("redisdlm"))
 	if lg.Enabled(t.Context(), slog.LevelDebug) {
 		t.Error("debug is enabled on an info logger")
 	}

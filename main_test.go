@@ -5,6 +5,8 @@ import (
 	"os"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 )
 
 // TestMain runs more tests at once than -parallel's default (GOMAXPROCS):
@@ -28,7 +30,7 @@ func TestMain(m *testing.M) {
 	}
 	// A client whose handlers went away closes this long after (10 s in
 	// Caddy): shorter here, so tests that watch it close need not wait.
-	destructGrace = 500 * time.Millisecond
+	shared.DestructGrace = 500 * time.Millisecond
 	// Two sites with clients of their own are two instances for fail_local
 	// (its heartbeats name the process, else).
 	instancePerClient = true

@@ -3,6 +3,7 @@ package redisdlm
 import (
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/redis/go-redis/v9"
@@ -212,8 +214,8 @@ func TestWholeCaddyReloadSharesClient(t *testing.T) {
 // default settings.
 func poolRefs(t *testing.T, addr string) int {
 	t.Helper()
-	s := serverSettings{Mode: "single", Addrs: []string{addr}, Timeout: DefaultTimeout}
-	refs, ok := clientPool.References(s.PoolKey())
+	s := redisconn.Settings{Mode: "single", Addrs: []string{addr}, Timeout: shared.DefaultTimeout}
+	refs, ok := shared.ClientPool.References(s.PoolKey())
 	if !ok {
 		return 0
 	}
@@ -225,8 +227,8 @@ func poolRefs(t *testing.T, addr string) int {
 // address, credentials, database and client name win over the directive's,
 // while its other query settings do not replace the plugin's.
 func TestClientOptions(t *testing.T) {
-	check := newServerCheck(new(clientUsers), "")
-	build := func(s serverSettings) redis.UniversalClient {
+	check := redisconn.NewCheck(redisconn.CheckOptions{Logger: func() *slog.Logger { return slog.New(slog.DiscardHandler) }})
+	build := func(s redisconn.Settings) redis.UniversalClient {
 		t.Helper()
 		c, err := s.NewClient(check)
 		if err != nil {
@@ -242,9 +244,9 @@ func TestClientOptions(t *testing.T) {
 			t.Errorf("%s: pool %d, retries %d, dial %v, read %v, fifo %v, protocol %d; want the plugin's settings", what, pool, maxRetries, dial, read, fifo, proto)
 		}
 	}
-	simple := func(s serverSettings) *redis.Options { return build(s).(*redis.Client).Options() }
+	simple := func(s redisconn.Settings) *redis.Options { return build(s).(*redis.Client).Options() }
 
-	o := simple(serverSettings{Mode: "single", Addrs: []string{"redis://u:pw@127.0.0.1:6390/3?client_name=x&pool_size=999&dial_timeout=9s&max_retries=7"},
+	o := simple(redisconn.Settings{Mode: "single", Addrs: []string{"redis://u:pw@127.0.0.1:6390/3?client_name=x&pool_size=999&dial_timeout=9s&max_retries=7"},
 		Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
 	plugin(t, "URL", o.PoolSize, o.MaxRetries, o.DialTimeout, o.ReadTimeout, o.PoolFIFO, o.Protocol)
 	if o.Addr != "127.0.0.1:6390" || o.Username != "u" || o.Password != "pw" || o.DB != 3 || o.ClientName != "x" {
@@ -254,27 +256,27 @@ func TestClientOptions(t *testing.T) {
 		t.Errorf("URL: pool %d, dial retries %d, idle %d, lifetime %v; want %d, 1, %d, %v", o.PoolSize, o.DialerRetries, o.MaxIdleConns, o.ConnMaxLifetime, redisconn.PoolSize, redisconn.PoolSize, redisconn.ConnMaxLifetime)
 	}
 
-	o = simple(serverSettings{Mode: "single", Addrs: []string{"redis://127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
+	o = simple(redisconn.Settings{Mode: "single", Addrs: []string{"redis://127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
 	if o.Username != "dir" || o.Password != "dirpw" || o.DB != 5 || o.TLSConfig != nil {
 		t.Errorf("URL without credentials: user %q password %q db %d tls %v; want the directive's, no TLS", o.Username, o.Password, o.DB, o.TLSConfig != nil)
 	}
-	o = simple(serverSettings{Mode: "single", Addrs: []string{"rediss://127.0.0.1:6390"}, Timeout: timeout})
+	o = simple(redisconn.Settings{Mode: "single", Addrs: []string{"rediss://127.0.0.1:6390"}, Timeout: timeout})
 	if o.TLSConfig == nil || o.TLSConfig.ServerName != "127.0.0.1" {
 		t.Errorf("rediss:// URL: TLS %+v; want TLS with the URL's server name", o.TLSConfig)
 	}
-	o = simple(serverSettings{Mode: "single", Addrs: []string{"127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
+	o = simple(redisconn.Settings{Mode: "single", Addrs: []string{"127.0.0.1:6390"}, Username: "dir", Password: "dirpw", DB: 5, Timeout: timeout})
 	plugin(t, "address", o.PoolSize, o.MaxRetries, o.DialTimeout, o.ReadTimeout, o.PoolFIFO, o.Protocol)
 	if o.Addr != "127.0.0.1:6390" || o.Username != "dir" || o.Password != "dirpw" || o.DB != 5 {
 		t.Errorf("address: %q %q %q %d; want the directive's", o.Addr, o.Username, o.Password, o.DB)
 	}
 
-	co := build(serverSettings{Mode: "cluster", Addrs: []string{"127.0.0.1:7001", "127.0.0.1:7002"}, Password: "pw", Timeout: timeout}).(*redis.ClusterClient).Options()
+	co := build(redisconn.Settings{Mode: "cluster", Addrs: []string{"127.0.0.1:7001", "127.0.0.1:7002"}, Password: "pw", Timeout: timeout}).(*redis.ClusterClient).Options()
 	plugin(t, "cluster", co.PoolSize, co.MaxRetries, co.DialTimeout, co.ReadTimeout, co.PoolFIFO, co.Protocol)
 	if len(co.Addrs) != 2 || co.Password != "pw" || co.PoolSize != redisconn.PoolSize || co.DialerRetries != 1 {
 		t.Errorf("cluster: addrs %v password %q pool %d dial retries %d", co.Addrs, co.Password, co.PoolSize, co.DialerRetries)
 	}
 
-	fo := simple(serverSettings{Mode: "sentinel", Addrs: []string{"127.0.0.1:26390"}, Master: "m", Password: "pw", DB: 2, Timeout: timeout})
+	fo := simple(redisconn.Settings{Mode: "sentinel", Addrs: []string{"127.0.0.1:26390"}, Master: "m", Password: "pw", DB: 2, Timeout: timeout})
 	plugin(t, "sentinel", fo.PoolSize, fo.MaxRetries, fo.DialTimeout, fo.ReadTimeout, fo.PoolFIFO, fo.Protocol)
 	if fo.Password != "pw" || fo.DB != 2 || fo.PoolSize != redisconn.PoolSize {
 		t.Errorf("sentinel: password %q db %d pool %d", fo.Password, fo.DB, fo.PoolSize)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -46,7 +47,7 @@ func TestNeverTwiceHolderPastItsLease(t *testing.T) {
 	if !waitFor(5*time.Second, func() bool { return up.calls.Load() == 1 }) {
 		t.Fatal("the first request never reached the upstream")
 	}
-	key := storedKey(h.Prefix, "u:k")
+	key := shared.StoredKey(h.Prefix, "u:k")
 	if !waitFor(5*time.Second, func() bool { return r.Client().ZCard(context.Background(), key).Val() == 0 }) {
 		t.Fatal("the holder's lease never ran out")
 	}
@@ -124,7 +125,7 @@ func TestNeverTwiceOnlyOwnRecordStores(t *testing.T) {
 		st, _, _, _ := post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
 		first <- st
 	}()
-	key := storedKey(h.Prefix, "u:k")
+	key := shared.StoredKey(h.Prefix, "u:k")
 	c := r.Client()
 	if !waitFor(5*time.Second, func() bool { return calls.Load() == 1 && c.ZCard(context.Background(), key).Val() == 0 }) {
 		t.Fatal("the holder never ran past its lease")
@@ -183,7 +184,7 @@ func TestAdminInDoubt(t *testing.T) {
 	if rv, _ := sv["replay"].(map[string]any); rv == nil || rv["format"] != "run1" || rv["status"] != nil {
 		t.Errorf("the run record's replay view: %s; want format run1 and no status", body)
 	}
-	if tok := r.Client().Get(context.Background(), lock.ReplayKey(storedKey(h.Prefix, "u:k"))).Val(); strings.Contains(body, strings.Split(tok, "\n")[1]) {
+	if tok := r.Client().Get(context.Background(), lock.ReplayKey(shared.StoredKey(h.Prefix, "u:k"))).Val(); strings.Contains(body, strings.Split(tok, "\n")[1]) {
 		t.Fatalf("the lock view shows the holder's token: %s", body)
 	}
 	if st, _, _, _ := post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusConflict {

@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -258,13 +259,13 @@ type RedisRateLimit struct {
 
 	// The connection to Redis: one logical Redis (one `redis` address, a
 	// `cluster` or a `sentinel`).
-	RedisConfig
+	shared.RedisConfig
 
 	// runtime state
 	logger    *zap.Logger
 	label     string // the name, else a short hash of the JSON config
-	events    emitter
-	keyTmpl   *keyTemplate
+	events    shared.Emitter
+	keyTmpl   *shared.KeyTemplate
 	keyHead   string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
 	static    plan   // the plan of every request without placeholders; the templates otherwise
 	dynamic   bool   // some rate's n or window is a placeholder
@@ -275,11 +276,11 @@ type RedisRateLimit struct {
 	algo      string
 	status    int
 	sendHdrs  bool
-	counters  [len(rateLimitResults)]prometheus.Counter // by result, as rateLimitResults
+	counters  [len(shared.RateLimitResults)]prometheus.Counter // by result, as rateLimitResults
 	waited    prometheus.Observer
-	obs       *labelClaim
+	obs       *shared.LabelClaim
 	timeout   time.Duration
-	client    *pooledClient
+	client    *shared.Client
 	clientKey string
 	deny      *ratelimit.DenyCache
 	// announced: the keys whose rate_limit_exceeded went out, until the
@@ -292,9 +293,9 @@ type RedisRateLimit struct {
 	localKey   string           // of local in localPool, once acquired
 	seen       *checkSeen       // fail_local: the restarts of client's check local answered
 	now        func() time.Time // local monotonic clock, only for the deny cache
-	warn       *warnings
-	settleWarn *warnings
-	fullWarn   *warnings // fail_local: a new key finds its limiter full
+	warn       *shared.Warnings
+	settleWarn *shared.Warnings
+	fullWarn   *shared.Warnings // fail_local: a new key finds its limiter full
 }
 
 // rateSpec is one rate as the script takes it.
@@ -320,12 +321,12 @@ func (RedisRateLimit) CaddyModule() caddy.ModuleInfo {
 // Provision sets defaults, checks the config and gets the shared Redis
 // client. It never dials Redis.
 func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
-	h.label = handlerLabel("rl", h.Name, h)
+	h.label = shared.HandlerLabel("rl", h.Name, h)
 	h.logger = ctx.Logger().With(zap.String("handler", h.label))
-	h.events = newEmitter(ctx)
-	h.warn = newWarnings(failWarnEvery)
-	h.settleWarn = newWarnings(failWarnEvery)
-	h.fullWarn = newWarnings(failWarnEvery)
+	h.events = shared.NewEmitter(ctx)
+	h.warn = shared.NewWarnings(failWarnEvery)
+	h.settleWarn = shared.NewWarnings(failWarnEvery)
+	h.fullWarn = shared.NewWarnings(failWarnEvery)
 	if h.now == nil {
 		h.now = time.Now
 	}
@@ -348,12 +349,12 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if err := h.Validate(); err != nil {
 		return err
 	}
-	if err := registerMetrics(ctx); err != nil {
+	if err := shared.RegisterMetrics(ctx); err != nil {
 		return fmt.Errorf("registering metrics: %w", err)
 	}
 
 	var err error
-	if h.client, h.clientKey, h.timeout, err = h.RedisConfig.acquireOne("redis_ratelimit"); err != nil {
+	if h.client, h.clientKey, h.timeout, err = h.RedisConfig.AcquireOne("redis_ratelimit"); err != nil {
 		return err
 	}
 
@@ -371,27 +372,27 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 			w = time.Second
 		}
 		s := h.newSpec(i, n, w)
-		s.nTmpl, s.wTmpl = expandShorthands(r.requestsTmpl), expandShorthands(r.windowTmpl)
+		s.nTmpl, s.wTmpl = shared.ExpandShorthands(r.requestsTmpl), shared.ExpandShorthands(r.windowTmpl)
 		h.dynamic = h.dynamic || s.nTmpl != "" || s.wTmpl != ""
 		h.static.rates[i] = s
 	}
 	if c := string(h.Cost); redisconn.HasPlaceholder(c) {
-		h.costTmpl = expandShorthands(c)
+		h.costTmpl = shared.ExpandShorthands(c)
 	} else if c != "" {
 		h.static.cost, _ = strconv.ParseInt(c, 10, 64) // checked by Validate
 	}
 	h.finish(&h.static, h.hold())
 	h.counts, _ = parseStatusSet(h.Count) // checked by Validate
 	h.keyHead = h.Prefix + "{"
-	if h.keyTmpl, err = parseKeyTemplate(keyRaw); err != nil {
+	if h.keyTmpl, err = shared.ParseKeyTemplate(keyRaw); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
 	if len(h.IPPrefix) == 2 {
-		h.keyTmpl.ip = ipPrefix{v4: h.IPPrefix[0], v6: h.IPPrefix[1]}
+		h.keyTmpl.IP = shared.IPPrefix{V4: h.IPPrefix[0], V6: h.IPPrefix[1]}
 	}
-	series := newRateLimitSeries(h.label)
-	h.counters, h.waited = series.results, series.waited
-	h.obs = observeHandler("rl", h.label, h.logger, h.client)
+	series := shared.NewRateLimitSeries(h.label)
+	h.counters, h.waited = series.Results, series.Waited
+	h.obs = shared.ObserveHandler("rl", h.label, h.logger, h.client)
 	if h.counts == nil || h.Ban > 0 {
 		// With count, it holds bans only (see remember).
 		h.deny = h.newDenyCache()
@@ -418,14 +419,14 @@ func (h *RedisRateLimit) newDenyCache() *ratelimit.DenyCache {
 // Validate checks the config; it repeats what the Caddyfile parser checks,
 // because JSON configs never pass through it.
 func (h *RedisRateLimit) Validate() error {
-	if err := h.RedisConfig.validate(false); err != nil {
+	if err := h.RedisConfig.Validate(false); err != nil {
 		return fmt.Errorf("redis_ratelimit: %w", err)
 	}
 	key := h.Key
 	if key == "" {
 		key = DefaultRateLimitKey
 	}
-	if err := checkKeyTemplate(key); err != nil {
+	if err := shared.CheckKeyTemplate(key); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
 	if len(h.Rates) == 0 {
@@ -450,12 +451,12 @@ func (h *RedisRateLimit) Validate() error {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
 		for _, t := range []string{r.requestsTmpl, r.windowTmpl} {
-			if err := checkTemplate(t); err != nil {
+			if err := shared.CheckTemplate(t); err != nil {
 				return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 			}
 		}
 	}
-	if err := checkTemplate(string(h.Cost)); err != nil {
+	if err := shared.CheckTemplate(string(h.Cost)); err != nil {
 		return fmt.Errorf("redis_ratelimit: cost: %w", err)
 	}
 	if c := string(h.Cost); c != "" && !redisconn.HasPlaceholder(c) {
@@ -524,9 +525,9 @@ func checkRate(n int64, window time.Duration, algo string) error {
 func (h *RedisRateLimit) Cleanup() error {
 	adminUnregister(h)
 	unregisterResets(h)
-	h.obs.release()
+	h.obs.Release()
 	h.releaseLocal()
-	releaseClient(h.clientKey)
+	shared.ReleaseClient(h.clientKey)
 	h.clientKey = ""
 	return nil
 }
@@ -548,8 +549,8 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 		// An admission may be returned when the request ends (count, a
 		// held client that leaves): the client stays open until then,
 		// also across a reload.
-		h.client.conn.Use()
-		defer h.client.conn.Unuse()
+		h.client.Conn.Use()
+		defer h.client.Conn.Unuse()
 	}
 	d, err := h.decide(r.Context(), id, p)
 	if err != nil {
@@ -562,7 +563,7 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 
 	retry := int64(0)
 	if !d.Allowed && d.Wait > 0 {
-		retry = retryAfterSeconds(jittered(d.Wait, h.Jitter))
+		retry = shared.RetryAfterSeconds(shared.Jittered(d.Wait, h.Jitter))
 	}
 	if h.sendHdrs {
 		h.setHeaders(r, w.Header(), p, d)
@@ -597,19 +598,19 @@ func (h *RedisRateLimit) ServeHTTP(w http.ResponseWriter, r *http.Request, next 
 func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 	switch {
 	case d.Allowed:
-		h.counters[resultAllowed].Inc()
+		h.counters[shared.ResultAllowed].Inc()
 	case d.Ban == ratelimit.Banned:
-		h.counters[resultBanned].Inc()
+		h.counters[shared.ResultBanned].Inc()
 	default:
-		h.counters[resultDenied].Inc()
+		h.counters[shared.ResultDenied].Inc()
 		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded"
 		if !d.Cached && h.firstRejection(id, d) { // at most once per key per deny-cache period
-			h.events.emit(EventRateLimitExceeded, func() map[string]any {
+			h.events.Emit(shared.EventRateLimitExceeded, func() map[string]any {
 				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "dry_run": h.DryRun}
 			})
 		}
 		if d.Ban == ratelimit.BanStarted {
-			h.events.emit(EventRateLimitBanned, func() map[string]any {
+			h.events.Emit(shared.EventRateLimitBanned, func() map[string]any {
 				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "ban": h.ban().String()}
 			})
 		}
@@ -682,7 +683,7 @@ func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d
 	if d.Ban == ratelimit.NotBanned {
 		until = min(until, s.window)
 	}
-	reset := ceilSeconds(until)
+	reset := shared.CeilSeconds(until)
 	defer caddyhttp.SetVar(r.Context(), stackVar, h)
 	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
 		rl := s.name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(reset, 10)
@@ -708,3 +709,19 @@ var (
 	_ caddy.CleanerUpper          = (*RedisRateLimit)(nil)
 	_ caddyhttp.MiddlewareHandler = (*RedisRateLimit)(nil)
 )
+
+// checkIPPrefix checks an ip_prefix: none, or IPv4 bits 1-32 and IPv6
+// bits 1-128.
+func checkIPPrefix(p []int) error {
+	switch {
+	case len(p) == 0:
+		return nil
+	case len(p) != 2:
+		return fmt.Errorf("want [IPv4 bits, IPv6 bits], got %d numbers", len(p))
+	case p[0] < 1 || p[0] > 32:
+		return fmt.Errorf("IPv4 bits must be 1-32, got %d (0 would put every client in one bucket)", p[0])
+	case p[1] < 1 || p[1] > 128:
+		return fmt.Errorf("IPv6 bits must be 1-128, got %d (0 would put every client in one bucket)", p[1])
+	}
+	return nil
+}

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	caddymap "github.com/caddyserver/caddy/v2/modules/caddyhttp/map"
@@ -240,7 +241,7 @@ func TestRateLimitBadRequestMetric(t *testing.T) {
 		h.Cost = "{http.request.header.X-Cost}"
 		h.DryRun = true
 	})
-	initMetrics()
+	shared.InitMetrics()
 	results := []string{"allowed", "denied", "error", "bad_request"}
 	before := make([]float64, len(results))
 	for i := range results {

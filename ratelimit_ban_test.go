@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -119,7 +120,7 @@ func TestWholeCaddyRateLimitBan(t *testing.T) {
 		t.Fatalf("result=banned counted %d refusals, want at least the 6 banned requests", got)
 	}
 	ev := 0
-	for _, e := range eventsNamed(mark, EventRateLimitBanned) {
+	for _, e := range eventsNamed(mark, shared.EventRateLimitBanned) {
 		if e.Data["key"] == "mallory" {
 			ev++
 			if e.Data["handler"] != "ban_a" || !strings.Contains(fmt.Sprint(e.Data["reason"]), "r0") {
@@ -361,7 +362,7 @@ func TestRateLimitSharedKeyOtherWait(t *testing.T) {
 					t.Errorf("b's request %d while a holds one: %d passed %v Retry-After %q err %v; want 429 with a Retry-After", i, x.status, x.passed, x.header.Get("Retry-After"), x.err)
 				}
 			}
-			if n := counterValue(t, b.counters[resultError]); n != 0 {
+			if n := counterValue(t, b.counters[shared.ResultError]); n != 0 {
 				t.Errorf("b counted %v errors: the fail policy answered", n)
 			}
 			if a := <-held; !a.passed {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -44,7 +45,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 			Key:       "{http.request.header.X-API-Key}",
 			Rates:     []Rate{{Requests: 10, Window: caddy.Duration(time.Second)}, {Requests: 1000, Window: caddy.Duration(time.Hour)}},
 			Algorithm: "gcra", Burst: 20, Status: 503, Headers: &off, DryRun: true, FailClosed: true, Prefix: "api:rl:",
-			RedisConfig: RedisConfig{Addresses: []string{"redis://:secret@10.0.0.1:6380/2"}, Timeout: caddy.Duration(250 * time.Millisecond)},
+			RedisConfig: shared.RedisConfig{Addresses: []string{"redis://:secret@10.0.0.1:6380/2"}, Timeout: caddy.Duration(250 * time.Millisecond)},
 		}},
 		{"ban", `redis_ratelimit {
 			rate 5 10m
@@ -62,7 +63,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 		{"cluster", `redis_ratelimit {
 			rate 1 1s
 			cluster 10.0.0.1:7000 10.0.0.2:7000
-		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: shared.RedisConfig{Cluster: []string{"10.0.0.1:7000", "10.0.0.2:7000"}}}},
 		{"plans, cost, count, wait", `redis_ratelimit {
 			rate  {plan_rpm} 1m
 			rate  1000 {http.vars.window}
@@ -81,7 +82,7 @@ func TestRateLimitCaddyfileParse(t *testing.T) {
 		{"env password", `redis_ratelimit {
 			rate 1 1s
 			password {env.REDIS_PASSWORD}
-		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
+		}`, RedisRateLimit{Rates: []Rate{{Requests: 1, Window: caddy.Duration(time.Second)}}, RedisConfig: shared.RedisConfig{Password: "{env.REDIS_PASSWORD}"}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var got RedisRateLimit

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
@@ -60,7 +61,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out de
 		c.IndexKey = h.indexKey(id)
 	}
 	sent, restarts := h.now(), h.restarts()
-	res, err := h.client.rateLimit(ctx, c, (*breakerLog)(h))
+	res, err := h.client.RateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
 	if err == nil && h.local != nil && h.fromRestarted(restarts) {
 		err = errRestartHold // an answer of the restarted Redis: decided locally
@@ -93,9 +94,9 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out de
 // holdFor gives back the admission of a client that goes away while held
 // (SPEC §4 item 11: it uses no quota).
 func (h *RedisRateLimit) returnUnheard(id string, p *plan, c *ratelimit.Call) {
-	h.client.conn.Use() // the client stays open until the return is sent
+	h.client.Conn.Use() // the client stays open until the return is sent
 	go func() {
-		defer h.client.conn.Unuse()
+		defer h.client.Conn.Unuse()
 		<-c.Done()
 		if c.Err != nil {
 			return
@@ -187,9 +188,9 @@ func (h *RedisRateLimit) announceBan(ctx context.Context, id string, d decision,
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.timeout)
 	defer cancel()
-	if err := ratelimit.PublishBan(ctx, h.client.client, h.Prefix, id, left, retry); err != nil {
+	if err := ratelimit.PublishBan(ctx, h.client.Redis, h.Prefix, id, left, retry); err != nil {
 		h.logger.Warn("announcing a ban to the other instances failed; they learn it from redis on the key's next request there",
-			zap.String("redis", h.client.settings.Display()), zap.Error(err))
+			zap.String("redis", h.client.Settings.Display()), zap.Error(err))
 	}
 }
 
@@ -282,10 +283,10 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*h.timeout)
 	defer cancel()
-	if _, err := h.client.rateLimit(ctx, c, (*breakerLog)(h)); err != nil {
+	if _, err := h.client.RateLimit(ctx, c, (*breakerLog)(h)); err != nil {
 		if due, n := h.settleWarn.Due(); due {
 			h.logger.Warn("returning a rate-limit admission failed; it ages out with its window",
-				zap.String("redis", h.client.settings.Display()), zap.Error(err), zap.Int64("failures_since_last_warning", n))
+				zap.String("redis", h.client.Settings.Display()), zap.Error(err), zap.Int64("failures_since_last_warning", n))
 		}
 	}
 }
@@ -309,7 +310,7 @@ func (h *RedisRateLimit) failPolicy(w http.ResponseWriter, r *http.Request, next
 	if h.local != nil {
 		return h.serveLocal(w, r, next, p, id, err)
 	}
-	h.counters[resultError].Inc()
+	h.counters[shared.ResultError].Inc()
 	h.warnFail(err)
 	h.policyHeader(w, r, p)
 	if h.FailClosed {
@@ -345,7 +346,7 @@ func (h *RedisRateLimit) warnFail(err error) {
 		policy = "rejecting requests with 503 (fail_closed)"
 	}
 	h.logger.Warn("redis unavailable for rate limiting; "+policy,
-		zap.String("redis", h.client.settings.Display()),
+		zap.String("redis", h.client.Settings.Display()),
 		zap.Error(err),
 		zap.Int64("decisions_since_last_warning", n))
 }

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -92,7 +93,7 @@ func TestRateLimitErrorCauses(t *testing.T) {
 			h := newRateLimit(t, &testRedis{}, func(h *RedisRateLimit) {
 				conf(h)
 				h.FailClosed = true
-				h.Timeout = caddy.Duration(DefaultTimeout)
+				h.Timeout = caddy.Duration(shared.DefaultTimeout)
 			})
 			h.logger = zap.New(core)
 			for i := 0; i < ratelimit.BreakerThreshold; i++ {
@@ -104,7 +105,7 @@ func TestRateLimitErrorCauses(t *testing.T) {
 					t.Fatalf("request %d took %s: a fast failure was made to wait", i, a.elapsed)
 				}
 			}
-			if !h.client.batcher().BreakerOpen() {
+			if !h.client.Batcher().BreakerOpen() {
 				t.Error("breaker not open after repeated failures")
 			}
 			var before int64

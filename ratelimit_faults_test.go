@@ -75,7 +75,7 @@ func TestRateLimitRedisDown(t *testing.T) {
 					}(i)
 				}
 				wg.Wait()
-				if !h.client.batcher().BreakerOpen() {
+				if !h.client.Batcher().BreakerOpen() {
 					t.Fatal("breaker not open after repeated failures")
 				}
 				if n := logs.FilterMessageSnippet("redis unavailable").Len(); n != 1 {
@@ -101,7 +101,7 @@ func TestRateLimitRedisDown(t *testing.T) {
 					}
 					time.Sleep(100 * time.Millisecond)
 				}
-				if h.client.batcher().BreakerOpen() {
+				if h.client.Batcher().BreakerOpen() {
 					t.Fatal("breaker still open after recovery")
 				}
 			})

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/google/uuid"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -77,7 +78,7 @@ func (h *RedisRateLimit) fleetKey() string { return h.Prefix + "{~fleet}:instanc
 // instance is this instance's heartbeat id.
 func (h *RedisRateLimit) instance() string {
 	if instancePerClient {
-		return instanceID + "/" + keyHash(h.clientKey)
+		return instanceID + "/" + shared.KeyHash(h.clientKey)
 	}
 	return instanceID
 }
@@ -142,7 +143,7 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	var p redisconn.Processor = h.client.client
+	var p redisconn.Processor = h.client.Redis
 	if c := h.fleetConn(ctx); c != nil {
 		p = c
 	}
@@ -253,7 +254,7 @@ func (h *RedisRateLimit) fleetConn(ctx context.Context) *redis.Conn {
 	if h.fleet.conn != nil {
 		return h.fleet.conn
 	}
-	switch c := h.client.client.(type) {
+	switch c := h.client.Redis.(type) {
 	case *redis.Client:
 		h.fleet.conn = c.Conn()
 	case *redis.ClusterClient:

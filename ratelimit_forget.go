@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 )
 
 // Admin resets across the fleet: the instance whose admin API resets a
@@ -35,7 +36,7 @@ var resetRegistry struct {
 
 // resetTarget is what a reset reaches of one handler.
 type resetTarget struct {
-	client  *pooledClient
+	client  *shared.Client
 	prefix  string
 	keyHead string
 	bans    bool                 // the handler bans: it holds announced bans
@@ -84,9 +85,13 @@ func unregisterResets(h *RedisRateLimit) {
 	delete(resetRegistry.hs, h)
 }
 
+func init() {
+	shared.ForgetterOf = func(c *shared.Client) ratelimit.Forgetter { return resetForgetter{c} }
+}
+
 // resetForgetter forgets what a reset published by any instance says, in
 // the handlers on one pooled client (the one whose listener heard it).
-type resetForgetter struct{ client *pooledClient }
+type resetForgetter struct{ client *shared.Client }
 
 // Forget drops id in the handlers on the client under prefix.
 func (f resetForgetter) Forget(prefix, id string) {
@@ -112,7 +117,7 @@ func (f resetForgetter) Ban(prefix, id string, left, retry time.Duration) {
 	}
 	resetRegistry.mu.Unlock()
 	if held > 0 {
-		f.client.users.slogger("rl")().Debug("ban announced: held until it ends", slog.String("key", id), slog.Duration("ban_left", left))
+		f.client.Users.Slogger("rl")().Debug("ban announced: held until it ends", slog.String("key", id), slog.Duration("ban_left", left))
 	}
 }
 
@@ -148,10 +153,10 @@ func (f resetForgetter) Resubscribed(newProcess bool) {
 // (ratelimit.WriteBackBans), on the listener's goroutine: a reset that
 // arrives meanwhile is applied after it.
 func (f resetForgetter) writeBack(kept []ratelimit.KeptBan) {
-	log := f.client.users.slogger("rl")()
-	ctx, cancel := context.WithTimeout(context.Background(), max(4*f.client.settings.Timeout, 2*time.Second))
+	log := f.client.Users.Slogger("rl")()
+	ctx, cancel := context.WithTimeout(context.Background(), max(4*f.client.Settings.Timeout, 2*time.Second))
 	defer cancel()
-	n, err := ratelimit.WriteBackBans(ctx, f.client.client, kept)
+	n, err := ratelimit.WriteBackBans(ctx, f.client.Redis, kept)
 	if err != nil {
 		log.Warn("redis runs a new process: writing back the bans this instance holds failed; this instance holds them until they end",
 			slog.Int("bans", len(kept)), slog.Int("written", n), slog.Any("error", err))

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -65,7 +66,7 @@ func FuzzRateLimitKey(f *testing.F) {
 	f.Fuzz(func(t *testing.T, a, b string) {
 		ia, ib := limitIDFor(a, "192.0.2.1"), limitIDFor(b, "192.0.2.1")
 		for _, id := range []string{ia, ib} {
-			if strings.ContainsAny(id, "{}") || len(id) > maxKeyLen+7 {
+			if strings.ContainsAny(id, "{}") || len(id) > shared.MaxKeyLen+7 {
 				t.Fatalf("id %q breaks the hash tag or is too long", id)
 			}
 		}
@@ -118,7 +119,7 @@ func FuzzRateLimitHeaders(f *testing.F) {
 			return // the cached rejection ran out already
 		}
 		m := policyRE.FindStringSubmatch(w.Header().Get(HeaderRateLimitPolicy))
-		if m == nil || m[1] != strconv.FormatUint(uint64(n), 10) || m[2] != strconv.FormatInt(ceilSeconds(time.Duration(window)), 10) {
+		if m == nil || m[1] != strconv.FormatUint(uint64(n), 10) || m[2] != strconv.FormatInt(shared.CeilSeconds(time.Duration(window)), 10) {
 			t.Fatalf("RateLimit-Policy %q for rate %d %s", w.Header().Get(HeaderRateLimitPolicy), n, time.Duration(window))
 		}
 		if !fieldRE.MatchString(w.Header().Get(HeaderRateLimit)) {

@@ -47,7 +47,7 @@ type quotaView struct {
 
 // keyTemplateText is the key template, shorthands expanded, for the admin
 // API's list.
-func (h *RedisRateLimit) keyTemplateText() string { return h.keyTmpl.raw }
+func (h *RedisRateLimit) keyTemplateText() string { return h.keyTmpl.Raw }
 
 // adminLimitID maps the admin API's <key> to the limit id: the rendered key
 // as the handler stores it, or with ?fallback=ip the client-IP fallback of
@@ -90,7 +90,7 @@ func (h *RedisRateLimit) quotaTargets(ctx context.Context, id string) (targets [
 	if len(templates) == 0 {
 		return targets, true, nil
 	}
-	found, err := h.client.client.ZRange(ctx, h.indexKey(id), 0, maxIndexed).Result()
+	found, err := h.client.Redis.ZRange(ctx, h.indexKey(id), 0, maxIndexed).Result()
 	if err != nil {
 		return nil, false, err
 	}
@@ -180,7 +180,7 @@ func (h *RedisRateLimit) peekQuota(ctx context.Context, id string) (views []quot
 	if len(keys) == 0 {
 		return h.templateViews(nil), nil, complete, false, nil
 	}
-	res, err := adminRateLimitPeekScript.Run(ctx, h.client.client, keys).Slice()
+	res, err := adminRateLimitPeekScript.Run(ctx, h.client.Redis, keys).Slice()
 	if err != nil {
 		return nil, nil, false, false, err
 	}
@@ -325,7 +325,7 @@ func (h *RedisRateLimit) completeField(complete bool) *bool {
 func (h *RedisRateLimit) peekBan(ctx context.Context, id string) (until time.Time, left time.Duration, err error) {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	pipe := h.client.client.Pipeline()
+	pipe := h.client.Redis.Pipeline()
 	now := pipe.Time(ctx)
 	ttl := pipe.PTTL(ctx, h.banKey(id))
 	if _, err := pipe.Exec(ctx); err != nil {
@@ -393,7 +393,7 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	if h.dynamic {
 		del = append(slices.Clip(del), h.indexKey(id))
 	}
-	n, err := h.client.client.Del(ctx, del...).Result()
+	n, err := h.client.Redis.Del(ctx, del...).Result()
 	for _, o := range copies {
 		if o.deny != nil {
 			o.deny.Forget(id)
@@ -408,7 +408,7 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 	if err != nil {
 		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
 	}
-	if err := ratelimit.PublishForget(ctx, h.client.client, h.Prefix, id); err != nil {
+	if err := ratelimit.PublishForget(ctx, h.client.Redis, h.Prefix, id); err != nil {
 		h.logger.Warn("telling the other instances of a quota reset failed; their deny caches forget the key when it expires there, their local limiters (fail_local) when its windows pass",
 			zap.String("key", key), zap.String("handler", handlerRef(h.Name)), zap.Error(err))
 	}

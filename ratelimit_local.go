@@ -19,6 +19,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -69,10 +70,10 @@ func (*localState) Destruct() error { return nil }
 // Redis it limits in (its address, db and mode: a reload that changes the
 // timeout or the credentials keeps it) and the prefix.
 func (h *RedisRateLimit) acquireLocal() error {
-	s := h.client.settings
+	s := h.client.Settings
 	s.Username, s.Password, s.CAFile, s.CertFile, s.KeyFile, s.TLSFiles, s.ClientName, s.Timeout = "", "", "", "", "", "", "", 0
-	s.Addrs = make([]string, len(h.client.settings.Addrs))
-	for i, a := range h.client.settings.Addrs {
+	s.Addrs = make([]string, len(h.client.Settings.Addrs))
+	for i, a := range h.client.Settings.Addrs {
 		s.Addrs[i] = redisconn.RedactURL(a)
 	}
 	key := h.instance() + "\x00" + s.PoolKey() + "\x00" + h.Prefix
@@ -83,14 +84,14 @@ func (h *RedisRateLimit) acquireLocal() error {
 		return fmt.Errorf("redis_ratelimit: fail_local: %w", err)
 	}
 	h.local, h.localKey = v.(*localState), key
-	h.seen = h.local.restart.watch(h.client.check)
+	h.seen = h.local.restart.watch(h.client.Check)
 	return nil
 }
 
 // releaseLocal gives back what acquireLocal took.
 func (h *RedisRateLimit) releaseLocal() {
 	if h.localKey != "" {
-		h.local.restart.unwatch(h.client.check)
+		h.local.restart.unwatch(h.client.Check)
 		_, _ = localPool.Delete(h.localKey)
 		h.localKey = ""
 	}
@@ -188,7 +189,7 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 	if !h.local.lim.PendingFor(rates) {
 		return nil
 	}
-	if b := h.client.batcher(); h.local.mode.Load() || b != nil && b.BreakerOpen() {
+	if b := h.client.Batcher(); h.local.mode.Load() || b != nil && b.BreakerOpen() {
 		return errLocalPending
 	}
 	now := time.Now()
@@ -298,7 +299,7 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	own := isCap || errors.Is(cause, errChargeOnItsWay) // Redis answers
 	if !own && !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
 		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
-			zap.String("redis", h.client.settings.Display()), zap.Int64("instances", n), zap.Error(cause))
+			zap.String("redis", h.client.Settings.Display()), zap.Int64("instances", n), zap.Error(cause))
 	}
 	if !own {
 		h.local.n.Add(1)
@@ -313,11 +314,11 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 		return h.localClosed(w, r, p, h.fullWarn, "the local rate limiter (fail_local) is full of admissions still to charge to redis: rejecting the requests of new keys with 503, as fail_closed",
 			fmt.Errorf("redis_ratelimit: no decision (fail_local, no room for a new key among %d with charges pending): %w", localRatesMax, cause))
 	}
-	h.counters[resultLocal].Inc()
+	h.counters[shared.ResultLocal].Inc()
 	d := decision{Allowed: ld.Allowed, Wait: ld.Wait, Tight: ld.Tight, Remaining: ld.Remaining, Reset: ld.Reset}
 	retry := int64(0)
 	if !d.Allowed {
-		retry = retryAfterSeconds(jittered(h.localRetry(d.Wait), h.Jitter))
+		retry = shared.RetryAfterSeconds(shared.Jittered(h.localRetry(d.Wait), h.Jitter))
 	}
 	if h.sendHdrs {
 		h.setHeaders(r, w.Header(), p, d)
@@ -339,10 +340,10 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 // fail_closed does: 503 with Retry-After 1 (the breaker probes Redis about
 // once a second), counted as an error, and logged at most every
 // failWarnEvery by warn.
-func (h *RedisRateLimit) localClosed(w http.ResponseWriter, r *http.Request, p *plan, warn *warnings, msg string, err error) error {
-	h.counters[resultError].Inc()
+func (h *RedisRateLimit) localClosed(w http.ResponseWriter, r *http.Request, p *plan, warn *shared.Warnings, msg string, err error) error {
+	h.counters[shared.ResultError].Inc()
 	if due, k := warn.Due(); due {
-		h.logger.Warn(msg, zap.String("redis", h.client.settings.Display()), zap.Error(err), zap.Int64("decisions_since_last_warning", k))
+		h.logger.Warn(msg, zap.String("redis", h.client.Settings.Display()), zap.Error(err), zap.Int64("decisions_since_last_warning", k))
 	}
 	h.policyHeader(w, r, p)
 	w.Header().Set(HeaderRetryAfter, "1")
@@ -414,7 +415,7 @@ func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []
 		}
 		cctx, cancel := context.WithTimeout(ctx, timeout)
 		restarts := h.restarts()
-		err := script.Run(cctx, h.client.client, []string{b.Rate.Key, h.local.lim.ChargeMarker(b.Rate.Key)}, args...).Err()
+		err := script.Run(cctx, h.client.Redis, []string{b.Rate.Key, h.local.lim.ChargeMarker(b.Rate.Key)}, args...).Err()
 		cancel()
 		if h.redisRestarted(restarts, time.Now(), log) {
 			// The batches taken are superseded by the charge of the

@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -71,7 +72,7 @@ func TestFailLocalInstances(t *testing.T) {
 				h.Algorithm = algo
 				h.Rates = []Rate{{Requests: 20, Window: caddy.Duration(time.Minute)}, {Requests: 1000, Window: caddy.Duration(time.Hour)}}
 			})
-			before := counterValue(t, h.counters[resultLocal])
+			before := counterValue(t, h.counters[shared.ResultLocal])
 			r.Pause()
 			defer r.Resume()
 			passed, statuses := countPassed(h, "192.0.2.7", 20)
@@ -85,7 +86,7 @@ func TestFailLocalInstances(t *testing.T) {
 				t.Errorf("another key: admitted %d of 8, want 5", passed)
 			}
 			// (Other tests run at the same time: at least.)
-			if got := counterValue(t, h.counters[resultLocal]) - before; got < 29 {
+			if got := counterValue(t, h.counters[shared.ResultLocal]) - before; got < 29 {
 				t.Errorf(`result="local" rose by %v, want at least 29`, got)
 			}
 			if n := logs.FilterMessageSnippet("enforcing every rate on this instance alone").Len(); n != 1 {
@@ -506,7 +507,7 @@ func TestFailLocalChargeRefusedGoesOnToRedis(t *testing.T) {
 				for i := 0; i < 2; i++ {
 					h.local.lim.Admit(rates, 1, 1, time.Now())
 				}
-				before := counterValue(t, h.counters[resultLocal])
+				before := counterValue(t, h.counters[shared.ResultLocal])
 				a := serveRL(h, ip, nil)
 				if logs.FilterMessageSnippet("refused charges").FilterField(zap.String("key", rates[0].Key)).Len() == 0 {
 					return false
@@ -514,8 +515,8 @@ func TestFailLocalChargeRefusedGoesOnToRedis(t *testing.T) {
 				if !a.passed || a.err != nil {
 					t.Fatalf("request: passed %v, %v", a.passed, a.err)
 				}
-				if h.local.mode.Load() || counterValue(t, h.counters[resultLocal]) != before {
-					t.Fatalf("local mode %v, local decisions +%v: want the request decided by redis", h.local.mode.Load(), counterValue(t, h.counters[resultLocal])-before)
+				if h.local.mode.Load() || counterValue(t, h.counters[shared.ResultLocal]) != before {
+					t.Fatalf("local mode %v, local decisions +%v: want the request decided by redis", h.local.mode.Load(), counterValue(t, h.counters[shared.ResultLocal])-before)
 				}
 				if h.local.lim.PendingFor(rates) {
 					t.Error("the refused charge is still pending")
@@ -617,12 +618,12 @@ func TestFailLocalFullAnswers503(t *testing.T) {
 			t.Fatalf("key %d of %d: status %d, want admitted locally", i, localRatesMax, a.status)
 		}
 	}
-	errs := counterValue(t, h.counters[resultError])
+	errs := counterValue(t, h.counters[shared.ResultError])
 	a := serveRL(h, ip(localRatesMax), nil)
 	if a.status != http.StatusServiceUnavailable || a.retryAfter() != 1 {
 		t.Errorf("a new key with the limiter full of charges: status %d, Retry-After %d, want 503 with 1", a.status, a.retryAfter())
 	}
-	if got := counterValue(t, h.counters[resultError]) - errs; got != 1 {
+	if got := counterValue(t, h.counters[shared.ResultError]) - errs; got != 1 {
 		t.Errorf(`result="error" rose by %v, want 1`, got)
 	}
 	if logs.FilterMessageSnippet("full of admissions still to charge").Len() != 1 {

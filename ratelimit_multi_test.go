@@ -31,7 +31,7 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 			h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
 			h.Prefix = "other:"
 		})
-		b := ratelimit.NewBatcher(h.client.client, ratelimit.Options{})
+		b := ratelimit.NewBatcher(h.client.Redis, ratelimit.Options{})
 		defer b.Close()
 		if err := r.Client().RPush(context.Background(), h.keyHead+"bad"+h.static.rates[0].tail, "x").Err(); err != nil {
 			t.Fatal(err)
@@ -151,7 +151,7 @@ func TestRateLimitMultiFailures(t *testing.T) {
 		h := newRL(func(h *RedisRateLimit) {
 			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
 		})
-		b := ratelimit.NewBatcher(h.client.client, ratelimit.Options{})
+		b := ratelimit.NewBatcher(h.client.Redis, ratelimit.Options{})
 		defer b.Close()
 		call := func(id string) *ratelimit.Call {
 			return &ratelimit.Call{Script: h.script, Argv: h.static.argv, Keys: h.redisKeys(nil, id, &h.static)}

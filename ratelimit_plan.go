@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -201,7 +202,7 @@ func (h *RedisRateLimit) finish(p *plan, hold time.Duration) {
 	p.argv = append(make([]any, 0, 3+3*len(p.rates)), p.cost, hold.Microseconds(), h.ban().Milliseconds())
 	p.over = -1
 	for i, s := range p.rates {
-		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, s.n, ceilSeconds(s.window))
+		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, s.n, shared.CeilSeconds(s.window))
 		p.argv = append(p.argv, s.n, s.window.Microseconds())
 		capacity := s.n
 		if h.algo == algoGCRA {
@@ -367,7 +368,7 @@ func (h *RedisRateLimit) badRender(sub, tmpl, got string, cause error) error {
 // input), counted as bad_request; nothing is counted in Redis. Under
 // dry_run the request passes.
 func (h *RedisRateLimit) badInput(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, err error) error {
-	h.counters[resultBadRequest].Inc()
+	h.counters[shared.ResultBadRequest].Inc()
 	if h.DryRun {
 		return next.ServeHTTP(w, r)
 	}

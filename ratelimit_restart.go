@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"go.uber.org/zap"
 )
 
@@ -29,7 +30,7 @@ var errRestartHold = errors.New("redis_ratelimit: redis restarted: deciding loca
 // clients of its handlers have seen.
 type restartWatch struct {
 	mu   sync.Mutex
-	seen map[*serverCheck]*checkSeen
+	seen map[*redisconn.Check]*checkSeen
 	// Until when (UnixNano) decisions stay local after a restart.
 	hold atomic.Int64
 	// When a restart was last seen (UnixNano; 0: never): N read from the
@@ -47,11 +48,11 @@ type checkSeen struct {
 
 // watch registers a handler on client check c; the restarts c has counted
 // so far are taken as known (the handler was made after them).
-func (w *restartWatch) watch(c *serverCheck) *checkSeen {
+func (w *restartWatch) watch(c *redisconn.Check) *checkSeen {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.seen == nil {
-		w.seen = make(map[*serverCheck]*checkSeen)
+		w.seen = make(map[*redisconn.Check]*checkSeen)
 	}
 	s := w.seen[c]
 	if s == nil {
@@ -64,7 +65,7 @@ func (w *restartWatch) watch(c *serverCheck) *checkSeen {
 }
 
 // unwatch undoes watch.
-func (w *restartWatch) unwatch(c *serverCheck) {
+func (w *restartWatch) unwatch(c *redisconn.Check) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if s := w.seen[c]; s != nil {
@@ -90,7 +91,7 @@ func (h *RedisRateLimit) restarts() uint64 {
 	if h.local == nil {
 		return 0
 	}
-	return h.client.check.Restarts()
+	return h.client.Check.Restarts()
 }
 
 // redisRestarted reports whether the answer of a call made when the
@@ -101,7 +102,7 @@ func (h *RedisRateLimit) restarts() uint64 {
 // of the current windows. (A call answered during the hold, sent before it
 // began, may come from the new process as well: see holding.)
 func (h *RedisRateLimit) redisRestarted(before uint64, now time.Time, log *zap.Logger) bool {
-	after := h.client.check.Restarts()
+	after := h.client.Check.Restarts()
 	seen := h.seen.count.Load()
 	if after == before && after == seen {
 		return false
@@ -128,7 +129,7 @@ func (h *RedisRateLimit) restartHold(now time.Time, log *zap.Logger) {
 	h.local.restart.hold.Store(now.Add(heartbeatLife).UnixNano())
 	h.local.lim.Recharge(now)
 	log.Warn("redis restarted (a new process, its windows lost): deciding locally (fail_local) while this instance charges its admissions of the current windows again",
-		zap.String("redis", h.client.settings.Display()), zap.Duration("for", heartbeatLife))
+		zap.String("redis", h.client.Settings.Display()), zap.Duration("for", heartbeatLife))
 	select {
 	case h.fleet.wake <- struct{}{}:
 	default:

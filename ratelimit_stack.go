@@ -7,58 +7,14 @@ package redisdlm
 // case costs nothing more.
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
 	"net/http"
 	"strconv"
 	"strings"
-
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 )
 
 // stackVar is the request variable naming the last redis_ratelimit handler
 // that set the RateLimit fields of the request.
 const stackVar = "redisdlm.ratelimit_headers"
-
-// handlerLabel is how metrics, logs and stacked headers name a handler:
-// its name, else kind and a short hash of its JSON config (stable while the
-// config does not change). Call it before defaults are filled in.
-func handlerLabel(kind, name string, cfg any) string {
-	if name != "" {
-		return name
-	}
-	b, _ := json.Marshal(cfg)
-	var v any
-	if json.Unmarshal(b, &v) == nil {
-		b, _ = json.Marshal(withoutSecrets(v))
-	}
-	sum := sha256.Sum256(b)
-	return kind + "-" + hex.EncodeToString(sum[:4])
-}
-
-// withoutSecrets is a decoded JSON config with its secrets taken out, so
-// that the label (in /metrics, logs and response headers) says nothing
-// about them: "password" fields are dropped and the passwords of Redis
-// URLs masked.
-func withoutSecrets(v any) any {
-	switch t := v.(type) {
-	case map[string]any:
-		delete(t, "password")
-		for k, e := range t {
-			t[k] = withoutSecrets(e)
-		}
-	case []any:
-		for i, e := range t {
-			t[i] = withoutSecrets(e)
-		}
-	case string:
-		if strings.Contains(t, "@") {
-			return redisconn.RedactURL(t)
-		}
-	}
-	return v
-}
 
 // stackHeaders merges this handler's policy (and its RateLimit field, if
 // any) into the fields an earlier handler set: every entry named

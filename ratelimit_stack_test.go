@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -79,7 +80,7 @@ func TestHandlerLabelKeepsSecretsOut(t *testing.T) {
 		h := &RedisLock{Keys: []string{"{http.request.uri.path}"}}
 		h.Password = pw
 		h.Addresses = []string{addr}
-		return handlerLabel("lock", "", h)
+		return shared.HandlerLabel("lock", "", h)
 	}
 	if a, b := lock("secret-1", "127.0.0.1:6379"), lock("secret-2", "127.0.0.1:6379"); a != b {
 		t.Errorf("password field changes the label: %s vs %s", a, b)

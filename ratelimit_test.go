@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	dto "github.com/prometheus/client_model/go"
@@ -363,8 +364,8 @@ func TestRateLimitDryRun(t *testing.T) {
 		h.DryRun = true
 		h.Rates = []Rate{{Requests: 2, Window: caddy.Duration(time.Minute)}}
 	})
-	denied0 := rlCounterValue(h.counters[resultDenied])
-	allowed0 := rlCounterValue(h.counters[resultAllowed])
+	denied0 := rlCounterValue(h.counters[shared.ResultDenied])
+	allowed0 := rlCounterValue(h.counters[shared.ResultAllowed])
 	for i := 0; i < 6; i++ {
 		a := serveRL(h, "192.0.2.5", nil)
 		if !a.passed || a.err != nil {
@@ -387,10 +388,10 @@ func TestRateLimitDryRun(t *testing.T) {
 			t.Fatal("dry run sent Retry-After")
 		}
 	}
-	if d := rlCounterValue(h.counters[resultDenied]) - denied0; d != 4 {
+	if d := rlCounterValue(h.counters[shared.ResultDenied]) - denied0; d != 4 {
 		t.Fatalf("denied counter grew by %v, want 4", d)
 	}
-	if d := rlCounterValue(h.counters[resultAllowed]) - allowed0; d != 2 {
+	if d := rlCounterValue(h.counters[shared.ResultAllowed]) - allowed0; d != 2 {
 		t.Fatalf("allowed counter grew by %v, want 2", d)
 	}
 	if pos := rlRingCount(t, r, "caddy:rl:{192.0.2.5}:sw:2/1m0s"); pos != 2 {
@@ -608,14 +609,14 @@ func TestRateLimitConfigErrors(t *testing.T) {
 		{"status", RedisRateLimit{Status: 302, Rates: []Rate{{Requests: 1, Window: sec}}}, "status"},
 		{"prefix", RedisRateLimit{Prefix: "a{b}", Rates: []Rate{{Requests: 1, Window: sec}}}, "prefix"},
 		{"unknown namespace", RedisRateLimit{Key: "{foo}", Rates: []Rate{{Requests: 1, Window: sec}}}, "{foo}"},
-		{"two servers", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}}}, "exactly one"},
-		{"bad address", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"localhost"}}}, "address"},
+		{"two servers", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: shared.RedisConfig{Addresses: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}}}, "exactly one"},
+		{"bad address", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: shared.RedisConfig{Addresses: []string{"localhost"}}}, "address"},
 		{"cost zero", RedisRateLimit{Cost: "0", Rates: []Rate{{Requests: 1, Window: sec}}}, "cost"},
 		{"cost word", RedisRateLimit{Cost: "two", Rates: []Rate{{Requests: 1, Window: sec}}}, "cost"},
 		{"count status", RedisRateLimit{Count: []string{"401", "99"}, Rates: []Rate{{Requests: 1, Window: sec}}}, "count"},
 		{"count class", RedisRateLimit{Count: []string{"0xx"}, Rates: []Rate{{Requests: 1, Window: sec}}}, "count"},
 		{"wait negative", RedisRateLimit{Wait: caddy.Duration(-time.Second), Rates: []Rate{{Requests: 1, Window: sec}}}, "wait"},
-		{"mixed", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: RedisConfig{Addresses: []string{"127.0.0.1:1"}, Cluster: []string{"127.0.0.1:2"}}}, "mutually exclusive"},
+		{"mixed", RedisRateLimit{Rates: []Rate{{Requests: 1, Window: sec}}, RedisConfig: shared.RedisConfig{Addresses: []string{"127.0.0.1:1"}, Cluster: []string{"127.0.0.1:2"}}}, "mutually exclusive"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := tc.h
@@ -651,14 +652,14 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	if h1.client != h2.client {
 		t.Fatal("handlers with the same settings do not share a client")
 	}
-	if h1.client.batcher() != nil {
+	if h1.client.Batcher() != nil {
 		t.Fatal("a batcher was started before the first decision")
 	}
 	if a := serveRL(h1, "192.0.2.20", nil); !a.passed {
 		t.Fatal("first decision failed")
 	}
-	b := h1.client.batcher()
-	if b == nil || h2.client.batcher() != b {
+	b := h1.client.Batcher()
+	if b == nil || h2.client.Batcher() != b {
 		t.Fatal("handlers with the same settings do not share a batcher")
 	}
 	cleanup1()
@@ -680,14 +681,14 @@ func TestRateLimitCleanupStopsBatcher(t *testing.T) {
 	}
 	select {
 	case <-b.Stopped():
-	case <-time.After(destructGrace + 5*time.Second):
+	case <-time.After(shared.DestructGrace + 5*time.Second):
 		t.Fatal("batcher still running after the last Cleanup and the grace")
 	}
 	h3, _ := mk()
 	if a := serveRL(h3, "192.0.2.20", nil); !a.passed || a.err != nil {
 		t.Fatalf("after re-provisioning: %d %v", a.status, a.err)
 	}
-	if h3.client.batcher() == b {
+	if h3.client.Batcher() == b {
 		t.Fatal("a stopped batcher was reused")
 	}
 }

@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 )
 
 // BenchmarkLockAcquireRelease measures one uncontended acquire + release at
@@ -29,7 +31,7 @@ func BenchmarkLockAcquireRelease(b *testing.B) {
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {
 				start := time.Now()
-				ls, err := h.locker.Acquire(ctx, []string{storedKey(h.Prefix, "k"+strconv.Itoa(i))})
+				ls, err := h.locker.Acquire(ctx, []string{shared.StoredKey(h.Prefix, "k"+strconv.Itoa(i))})
 				if err != nil {
 					b.Fatal(err)
 				}

@@ -11,6 +11,7 @@ import (
 
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -192,7 +193,7 @@ func TestRedlockLeaseLostOnMajority(t *testing.T) {
 	done := make(chan *http.Response, 1)
 	go func() { resp, _ := get(t, srv.URL+"/lost"); done <- resp }()
 	recvWithin(t, (<-chan struct{})(entered), 15*time.Second, "the request reaching the upstream")
-	key := storedKey(h.Prefix, "/lost")
+	key := shared.StoredKey(h.Prefix, "/lost")
 	// Take the lease away on two servers and give it to someone else there.
 	for _, r := range rs[:2] {
 		c := r.Client()
@@ -244,7 +245,7 @@ func TestRedlockExtensionRecreatesOnRestartedServer(t *testing.T) {
 	done := make(chan *http.Response, 1)
 	go func() { resp, _ := get(t, srv.URL+"/r?who=holder"); done <- resp }()
 	recvWithin(t, entered, 15*time.Second, "the holder reaching the upstream")
-	key := storedKey(h.Prefix, "/r")
+	key := shared.StoredKey(h.Prefix, "/r")
 	for _, i := range []int{0, 1} {
 		rs[i].Restart()
 		deadline := time.Now().Add(5 * time.Second)

@@ -5,6 +5,8 @@ import (
 	"net/http"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 )
 
 // TestAnswerDoesNotWaitForRelease: the client has its whole
@@ -38,7 +40,7 @@ func TestAnswerDoesNotWaitForRelease(t *testing.T) {
 		if took > time.Second {
 			t.Errorf("the answer took %s: it waited for the release (Redis paused for 1.5s)", took)
 		}
-		key := storedKey(h.Prefix, "/rel")
+		key := shared.StoredKey(h.Prefix, "/rel")
 		if !freeWithin(3*time.Second, key, rs...) {
 			t.Fatal("the lock is still held 3s after Redis answered again: the release was lost")
 		}

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp/reverseproxy"
@@ -296,7 +297,7 @@ func (h *RedisLock) mayServe(r *http.Request, id identity, stored string) (a *st
 
 // serveReplay answers r with a stored answer that mayServe allowed.
 func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, display string, a *storedAnswer) error {
-	h.m.replayed.Inc()
+	h.m.Replayed.Inc()
 	if c := h.logger.Check(zapcore.DebugLevel, "replaying stored response"); c != nil {
 		c.Write(zap.String("key", display), zap.Int("status", a.Status))
 	}
@@ -324,7 +325,7 @@ func (h *RedisLock) serveReplay(w http.ResponseWriter, r *http.Request, display 
 // request a second time); a GET or HEAD runs the route itself, without
 // the lock (coalescing is an optimisation, not exclusion).
 func (h *RedisLock) refuseReplay(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, id identity, display, why string) error {
-	h.m.mismatch.Inc()
+	h.m.Mismatch.Inc()
 	if id.safe {
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: stored answer not for this request; running the route without the lock"); c != nil {
 			c.Write(zap.String("key", display), zap.String("reason", why))
@@ -638,11 +639,11 @@ func (h *RedisLock) releaseWithheld(hd held, rec *recorder, ans, why string) err
 	}
 	hd.lease.ReleaseInBackground("")
 	if stored {
-		h.m.stored.Inc()
+		h.m.Stored.Inc()
 		rec.sendWithheld()
 		return nil
 	}
-	h.m.notStored.Inc()
+	h.m.NotStored.Inc()
 	h.logger.Warn("replay: the lease ended before the answer could go out and the answer could not be stored; answering 503",
 		zap.String("reason", why), zap.Int("status", rec.status))
 	return caddyhttp.Error(http.StatusServiceUnavailable, errAnswerWithheld)
@@ -657,11 +658,11 @@ func (h *RedisLock) runRefused(w http.ResponseWriter, r *http.Request, next cadd
 	var doubt *lock.InDoubtError
 	switch {
 	case errors.As(err, &doubt):
-		h.m.inDoubt.Inc()
+		h.m.InDoubt.Inc()
 		if c := h.logger.Check(zapcore.DebugLevel, "replay: the key's run is in doubt; answering 409"); c != nil {
 			c.Write(zap.String("key", display), zap.Duration("record_left", doubt.RecordLeft()))
 		}
-		w.Header().Set("Retry-After", strconv.FormatInt(retryAfterSeconds(jittered(h.inDoubtRetry(doubt.RecordLeft()), h.Jitter)), 10))
+		w.Header().Set("Retry-After", strconv.FormatInt(shared.RetryAfterSeconds(shared.Jittered(h.inDoubtRetry(doubt.RecordLeft()), h.Jitter)), 10))
 		w.Header().Set("Content-Type", "application/problem+json")
 		w.WriteHeader(http.StatusConflict)
 		_, _ = io.WriteString(w, `{"type":"about:blank","title":"Conflict","status":409,"detail":"a request with this key began earlier and its outcome is unknown; it is not run again"}`+"\n")

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -473,13 +474,13 @@ func TestReplayNotPassedByAHandOff(t *testing.T) {
 	<-started
 	other := make(chan int, 1)
 	go func() { st, _, _, _ := send("GET", sn.URL+"/status", "Idem", "k1"); other <- st }()
-	waitQueued(t, hn, storedKey(hn.Prefix, "k1"))
+	waitQueued(t, hn, shared.StoredKey(hn.Prefix, "k1"))
 	retry := make(chan [2]string, 1)
 	go func() {
 		_, hdr, body, _ := post(sr.URL+"/pay", "x", "Idem", "k1")
 		retry <- [2]string{body, hdr.Get(HeaderIdempotentReplayed)}
 	}()
-	waitQueued(t, hr, storedKey(hr.Prefix, "k1")) // the retry, in its handler's queue
+	waitQueued(t, hr, shared.StoredKey(hr.Prefix, "k1")) // the retry, in its handler's queue
 	close(release)
 	if body := <-first; body != "order 1" {
 		t.Fatalf("first POST: %q", body)
@@ -527,7 +528,7 @@ func TestReplayCutOffAtItsBound(t *testing.T) {
 		case <-time.After(15 * time.Second):
 			t.Fatalf("panics %v: the detached run was never cancelled", panics)
 		}
-		key := storedKey(h.Prefix, "u:k")
+		key := shared.StoredKey(h.Prefix, "u:k")
 		c := r.Client()
 		if !waitFor(10*time.Second, func() bool { return c.ZCard(context.Background(), lock.DelayKey(key)).Val() == 1 }) {
 			t.Fatalf("panics %v: the release of a route cut off at its bound was clean: no lock_delay entry", panics)

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -464,7 +465,7 @@ func BenchmarkReplayMemory(b *testing.B) {
 		var n int64
 		var err error
 		waitFor(5*time.Second, func() bool {
-			n, err = r.Client().MemoryUsage(context.Background(), lock.ReplayKey(storedKey(h.Prefix, key)), 0).Result()
+			n, err = r.Client().MemoryUsage(context.Background(), lock.ReplayKey(shared.StoredKey(h.Prefix, key)), 0).Result()
 			return err == nil
 		})
 		if err != nil {

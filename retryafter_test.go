@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -127,7 +128,7 @@ func busyRetryAfter(t *testing.T, url, key string) int {
 func awaitFree(t *testing.T, rc *redis.Client, keys ...string) {
 	t.Helper()
 	for _, k := range keys {
-		key := storedKey(DefaultLockPrefix, k)
+		key := shared.StoredKey(DefaultLockPrefix, k)
 		if !waitFor(20*time.Second, func() bool { n, err := rc.Exists(context.Background(), key).Result(); return err == nil && n == 0 }) {
 			t.Errorf("lock %s still held after the test", k)
 		}
@@ -384,7 +385,7 @@ func TestRetryAfterLocalHandOff(t *testing.T) {
 	h1 := goFetchHdr(a, "X-Key", "chain", "X-Job-Ms", "3000")
 	w1 := goFetchHdr(a, "X-Key", "chain", "X-Job-Ms", "3000")
 	rc := r.Client()
-	waitq := lock.WaitqKey(storedKey(DefaultLockPrefix, "chain"))
+	waitq := lock.WaitqKey(shared.StoredKey(DefaultLockPrefix, "chain"))
 	if !waitFor(20*time.Second, func() bool { n, _ := rc.ZCard(context.Background(), waitq).Result(); return n == 1 }) {
 		t.Fatal("A never waited for chain in Redis")
 	}

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
@@ -24,16 +26,16 @@ import (
 
 // pooledFor returns the pooled client behind a provisioned handler's pool
 // key (without changing its reference count for long).
-func pooledFor(t *testing.T, key string) *pooledClient {
+func pooledFor(t *testing.T, key string) *shared.Client {
 	t.Helper()
-	v, loaded, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+	v, loaded, err := shared.ClientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		return nil, errors.New("not pooled")
 	})
 	if err != nil || !loaded {
 		t.Fatalf("pool key %s: loaded %v, %v", key, loaded, err)
 	}
-	_, _ = clientPool.Delete(key)
-	return v.(*pooledClient)
+	_, _ = shared.ClientPool.Delete(key)
+	return v.(*shared.Client)
 }
 
 // observeChecks makes the server checks of h's clients log to an observer.
@@ -41,7 +43,7 @@ func observeChecks(t *testing.T, h *RedisLock) *observer.ObservedLogs {
 	t.Helper()
 	core, logs := observer.New(zapcore.WarnLevel)
 	for _, k := range h.poolKeys {
-		pooledFor(t, k).check.SetLogger(slogFor(zap.New(core)))
+		pooledFor(t, k).Check.SetLogger(shared.SlogFor(zap.New(core)))
 	}
 	return logs
 }
@@ -78,11 +80,7 @@ func gaugeValue(g interface{ Write(*dto.Metric) error }) float64 {
 	return m.GetGauge().GetValue()
 }
 
-func isEvicting(sc *serverCheck, addr string) bool {
-	labels.Lock()
-	defer labels.Unlock()
-	return labels.evicting[sc][addr]
-}
+func isEvicting(sc *redisconn.Check, addr string) bool { return shared.Evicting(sc, addr) }
 
 // TestServerCheckEvictingPolicy: on the first connection to a server with an
 // evicting maxmemory-policy, one error log names the server and the policy
@@ -104,8 +102,8 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 			}
 			errs := logs.FilterMessageSnippet("evicts keys").All()
 			if policy == "noeviction" {
-				if len(errs) != 0 || isEvicting(pc.check, r.Addr) {
-					t.Fatalf("noeviction: logged %v, gauge entry %v", errs, isEvicting(pc.check, r.Addr))
+				if len(errs) != 0 || isEvicting(pc.Check, r.Addr) {
+					t.Fatalf("noeviction: logged %v, gauge entry %v", errs, isEvicting(pc.Check, r.Addr))
 				}
 				return
 			}
@@ -116,12 +114,12 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 			if errs[0].Level != zapcore.ErrorLevel || f["server"] != r.Addr || f["maxmemory_policy"] != policy {
 				t.Errorf("log %s %q %v: want error level naming server %s and policy %s", errs[0].Level, errs[0].Message, f, r.Addr, policy)
 			}
-			gauge := evictingServers.WithLabelValues(h.label)
-			if !isEvicting(pc.check, r.Addr) || gaugeValue(gauge) != 1 {
+			gauge := shared.EvictingServers.WithLabelValues(h.label)
+			if !isEvicting(pc.Check, r.Addr) || gaugeValue(gauge) != 1 {
 				t.Errorf("server not counted in caddy_redis_evicting_servers{handler=%q} (gauge %v)", h.label, gaugeValue(gauge))
 			}
-			pc.check.Close()
-			if isEvicting(pc.check, r.Addr) || gaugeValue(gauge) != 0 {
+			pc.Check.Close()
+			if isEvicting(pc.Check, r.Addr) || gaugeValue(gauge) != 0 {
 				t.Errorf("a closed client's server still counts as evicting (gauge %v)", gaugeValue(gauge))
 			}
 		})
@@ -164,7 +162,7 @@ func TestServerCheckVersionTooOld(t *testing.T) {
 			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","fail_open":%v}`, r.Addr, failOpen))
 			logs := observeChecks(t, h)
 			pc := pooledFor(t, h.poolKeys[0])
-			pc.check.SetMinVersion([2]int{99, 0})
+			pc.Check.SetMinVersion([2]int{99, 0})
 			srv := handlerServer(t, h, okHandler)
 			for i := 0; i < 5; i++ {
 				resp, body := get(t, srv.URL+"/v")
@@ -185,7 +183,7 @@ func TestServerCheckVersionTooOld(t *testing.T) {
 			if len(errs) != 1 || errs[0].Level != zapcore.ErrorLevel || errs[0].ContextMap()["server"] != r.Addr {
 				t.Fatalf("want one error log naming %s, got %v", r.Addr, logs.All())
 			}
-			if n, _ := r.Client().Exists(context.Background(), storedKey(h.Prefix, "/v")).Result(); n != 0 {
+			if n, _ := r.Client().Exists(context.Background(), shared.StoredKey(h.Prefix, "/v")).Result(); n != 0 {
 				t.Error("a lock was written to a server refused as too old")
 			}
 		})
@@ -269,7 +267,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","ttl":"1500ms"}`, r.Addr))
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
-	h.locker.SetLogger(slogFor(h.logger))
+	h.locker.SetLogger(shared.SlogFor(h.logger))
 	srv, release, held := holdOverLimit(t, h, "")
 	heldSince := time.Now()
 	rc := r.Client() // one connection: each new one costs memory too
@@ -305,7 +303,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	// The holder's lease (ttl 1.5s) is extended over the limit for more
 	// than two ttls.
 	time.Sleep(time.Until(heldSince.Add(3200 * time.Millisecond)))
-	if rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() != 1 {
+	if rc.Exists(context.Background(), shared.StoredKey(h.Prefix, "/held")).Val() != 1 {
 		t.Error("the held lease is gone while its request runs")
 	}
 	release()
@@ -315,7 +313,7 @@ func TestLockScriptsRespectMaxmemory(t *testing.T) {
 	if lost := logs.FilterMessageSnippet("lease lost").Len(); lost != 0 {
 		t.Errorf("%d lost leases over maxmemory", lost)
 	}
-	if !waitFor(10*time.Second, func() bool { return rc.Exists(context.Background(), storedKey(h.Prefix, "/held")).Val() == 0 }) {
+	if !waitFor(10*time.Second, func() bool { return rc.Exists(context.Background(), shared.StoredKey(h.Prefix, "/held")).Val() == 0 }) {
 		t.Fatal("the held lock was not released over maxmemory")
 	}
 }
@@ -338,7 +336,7 @@ func TestReplayNotStoredOverMaxmemory(t *testing.T) {
 	if code := <-held; code != 200 {
 		t.Fatalf("holder: status %d, want 200", code)
 	}
-	key := storedKey(h.Prefix, "/held")
+	key := shared.StoredKey(h.Prefix, "/held")
 	if !waitFor(10*time.Second, func() bool { return rc.Exists(context.Background(), key).Val() == 0 }) {
 		t.Fatal("the lock was not released over maxmemory")
 	}

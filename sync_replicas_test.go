@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -65,8 +66,8 @@ func TestSyncReplicas(t *testing.T) {
 	if resp == nil || resp.StatusCode != 503 || !strings.Contains(body, "sync_replicas: 0 of 1 replicas acknowledged the lock") {
 		t.Errorf("replica paused: %v %q, want 503 with \"0 of 1 replicas acknowledged\"", resp, body)
 	}
-	if n, _ := pc.ZCard(context.Background(), storedKey(h.Prefix, "/b")).Result(); n != 0 {
-		ttl, _ := pc.PTTL(context.Background(), storedKey(h.Prefix, "/b")).Result()
+	if n, _ := pc.ZCard(context.Background(), shared.StoredKey(h.Prefix, "/b")).Result(); n != 0 {
+		ttl, _ := pc.PTTL(context.Background(), shared.StoredKey(h.Prefix, "/b")).Result()
 		t.Errorf("a lease whose WAIT failed is left behind (%d holders, ttl %s)", n, ttl)
 	}
 	replica.Resume()
@@ -90,7 +91,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	t.Cleanup(func() { cc.Close() })
 	ctx := context.Background()
 	masterOf := func(path string) *redis.Client {
-		m, err := cc.MasterForKey(ctx, storedKey(h.Prefix, path))
+		m, err := cc.MasterForKey(ctx, shared.StoredKey(h.Prefix, path))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -135,7 +136,7 @@ func TestSyncReplicasCluster(t *testing.T) {
 	// the background, so it polls for up to 2s.
 	noHolder := func(path, what string) {
 		t.Helper()
-		m, k := masterOf(path), storedKey(h.Prefix, path)
+		m, k := masterOf(path), shared.StoredKey(h.Prefix, path)
 		var holders, queued int64
 		if !waitFor(2*time.Second, func() bool {
 			holders, _ = m.ZCard(ctx, k).Result()

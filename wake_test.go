@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -294,7 +295,7 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 				// The lease vanishes (as if expired early); no release script
 				// runs, so nothing is published.
 				freedAt = time.Now()
-				if err := rc.Del(ctx, storedKey(a.Prefix, "/drop")).Err(); err != nil {
+				if err := rc.Del(ctx, shared.StoredKey(a.Prefix, "/drop")).Err(); err != nil {
 					t.Fatal(err)
 				}
 			case "pubsub_killed":

@@ -17,8 +17,11 @@ import (
 // anything more.
 func TestHandOffNow(t *testing.T) {
 	rs := startServers(t, 1)
-	l, fcs := testLocker(t, rs, Options{TTL: 30 * time.Second, Wait: 5 * time.Second, BackoffMin: 10 * time.Millisecond,
-		BackoffMax: 100 * time.Millisecond, Permits: 1, Timeout: 2 * time.Second})
+	// A waiter behind a holder of this instance polls Redis only as a
+	// safety net, every backoff_max: long here, so no poll falls among the
+	// hand-off's calls.
+	l, fcs := testLocker(t, rs, Options{TTL: 30 * time.Second, Wait: 20 * time.Second, BackoffMin: 10 * time.Millisecond,
+		BackoffMax: 10 * time.Second, Permits: 1, Timeout: 2 * time.Second})
 	var calls atomic.Int64
 	fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
 		calls.Add(1)
@@ -70,6 +73,17 @@ func TestHandOffNow(t *testing.T) {
 	second := next()
 
 	// The second was granted with a waiter behind it: handed on at once.
+	// The waiter behind it may have asked Redis once while the second's
+	// grant was on its way back (it headed the queue before the grant was
+	// noted): let its calls settle before counting the hand-off's.
+	quiet := func() bool {
+		n := calls.Load()
+		time.Sleep(200 * time.Millisecond)
+		return calls.Load() == n
+	}
+	if !waitFor(5*time.Second, quiet) {
+		t.Fatal("Redis calls never settled while the second held the lease")
+	}
 	before := calls.Load()
 	if !second.HandOffNow() {
 		t.Fatal("HandOffNow with a waiter and reserved tokens: not handed on")

@@ -1,4 +1,4 @@
-package redisdlm
+package shared
 
 // Metrics. Every series carries a handler label: the handler's name, else
 // a short hash of its JSON config (handlerLabel). A label's series live as
@@ -25,14 +25,14 @@ var (
 	lockAcquireSeconds     *prometheus.HistogramVec // handler, result
 	lockHeldSeconds        *prometheus.HistogramVec // handler
 	lockWaiters            *prometheus.GaugeVec     // handler
-	lockLostTotal          *prometheus.CounterVec   // handler
-	lockDelays             *prometheus.CounterVec   // handler, result (lost|abandoned|forced)
-	lockReleaseFailures    *prometheus.CounterVec   // handler
+	LockLostTotal          *prometheus.CounterVec   // handler
+	LockDelays             *prometheus.CounterVec   // handler, result (lost|abandoned|forced)
+	LockReleaseFailures    *prometheus.CounterVec   // handler
 	lockReplays            *prometheus.CounterVec   // handler, result
 	rateLimitTotal         *prometheus.CounterVec   // handler, result
 	rateLimitWaitedSeconds *prometheus.HistogramVec // handler
-	evictingServers        *prometheus.GaugeVec     // handler
-	fenceWritesVec         *prometheus.CounterVec   // handler, result
+	EvictingServers        *prometheus.GaugeVec     // handler
+	FenceWritesVec         *prometheus.CounterVec   // handler, result
 )
 
 // rateLimitResults are the results of caddy_redis_ratelimit_requests_total:
@@ -40,32 +40,32 @@ var (
 // decide), answered 400 because a rate, window or cost rendered to
 // something unusable, decided by the instance alone while Redis could not
 // (fail_local), and refused by a ban. The result* constants index them.
-var rateLimitResults = [...]string{"allowed", "denied", "error", "bad_request", "local", "banned"}
+var RateLimitResults = [...]string{"allowed", "denied", "error", "bad_request", "local", "banned"}
 
 const (
-	resultAllowed = iota
-	resultDenied
-	resultError
-	resultBadRequest
-	resultLocal  // decided by this instance alone (fail_local)
-	resultBanned // refused by a ban (ban), without a rate's decision
+	ResultAllowed = iota
+	ResultDenied
+	ResultError
+	ResultBadRequest
+	ResultLocal  // decided by this instance alone (fail_local)
+	ResultBanned // refused by a ban (ban), without a rate's decision
 )
 
 // Outcomes of a redis_fence check (caddy_redis_fence_writes_total).
 const (
-	fenceAdmitted = iota
-	fenceStale
-	fenceMalformed
-	fenceError
+	FenceAdmitted = iota
+	FenceStale
+	FenceMalformed
+	FenceError
 )
 
-var fenceResults = [...]string{"admitted", "stale", "malformed", "error"}
+var FenceResults = [...]string{"admitted", "stale", "malformed", "error"}
 
-func initMetrics() {
+func InitMetrics() {
 	metricsOnce.Do(func() {
 		h := []string{"handler"}
 		hr := []string{"handler", "result"}
-		fenceWritesVec = prometheus.NewCounterVec(prometheus.CounterOpts{
+		FenceWritesVec = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_fence_writes_total",
 			Help: "Writes checked by redis_fence: admitted, stale (a later holder wrote), malformed (missing, malformed or future token), error (Redis could not be asked: 503).",
 		}, hr)
@@ -83,15 +83,15 @@ func initMetrics() {
 			Name: "caddy_redis_lock_waiters",
 			Help: "Requests currently waiting for a redis_lock in this instance.",
 		}, h)
-		lockLostTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
+		LockLostTotal = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_lost_total",
 			Help: "Leases found lost by an extension while their request ran.",
 		}, h)
-		lockDelays = prometheus.NewCounterVec(prometheus.CounterOpts{
+		LockDelays = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_delays_total",
 			Help: "Leases of a redis_lock handler with lock_delay that ended without their holder's release, as this instance saw them (the key is then granted to nobody for lock_delay): lost (found lost by an extension, e.g. expired), abandoned (the client went away while the route ran), forced (force-released through the admin API).",
 		}, hr) // lost|abandoned|forced
-		lockReleaseFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
+		LockReleaseFailures = prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "caddy_redis_lock_release_failures_total",
 			Help: "Failed releases of held leases (and undos of acquisitions whose outcome is unknown); each is retried in the background. Acquires that Redis refused hold nothing and are never counted.",
 		}, h)
@@ -103,7 +103,7 @@ func initMetrics() {
 			Name: "caddy_redis_ratelimit_requests_total",
 			Help: "redis_ratelimit decisions.",
 		}, hr) // rateLimitResults
-		evictingServers = prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		EvictingServers = prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "caddy_redis_evicting_servers",
 			Help: "Redis servers the handler uses whose maxmemory-policy evicts keys (locks need noeviction).",
 		}, h)
@@ -121,16 +121,16 @@ func allVecs() []interface {
 	prometheus.Collector
 	DeletePartialMatch(prometheus.Labels) int
 } {
-	initMetrics()
+	InitMetrics()
 	return []interface {
 		prometheus.Collector
 		DeletePartialMatch(prometheus.Labels) int
-	}{lockAcquireSeconds, lockHeldSeconds, lockWaiters, lockLostTotal, lockDelays, lockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, evictingServers, fenceWritesVec}
+	}{lockAcquireSeconds, lockHeldSeconds, lockWaiters, LockLostTotal, LockDelays, LockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, EvictingServers, FenceWritesVec}
 }
 
 // registerMetrics registers the collectors with this config load's
 // registry (which may be nil); a collector already there is fine.
-func registerMetrics(ctx caddy.Context) error {
+func RegisterMetrics(ctx caddy.Context) error {
 	reg := ctx.GetMetricsRegistry()
 	vecs := allVecs()
 	if reg == nil {
@@ -147,54 +147,54 @@ func registerMetrics(ctx caddy.Context) error {
 	return nil
 }
 
-// lockSeries are one redis_lock handler's series.
-type lockSeries struct {
-	acquired, timeout, canceled, errored   prometheus.Observer
-	held                                   prometheus.Observer
-	waiters                                prometheus.Gauge
-	lost                                   prometheus.Counter
-	delayLost, delayAbandoned, delayForced prometheus.Counter // lock_delay began, by why
-	replayed, stored, notStored            prometheus.Counter
-	mismatch, inDoubt                      prometheus.Counter
+// LockSeries are one redis_lock handler's series.
+type LockSeries struct {
+	Acquired, Timeout, Canceled, Errored   prometheus.Observer
+	Held                                   prometheus.Observer
+	Waiters                                prometheus.Gauge
+	Lost                                   prometheus.Counter
+	DelayLost, DelayAbandoned, DelayForced prometheus.Counter // lock_delay began, by why
+	Replayed, Stored, NotStored            prometheus.Counter
+	Mismatch, InDoubt                      prometheus.Counter
 }
 
-func newLockSeries(label string) lockSeries {
-	initMetrics()
+func NewLockSeries(label string) LockSeries {
+	InitMetrics()
 	a := func(result string) prometheus.Observer { return lockAcquireSeconds.WithLabelValues(label, result) }
 	r := func(result string) prometheus.Counter { return lockReplays.WithLabelValues(label, result) }
-	lockReleaseFailures.WithLabelValues(label) // shown at 0 from the start
-	return lockSeries{
-		acquired: a("acquired"), timeout: a("timeout"), canceled: a("canceled"), errored: a("error"),
-		held:      lockHeldSeconds.WithLabelValues(label),
-		waiters:   lockWaiters.WithLabelValues(label),
-		lost:      lockLostTotal.WithLabelValues(label),
-		delayLost: lockDelays.WithLabelValues(label, "lost"), delayAbandoned: lockDelays.WithLabelValues(label, "abandoned"),
-		delayForced: lockDelays.WithLabelValues(label, "forced"),
-		replayed:    r("replayed"), stored: r("stored"), notStored: r("not_stored"), mismatch: r("mismatch"),
-		inDoubt: r("in_doubt"),
+	LockReleaseFailures.WithLabelValues(label) // shown at 0 from the start
+	return LockSeries{
+		Acquired: a("acquired"), Timeout: a("timeout"), Canceled: a("canceled"), Errored: a("error"),
+		Held:      lockHeldSeconds.WithLabelValues(label),
+		Waiters:   lockWaiters.WithLabelValues(label),
+		Lost:      LockLostTotal.WithLabelValues(label),
+		DelayLost: LockDelays.WithLabelValues(label, "lost"), DelayAbandoned: LockDelays.WithLabelValues(label, "abandoned"),
+		DelayForced: LockDelays.WithLabelValues(label, "forced"),
+		Replayed:    r("replayed"), Stored: r("stored"), NotStored: r("not_stored"), Mismatch: r("mismatch"),
+		InDoubt: r("in_doubt"),
 	}
 }
 
-// rateLimitSeries are one redis_ratelimit handler's series.
-type rateLimitSeries struct {
-	results [len(rateLimitResults)]prometheus.Counter // as rateLimitResults
-	waited  prometheus.Observer
+// RateLimitSeries are one redis_ratelimit handler's series.
+type RateLimitSeries struct {
+	Results [len(RateLimitResults)]prometheus.Counter // as RateLimitResults
+	Waited  prometheus.Observer
 }
 
-func newRateLimitSeries(label string) (s rateLimitSeries) {
-	initMetrics()
-	for i, result := range rateLimitResults {
-		s.results[i] = rateLimitTotal.WithLabelValues(label, result)
+func NewRateLimitSeries(label string) (s RateLimitSeries) {
+	InitMetrics()
+	for i, result := range RateLimitResults {
+		s.Results[i] = rateLimitTotal.WithLabelValues(label, result)
 	}
-	s.waited = rateLimitWaitedSeconds.WithLabelValues(label)
+	s.Waited = rateLimitWaitedSeconds.WithLabelValues(label)
 	return s
 }
 
 // newFenceSeries returns one redis_fence handler's counters, as fenceResults.
-func newFenceSeries(label string) (s [len(fenceResults)]prometheus.Counter) {
-	initMetrics()
-	for i, result := range fenceResults {
-		s[i] = fenceWritesVec.WithLabelValues(label, result)
+func NewFenceSeries(label string) (s [len(FenceResults)]prometheus.Counter) {
+	InitMetrics()
+	for i, result := range FenceResults {
+		s[i] = FenceWritesVec.WithLabelValues(label, result)
 	}
 	return s
 }
@@ -205,14 +205,14 @@ func newFenceSeries(label string) (s [len(fenceResults)]prometheus.Counter) {
 var labels = struct {
 	sync.Mutex
 	refs     map[string]int
-	checks   map[string]map[*serverCheck]int  // label → the server checks of its handlers' clients
-	evicting map[*serverCheck]map[string]bool // check → the addresses it found evicting
-}{refs: map[string]int{}, checks: map[string]map[*serverCheck]int{}, evicting: map[*serverCheck]map[string]bool{}}
+	checks   map[string]map[*redisconn.Check]int  // label → the server checks of its handlers' clients
+	evicting map[*redisconn.Check]map[string]bool // check → the addresses it found evicting
+}{refs: map[string]int{}, checks: map[string]map[*redisconn.Check]int{}, evicting: map[*redisconn.Check]map[string]bool{}}
 
 // labelClaim is one handler's hold on its label (see observeHandler).
-type labelClaim struct {
+type LabelClaim struct {
 	label   string
-	clients []*pooledClient
+	clients []*Client
 	kind    string
 	logger  *zap.Logger
 	once    sync.Once
@@ -223,43 +223,43 @@ type labelClaim struct {
 // the eviction gauge of the label counts the clients' evicting servers,
 // and the log lines of the clients' shared parts (the releaser, the
 // server checks, the batcher) go to logger. Cleanup calls release.
-func observeHandler(kind, label string, logger *zap.Logger, clients ...*pooledClient) *labelClaim {
-	initMetrics()
-	c := &labelClaim{label: label, clients: clients, kind: kind, logger: logger}
+func ObserveHandler(kind, label string, logger *zap.Logger, clients ...*Client) *LabelClaim {
+	InitMetrics()
+	c := &LabelClaim{label: label, clients: clients, kind: kind, logger: logger}
 	labels.Lock()
 	labels.refs[label]++
 	m := labels.checks[label]
 	if m == nil {
-		m = map[*serverCheck]int{}
+		m = map[*redisconn.Check]int{}
 		labels.checks[label] = m
 	}
 	for _, pc := range clients {
-		m[pc.check]++
+		m[pc.Check]++
 	}
 	setEvictingLocked(label)
 	labels.Unlock()
 	for _, pc := range clients {
-		pc.users.add(kind, label, logger)
+		pc.Users.add(kind, label, logger)
 	}
 	return c
 }
 
 // release gives the claim back (once; nil is fine): the label's series go
 // when no loaded handler has it any more.
-func (c *labelClaim) release() {
+func (c *LabelClaim) Release() {
 	if c == nil {
 		return
 	}
 	c.once.Do(func() {
 		for _, pc := range c.clients {
-			pc.users.remove(c.kind, c.label, c.logger)
+			pc.Users.remove(c.kind, c.label, c.logger)
 		}
 		labels.Lock()
 		defer labels.Unlock()
 		m := labels.checks[c.label]
 		for _, pc := range c.clients {
-			if m[pc.check]--; m[pc.check] <= 0 {
-				delete(m, pc.check)
+			if m[pc.Check]--; m[pc.Check] <= 0 {
+				delete(m, pc.Check)
 			}
 		}
 		if labels.refs[c.label]--; labels.refs[c.label] > 0 {
@@ -275,7 +275,7 @@ func (c *labelClaim) release() {
 }
 
 // labelLive reports whether a loaded handler has label.
-func labelLive(label string) bool {
+func LabelLive(label string) bool {
 	labels.Lock()
 	defer labels.Unlock()
 	return labels.refs[label] > 0
@@ -290,15 +290,15 @@ func setEvictingLocked(label string) {
 			addrs[a] = true
 		}
 	}
-	evictingServers.WithLabelValues(label).Set(float64(len(addrs)))
+	EvictingServers.WithLabelValues(label).Set(float64(len(addrs)))
 }
 
 // newLockServer makes the lock engine's server of a pooled client: its
 // log lines go to the handler they name (the releaser's), else to every
 // lock handler using the client; its failed releases to
 // caddy_redis_lock_release_failures_total of the lease's handler.
-func newLockServer(id string, conn *redisconn.Conn, users *clientUsers) *server {
-	s := lock.NewServer(id, conn, users.slogger("lock"))
+func newLockServer(id string, conn *redisconn.Conn, users *clientUsers) *lock.Server {
+	s := lock.NewServer(id, conn, users.Slogger("lock"))
 	s.OnReleaseFailure(countReleaseFailure)
 	return s
 }
@@ -308,25 +308,25 @@ func newLockServer(id string, conn *redisconn.Conn, users *clientUsers) *server 
 // (its release still retried after a reload) is not counted: its series
 // are gone, and counting would bring them back for good.
 func countReleaseFailure(handler string) {
-	initMetrics()
+	InitMetrics()
 	labels.Lock()
 	defer labels.Unlock()
 	if labels.refs[handler] > 0 {
-		lockReleaseFailures.WithLabelValues(handler).Inc()
+		LockReleaseFailures.WithLabelValues(handler).Inc()
 	}
 }
 
 // newServerCheck makes the server checks of one client (failover names a
 // Sentinel group's master), logging to every handler using the client and
 // reporting evicting servers to the handlers' gauges.
-func newServerCheck(users *clientUsers, failover string) *serverCheck {
-	return redisconn.NewCheck(redisconn.CheckOptions{Logger: users.slogger(""), Failover: failover, OnEvicting: markEvicting})
+func newServerCheck(users *clientUsers, failover string) *redisconn.Check {
+	return redisconn.NewCheck(redisconn.CheckOptions{Logger: users.Slogger(""), Failover: failover, OnEvicting: markEvicting})
 }
 
 // markEvicting records that sc found addr evicting (on) or no longer, and
 // updates the gauges of the labels whose handlers use sc.
-func markEvicting(sc *serverCheck, addr string, on bool) {
-	initMetrics()
+func markEvicting(sc *redisconn.Check, addr string, on bool) {
+	InitMetrics()
 	labels.Lock()
 	defer labels.Unlock()
 	if on {
@@ -345,4 +345,12 @@ func markEvicting(sc *serverCheck, addr string, on bool) {
 			setEvictingLocked(label)
 		}
 	}
+}
+
+// Evicting reports whether sc found addr with an evicting maxmemory-policy
+// (what the eviction gauges count).
+func Evicting(sc *redisconn.Check, addr string) bool {
+	labels.Lock()
+	defer labels.Unlock()
+	return labels.evicting[sc][addr]
 }

@@ -1,4 +1,4 @@
-package redisdlm
+package shared
 
 // Log lines of pooled parts. A pooled client and its parts (the lock
 // releaser and wake-up listener, the server checks, the rate-limit
@@ -118,8 +118,8 @@ func moduleLogger(kind string) string {
 	return "http.handlers.redis_lock"
 }
 
-// slogger returns the logger of a part serving handlers of kind ("": all).
-func (u *clientUsers) slogger(kind string) func() *slog.Logger {
+// Slogger returns the logger of a part serving handlers of kind ("": all).
+func (u *clientUsers) Slogger(kind string) func() *slog.Logger {
 	l := slog.New(&usersHandler{users: u, kind: kind})
 	return func() *slog.Logger { return l }
 }
@@ -170,7 +170,7 @@ func (h *usersHandler) Handle(ctx context.Context, r slog.Record) error {
 		loggers = []*zap.Logger{caddy.Log().Named(moduleLogger(fallbackKind))}
 	}
 	for _, lg := range loggers {
-		var out slog.Handler = slogFor(lg).Handler()
+		var out slog.Handler = SlogFor(lg).Handler()
 		for _, op := range h.ops {
 			out = op(out)
 		}

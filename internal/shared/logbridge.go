@@ -1,4 +1,4 @@
-package redisdlm
+package shared
 
 import (
 	"context"
@@ -15,7 +15,7 @@ import (
 // with the same message, level, logger name and fields.
 
 // slogFor returns a slog.Logger that writes to z.
-func slogFor(z *zap.Logger) *slog.Logger {
+func SlogFor(z *zap.Logger) *slog.Logger {
 	return slog.New(&zapHandler{core: z.Core(), name: z.Name()})
 }
 
@@ -95,9 +95,9 @@ func appendField(fields []zapcore.Field, prefix string, a slog.Attr) []zapcore.F
 }
 
 // warnings keeps repeated warnings out of the logs (internal/throttle).
-type warnings = throttle.Warnings
+type Warnings = throttle.Warnings
 
-func newWarnings(every time.Duration) *warnings { return throttle.New(every) }
+func NewWarnings(every time.Duration) *Warnings { return throttle.New(every) }
 
 // zapLevel maps a slog level to zap's.
 func zapLevel(l slog.Level) zapcore.Level {

@@ -1,4 +1,4 @@
-package redisdlm
+package shared
 
 // Caddy events (the events app): redis_lock_lost, redis_lock_forced,
 // rate_limit_exceeded, rate_limit_banned. Any handler module of Caddy's events.handlers
@@ -25,33 +25,33 @@ const (
 
 // emitter emits a handler's events through the handler's own context, so
 // their origin is the handler's module.
-type emitter struct {
+type Emitter struct {
 	ctx caddy.Context
 	app *caddyevents.App // nil: no events app (a module provisioned alone)
 }
 
 // newEmitter finds the events app of the handler's config; without one
 // configured nothing subscribes, and nothing is emitted.
-func newEmitter(ctx caddy.Context) (e emitter) {
+func NewEmitter(ctx caddy.Context) (e Emitter) {
 	// A module provisioned outside a loaded config (from Go code, as the
 	// tests do) has a Context without a config, on which looking up an app
 	// panics: it then has no events app.
 	defer func() {
 		if recover() != nil {
-			e = emitter{}
+			e = Emitter{}
 		}
 	}()
 	if a, err := ctx.AppIfConfigured("events"); err == nil {
 		if app, ok := a.(*caddyevents.App); ok {
-			return emitter{ctx: ctx, app: app}
+			return Emitter{ctx: ctx, app: app}
 		}
 	}
-	return emitter{}
+	return Emitter{}
 }
 
 // emit sends the event when something can observe it; data is built only
 // then.
-func (e emitter) emit(name string, data func() map[string]any) {
+func (e Emitter) Emit(name string, data func() map[string]any) {
 	if e.app == nil || !e.app.ShouldEmit(name) {
 		return
 	}
@@ -60,9 +60,9 @@ func (e emitter) emit(name string, data func() map[string]any) {
 
 // eventKey is a rendered key as events carry it: hashed when the key is
 // stored hashed (long, or with braces), as in Redis.
-func eventKey(rendered string) string {
-	if len(rendered) > maxKeyLen || strings.ContainsAny(rendered, "{}") || strings.HasPrefix(rendered, "sha256:") {
-		return keyHash(rendered)
+func EventKey(rendered string) string {
+	if len(rendered) > MaxKeyLen || strings.ContainsAny(rendered, "{}") || strings.HasPrefix(rendered, "sha256:") {
+		return KeyHash(rendered)
 	}
 	return rendered
 }

@@ -1,18 +1,12 @@
-// Package redisdlm provides two Caddy HTTP handlers backed by Redis:
-//
-//   - http.handlers.redis_lock serialises requests per key with a distributed
-//     lock (single Redis server or a Redlock quorum), hands the upstream a
-//     fencing token and releases the lock when the response is done.
-//   - http.handlers.redis_ratelimit admits or rejects requests against per-key
-//     limits kept in Redis, exact across every Caddy instance sharing it.
-//
-// The files and what each holds are described once, in docs/design.md
-// ("Code layout"); the user documentation starts at README.md.
-//
-// This file holds what both handlers share: the Redis connection settings
-// (resolved into internal/redisconn's) and the pool of clients (one per
-// identical settings, shared across handlers and config reloads).
-package redisdlm
+// Package shared holds the Caddy-side pieces every redisdlm handler module
+// uses: the Redis connection settings and the pool of clients shared across
+// handlers and config reloads, key templates and their rendering, metrics
+// registration and the series of each handler, events, the log bridges, the
+// Caddyfile options the directives share, and the registry the admin API
+// reads. It imports the engines (internal/lock, internal/ratelimit,
+// internal/redisconn) to build what a pooled client holds; no handler
+// module imports another, they all import this package.
+package shared
 
 import (
 	"context"
@@ -22,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddyserver/caddy/v2"
@@ -97,7 +92,7 @@ type RedisConfig struct {
 // validate checks the settings without dialing. allowRedlock accepts
 // several independent `redis` servers (redis_lock); otherwise exactly one
 // logical Redis is accepted (redis_ratelimit).
-func (c *RedisConfig) validate(allowRedlock bool) error {
+func (c *RedisConfig) Validate(allowRedlock bool) error {
 	modes := 0
 	if len(c.Addresses) > 0 {
 		modes++
@@ -152,24 +147,16 @@ func (c *RedisConfig) validate(allowRedlock bool) error {
 	return nil
 }
 
-// serverSettings is the resolved connection of one logical Redis (one
-// server, one cluster or one sentinel group); its JSON form is the pool key.
-type serverSettings = redisconn.Settings
-
-// serverCheck checks each server one client connects to (version,
-// maxmemory-policy).
-type serverCheck = redisconn.Check
-
 // resolve replaces placeholders ({env.*} and other global ones) and returns
-// one serverSettings per logical Redis: several for a Redlock quorum, one
+// one redisconn.Settings per logical Redis: several for a Redlock quorum, one
 // otherwise.
-func (c *RedisConfig) resolve() ([]serverSettings, error) {
+func (c *RedisConfig) Resolve() ([]redisconn.Settings, error) {
 	repl := caddy.NewReplacer()
 	timeout := time.Duration(c.Timeout)
 	if timeout == 0 {
 		timeout = DefaultTimeout
 	}
-	base := serverSettings{
+	base := redisconn.Settings{
 		Username: repl.ReplaceAll(c.Username, ""),
 		Password: repl.ReplaceAll(c.Password, ""),
 		DB:       c.DB,
@@ -206,7 +193,7 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		s := base
 		s.Mode, s.Addrs = "cluster", hostports
 		urls.Apply(&s)
-		return []serverSettings{s}, nil
+		return []redisconn.Settings{s}, nil
 	case len(c.Sentinels) > 0:
 		addrs, err := replAll(c.Sentinels)
 		if err != nil {
@@ -219,7 +206,7 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		s := base
 		s.Mode, s.Addrs, s.Master = "sentinel", hostports, repl.ReplaceAll(c.SentinelMaster, "")
 		urls.Apply(&s)
-		return []serverSettings{s}, nil
+		return []redisconn.Settings{s}, nil
 	}
 	list := c.Addresses
 	if len(list) == 0 {
@@ -233,7 +220,7 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 		// Only placeholders can get here: validate saw the literal ones.
 		return nil, fmt.Errorf("%w (once placeholders were replaced)", redisconn.DuplicateServerError(addrs[i], addrs[j]))
 	}
-	out := make([]serverSettings, len(addrs))
+	out := make([]redisconn.Settings, len(addrs))
 	for i, a := range addrs {
 		s := base
 		s.Mode, s.Addrs = "single", []string{a}
@@ -244,18 +231,18 @@ func (c *RedisConfig) resolve() ([]serverSettings, error) {
 
 // clientPool shares one client per identical settings across handlers and
 // config reloads; the last user's Cleanup closes it.
-var clientPool = caddy.NewUsagePool()
+var ClientPool = caddy.NewUsagePool()
 
 // pooledClient is one shared Redis client plus what must outlive a config
 // reload with it: the lock engine's server (with its Pub/Sub wake-up
 // listener) and the rate limiter's pipeline batcher and breaker.
-type pooledClient struct {
-	settings serverSettings
-	client   redis.UniversalClient
-	conn     *redisconn.Conn // the client's users, shared by both engines
-	lock     *server
-	check    *serverCheck // version and maxmemory-policy, per server
-	users    *clientUsers // the handlers using it, for its parts' log lines
+type Client struct {
+	Settings redisconn.Settings
+	Redis    redis.UniversalClient
+	Conn     *redisconn.Conn  // the client's users, shared by both engines
+	Lock     *lock.Server     // the lock engine's server (releaser, wake-ups, pipe)
+	Check    *redisconn.Check // version, maxmemory-policy and process, per server
+	Users    *clientUsers     // the handlers using it, for its parts' log lines
 
 	mu     sync.Mutex
 	rl     *ratelimit.Batcher        // made by the first rate-limit call
@@ -263,11 +250,17 @@ type pooledClient struct {
 	closed bool                      // no new batcher: the client is closed
 }
 
+// ForgetterOf makes what a client's rate-limit reset listener tells of
+// the resets, bans and resubscriptions it hears: the rate-limit handler
+// module sets it (its handlers on the client keep the deny caches and
+// local limiters those reach).
+var ForgetterOf = func(*Client) ratelimit.Forgetter { return nil }
+
 // destructGrace is how long a client whose last handler went away stays
 // open for requests of the old config still on their way to a lock or a
 // limit (a reload's old servers finish their requests after Cleanup). A
 // var only so that tests can shorten it.
-var destructGrace = 10 * time.Second
+var DestructGrace = 10 * time.Second
 
 // Destruct implements caddy.Destructor: it runs when the last handler using
 // this client has been cleaned up.
@@ -276,9 +269,9 @@ var destructGrace = 10 * time.Second
 // limit call or background release of an old config uses it any more: a
 // reload that changes the connection settings must not cut off a request
 // of the old config, still in an earlier handler or holding a lock.
-func (p *pooledClient) Destruct() error {
-	time.AfterFunc(destructGrace, func() {
-		p.lock.CloseWhenIdle(func() {
+func (p *Client) Destruct() error {
+	time.AfterFunc(DestructGrace, func() {
+		p.Lock.CloseWhenIdle(func() {
 			p.mu.Lock()
 			p.closed = true
 			rl, forget := p.rl, p.forget
@@ -287,8 +280,8 @@ func (p *pooledClient) Destruct() error {
 				rl.Close()
 				forget.Close()
 			}
-			p.check.Close()
-			_ = p.client.Close()
+			p.Check.Close()
+			_ = p.Redis.Close()
 		})
 	})
 	return nil
@@ -298,25 +291,25 @@ func (p *pooledClient) Destruct() error {
 // into one pipeline, answered within the client's timeout (or when ctx
 // ends), and refused at once while the breaker is open. obs is the
 // calling handler's: the batcher outlives configs, its log lines do not.
-func (p *pooledClient) rateLimit(ctx context.Context, c *ratelimit.Call, obs ratelimit.Observer) ([]int64, error) {
+func (p *Client) RateLimit(ctx context.Context, c *ratelimit.Call, obs ratelimit.Observer) ([]int64, error) {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		return nil, ratelimit.ErrBatcherDone
 	}
 	if p.rl == nil {
-		p.rl = ratelimit.NewBatcher(p.client, ratelimit.Options{Workers: ratelimit.Workers, Logger: p.users.slogger("rl")})
-		p.forget = ratelimit.ListenForget(p.client, resetForgetter{p}, p.check.Restarts, p.users.slogger("rl"))
+		p.rl = ratelimit.NewBatcher(p.Redis, ratelimit.Options{Workers: ratelimit.Workers, Logger: p.Users.Slogger("rl")})
+		p.forget = ratelimit.ListenForget(p.Redis, ForgetterOf(p), p.Check.Restarts, p.Users.Slogger("rl"))
 	}
 	b := p.rl
 	p.mu.Unlock()
-	p.conn.Use() // the client stays open until the call (a settle too) is over
-	defer p.conn.Unuse()
-	return b.Do(ctx, c, p.settings.Timeout, obs)
+	p.Conn.Use() // the client stays open until the call (a settle too) is over
+	defer p.Conn.Unuse()
+	return b.Do(ctx, c, p.Settings.Timeout, obs)
 }
 
 // batcher returns the rate-limit batcher if one was made (for tests).
-func (p *pooledClient) batcher() *ratelimit.Batcher {
+func (p *Client) Batcher() *ratelimit.Batcher {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.rl
@@ -324,9 +317,9 @@ func (p *pooledClient) batcher() *ratelimit.Batcher {
 
 // acquireClient returns the shared client for s, creating it when needed.
 // The caller must call releaseClient with the same key in Cleanup.
-func acquireClient(s serverSettings) (*pooledClient, string, error) {
+func AcquireClient(s redisconn.Settings) (*Client, string, error) {
 	key := s.PoolKey()
-	val, _, err := clientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
+	val, _, err := ClientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
 		users := new(clientUsers)
 		check := newServerCheck(users, s.Display()) // names a Sentinel group's master
 		c, err := s.NewClient(check)
@@ -334,26 +327,26 @@ func acquireClient(s serverSettings) (*pooledClient, string, error) {
 			return nil, err
 		}
 		conn := redisconn.NewConn(c, s.Timeout)
-		return &pooledClient{settings: s, client: c, conn: conn, lock: newLockServer(key, conn, users), check: check, users: users}, nil
+		return &Client{Settings: s, Redis: c, Conn: conn, Lock: newLockServer(key, conn, users), Check: check, Users: users}, nil
 	})
 	if err != nil {
 		return nil, "", err
 	}
-	return val.(*pooledClient), key, nil
+	return val.(*Client), key, nil
 }
 
 // acquireOne takes the shared client of a handler that uses one logical
 // Redis (a server, a Cluster or a Sentinel); dir names the directive in
 // errors. The caller gives the key back with releaseClient.
-func (c *RedisConfig) acquireOne(dir string) (*pooledClient, string, time.Duration, error) {
-	servers, err := c.resolve()
+func (c *RedisConfig) AcquireOne(dir string) (*Client, string, time.Duration, error) {
+	servers, err := c.Resolve()
 	if err != nil {
 		return nil, "", 0, fmt.Errorf("%s: %w", dir, err)
 	}
 	if len(servers) != 1 {
 		return nil, "", 0, fmt.Errorf("%s: redis: %d servers given, but this handler takes exactly one logical Redis", dir, len(servers))
 	}
-	pc, key, err := acquireClient(servers[0])
+	pc, key, err := AcquireClient(servers[0])
 	if err != nil {
 		return nil, "", 0, fmt.Errorf("%s: loading redis client: %w", dir, err)
 	}
@@ -361,40 +354,24 @@ func (c *RedisConfig) acquireOne(dir string) (*pooledClient, string, time.Durati
 }
 
 // releaseClient gives back a client taken with acquireClient.
-func releaseClient(key string) {
+func ReleaseClient(key string) {
 	if key != "" {
-		_, _ = clientPool.Delete(key)
+		_, _ = ClientPool.Delete(key)
 	}
 }
 
 // retryAfterSeconds renders a wait as a Retry-After value: whole seconds,
 // rounded up, at least 1.
-func retryAfterSeconds(d time.Duration) int64 {
-	if s := ceilSeconds(d); s > 1 {
+func RetryAfterSeconds(d time.Duration) int64 {
+	if s := CeilSeconds(d); s > 1 {
 		return s
 	}
 	return 1
 }
 
-// checkIPPrefix checks an ip_prefix: none, or IPv4 bits 1-32 and IPv6
-// bits 1-128.
-func checkIPPrefix(p []int) error {
-	switch {
-	case len(p) == 0:
-		return nil
-	case len(p) != 2:
-		return fmt.Errorf("want [IPv4 bits, IPv6 bits], got %d numbers", len(p))
-	case p[0] < 1 || p[0] > 32:
-		return fmt.Errorf("IPv4 bits must be 1-32, got %d (0 would put every client in one bucket)", p[0])
-	case p[1] < 1 || p[1] > 128:
-		return fmt.Errorf("IPv6 bits must be 1-128, got %d (0 would put every client in one bucket)", p[1])
-	}
-	return nil
-}
-
 // jittered raises d by a random share of it, up to fraction f (0: d as
 // it is), so rejected clients do not retry in step.
-func jittered(d time.Duration, f float64) time.Duration {
+func Jittered(d time.Duration, f float64) time.Duration {
 	if f <= 0 || d <= 0 {
 		return d
 	}
@@ -402,7 +379,7 @@ func jittered(d time.Duration, f float64) time.Duration {
 }
 
 // ceilSeconds rounds d up to whole seconds (0 for d <= 0).
-func ceilSeconds(d time.Duration) int64 {
+func CeilSeconds(d time.Duration) int64 {
 	if d <= 0 {
 		return 0
 	}
