@@ -162,10 +162,12 @@ func TestAdminQuotaPlansOnCluster(t *testing.T) {
 	})
 	call := func(method, id string) (int, string) {
 		w := httptest.NewRecorder()
-		f := inspectQuota
+		f := func(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
+			return h.inspectQuota(w, r, key)
+		}
 		if method == "DELETE" {
 			f = func(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
-				return resetQuota(w, r, h, []*RedisRateLimit{h}, key)
+				return h.resetQuota(w, r, []*RedisRateLimit{h}, key)
 			}
 		}
 		err := f(w, httptest.NewRequest(method, "/", nil), rl, id)
@@ -224,9 +226,9 @@ func TestAdminQuotaPlansIndex(t *testing.T) {
 		req := httptest.NewRequest(method, "/", nil)
 		var err error
 		if method == "DELETE" {
-			err = resetQuota(w, req, rl, []*RedisRateLimit{rl}, id)
+			err = rl.resetQuota(w, req, []*RedisRateLimit{rl}, id)
 		} else {
-			err = inspectQuota(w, req, rl, id)
+			err = rl.inspectQuota(w, req, id)
 		}
 		var ae caddy.APIError
 		if errors.As(err, &ae) {

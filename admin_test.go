@@ -625,13 +625,13 @@ func TestAdminOnCluster(t *testing.T) {
 			t.Fatal(err)
 		}
 		status, body := call("GET", key, func(w http.ResponseWriter, r *http.Request) error {
-			return inspectLock(w, r, &adminEntry{lock: h}, key)
+			return h.inspectLock(w, r, &shared.AdminEntry{Handler: h}, key)
 		})
 		if status != 200 || !strings.Contains(body, `"holder_count": 1`) || !strings.Contains(body, `"held": true`) {
 			t.Errorf("inspect %s on a cluster: %d %s", key, status, body)
 		}
 		status, body = call("POST", key, func(w http.ResponseWriter, r *http.Request) error {
-			return releaseLock(w, r, &adminEntry{lock: h}, key)
+			return h.releaseLock(w, r, &shared.AdminEntry{Handler: h}, key)
 		})
 		if status != 200 || !strings.Contains(body, `"holders_removed": 1`) {
 			t.Errorf("release %s on a cluster: %d %s", key, status, body)
@@ -651,17 +651,17 @@ func TestAdminOnCluster(t *testing.T) {
 		if _, err := rl.decide(ctx, id, &rl.static); err != nil {
 			t.Fatal(err)
 		}
-		status, body := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) })
+		status, body := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return rl.inspectQuota(w, r, id) })
 		if status != 200 || !strings.Contains(body, `"remaining": 2`) {
 			t.Errorf("quota of %s on a cluster: %d %s", id, status, body)
 		}
 		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error {
-			return resetQuota(w, r, rl, []*RedisRateLimit{rl}, id)
+			return rl.resetQuota(w, r, []*RedisRateLimit{rl}, id)
 		})
 		if status != 200 {
 			t.Errorf("reset of %s on a cluster: %d %s", id, status, body)
 		}
-		if status, _ := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return inspectQuota(w, r, rl, id) }); status != 404 {
+		if status, _ := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return rl.inspectQuota(w, r, id) }); status != 404 {
 			t.Errorf("quota of %s after its reset: %d, want 404", id, status)
 		}
 	}
@@ -683,7 +683,7 @@ func TestAdminLockReplayView(t *testing.T) {
 	inspect := func(key string) (map[string]any, string) {
 		t.Helper()
 		w := httptest.NewRecorder()
-		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), &adminEntry{lock: h}, key); err != nil {
+		if err := h.inspectLock(w, httptest.NewRequest("GET", "/", nil), &shared.AdminEntry{Handler: h}, key); err != nil {
 			t.Fatalf("inspect %s: %v", key, err)
 		}
 		var m map[string]any
@@ -739,34 +739,13 @@ func TestAdminInspectAcrossUnregister(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer ls.Release()
-	var e *adminEntry // what findHandler found, just before the Cleanup
-	adminRegistry.mu.Lock()
-	for _, x := range adminRegistry.entries {
-		if x.lock == h {
-			e = x
-		}
-	}
-	adminRegistry.mu.Unlock()
-	if e == nil || len(e.servers) != 1 {
-		t.Fatalf("handler not registered: %+v", e)
-	}
-	adminUnregister(h) // what the old config's Cleanup does first
+	e := &shared.AdminEntry{Handler: h, Servers: []string{r.Addr}} // what FindHandler found, just before the Cleanup
+	shared.UnregisterAdmin(h)                                      // what the old config's Cleanup does first
 	w := httptest.NewRecorder()
-	if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), e, "k"); err != nil || !strings.Contains(w.Body.String(), `"held": true`) {
+	if err := h.inspectLock(w, httptest.NewRequest("GET", "/", nil), e, "k"); err != nil || !strings.Contains(w.Body.String(), `"held": true`) {
 		t.Fatalf("inspect after unregister: %v %s", err, w.Body.String())
 	}
 	fanOut(t.Context(), lockClients(h), time.Second, func(ctx context.Context, i int, c redis.UniversalClient) {
 		panic("a bug in one call")
 	})
-}
-
-// TestAdminServerNaturalOrder: handler positions follow the servers in
-// natural order (srv2 before srv10), as SPEC §8 says.
-func TestAdminServerNaturalOrder(t *testing.T) {
-	t.Parallel()
-	names := []string{"srv10", "srv2", "srv1", "api", "srv0", "srv"}
-	slices.SortStableFunc(names, naturalCompare)
-	if got := strings.Join(names, " "); got != "api srv srv0 srv1 srv2 srv10" {
-		t.Fatalf("order %q", got)
-	}
 }

@@ -137,7 +137,7 @@ func TestLockDelayAfterForceRelease(t *testing.T) {
 		waitQueued(t, h, key)
 		released := time.Now()
 		rec := httptest.NewRecorder()
-		if err := releaseLock(rec, httptest.NewRequest("POST", "/redisdlm/locks/0/%2Fforced/release", nil), &adminEntry{lock: h}, "/forced"); err != nil || rec.Code != 200 {
+		if err := h.releaseLock(rec, httptest.NewRequest("POST", "/redisdlm/locks/0/%2Fforced/release", nil), &shared.AdminEntry{Handler: h}, "/forced"); err != nil || rec.Code != 200 {
 			t.Fatalf("force release: %v %d %s", err, rec.Code, rec.Body)
 		}
 		if s := <-status; s != 200 {

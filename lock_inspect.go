@@ -119,21 +119,12 @@ func lockTimeout(h *RedisLock) time.Duration {
 	return shared.DefaultTimeout
 }
 
-// handlerRef names a handler in answers and logs.
-func handlerRef(name string) string {
-	if name != "" {
-		return name
-	}
-	return "(unnamed)"
-}
-
-func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
-	h := e.lock
+func (h *RedisLock) inspectLock(w http.ResponseWriter, r *http.Request, e *shared.AdminEntry, key string) error {
 	if key == "" {
-		return adminError(http.StatusBadRequest, "empty lock key")
+		return shared.AdminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := shared.StoredKey(h.Prefix, key)
-	v := lockView{Handler: handlerRef(h.Name), Key: key, RedisKey: rk}
+	v := lockView{Handler: shared.HandlerRef(h.Name), Key: key, RedisKey: rk}
 	v.WaitersHere, v.HeldHere = lockLocal(h, rk)
 	clients := lockClients(h)
 	v.Servers = make([]lockServerView, len(clients))
@@ -141,7 +132,7 @@ func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	var mu sync.Mutex
 	withHolders := 0
 	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		sv := lockServerView{Server: e.serverName(i), Holders: []holderView{}}
+		sv := lockServerView{Server: e.ServerName(i), Holders: []holderView{}}
 		res, err := adminLockInspectScript.Run(ctx, c,
 			[]string{rk, lock.FenceKey(rk), lock.WaitqKey(rk), lock.ReplayKey(rk)}, lockInstanceID(h)).Slice()
 		if err == nil {
@@ -165,12 +156,12 @@ func inspectLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	if !found {
 		for _, s := range v.Servers {
 			if s.Error != "" {
-				return adminError(http.StatusBadGateway, "redis %s: %s", s.Server, s.Error)
+				return shared.AdminError(http.StatusBadGateway, "redis %s: %s", s.Server, s.Error)
 			}
 		}
-		return adminError(http.StatusNotFound, "no lock state for key %q (Redis key %s)", key, rk)
+		return shared.AdminError(http.StatusNotFound, "no lock state for key %q (Redis key %s)", key, rk)
 	}
-	return writeJSON(w, v)
+	return shared.WriteJSON(w, v)
 }
 
 // fill reads the inspect script's answer:
@@ -234,10 +225,9 @@ func newReplayView(typ, head string, size int64) *replayView {
 // gets the key for the delay. An old holder's next
 // extension then finds its lease lost (the key's fencing counter is still
 // there, so no extension re-creates the lease) and on_lost applies.
-func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
-	h := e.lock
+func (h *RedisLock) releaseLock(w http.ResponseWriter, r *http.Request, e *shared.AdminEntry, key string) error {
 	if key == "" {
-		return adminError(http.StatusBadRequest, "empty lock key")
+		return shared.AdminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := shared.StoredKey(h.Prefix, key)
 	clients := lockClients(h)
@@ -263,20 +253,20 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 		Key      string         `json:"key"`
 		RedisKey string         `json:"redis_key"`
 		Servers  []serverResult `json:"servers"`
-	}{Handler: handlerRef(h.Name), Key: key, RedisKey: rk}
+	}{Handler: shared.HandlerRef(h.Name), Key: key, RedisKey: rk}
 	failed := 0
 	for i := range clients {
 		total += removed[i]
 		if errs[i] != "" {
 			failed++
 		}
-		out.Servers = append(out.Servers, serverResult{Server: e.serverName(i), Removed: removed[i], Error: errs[i]})
+		out.Servers = append(out.Servers, serverResult{Server: e.ServerName(i), Removed: removed[i], Error: errs[i]})
 	}
 	if total == 0 {
 		if failed > 0 {
-			return adminError(http.StatusBadGateway, "releasing %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
+			return shared.AdminError(http.StatusBadGateway, "releasing %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
 		}
-		return adminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
+		return shared.AdminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
 	}
 	if h.LockDelay > 0 {
 		h.m.DelayForced.Inc()
@@ -286,16 +276,15 @@ func releaseLock(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 	h.events.Emit(shared.EventLockForced, func() map[string]any { // through the target handler's own context
 		return map[string]any{"handler": h.label, "key": shared.EventKey(key), "reason": "force-released through the admin API", "holders_removed": total}
 	})
-	return writeJSON(w, out)
+	return shared.WriteJSON(w, out)
 }
 
 // clearReplay deletes a lock key's run record and stored answer on every
 // server: a key left in doubt (its run's outcome unknown) may be run again
 // by the next request, and a stored answer is no longer replayed.
-func clearReplay(w http.ResponseWriter, r *http.Request, e *adminEntry, key string) error {
-	h := e.lock
+func (h *RedisLock) clearReplay(w http.ResponseWriter, r *http.Request, e *shared.AdminEntry, key string) error {
 	if key == "" {
-		return adminError(http.StatusBadRequest, "empty lock key")
+		return shared.AdminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := shared.StoredKey(h.Prefix, key)
 	clients := lockClients(h)
@@ -316,16 +305,51 @@ func clearReplay(w http.ResponseWriter, r *http.Request, e *adminEntry, key stri
 		}
 	}
 	if failed > 0 {
-		return adminError(http.StatusBadGateway, "clearing the replay state of %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
+		return shared.AdminError(http.StatusBadGateway, "clearing the replay state of %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
 	}
 	if total == 0 {
-		return adminError(http.StatusNotFound, "no run record or stored answer for lock key %q (Redis key %s)", key, rk)
+		return shared.AdminError(http.StatusNotFound, "no run record or stored answer for lock key %q (Redis key %s)", key, rk)
 	}
 	h.logger.Warn("replay state cleared through the admin API: the next request with the key runs the route", zap.String("key", key))
-	return writeJSON(w, struct {
+	return shared.WriteJSON(w, struct {
 		Handler  string `json:"handler"`
 		Key      string `json:"key"`
 		RedisKey string `json:"redis_key"`
 		Cleared  bool   `json:"cleared"`
-	}{handlerRef(h.Name), key, rk, true})
+	}{shared.HandlerRef(h.Name), key, rk, true})
+}
+
+// AdminKind, AdminName, AdminView and ServeAdmin are the handler's side of
+// the admin API (internal/shared's registry, the redisadmin module).
+func (h *RedisLock) AdminKind() string { return "redis_lock" }
+
+func (h *RedisLock) AdminName() string { return h.Name }
+
+func (h *RedisLock) AdminView(v *shared.HandlerView) { v.Prefix, v.Keys = h.Prefix, h.Keys }
+
+// ServeAdmin answers GET .../<key> (the lock's state), POST
+// .../<key>/release (force release) and DELETE .../<key>/replay (clear the
+// run record and stored answer).
+func (h *RedisLock) ServeAdmin(w http.ResponseWriter, r *http.Request, e *shared.AdminEntry, key, sub string) error {
+	allowed := ""
+	switch sub {
+	case "":
+		if r.Method == http.MethodGet {
+			return h.inspectLock(w, r, e, key)
+		}
+		allowed = "GET (POST .../release frees the lock)"
+	case "release":
+		if r.Method == http.MethodPost {
+			return h.releaseLock(w, r, e, key)
+		}
+		allowed = "POST"
+	case "replay":
+		if r.Method == http.MethodDelete {
+			return h.clearReplay(w, r, e, key)
+		}
+		allowed = "DELETE"
+	default:
+		return shared.AdminError(http.StatusNotFound, "no such redisdlm admin resource %q; see GET /redisdlm/", r.URL.Path)
+	}
+	return shared.AdminError(http.StatusMethodNotAllowed, "method %s not allowed; use %s", r.Method, allowed)
 }

@@ -368,7 +368,7 @@ func (h *RedisLock) Provision(ctx caddy.Context) error {
 		LockDelay:    time.Duration(h.LockDelay),
 		Handler:      h.label,
 	}, shared.SlogFor(h.logger))
-	if err := adminRegister(ctx, h); err != nil {
+	if err := shared.RegisterAdmin(ctx, h, &h.RedisConfig); err != nil {
 		return err
 	}
 	h.hook = afterResponse.hookServer(ctx) // last: Cleanup undoes it
@@ -528,7 +528,7 @@ func validHeaderName(s string) bool {
 
 // Cleanup gives back what Provision took (also after a failed Provision).
 func (h *RedisLock) Cleanup() error {
-	adminUnregister(h)
+	shared.UnregisterAdmin(h)
 	if h.locker != nil {
 		h.locker.Close()
 	}

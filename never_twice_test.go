@@ -167,7 +167,7 @@ func TestAdminInDoubt(t *testing.T) {
 	inspect := func() (map[string]any, string) {
 		t.Helper()
 		w := httptest.NewRecorder()
-		if err := inspectLock(w, httptest.NewRequest("GET", "/", nil), &adminEntry{lock: h}, "u:k"); err != nil {
+		if err := h.inspectLock(w, httptest.NewRequest("GET", "/", nil), &shared.AdminEntry{Handler: h}, "u:k"); err != nil {
 			t.Fatalf("inspect: %v", err)
 		}
 		var m map[string]any
@@ -191,7 +191,7 @@ func TestAdminInDoubt(t *testing.T) {
 		t.Fatalf("a duplicate while in doubt: %d, want 409", st)
 	}
 	w := httptest.NewRecorder()
-	if err := clearReplay(w, httptest.NewRequest("DELETE", "/", nil), &adminEntry{lock: h}, "u:k"); err != nil || !strings.Contains(w.Body.String(), `"cleared": true`) {
+	if err := h.clearReplay(w, httptest.NewRequest("DELETE", "/", nil), &shared.AdminEntry{Handler: h}, "u:k"); err != nil || !strings.Contains(w.Body.String(), `"cleared": true`) {
 		t.Fatalf("DELETE .../replay: %v %s", err, w.Body.String())
 	}
 	if sv, body := inspect(); sv["in_doubt"] != false {
@@ -201,7 +201,7 @@ func TestAdminInDoubt(t *testing.T) {
 		t.Fatalf("the request after the clear: %d, %d runs; want 201 and the route run again", st, calls.Load())
 	}
 	w = httptest.NewRecorder()
-	err := clearReplay(w, httptest.NewRequest("DELETE", "/", nil), &adminEntry{lock: h}, "never")
+	err := h.clearReplay(w, httptest.NewRequest("DELETE", "/", nil), &shared.AdminEntry{Handler: h}, "never")
 	if ae, ok := err.(caddy.APIError); !ok || ae.HTTPStatus != http.StatusNotFound {
 		t.Fatalf("DELETE .../replay of a key with nothing: %v, want 404", err)
 	}

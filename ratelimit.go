@@ -398,7 +398,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		h.deny = h.newDenyCache()
 	}
 	h.announced = h.newDenyCache()
-	if err := adminRegister(ctx, h); err != nil {
+	if err := shared.RegisterAdmin(ctx, h, &h.RedisConfig); err != nil {
 		return err
 	}
 	if h.FailLocal {
@@ -523,7 +523,7 @@ func checkRate(n int64, window time.Duration, algo string) error {
 // Cleanup releases the shared client of this handler (only what Provision
 // acquired).
 func (h *RedisRateLimit) Cleanup() error {
-	adminUnregister(h)
+	shared.UnregisterAdmin(h)
 	unregisterResets(h)
 	h.obs.Release()
 	h.releaseLocal()

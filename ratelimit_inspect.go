@@ -17,6 +17,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"go.uber.org/zap"
 )
 
@@ -337,27 +338,27 @@ func (h *RedisRateLimit) peekBan(ctx context.Context, id string) (until time.Tim
 	return now.Val().Add(left), left, nil
 }
 
-func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
+func (h *RedisRateLimit) inspectQuota(w http.ResponseWriter, r *http.Request, key string) error {
 	if key == "" {
-		return adminError(http.StatusBadRequest, "empty rate limit key")
+		return shared.AdminError(http.StatusBadRequest, "empty rate limit key")
 	}
 	id := adminLimitID(r, key)
 	views, keys, complete, found, err := h.peekQuota(r.Context(), id)
 	if err != nil {
-		return adminError(http.StatusBadGateway, "reading the quota of %q: %v", key, err)
+		return shared.AdminError(http.StatusBadGateway, "reading the quota of %q: %v", key, err)
 	}
 	banUntil, banLeft, err := h.peekBan(r.Context(), id)
 	if err != nil {
-		return adminError(http.StatusBadGateway, "reading the ban of %q: %v", key, err)
+		return shared.AdminError(http.StatusBadGateway, "reading the ban of %q: %v", key, err)
 	}
 	if !found && banLeft == 0 {
-		return adminError(http.StatusNotFound, "no quota state for key %q (nothing counted in its windows)", key)
+		return shared.AdminError(http.StatusNotFound, "no quota state for key %q (nothing counted in its windows)", key)
 	}
-	a := quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)}
+	a := quotaAnswer{Handler: shared.HandlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Rates: views, Complete: h.completeField(complete)}
 	if banLeft > 0 {
 		a.BannedUntil, a.BanLeftMs = banUntil.UTC().Format(time.RFC3339Nano), banLeft.Milliseconds()
 	}
-	return writeJSON(w, a)
+	return shared.WriteJSON(w, a)
 }
 
 // resetQuota deletes every rate state of a key (the literal rates', and
@@ -366,16 +367,16 @@ func inspectQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key
 // copies of the same named handler in other HTTP servers of the config),
 // and tells every instance to forget it in the deny caches and local
 // limiters of the handler's prefix (Pub/Sub, ratelimit_forget.go).
-func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copies []*RedisRateLimit, key string) error {
+func (h *RedisRateLimit) resetQuota(w http.ResponseWriter, r *http.Request, copies []*RedisRateLimit, key string) error {
 	if key == "" {
-		return adminError(http.StatusBadRequest, "empty rate limit key")
+		return shared.AdminError(http.StatusBadRequest, "empty rate limit key")
 	}
 	id := adminLimitID(r, key)
 	ctx, cancel := context.WithTimeout(r.Context(), h.timeout)
 	defer cancel()
 	targets, complete, err := h.quotaTargets(ctx, id)
 	if err != nil {
-		return adminError(http.StatusBadGateway, "finding the quota of %q: %v", key, err)
+		return shared.AdminError(http.StatusBadGateway, "finding the quota of %q: %v", key, err)
 	}
 	var keys []string
 	for _, t := range targets {
@@ -406,15 +407,53 @@ func resetQuota(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, copie
 		}
 	}
 	if err != nil {
-		return adminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
+		return shared.AdminError(http.StatusBadGateway, "resetting the quota of %q: %v", key, err)
 	}
 	if err := ratelimit.PublishForget(ctx, h.client.Redis, h.Prefix, id); err != nil {
 		h.logger.Warn("telling the other instances of a quota reset failed; their deny caches forget the key when it expires there, their local limiters (fail_local) when its windows pass",
-			zap.String("key", key), zap.String("handler", handlerRef(h.Name)), zap.Error(err))
+			zap.String("key", key), zap.String("handler", shared.HandlerRef(h.Name)), zap.Error(err))
 	}
 	if n == 0 {
-		return adminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
+		return shared.AdminError(http.StatusNotFound, "no quota state for key %q (nothing to reset)", key)
 	}
 	h.logger.Warn("rate limit quota reset through the admin API", zap.String("key", key))
-	return writeJSON(w, quotaAnswer{Handler: handlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true, Complete: h.completeField(complete)})
+	return shared.WriteJSON(w, quotaAnswer{Handler: shared.HandlerRef(h.Name), Key: key, Algorithm: h.algo, RedisKeys: keys, Reset: true, Complete: h.completeField(complete)})
+}
+
+// AdminKind, AdminName, AdminView and ServeAdmin are the handler's side of
+// the admin API (internal/shared's registry, the redisadmin module).
+func (h *RedisRateLimit) AdminKind() string { return "redis_ratelimit" }
+
+func (h *RedisRateLimit) AdminName() string { return h.Name }
+
+func (h *RedisRateLimit) AdminView(v *shared.HandlerView) {
+	v.Prefix, v.Keys, v.Algorithm = h.Prefix, []string{h.keyTemplateText()}, h.algo
+	for j, s := range h.static.rates {
+		rv := shared.RateView{Policy: "r" + strconv.Itoa(j), Requests: s.n, Window: s.window.String()}
+		if s.nTmpl != "" || s.wTmpl != "" {
+			rv = shared.RateView{Policy: rv.Policy, Template: s.rateTemplate()}
+		}
+		v.Rates = append(v.Rates, rv)
+	}
+}
+
+// ServeAdmin answers GET .../<key> (the quota's state) and DELETE
+// .../<key> (reset the quota and lift the ban, in every copy of this named
+// handler in the config).
+func (h *RedisRateLimit) ServeAdmin(w http.ResponseWriter, r *http.Request, e *shared.AdminEntry, key, sub string) error {
+	switch {
+	case sub != "":
+		return shared.AdminError(http.StatusNotFound, "no such redisdlm admin resource %q; see GET /redisdlm/", r.URL.Path)
+	case r.Method == http.MethodGet:
+		return h.inspectQuota(w, r, key)
+	case r.Method == http.MethodDelete:
+		var copies []*RedisRateLimit
+		for _, c := range shared.Copies(e) {
+			if o, ok := c.(*RedisRateLimit); ok {
+				copies = append(copies, o)
+			}
+		}
+		return h.resetQuota(w, r, copies, key)
+	}
+	return shared.AdminError(http.StatusMethodNotAllowed, "method %s not allowed; use GET or DELETE", r.Method)
 }

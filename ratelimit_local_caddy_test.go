@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 )
 
 // TestWholeCaddyFailLocal: two instances (two sites with Redis clients of
@@ -38,9 +40,9 @@ func TestWholeCaddyFailLocal(t *testing.T) {
 	}
 	runCaddy(t, fmt.Sprintf("{\n\tadmin localhost:%d\n\tauto_https off\n}\n", admin)+site(portA, "fl_a", "300ms")+site(portB, "fl_b", "400ms"))
 	var hs []*RedisRateLimit
-	for _, e := range runningHandlers() {
-		if e.limit != nil {
-			hs = append(hs, e.limit)
+	for _, e := range shared.RunningHandlers() {
+		if h, ok := e.Handler.(*RedisRateLimit); ok {
+			hs = append(hs, h)
 		}
 	}
 	if len(hs) != 2 || hs[0].client == hs[1].client {

@@ -218,7 +218,7 @@ func TestFailLocalResetReachesOtherInstance(t *testing.T) {
 		t.Fatal("no reset listener subscribed")
 	}
 	w := httptest.NewRecorder()
-	if err := resetQuota(w, httptest.NewRequest(http.MethodDelete, "/", nil), a, []*RedisRateLimit{a}, ip); err != nil {
+	if err := a.resetQuota(w, httptest.NewRequest(http.MethodDelete, "/", nil), []*RedisRateLimit{a}, ip); err != nil {
 		t.Fatalf("reset through A: %v", err)
 	}
 	// The reset forgets the key in B's local limiter, then its deny cache.
