@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/redisfence"
 )
 
 // e2eStorage is the storage behind the fencing Caddy: it records every
@@ -180,7 +181,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	b := startCaddyProcess(t, "B", portB, locking(portB))
 
 	paths := []string{"/fenced/7", "/plain/7"}
-	awaitRedisAge(t, fenceRedis) // the lock's tokens are newer than the fence's Redis
+	fenceRedis.AwaitUptime(3 * time.Second) // the lock's tokens are newer than the fence's Redis
 	answersA := map[string]<-chan fetchResult{}
 	for _, p := range paths {
 		answersA[p] = goFetchHdr(a.url()+p, "X-Client", "A")
@@ -256,7 +257,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	if got, want := store.seen("/plain/7"), []int64{pa, pb, pa}; !slices.Equal(got, want) {
 		t.Errorf("the storage saw %v on the unfenced key, want %v (the stale write after B's)", got, want)
 	}
-	if rec, err := fenceRedis.Client().Get(context.Background(), shared.StoredKey(DefaultFencePrefix, "/fenced/7")).Int64(); err != nil || rec != tb {
+	if rec, err := fenceRedis.Client().Get(context.Background(), shared.StoredKey(redisfence.DefaultFencePrefix, "/fenced/7")).Int64(); err != nil || rec != tb {
 		t.Errorf("the fence's record: %d %v, want B's token %d", rec, err, tb)
 	}
 }
@@ -295,8 +296,8 @@ http://127.0.0.1:%d {
 	writer := &e2eApp{fence: f.url()}
 	put := func(token int64) int { return writer.write("/accounts/7", strconv.FormatInt(token, 10)) }
 
-	awaitRedisAge(t, fenceRedis)
-	t1 := redisMicros(t, fenceRedis)
+	fenceRedis.AwaitUptime(3 * time.Second)
+	t1 := fenceRedis.Micros()
 	t2 := t1 + 1000
 	if got := put(t2); got != http.StatusNoContent {
 		t.Fatalf("T2 before the restart: %d, want 204", got)
@@ -313,8 +314,8 @@ http://127.0.0.1:%d {
 			t.Errorf("%s: %d, want 409 (the token is older than the fence's Redis process)", tc.name, got)
 		}
 	}
-	awaitRedisAge(t, fenceRedis)
-	t3 := redisMicros(t, fenceRedis)
+	fenceRedis.AwaitUptime(3 * time.Second)
+	t3 := fenceRedis.Micros()
 	if got := put(t3); got != http.StatusNoContent {
 		t.Errorf("a token issued after the restart: %d, want 204", got)
 	}

@@ -31,10 +31,10 @@ const (
 	DefaultLockWait      = 10 * time.Second
 	DefaultBackoffMin    = 10 * time.Millisecond
 	DefaultBackoffMax    = 500 * time.Millisecond
-	DefaultFencingHeader = "Lock-Fencing-Token"
+	DefaultFencingHeader = shared.DefaultFencingHeader
 	DefaultLockStatus    = http.StatusLocked
 	DefaultLockPrefix    = "caddy:lock:"
-	DefaultLockKey       = "{http.request.uri.path}"
+	DefaultLockKey       = shared.DefaultLockKey
 )
 
 // statusClientClosedRequest is logged when the client went away while waiting.

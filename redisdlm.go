@@ -19,4 +19,5 @@ package redisdlm
 
 import (
 	_ "github.com/caddy-dlm/redisdlm/redisadmin" // admin.api.redisdlm
+	_ "github.com/caddy-dlm/redisdlm/redisfence" // http.handlers.redis_fence
 )

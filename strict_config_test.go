@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/redisfence"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -107,7 +108,7 @@ func TestEmptyPrefix(t *testing.T) {
 	}{
 		{"redis_lock", "ttl 5s\n\tprefix \"\"", func() unmarshaler { return new(RedisLock) }},
 		{"redis_ratelimit", "rate 10 1m\n\tprefix \"\"", func() unmarshaler { return new(RedisRateLimit) }},
-		{"redis_fence", "retain 1h\n\tprefix \"\"", func() unmarshaler { return new(RedisFence) }},
+		{"redis_fence", "retain 1h\n\tprefix \"\"", func() unmarshaler { return new(redisfence.RedisFence) }},
 	} {
 		err := tc.h().UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.dir + " {\n\t" + tc.block + "\n}"))
 		if err == nil || !strings.Contains(err.Error(), tc.dir+": prefix: must not be empty") || !strings.Contains(err.Error(), "Testfile:3") {
@@ -122,7 +123,7 @@ func TestEmptyPrefix(t *testing.T) {
 		}
 	}
 	h := provisionFence(t, `{"redis":["127.0.0.1:1"],"prefix":""}`) // never dials
-	if h.Prefix != DefaultFencePrefix {
-		t.Errorf(`redis_fence in JSON with "prefix":"": prefix %q, want the default %q`, h.Prefix, DefaultFencePrefix)
+	if h.Prefix != redisfence.DefaultFencePrefix {
+		t.Errorf(`redis_fence in JSON with "prefix":"": prefix %q, want the default %q`, h.Prefix, redisfence.DefaultFencePrefix)
 	}
 }

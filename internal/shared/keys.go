@@ -313,3 +313,10 @@ func ClientIP(r *http.Request) string {
 	}
 	return r.RemoteAddr
 }
+
+// Defaults the lock and the fence share: the fence checks the lock's key
+// and reads the token from the lock's header unless told otherwise.
+const (
+	DefaultLockKey       = "{http.request.uri.path}"
+	DefaultFencingHeader = "Lock-Fencing-Token"
+)

@@ -212,3 +212,36 @@ func (r *Server) CommandCalls(name string) int64 {
 }
 
 func (r *Server) String() string { return fmt.Sprintf("redis@%s", r.Addr) }
+
+// AwaitUptime waits until the server's process has run for at least d
+// (INFO's uptime, whole seconds): a fence knows when its Redis started only
+// to the second, and refuses tokens issued in the process's first seconds.
+func (r *Server) AwaitUptime(d time.Duration) {
+	r.t.Helper()
+	c := r.Client()
+	deadline := time.Now().Add(d + 20*time.Second)
+	for time.Now().Before(deadline) {
+		if info, err := c.Info(context.Background(), "server").Result(); err == nil {
+			for _, line := range strings.Split(info, "\n") {
+				if v, ok := strings.CutPrefix(strings.TrimSpace(line), "uptime_in_seconds:"); ok {
+					if up, _ := strconv.Atoi(v); time.Duration(up)*time.Second >= d {
+						return
+					}
+				}
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	r.t.Fatalf("%s never reported an uptime of %v", r, d)
+}
+
+// Micros is the server's TIME in µs: a fencing token as a lock on it would
+// issue it now.
+func (r *Server) Micros() int64 {
+	r.t.Helper()
+	now, err := r.Client().Time(context.Background()).Result()
+	if err != nil {
+		r.t.Fatalf("%s: TIME: %v", r, err)
+	}
+	return now.UnixMicro()
+}

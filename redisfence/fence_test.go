@@ -1,4 +1,4 @@
-package redisdlm
+package redisfence
 
 import (
 	"context"
@@ -7,15 +7,12 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
-	"github.com/caddyserver/caddy/v2/caddyconfig"
-	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
-	dto "github.com/prometheus/client_model/go"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -28,7 +25,7 @@ type storage struct {
 }
 
 func (s *storage) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	tok, _ := strconv.ParseInt(r.Header.Get(DefaultFencingHeader), 10, 64)
+	tok, _ := strconv.ParseInt(r.Header.Get(shared.DefaultFencingHeader), 10, 64)
 	s.mu.Lock()
 	s.writes = append(s.writes, tok)
 	s.mu.Unlock()
@@ -40,71 +37,6 @@ func (s *storage) seen() []int64 {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]int64(nil), s.writes...)
-}
-
-// TestFenceRefusesAStaleHolder (issue 23 item 3, SPEC §3b): two tiers —
-// redis_lock in front of an app, redis_fence in front of the storage. The
-// first holder stalls past its ttl (no extension: a pause), a rival takes
-// the lock and writes; when the stalled holder's write arrives the fence
-// answers 409 and the storage never sees it. The lock uses on_lost
-// continue, so the stale holder really sends its write: fencing protects
-// the data, not just the order of the tokens.
-func TestFenceRefusesAStaleHolder(t *testing.T) {
-	t.Parallel()
-	r := startRedis(t)
-	awaitRedisAge(t, r) // the lock's tokens are newer than the fence's Redis
-	store := new(storage)
-	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"key":"{http.request.uri.path}"}`, r.Addr))
-	fenceSrv := handlerServer(t, fence, store.ServeHTTP)
-
-	lock := provisionLock(t, lockCfg(r.Addr, `"ttl":"1s","auto_extend":false,"on_lost":"continue","wait":"10s","timeout":"5s"`))
-	stall := make(chan struct{})
-	var unstall sync.Once
-	release := func() { unstall.Do(func() { close(stall) }) }
-	defer release() // before the servers' cleanup, which waits for the stalled handler
-	first := true
-	var mu sync.Mutex
-	app := func(w http.ResponseWriter, req *http.Request) error {
-		mu.Lock()
-		stale := first
-		first = false
-		mu.Unlock()
-		if stale {
-			<-stall // paused past its lease
-		}
-		out, _ := http.NewRequest("PUT", fenceSrv.URL+req.URL.Path, nil)
-		out.Header.Set(DefaultFencingHeader, req.Header.Get(DefaultFencingHeader))
-		resp, err := http.DefaultClient.Do(out)
-		if err != nil {
-			return err
-		}
-		resp.Body.Close()
-		w.WriteHeader(resp.StatusCode)
-		return nil
-	}
-	lockSrv := handlerServer(t, lock, app)
-
-	staleAnswer := goFetch(context.Background(), lockSrv.URL+"/accounts/7")
-	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(lock.Prefix, "/accounts/7")) == 1 }) {
-		t.Fatal("the first holder never held the lock")
-	}
-	before := fenceCount(fence.label, shared.FenceStale)
-	// The rival waits for the lease to run out (1 s), takes the lock, writes.
-	if resp, _ := get(t, lockSrv.URL+"/accounts/7"); resp == nil || resp.StatusCode != http.StatusNoContent {
-		t.Fatalf("the rival's write: %v, want 204 from the storage", resp)
-	}
-	release()
-	res := await(t, staleAnswer, 20*time.Second, "the stale holder")
-	if res.status != http.StatusConflict {
-		t.Fatalf("the stale holder's write: %d, want 409 from the fence", res.status)
-	}
-	writes := store.seen()
-	if len(writes) != 1 {
-		t.Fatalf("the storage saw %d writes (%v), want only the rival's", len(writes), writes)
-	}
-	if got := fenceCount(fence.label, shared.FenceStale) - before; got < 1 {
-		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v, want at least 1", got)
-	}
 }
 
 // TestFenceAcrossRedisRestart (issue 47 row 8, SPEC §3b): T2 is written
@@ -123,14 +55,14 @@ func TestFenceAcrossRedisRestart(t *testing.T) {
 	srv := handlerServer(t, h, store.ServeHTTP)
 	put := func(token int64) int {
 		t.Helper()
-		resp, _ := get(t, srv.URL+"/accounts/7", DefaultFencingHeader, strconv.FormatInt(token, 10))
+		resp, _ := get(t, srv.URL+"/accounts/7", shared.DefaultFencingHeader, strconv.FormatInt(token, 10))
 		if resp == nil {
 			t.Fatalf("token %d: no answer", token)
 		}
 		return resp.StatusCode
 	}
-	awaitRedisAge(t, r)
-	t1 := redisMicros(t, r)
+	r.AwaitUptime(3 * time.Second)
+	t1 := r.Micros()
 	t2 := t1 + 1000
 	if got := put(t2); got != http.StatusNoContent {
 		t.Fatalf("T2 before the restart: %d, want 204", got)
@@ -151,8 +83,8 @@ func TestFenceAcrossRedisRestart(t *testing.T) {
 	if got := fenceCount(h.label, shared.FenceStale) - before; got != 3 {
 		t.Errorf("caddy_redis_fence_writes_total{result=stale} rose by %v after the restart, want 3", got)
 	}
-	awaitRedisAge(t, r)
-	t3 := redisMicros(t, r)
+	r.AwaitUptime(3 * time.Second)
+	t3 := r.Micros()
 	if got := put(t3); got != http.StatusNoContent {
 		t.Errorf("a token issued after the restart: %d, want 204", got)
 	}
@@ -179,7 +111,7 @@ func TestFenceWarnsWithoutRedisStart(t *testing.T) {
 		token int64
 		want  int
 	}{{tok, http.StatusNoContent}, {tok + 1, http.StatusNoContent}, {tok, http.StatusConflict}} {
-		resp, _ := get(t, srv.URL+"/k", DefaultFencingHeader, strconv.FormatInt(tc.token, 10))
+		resp, _ := get(t, srv.URL+"/k", shared.DefaultFencingHeader, strconv.FormatInt(tc.token, 10))
 		if resp == nil || resp.StatusCode != tc.want {
 			t.Fatalf("write %d: %v, want %d", i+1, resp, tc.want)
 		}
@@ -193,54 +125,17 @@ func TestFenceWarnsWithoutRedisStart(t *testing.T) {
 	}
 }
 
-// awaitRedisAge waits until r's process is 3 s old (INFO's uptime). The
-// fence knows when a Redis process started only to the second, and errs
-// late (up to 2 s after the real start): it refuses tokens issued in the
-// process's first seconds, as older than the process.
-func awaitRedisAge(t testing.TB, r *testRedis) {
-	t.Helper()
-	c := r.Client()
-	if !waitFor(20*time.Second, func() bool {
-		info, err := c.Info(context.Background(), "server").Result()
-		if err != nil {
-			return false
-		}
-		for _, line := range strings.Split(info, "\n") {
-			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "uptime_in_seconds:"); ok {
-				up, _ := strconv.Atoi(v)
-				return up >= 3
-			}
-		}
-		return false
-	}) {
-		t.Fatalf("%s never reported an uptime of 3 s", r)
-	}
-}
-
-// redisMicros is r's TIME in µs: a fencing token as a lock on r would
-// issue it now.
-func redisMicros(t testing.TB, r *testRedis) int64 {
-	t.Helper()
-	now, err := r.Client().Time(context.Background()).Result()
-	if err != nil {
-		t.Fatalf("%s: TIME: %v", r, err)
-	}
-	return now.UnixMicro()
-}
-
 // fenceCount reads caddy_redis_fence_writes_total of one handler for one result.
 func fenceCount(handler string, result int) float64 {
 	shared.InitMetrics()
-	var m dto.Metric
-	_ = shared.FenceWritesVec.WithLabelValues(handler, shared.FenceResults[result]).Write(&m)
-	return m.GetCounter().GetValue()
+	return testkit.Count(shared.FenceWritesVec.WithLabelValues(handler, shared.FenceResults[result]))
 }
 
 func provisionFence(t *testing.T, cfg string) *RedisFence {
 	t.Helper()
 	h := new(RedisFence)
-	provisionJSON(t, cfg, h)
-	h.logger = quietLogger()
+	testkit.Provision(t, cfg, h)
+	h.logger = testkit.QuietLogger()
 	return h
 }
 
@@ -255,13 +150,13 @@ func TestFenceAnswers(t *testing.T) {
 	store := new(storage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"retain":"10s","timeout":"1s"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
-	awaitRedisAge(t, r)
+	r.AwaitUptime(3 * time.Second)
 	now := time.Now().UnixMicro()
 	put := func(path, token string) int {
 		t.Helper()
 		req, _ := http.NewRequest("PUT", srv.URL+path, nil)
 		if token != "" {
-			req.Header.Set(DefaultFencingHeader, token)
+			req.Header.Set(shared.DefaultFencingHeader, token)
 		}
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -307,40 +202,6 @@ func TestFenceAnswers(t *testing.T) {
 	}
 }
 
-// TestFenceCaddyfile: the syntax, its errors with the line, and the
-// directive order (redis_fence runs after redis_lock on one route).
-func TestFenceCaddyfile(t *testing.T) {
-	t.Parallel()
-	h := new(RedisFence)
-	err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_fence {\n\tkey {http.request.header.X-Account}\n\ttoken {http.request.header.X-Token}\n\tstatus 412\n\tretain 1h\n\tprefix f:\n\tredis 127.0.0.1:6379\n}"))
-	if err != nil || h.Key != "{http.request.header.X-Account}" || h.Status != 412 || time.Duration(h.Retain) != time.Hour || h.Prefix != "f:" {
-		t.Fatalf("parse: %v %+v", err, h)
-	}
-	for _, tc := range []struct{ block, want string }{
-		{"retain 10ms", "retain: want at least 1s"},
-		{"status 200", "status"},
-		{"token {http.request.heder.X}", "does not exist"},
-		{"redis 127.0.0.1:1 127.0.0.1:2", "exactly one"},
-		{"jitter 0.1", "unknown subdirective"},
-		{"retain 1h\n\tretain 2h", "given twice"},
-		{`token ""`, "token: must not be empty"},
-		{`key ""`, "key: "},
-	} {
-		err := new(RedisFence).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_fence {\n\t" + tc.block + "\n}"))
-		if err == nil || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "redis_fence") {
-			t.Errorf("%q: %v, want an error with %q", tc.block, err, tc.want)
-		}
-	}
-	raw, _, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(":8080 {\n\tredis_fence\n\tredis_lock\n\treverse_proxy 127.0.0.1:1\n}\n"), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := string(raw)
-	if l, f := strings.Index(cfg, `"redis_lock"`), strings.Index(cfg, `"redis_fence"`); l < 0 || f < 0 || f < l {
-		t.Fatalf("adapted order: redis_lock at %d, redis_fence at %d; want the lock first", l, f)
-	}
-}
-
 // TestFenceJSONShorthandToken: a token template in JSON with a Caddyfile
 // shorthand renders as Validate checked it (SPEC §6: the same placeholder
 // forms in the Caddyfile and in JSON alike).
@@ -350,7 +211,7 @@ func TestFenceJSONShorthandToken(t *testing.T) {
 	store := new(storage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"token":"{header.X-Tok}"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
-	awaitRedisAge(t, r)
+	r.AwaitUptime(3 * time.Second)
 	req, _ := http.NewRequest("PUT", srv.URL+"/s", nil)
 	req.Header.Set("X-Tok", strconv.FormatInt(time.Now().UnixMicro(), 10))
 	resp, err := http.DefaultClient.Do(req)

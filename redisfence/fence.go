@@ -1,4 +1,4 @@
-package redisdlm
+package redisfence
 
 import (
 	"context"
@@ -29,7 +29,7 @@ const (
 	DefaultFenceStatus = http.StatusConflict
 	DefaultFencePrefix = "caddy:fence:"
 	DefaultFenceRetain = 24 * time.Hour
-	DefaultFenceToken  = "{http.request.header." + DefaultFencingHeader + "}"
+	DefaultFenceToken  = "{http.request.header." + shared.DefaultFencingHeader + "}"
 )
 
 // maxTokenLead is how far ahead of Redis TIME a token may be: tokens are
@@ -124,7 +124,7 @@ func (h *RedisFence) Provision(ctx caddy.Context) error {
 	h.warn = shared.NewWarnings(time.Second)
 	h.noStart = new(sync.Once)
 	if h.Key == "" {
-		h.Key = DefaultLockKey
+		h.Key = shared.DefaultLockKey
 	}
 	if h.Token == "" {
 		h.Token = DefaultFenceToken

@@ -1,4 +1,4 @@
-package redisdlm
+package redisfence
 
 // redis_fence's Caddyfile syntax.
 
