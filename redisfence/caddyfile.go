@@ -3,8 +3,6 @@ package redisfence
 // redis_fence's Caddyfile syntax.
 
 import (
-	"time"
-
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -63,8 +61,8 @@ func (h *RedisFence) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			if v < time.Second {
-				return d.Errf("%s: retain: want at least 1s, got %s", dir, v)
+			if err := checkRetain(v); err != nil {
+				return d.Errf("%s: retain: %v", dir, err)
 			}
 			h.Retain = caddy.Duration(v)
 		case "jitter":

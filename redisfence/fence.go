@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -170,13 +169,27 @@ func (h *RedisFence) Validate() error {
 	if err := shared.CheckTemplate(h.Token); err != nil {
 		return fmt.Errorf("redis_fence: token: %w", err)
 	}
-	switch {
-	case h.Status != 0 && (h.Status < 400 || h.Status > 599):
-		return fmt.Errorf("redis_fence: status: want an HTTP status code in 400-599, got %d", h.Status)
-	case h.Retain < 0 || h.Retain > 0 && time.Duration(h.Retain) < time.Second:
-		return fmt.Errorf("redis_fence: retain: want at least 1s, got %s", time.Duration(h.Retain))
-	case strings.ContainsAny(h.Prefix, "{}"):
-		return fmt.Errorf("redis_fence: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", h.Prefix)
+	if h.Status != 0 {
+		if err := shared.CheckStatus(h.Status); err != nil {
+			return fmt.Errorf("redis_fence: status: %w", err)
+		}
+	}
+	if h.Retain != 0 {
+		if err := checkRetain(time.Duration(h.Retain)); err != nil {
+			return fmt.Errorf("redis_fence: retain: %w", err)
+		}
+	}
+	if err := shared.CheckPrefix(h.Prefix); err != nil {
+		return fmt.Errorf("redis_fence: prefix: %w", err)
+	}
+	return nil
+}
+
+// checkRetain accepts how long a key's highest token is kept: at least a
+// second.
+func checkRetain(d time.Duration) error {
+	if d < time.Second {
+		return fmt.Errorf("want at least 1s, got %s", d)
 	}
 	return nil
 }

@@ -19,7 +19,7 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// parseHandler reads one of the directives into its handler.
+// ParseHandler reads one of the directives into its handler.
 func ParseHandler[T any, P interface {
 	*T
 	caddyhttp.MiddlewareHandler
@@ -32,7 +32,7 @@ func ParseHandler[T any, P interface {
 	return m, nil
 }
 
-// openBlock consumes the directive name; options go in its block, after
+// OpenBlock consumes the directive name; options go in its block, after
 // the matcher Caddy has taken.
 func OpenBlock(d *caddyfile.Dispenser, dir string) error {
 	d.Next()
@@ -42,7 +42,7 @@ func OpenBlock(d *caddyfile.Dispenser, dir string) error {
 	return nil
 }
 
-// sharedOptions points at the fields of the subdirectives both directives
+// SharedOptions points at the fields of the subdirectives both directives
 // take with the same syntax and meaning.
 type SharedOptions struct {
 	Status *int
@@ -52,7 +52,7 @@ type SharedOptions struct {
 	Redis  *RedisConfig
 }
 
-// parseSharedOption handles a subdirective both directives take: status,
+// ParseSharedOption handles a subdirective both directives take: status,
 // prefix, name, jitter and the connection options. It reports whether
 // d.Val() was one of them.
 func ParseSharedOption(d *caddyfile.Dispenser, dir string, o SharedOptions) (bool, error) {
@@ -68,8 +68,8 @@ func ParseSharedOption(d *caddyfile.Dispenser, dir string, o SharedOptions) (boo
 		case v == "":
 			// In JSON an empty prefix is the default; written out, it is a mistake.
 			err = d.Errf("%s: prefix: must not be empty (leave prefix out for the default)", dir)
-		case strings.ContainsAny(v, "{}"):
-			err = d.Errf("%s: prefix: %q must not contain braces (they would break the key's Cluster hash tag; the handler adds it)", dir, v)
+		case CheckPrefix(v) != nil:
+			err = d.Errf("%s: prefix: %v", dir, CheckPrefix(v))
 		}
 		*o.Prefix = v
 		return true, err
@@ -83,7 +83,10 @@ func ParseSharedOption(d *caddyfile.Dispenser, dir string, o SharedOptions) (boo
 			return true, err
 		}
 		f, err := strconv.ParseFloat(v, 64)
-		if err != nil || !(f >= 0 && f <= 1) { // NaN too
+		if err == nil {
+			err = CheckJitter(f)
+		}
+		if err != nil {
 			return true, d.Errf("%s: jitter: want a fraction between 0 and 1 (e.g. 0.2), got %q", dir, v)
 		}
 		*o.Jitter = f
@@ -92,7 +95,7 @@ func ParseSharedOption(d *caddyfile.Dispenser, dir string, o SharedOptions) (boo
 	return ParseRedisOption(d, dir, o.Redis)
 }
 
-// parseRedisOption handles the connection subdirectives shared by both
+// ParseRedisOption handles the connection subdirectives shared by both
 // directives. It reports whether d.Val() was one of them.
 //
 //	redis    <address|url>...
@@ -190,13 +193,13 @@ func ParseRedisOption(d *caddyfile.Dispenser, dir string, c *RedisConfig) (bool,
 	return true, nil
 }
 
-// subdirectives remembers the line of each subdirective of one block.
+// Subdirectives remembers the line of each subdirective of one block.
 type Subdirectives struct {
 	Repeatable []string       // the subdirectives that may come more than once
 	Lines      map[string]int // the line of each subdirective seen
 }
 
-// check fails when the current subdirective takes one value and was given
+// Check fails when the current subdirective takes one value and was given
 // before in the block, naming both lines.
 func (s *Subdirectives) Check(d *caddyfile.Dispenser, dir string) error {
 	sub := d.Val()
@@ -213,7 +216,7 @@ func (s *Subdirectives) Check(d *caddyfile.Dispenser, dir string) error {
 	return nil
 }
 
-// parseName reads the handler's admin API name.
+// ParseName reads the handler's admin API name.
 func ParseName(d *caddyfile.Dispenser, dir string) (string, error) {
 	v, err := OneArg(d, dir)
 	if err != nil {
@@ -225,7 +228,7 @@ func ParseName(d *caddyfile.Dispenser, dir string) (string, error) {
 	return v, nil
 }
 
-// oneArg reads exactly one argument of the current subdirective.
+// OneArg reads exactly one argument of the current subdirective.
 func OneArg(d *caddyfile.Dispenser, dir string) (string, error) {
 	sub := d.Val()
 	args := d.RemainingArgs()
@@ -235,7 +238,7 @@ func OneArg(d *caddyfile.Dispenser, dir string) (string, error) {
 	return args[0], nil
 }
 
-// parseDuration parses a Caddy duration ("500ms", "30s", "1d").
+// ParseDuration parses a Caddy duration ("500ms", "30s", "1d").
 func ParseDuration(d *caddyfile.Dispenser, dir, sub, v string) (time.Duration, error) {
 	dur, err := caddy.ParseDuration(v)
 	if err != nil {
@@ -244,7 +247,7 @@ func ParseDuration(d *caddyfile.Dispenser, dir, sub, v string) (time.Duration, e
 	return dur, nil
 }
 
-// parsePositiveDuration reads one argument that must be a duration > 0.
+// ParsePositiveDuration reads one argument that must be a duration > 0.
 func ParsePositiveDuration(d *caddyfile.Dispenser, dir string) (time.Duration, error) {
 	sub := d.Val()
 	v, err := OneArg(d, dir)
@@ -261,7 +264,7 @@ func ParsePositiveDuration(d *caddyfile.Dispenser, dir string) (time.Duration, e
 	return dur, nil
 }
 
-// parseNonNegativeDuration reads one argument that must be a duration >= 0.
+// ParseNonNegativeDuration reads one argument that must be a duration >= 0.
 func ParseNonNegativeDuration(d *caddyfile.Dispenser, dir string) (time.Duration, error) {
 	sub := d.Val()
 	v, err := OneArg(d, dir)
@@ -278,7 +281,7 @@ func ParseNonNegativeDuration(d *caddyfile.Dispenser, dir string) (time.Duration
 	return dur, nil
 }
 
-// parseOnOff reads one argument that is "on" or "off".
+// ParseOnOff reads one argument that is "on" or "off".
 func ParseOnOff(d *caddyfile.Dispenser, dir string) (bool, error) {
 	sub := d.Val()
 	v, err := OneArg(d, dir)
@@ -294,7 +297,7 @@ func ParseOnOff(d *caddyfile.Dispenser, dir string) (bool, error) {
 	return false, d.Errf("%s: %s: want on or off, got %q", dir, sub, v)
 }
 
-// parseStatus reads one HTTP status code in 400–599.
+// ParseStatus reads one HTTP status code in 400–599.
 func ParseStatus(d *caddyfile.Dispenser, dir string) (int, error) {
 	sub := d.Val()
 	v, err := OneArg(d, dir)
@@ -302,13 +305,16 @@ func ParseStatus(d *caddyfile.Dispenser, dir string) (int, error) {
 		return 0, err
 	}
 	n, err := strconv.Atoi(v)
-	if err != nil || n < 400 || n > 599 {
+	if err == nil {
+		err = CheckStatus(n)
+	}
+	if err != nil {
 		return 0, d.Errf("%s: %s: want an HTTP status code in 400-599, got %q", dir, sub, v)
 	}
 	return n, nil
 }
 
-// parsePositiveInt reads one integer argument ≥ min.
+// ParsePositiveInt reads one integer argument ≥ min.
 func ParsePositiveInt(d *caddyfile.Dispenser, dir string, min int) (int, error) {
 	sub := d.Val()
 	v, err := OneArg(d, dir)
@@ -322,7 +328,7 @@ func ParsePositiveInt(d *caddyfile.Dispenser, dir string, min int) (int, error) 
 	return n, nil
 }
 
-// expandShorthands turns Caddyfile shorthands such as {client_ip} or
+// ExpandShorthands turns Caddyfile shorthands such as {client_ip} or
 // {header.X} into full placeholders, so JSON configs may use them too.
 func ExpandShorthands(s string) string {
 	if !strings.Contains(s, "{") {

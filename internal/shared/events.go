@@ -23,14 +23,14 @@ const (
 	EventRateLimitBanned   = "rate_limit_banned"
 )
 
-// emitter emits a handler's events through the handler's own context, so
+// Emitter emits a handler's events through the handler's own context, so
 // their origin is the handler's module.
 type Emitter struct {
 	ctx caddy.Context
 	app *caddyevents.App // nil: no events app (a module provisioned alone)
 }
 
-// newEmitter finds the events app of the handler's config; without one
+// NewEmitter finds the events app of the handler's config; without one
 // configured nothing subscribes, and nothing is emitted.
 func NewEmitter(ctx caddy.Context) (e Emitter) {
 	// A module provisioned outside a loaded config (from Go code, as the
@@ -49,7 +49,7 @@ func NewEmitter(ctx caddy.Context) (e Emitter) {
 	return Emitter{}
 }
 
-// emit sends the event when something can observe it; data is built only
+// Emit sends the event when something can observe it; data is built only
 // then.
 func (e Emitter) Emit(name string, data func() map[string]any) {
 	if e.app == nil || !e.app.ShouldEmit(name) {
@@ -58,7 +58,7 @@ func (e Emitter) Emit(name string, data func() map[string]any) {
 	e.app.Emit(e.ctx, name, data())
 }
 
-// eventKey is a rendered key as events carry it: hashed when the key is
+// EventKey is a rendered key as events carry it: hashed when the key is
 // stored hashed (long, or with braces), as in Redis.
 func EventKey(rendered string) string {
 	if len(rendered) > MaxKeyLen || strings.ContainsAny(rendered, "{}") || strings.HasPrefix(rendered, "sha256:") {

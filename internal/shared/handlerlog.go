@@ -2,11 +2,11 @@ package shared
 
 // Log lines of pooled parts. A pooled client and its parts (the lock
 // releaser and wake-up listener, the server checks, the rate-limit
-// batcher) outlive configs and serve every handler with the same
+// Batcher) outlive configs and serve every handler with the same
 // connection settings. Their log lines name a handler all the same: a
 // line that names one (a release carries its lease's handler) goes to
 // that handler's logger; a line of a part shared by several (a server
-// check) goes to each handler using the client. Either way it is written
+// Check) goes to each handler using the client. Either way it is written
 // under the handler's module logger (http.handlers.redis_lock, ...), with
 // the handler field.
 

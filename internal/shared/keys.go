@@ -17,11 +17,11 @@ import (
 )
 
 // Every key rule of both handlers: which templates are allowed, how they
-// render per request, how a rendered key becomes a Redis key (hash tag,
+// Render per request, how a rendered key becomes a Redis key (hash tag,
 // hashing of long or odd keys), the lock's companion keys, the rate
 // limiter's ids and its client-IP fallback.
 
-// maxKeyLen is the longest rendered key stored as is; longer keys are
+// MaxKeyLen is the longest rendered key stored as is; longer keys are
 // stored as their SHA-256, so a client cannot make Redis keys grow without
 // bound.
 const MaxKeyLen = 200
@@ -40,7 +40,7 @@ var (
 	ErrKeyEmpty   = errors.New("placeholder rendered empty")
 )
 
-// keyTemplate is a key template compiled once: its literal text and its
+// KeyTemplate is a key template compiled once: its literal text and its
 // placeholders, in order.
 type KeyTemplate struct {
 	Raw   string // the template as configured
@@ -51,11 +51,11 @@ type KeyTemplate struct {
 // clientIPPlaceholder is what {client_ip} stands for.
 const clientIPPlaceholder = "http.vars." + caddyhttp.ClientIPVarKey
 
-// ipPrefix groups client IPs by network prefix: bits of IPv4 and of IPv6
+// IPPrefix groups client IPs by network prefix: bits of IPv4 and of IPv6
 // (0, 0: every address as it is).
 type IPPrefix struct{ V4, V6 int }
 
-// group returns the network of ip under the prefix ("192.0.2.0/24"), or
+// Group returns the network of ip under the prefix ("192.0.2.0/24"), or
 // ip as it is: without a prefix, or when it is no IP address. IPv4-mapped
 // IPv6 counts as IPv4; a zone is dropped.
 func (p IPPrefix) Group(ip string) string {
@@ -82,7 +82,7 @@ type keyPart struct {
 	lit, ph string
 }
 
-// parseKeyTemplate expands Caddyfile shorthands in raw, checks that every
+// ParseKeyTemplate expands Caddyfile shorthands in raw, checks that every
 // placeholder is in a known namespace, and compiles it. Caddy's escapes \{
 // and \} stand for literal braces.
 func ParseKeyTemplate(raw string) (*KeyTemplate, error) {
@@ -170,14 +170,14 @@ func requestField(field string) bool {
 	return false
 }
 
-// checkTemplate checks every placeholder of a template (a rate, a cost, a
+// CheckTemplate checks every placeholder of a template (a rate, a cost, a
 // fingerprint), after Caddyfile shorthands: any name may be set by a
 // handler before (map, vars), but a field of http.request.* must exist.
 func CheckTemplate(raw string) error {
 	return EachPlaceholder(raw, checkRequestField)
 }
 
-// eachPlaceholder calls f with the name of every placeholder of a
+// EachPlaceholder calls f with the name of every placeholder of a
 // template, after Caddyfile shorthands, and stops at its first error.
 func EachPlaceholder(raw string, f func(name string) error) error {
 	s := ExpandShorthands(raw)
@@ -201,7 +201,7 @@ func EachPlaceholder(raw string, f func(name string) error) error {
 	}
 }
 
-// templateHeaders lists the request headers a template reads: X for
+// TemplateHeaders lists the request headers a template reads: X for
 // {http.request.header.X} (or {header.X}), Cookie for a cookie placeholder.
 func TemplateHeaders(raw string) []string {
 	var out []string
@@ -225,13 +225,13 @@ func knownNamespace(name string) bool {
 	return false
 }
 
-// checkKeyTemplate reports what parseKeyTemplate would reject.
+// CheckKeyTemplate reports what parseKeyTemplate would reject.
 func CheckKeyTemplate(raw string) error {
 	_, err := ParseKeyTemplate(raw)
 	return err
 }
 
-// render renders the template for one request. Every placeholder must be
+// Render renders the template for one request. Every placeholder must be
 // known and non-empty (errKeyUnknown, errKeyEmpty, naming it): a key with a
 // hole, such as "user:" for a request without the user header, would put
 // every such client in one shared lock or bucket.
@@ -269,7 +269,7 @@ func (t *KeyTemplate) value(repl *caddy.Replacer, name string) (string, error) {
 	return s, nil
 }
 
-// keyHash is the one hashing rule for keys: "sha256:" and the hex digest.
+// KeyHash is the one hashing rule for keys: "sha256:" and the hex digest.
 // A rendered key that starts with "sha256:" is always hashed again, so two
 // different keys can never share a Redis key.
 func KeyHash(s string) string {
@@ -277,7 +277,7 @@ func KeyHash(s string) string {
 	return "sha256:" + hex.EncodeToString(sum[:])
 }
 
-// storedKey turns a rendered key into the Redis key: prefix plus the key in
+// StoredKey turns a rendered key into the Redis key: prefix plus the key in
 // a hash tag, so every Redis key of one lock or limit is on one Cluster
 // slot. Keys over maxKeyLen bytes, or with braces, are stored as their
 // SHA-256.
@@ -291,7 +291,7 @@ func StoredKey(prefix, rendered string) string {
 	return prefix + "{" + rendered + "}"
 }
 
-// sortKeys deduplicates and sorts keys.
+// SortKeys deduplicates and sorts keys.
 func SortKeys(keys []string) []string {
 	sort.Strings(keys)
 	out := keys[:0]
@@ -303,7 +303,7 @@ func SortKeys(keys []string) []string {
 	return out
 }
 
-// clientIP is Caddy's client IP of r, or the peer's address.
+// ClientIP is Caddy's client IP of r, or the peer's address.
 func ClientIP(r *http.Request) string {
 	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok && ip != "" {
 		return ip

@@ -14,7 +14,7 @@ import (
 // net/http); their lines reach Caddy's zap logger through zapHandler,
 // with the same message, level, logger name and fields.
 
-// slogFor returns a slog.Logger that writes to z.
+// SlogFor returns a slog.Logger that writes to z.
 func SlogFor(z *zap.Logger) *slog.Logger {
 	return slog.New(&zapHandler{core: z.Core(), name: z.Name()})
 }
@@ -94,7 +94,7 @@ func appendField(fields []zapcore.Field, prefix string, a slog.Attr) []zapcore.F
 	return append(fields, zap.Any(key, v.Any()))
 }
 
-// warnings keeps repeated warnings out of the logs (internal/throttle).
+// Warnings keeps repeated warnings out of the logs (internal/throttle).
 type Warnings = throttle.Warnings
 
 func NewWarnings(every time.Duration) *Warnings { return throttle.New(every) }

@@ -35,7 +35,7 @@ var (
 	FenceWritesVec         *prometheus.CounterVec   // handler, result
 )
 
-// rateLimitResults are the results of caddy_redis_ratelimit_requests_total:
+// RateLimitResults are the results of caddy_redis_ratelimit_requests_total:
 // requests admitted, rejected, answered by the fail policy (Redis could not
 // decide), answered 400 because a rate, window or cost rendered to
 // something unusable, decided by the instance alone while Redis could not
@@ -128,7 +128,7 @@ func allVecs() []interface {
 	}{lockAcquireSeconds, lockHeldSeconds, lockWaiters, LockLostTotal, LockDelays, LockReleaseFailures, lockReplays, rateLimitTotal, rateLimitWaitedSeconds, EvictingServers, FenceWritesVec}
 }
 
-// registerMetrics registers the collectors with this config load's
+// RegisterMetrics registers the collectors with this config load's
 // registry (which may be nil); a collector already there is fine.
 func RegisterMetrics(ctx caddy.Context) error {
 	reg := ctx.GetMetricsRegistry()
@@ -190,7 +190,7 @@ func NewRateLimitSeries(label string) (s RateLimitSeries) {
 	return s
 }
 
-// newFenceSeries returns one redis_fence handler's counters, as fenceResults.
+// NewFenceSeries returns one redis_fence handler's counters, as fenceResults.
 func NewFenceSeries(label string) (s [len(FenceResults)]prometheus.Counter) {
 	InitMetrics()
 	for i, result := range FenceResults {
@@ -209,7 +209,7 @@ var labels = struct {
 	evicting map[*redisconn.Check]map[string]bool // check → the addresses it found evicting
 }{refs: map[string]int{}, checks: map[string]map[*redisconn.Check]int{}, evicting: map[*redisconn.Check]map[string]bool{}}
 
-// labelClaim is one handler's hold on its label (see observeHandler).
+// LabelClaim is one handler's hold on its label (see observeHandler).
 type LabelClaim struct {
 	label   string
 	clients []*Client
@@ -218,7 +218,7 @@ type LabelClaim struct {
 	once    sync.Once
 }
 
-// observeHandler claims label for a provisioned handler of kind ("lock",
+// ObserveHandler claims label for a provisioned handler of kind ("lock",
 // "rl", "fence") using clients: the label's series stay while it is held,
 // the eviction gauge of the label counts the clients' evicting servers,
 // and the log lines of the clients' shared parts (the releaser, the
@@ -244,7 +244,7 @@ func ObserveHandler(kind, label string, logger *zap.Logger, clients ...*Client) 
 	return c
 }
 
-// release gives the claim back (once; nil is fine): the label's series go
+// Release gives the claim back (once; nil is fine): the label's series go
 // when no loaded handler has it any more.
 func (c *LabelClaim) Release() {
 	if c == nil {
@@ -274,7 +274,7 @@ func (c *LabelClaim) Release() {
 	})
 }
 
-// labelLive reports whether a loaded handler has label.
+// LabelLive reports whether a loaded handler has label.
 func LabelLive(label string) bool {
 	labels.Lock()
 	defer labels.Unlock()

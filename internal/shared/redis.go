@@ -89,7 +89,7 @@ type RedisConfig struct {
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 }
 
-// validate checks the settings without dialing. allowRedlock accepts
+// Validate checks the settings without dialing. allowRedlock accepts
 // several independent `redis` servers (redis_lock); otherwise exactly one
 // logical Redis is accepted (redis_ratelimit).
 func (c *RedisConfig) Validate(allowRedlock bool) error {
@@ -147,7 +147,7 @@ func (c *RedisConfig) Validate(allowRedlock bool) error {
 	return nil
 }
 
-// resolve replaces placeholders ({env.*} and other global ones) and returns
+// Resolve replaces placeholders ({env.*} and other global ones) and returns
 // one redisconn.Settings per logical Redis: several for a Redlock quorum, one
 // otherwise.
 func (c *RedisConfig) Resolve() ([]redisconn.Settings, error) {
@@ -229,11 +229,11 @@ func (c *RedisConfig) Resolve() ([]redisconn.Settings, error) {
 	return out, nil
 }
 
-// clientPool shares one client per identical settings across handlers and
+// ClientPool shares one client per identical settings across handlers and
 // config reloads; the last user's Cleanup closes it.
 var ClientPool = caddy.NewUsagePool()
 
-// pooledClient is one shared Redis client plus what must outlive a config
+// Client is one shared Redis client plus what must outlive a config
 // reload with it: the lock engine's server (with its Pub/Sub wake-up
 // listener) and the rate limiter's pipeline batcher and breaker.
 type Client struct {
@@ -256,7 +256,7 @@ type Client struct {
 // local limiters those reach).
 var ForgetterOf = func(*Client) ratelimit.Forgetter { return nil }
 
-// destructGrace is how long a client whose last handler went away stays
+// DestructGrace is how long a client whose last handler went away stays
 // open for requests of the old config still on their way to a lock or a
 // limit (a reload's old servers finish their requests after Cleanup). A
 // var only so that tests can shorten it.
@@ -287,7 +287,7 @@ func (p *Client) Destruct() error {
 	return nil
 }
 
-// rateLimit runs one rate-limit script call: batched with concurrent calls
+// RateLimit runs one rate-limit script call: batched with concurrent calls
 // into one pipeline, answered within the client's timeout (or when ctx
 // ends), and refused at once while the breaker is open. obs is the
 // calling handler's: the batcher outlives configs, its log lines do not.
@@ -308,14 +308,14 @@ func (p *Client) RateLimit(ctx context.Context, c *ratelimit.Call, obs ratelimit
 	return b.Do(ctx, c, p.Settings.Timeout, obs)
 }
 
-// batcher returns the rate-limit batcher if one was made (for tests).
+// Batcher returns the rate-limit batcher if one was made (for tests).
 func (p *Client) Batcher() *ratelimit.Batcher {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return p.rl
 }
 
-// acquireClient returns the shared client for s, creating it when needed.
+// AcquireClient returns the shared client for s, creating it when needed.
 // The caller must call releaseClient with the same key in Cleanup.
 func AcquireClient(s redisconn.Settings) (*Client, string, error) {
 	key := s.PoolKey()
@@ -335,7 +335,7 @@ func AcquireClient(s redisconn.Settings) (*Client, string, error) {
 	return val.(*Client), key, nil
 }
 
-// acquireOne takes the shared client of a handler that uses one logical
+// AcquireOne takes the shared client of a handler that uses one logical
 // Redis (a server, a Cluster or a Sentinel); dir names the directive in
 // errors. The caller gives the key back with releaseClient.
 func (c *RedisConfig) AcquireOne(dir string) (*Client, string, time.Duration, error) {
@@ -353,14 +353,14 @@ func (c *RedisConfig) AcquireOne(dir string) (*Client, string, time.Duration, er
 	return pc, key, servers[0].Timeout, nil
 }
 
-// releaseClient gives back a client taken with acquireClient.
+// ReleaseClient gives back a client taken with acquireClient.
 func ReleaseClient(key string) {
 	if key != "" {
 		_, _ = ClientPool.Delete(key)
 	}
 }
 
-// retryAfterSeconds renders a wait as a Retry-After value: whole seconds,
+// RetryAfterSeconds renders a wait as a Retry-After value: whole seconds,
 // rounded up, at least 1.
 func RetryAfterSeconds(d time.Duration) int64 {
 	if s := CeilSeconds(d); s > 1 {
@@ -369,7 +369,7 @@ func RetryAfterSeconds(d time.Duration) int64 {
 	return 1
 }
 
-// jittered raises d by a random share of it, up to fraction f (0: d as
+// Jittered raises d by a random share of it, up to fraction f (0: d as
 // it is), so rejected clients do not retry in step.
 func Jittered(d time.Duration, f float64) time.Duration {
 	if f <= 0 || d <= 0 {
@@ -378,7 +378,7 @@ func Jittered(d time.Duration, f float64) time.Duration {
 	return d + time.Duration(rand.Float64()*f*float64(d))
 }
 
-// ceilSeconds rounds d up to whole seconds (0 for d <= 0).
+// CeilSeconds rounds d up to whole seconds (0 for d <= 0).
 func CeilSeconds(d time.Duration) int64 {
 	if d <= 0 {
 		return 0
