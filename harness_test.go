@@ -143,3 +143,6 @@ func getAllOK(t *testing.T, n int, urls []string, name string, keys int) {
 	}
 	wg.Wait()
 }
+
+// lockInstanceID is the handler's instance id in the lock's Redis wait lists.
+func lockInstanceID(h *RedisLock) string { return h.locker.InstanceID() }

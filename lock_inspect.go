@@ -1,55 +1,17 @@
 package redisdlm
 
-// The lock side of the admin API: a lock key's state on every server and in
-// this instance, and the force release. The lock engine is read through the
-// accessors below only, as it changes often.
+// The lock side of the admin API: the engine's answers (Inspect,
+// ForceRelease, ClearReplay) as the admin API's JSON.
 
 import (
-	"context"
-	_ "embed"
 	"encoding/json"
-	"fmt"
 	"net/http"
-	"strconv"
 	"strings"
-	"sync"
-	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
-
-var (
-	//go:embed scripts/admin_lock_inspect.lua
-	adminLockInspectLua string
-	//go:embed scripts/admin_lock_release.lua
-	adminLockReleaseLua string
-
-	adminLockInspectScript = redisconn.NewScript(adminLockInspectLua)
-	adminLockReleaseScript = redisconn.NewScript(adminLockReleaseLua)
-)
-
-// adminWakeFrom is the sender of the wake-up a force release publishes: no
-// domain has this id, so every instance's waiters of the key are woken.
-const adminWakeFrom = "admin"
-
-// The lock engine, read through these accessors only (it changes often).
-
-// lockClients returns the clients of the lock's servers, in config order.
-func lockClients(h *RedisLock) []redis.UniversalClient { return h.locker.Clients() }
-
-// lockInstanceID is this instance's id in the lock's Redis wait lists.
-func lockInstanceID(h *RedisLock) string { return h.locker.InstanceID() }
-
-// lockLocal counts this instance's waiters and holders of a Redis lock key,
-// over every local queue that involves it (a key set holding it).
-func lockLocal(h *RedisLock, redisKey string) (waiters, held int) { return h.locker.Local(redisKey) }
-
-// lockWakeLocal wakes this instance's waiters of a Redis lock key.
-func lockWakeLocal(h *RedisLock, redisKey string) { h.locker.WakeLocal(redisKey) }
 
 // lockServerView is one server's state of a lock key.
 type lockServerView struct {
@@ -95,54 +57,20 @@ type lockView struct {
 	Servers     []lockServerView `json:"servers"`
 }
 
-// fanOut runs f on every client in parallel, bounded by the handler's
-// timeout per call.
-func fanOut(ctx context.Context, clients []redis.UniversalClient, timeout time.Duration, f func(ctx context.Context, i int, c redis.UniversalClient)) {
-	var wg sync.WaitGroup
-	for i, c := range clients {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			defer func() { _ = recover() }() // an admin call never takes Caddy down; its slot stays empty
-			cctx, cancel := context.WithTimeout(ctx, timeout)
-			defer cancel()
-			f(cctx, i, c)
-		}()
-	}
-	wg.Wait()
-}
-
-func lockTimeout(h *RedisLock) time.Duration {
-	if h.Timeout > 0 {
-		return time.Duration(h.Timeout)
-	}
-	return shared.DefaultTimeout
-}
-
 func (h *RedisLock) inspectLock(w http.ResponseWriter, r *http.Request, e *shared.AdminEntry, key string) error {
 	if key == "" {
 		return shared.AdminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := shared.StoredKey(h.Prefix, key)
 	v := lockView{Handler: shared.HandlerRef(h.Name), Key: key, RedisKey: rk}
-	v.WaitersHere, v.HeldHere = lockLocal(h, rk)
-	clients := lockClients(h)
-	v.Servers = make([]lockServerView, len(clients))
+	v.WaitersHere, v.HeldHere = h.locker.Local(rk)
+	states := h.locker.Inspect(r.Context(), rk)
+	v.Servers = make([]lockServerView, len(states))
 	found := v.WaitersHere > 0 || v.HeldHere > 0
-	var mu sync.Mutex
 	withHolders := 0
-	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		sv := lockServerView{Server: e.ServerName(i), Holders: []holderView{}}
-		res, err := adminLockInspectScript.Run(ctx, c,
-			[]string{rk, lock.FenceKey(rk), lock.WaitqKey(rk), lock.ReplayKey(rk)}, lockInstanceID(h)).Slice()
-		if err == nil {
-			err = sv.fill(res)
-		}
-		mu.Lock()
-		defer mu.Unlock()
-		if err != nil {
-			sv.Error = err.Error()
-		} else {
+	for i, st := range states {
+		sv := newServerView(e.ServerName(i), st)
+		if sv.Error == "" {
 			if sv.HolderCount > 0 {
 				withHolders++
 			}
@@ -151,8 +79,8 @@ func (h *RedisLock) inspectLock(w http.ResponseWriter, r *http.Request, e *share
 			}
 		}
 		v.Servers[i] = sv
-	})
-	v.Held = withHolders >= len(clients)/2+1
+	}
+	v.Held = withHolders >= len(states)/2+1
 	if !found {
 		for _, s := range v.Servers {
 			if s.Error != "" {
@@ -164,50 +92,37 @@ func (h *RedisLock) inspectLock(w http.ResponseWriter, r *http.Request, e *share
 	return shared.WriteJSON(w, v)
 }
 
-// fill reads the inspect script's answer:
-// {holders' lease left ms {..}, fence or "", waiting instances, this
-// instance waiting 0|1, replay type, replay expiry ms, replay status or "",
-// replay size, run record 0|1|2 (2: in doubt)}.
-func (sv *lockServerView) fill(res []any) error {
-	if len(res) != 9 {
-		return fmt.Errorf("unexpected inspect answer of %d values", len(res))
+// newServerView is one server's state as the admin API shows it.
+func newServerView(server string, st lock.ServerState) lockServerView {
+	sv := lockServerView{Server: server, Holders: []holderView{}}
+	if st.Err != nil {
+		sv.Error = st.Err.Error()
+		return sv
 	}
-	left, _ := res[0].([]any)
-	for _, l := range left {
-		ms, _ := l.(int64)
-		sv.Holders = append(sv.Holders, holderView{LeaseLeftMs: ms})
+	for _, left := range st.LeaseLeft {
+		sv.Holders = append(sv.Holders, holderView{LeaseLeftMs: left.Milliseconds()})
 	}
 	sv.HolderCount = len(sv.Holders)
-	if s, _ := res[1].(string); s != "" {
-		if f, err := strconv.ParseInt(s, 10, 64); err == nil {
-			sv.FencingCounter = &f
-		}
+	sv.FencingCounter = st.Fence
+	sv.InstancesWaiting = st.InstancesWaiting
+	sv.ThisInstanceWait = st.ThisInstanceWaiting
+	if st.Stored != nil {
+		sv.Replay = newReplayView(st.Stored)
 	}
-	n, _ := res[2].(int64)
-	sv.InstancesWaiting = int(n)
-	me, _ := res[3].(int64)
-	sv.ThisInstanceWait = me == 1
-	if typ, _ := res[4].(string); typ != "none" && typ != "" {
-		head, _ := res[6].(string)
-		size, _ := res[7].(int64)
-		sv.Replay = newReplayView(typ, head, size)
-		sv.Replay.ExpiryMs, _ = res[5].(int64)
-	}
-	run, _ := res[8].(int64)
-	sv.InDoubt = run == 2
-	return nil
+	sv.InDoubt = st.InDoubt
+	return sv
 }
 
 // newReplayView reads what it can of a stored answer from its first bytes
 // (see storedAnswer.encode: "<format>\n<json head>\n<body>").
-func newReplayView(typ, head string, size int64) *replayView {
-	rv := &replayView{Size: size, StoredBytes: size, Format: typ}
-	if head == "run1" {
-		rv.Format, rv.Size = head, 0
+func newReplayView(st *lock.Stored) *replayView {
+	rv := &replayView{Size: st.Size, StoredBytes: st.Size, Format: st.Type, ExpiryMs: st.TTL.Milliseconds()}
+	if st.Run {
+		rv.Format, rv.Size = st.Head, 0
 		return rv
 	}
-	format, rest, ok := strings.Cut(head, "\n")
-	if typ != "string" || !ok {
+	format, rest, ok := strings.Cut(st.Head, "\n")
+	if st.Type != "string" || !ok {
 		return rv
 	}
 	js, _, ok := strings.Cut(rest, "\n")
@@ -216,7 +131,7 @@ func newReplayView(typ, head string, size int64) *replayView {
 		return rv
 	}
 	rv.Format, rv.Status = format, &a.Status
-	rv.Size = size - int64(len(format)+len(js)+2)
+	rv.Size = st.Size - int64(len(format)+len(js)+2)
 	return rv
 }
 
@@ -230,18 +145,8 @@ func (h *RedisLock) releaseLock(w http.ResponseWriter, r *http.Request, e *share
 		return shared.AdminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := shared.StoredKey(h.Prefix, key)
-	clients := lockClients(h)
-	removed := make([]int64, len(clients))
-	errs := make([]string, len(clients))
-	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		n, err := adminLockReleaseScript.Run(ctx, c, []string{rk, lock.DelayKey(rk)}, lock.WakeChannel, adminWakeFrom+" "+lock.WakeID(rk),
-			time.Duration(h.LockDelay).Milliseconds()).Int64()
-		removed[i] = n
-		if err != nil {
-			errs[i] = err.Error()
-		}
-	})
-	lockWakeLocal(h, rk)
+	res := h.locker.ForceRelease(r.Context(), rk)
+	removed, errs := counts(res)
 	total := int64(0)
 	type serverResult struct {
 		Server  string `json:"server"`
@@ -255,7 +160,7 @@ func (h *RedisLock) releaseLock(w http.ResponseWriter, r *http.Request, e *share
 		Servers  []serverResult `json:"servers"`
 	}{Handler: shared.HandlerRef(h.Name), Key: key, RedisKey: rk}
 	failed := 0
-	for i := range clients {
+	for i := range res {
 		total += removed[i]
 		if errs[i] != "" {
 			failed++
@@ -264,7 +169,7 @@ func (h *RedisLock) releaseLock(w http.ResponseWriter, r *http.Request, e *share
 	}
 	if total == 0 {
 		if failed > 0 {
-			return shared.AdminError(http.StatusBadGateway, "releasing %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
+			return shared.AdminError(http.StatusBadGateway, "releasing %q: %d of %d servers failed: %s", key, failed, len(res), strings.Join(errs, "; "))
 		}
 		return shared.AdminError(http.StatusNotFound, "lock key %q (Redis key %s) is not held", key, rk)
 	}
@@ -287,25 +192,17 @@ func (h *RedisLock) clearReplay(w http.ResponseWriter, r *http.Request, e *share
 		return shared.AdminError(http.StatusBadRequest, "empty lock key")
 	}
 	rk := shared.StoredKey(h.Prefix, key)
-	clients := lockClients(h)
-	deleted := make([]int64, len(clients))
-	errs := make([]string, len(clients))
-	fanOut(r.Context(), clients, lockTimeout(h), func(ctx context.Context, i int, c redis.UniversalClient) {
-		n, err := c.Del(ctx, lock.ReplayKey(rk)).Result()
-		deleted[i] = n
-		if err != nil {
-			errs[i] = err.Error()
-		}
-	})
+	res := h.locker.ClearReplay(r.Context(), rk)
+	deleted, errs := counts(res)
 	total, failed := int64(0), 0
-	for i := range clients {
+	for i := range res {
 		total += deleted[i]
 		if errs[i] != "" {
 			failed++
 		}
 	}
 	if failed > 0 {
-		return shared.AdminError(http.StatusBadGateway, "clearing the replay state of %q: %d of %d servers failed: %s", key, failed, len(clients), strings.Join(errs, "; "))
+		return shared.AdminError(http.StatusBadGateway, "clearing the replay state of %q: %d of %d servers failed: %s", key, failed, len(res), strings.Join(errs, "; "))
 	}
 	if total == 0 {
 		return shared.AdminError(http.StatusNotFound, "no run record or stored answer for lock key %q (Redis key %s)", key, rk)
@@ -317,6 +214,19 @@ func (h *RedisLock) clearReplay(w http.ResponseWriter, r *http.Request, e *share
 		RedisKey string `json:"redis_key"`
 		Cleared  bool   `json:"cleared"`
 	}{shared.HandlerRef(h.Name), key, rk, true})
+}
+
+// counts splits the engine's per-server removals into counts and error
+// texts ("" for none).
+func counts(res []lock.Removal) ([]int64, []string) {
+	n, errs := make([]int64, len(res)), make([]string, len(res))
+	for i, r := range res {
+		n[i] = r.Count
+		if r.Err != nil {
+			errs[i] = r.Err.Error()
+		}
+	}
+	return n, errs
 }
 
 // AdminKind, AdminName, AdminView and ServeAdmin are the handler's side of

@@ -1,7 +1,7 @@
 package lock
 
-// What the handler (package redisdlm) and its admin API read and call of
-// the engine, besides Acquire.
+// What the handler and its admin API read and call of the engine, besides
+// Acquire.
 
 import (
 	"context"
@@ -50,6 +50,28 @@ func (l *Locker) Extend(ctx context.Context, ls *Lease) error { return l.extend(
 
 // WakeLocal wakes this instance's waiters of a Redis lock key.
 func (l *Locker) WakeLocal(redisKey string) { l.dom.wakeKeys([]string{redisKey}) }
+
+// Inspect reads a Redis lock key's state on every server, in server order
+// (see ServerState); it changes nothing. Holder tokens are never part of it.
+func (l *Locker) Inspect(ctx context.Context, redisKey string) []ServerState {
+	return l.inspect(ctx, redisKey)
+}
+
+// ForceRelease removes every holder of a Redis lock key on every server
+// and wakes its waiters in every instance; with lock_delay nobody gets the
+// key for the delay. An old holder's next extension finds its lease lost.
+// Per server, in server order: the live holders removed, or its error.
+func (l *Locker) ForceRelease(ctx context.Context, redisKey string) []Removal {
+	return l.forceRelease(ctx, redisKey)
+}
+
+// ClearReplay deletes a Redis lock key's run record or stored answer on
+// every server: a key left in doubt may be run again, a stored answer is
+// no longer replayed. Per server, in server order: the keys deleted (0 or
+// 1), or its error.
+func (l *Locker) ClearReplay(ctx context.Context, redisKey string) []Removal {
+	return l.clearReplay(ctx, redisKey)
+}
 
 // Fence is the lease's fencing token.
 func (ls *Lease) Fence() int64 { return ls.fence }

@@ -19,7 +19,7 @@ import (
 
 // newToken is a holder token: a random (version 4) UUID, made in one
 // allocation (uuid.NewString takes two). From crypto/rand: a token
-// releases its lock, so it is a secret (never shown, see lock_inspect.go).
+// releases its lock, so it is a secret (never shown, see Inspect).
 func newToken() string {
 	var u uuid.UUID
 	_, _ = rand.Read(u[:])  // never fails: since Go 1.24 a failing source crashes the program

@@ -23,13 +23,19 @@ var (
 	renewLua string
 	//go:embed scripts/lock_keep_answer.lua
 	keepAnswerLua string
+	//go:embed scripts/lock_inspect.lua
+	inspectLua string
+	//go:embed scripts/lock_force_release.lua
+	forceReleaseLua string
 
-	AcquireScript    = redisconn.NewScript(acquireLua)
-	ExtendScript     = redisconn.NewScript(extendLua)
-	ReleaseScript    = redisconn.NewScript(releaseLua)
-	fenceRaiseScript = redisconn.NewScript(fenceRaiseLua)
-	renewScript      = redisconn.NewScript(renewLua)
-	keepAnswerScript = redisconn.NewScript(keepAnswerLua)
+	AcquireScript      = redisconn.NewScript(acquireLua)
+	ExtendScript       = redisconn.NewScript(extendLua)
+	ReleaseScript      = redisconn.NewScript(releaseLua)
+	fenceRaiseScript   = redisconn.NewScript(fenceRaiseLua)
+	renewScript        = redisconn.NewScript(renewLua)
+	keepAnswerScript   = redisconn.NewScript(keepAnswerLua)
+	inspectScript      = redisconn.NewScript(inspectLua)
+	forceReleaseScript = redisconn.NewScript(forceReleaseLua)
 )
 
 // ReleaseStoreScript is the release script without allow-oom, for a

@@ -1,5 +1,5 @@
 #!lua flags=no-writes
--- Admin API: read one lock key's state, without changing anything.
+-- Inspect: read one lock key's state, without changing anything.
 -- KEYS[1] lock sorted set (member = holder token, score = lease end, ms of Redis TIME)
 -- KEYS[2] fencing counter, KEYS[3] waitq (waiting instances, score = entry expiry ms)
 -- KEYS[4] stored replay (<lockkey>:replay)

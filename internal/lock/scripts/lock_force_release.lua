@@ -1,6 +1,6 @@
--- Admin API: force-release every holder of a lock key and wake its waiters.
+-- ForceRelease: remove every holder of a lock key and wake its waiters.
 -- KEYS[1] lock sorted set, KEYS[2] its lock_delay ends (see lock_acquire.lua)
--- ARGV[1] wake channel, ARGV[2] wake message, ARGV[3] the handler's
+-- ARGV[1] wake channel, ARGV[2] wake message, ARGV[3] the locker's
 -- lock_delay in ms (0 = none): each holder removed keeps its permit from
 -- everyone for that long from now (a lease ended without its release);
 -- with 0 the key is free at once.
