@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -124,7 +125,7 @@ func BenchmarkAbuseDistinctKeys(b *testing.B) {
 
 // waiterRun sends conc requests at once for one hot key through h (the
 // upstream holds each for hold) and samples goroutines and heap meanwhile.
-func waiterRun(b *testing.B, h *RedisLock, conc int, hold time.Duration) {
+func waiterRun(b *testing.B, h *redislock.RedisLock, conc int, hold time.Duration) {
 	runtime.GC()
 	var ms runtime.MemStats
 	runtime.ReadMemStats(&ms)

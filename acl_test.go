@@ -65,7 +65,7 @@ func TestACLMinimal(t *testing.T) {
 	up := newExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{%s,"timeout":"2s","wait":"30s"}`, conn))
 	b := provisionLock(t, fmt.Sprintf(`{%s,"timeout":"3s","wait":"30s"}`, conn))
-	if a.locker.Clients()[0] == b.locker.Clients()[0] {
+	if lockClient(t, a) == lockClient(t, b) {
 		t.Fatal("both handlers share one client; the test needs two, so wake-ups cross Pub/Sub")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)

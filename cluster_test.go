@@ -4,12 +4,9 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/lock"
-	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -69,38 +66,5 @@ func TestClusterLockAndRateLimit(t *testing.T) {
 		if ok != 3 {
 			t.Errorf("user %s admitted %d of 5, want 3", user, ok)
 		}
-	}
-}
-
-// startSentinel starts a redis-server in sentinel mode that monitors master
-// under the name "mymaster", and returns its address.
-func startSentinel(t *testing.T, master *testRedis) string {
-	return startSentinels(t, master, 1, 1, 0, 5*time.Second)[0]
-}
-
-// TestSentinelLock: redis_lock through a Sentinel-managed Redis (the client
-// asks the sentinel for the master) is exclusive, and the lock lives on the
-// master.
-func TestSentinelLock(t *testing.T) {
-	t.Parallel()
-	master := startRedis(t)
-	sentinel := startSentinel(t, master)
-	up := newExclusivityUpstream(time.Millisecond)
-	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"30s","timeout":"3s"}`, sentinel))
-	srv := handlerServer(t, h, up.ServeHTTP)
-	var wg sync.WaitGroup
-	for i := 0; i < 40; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if resp, body := get(t, srv.URL+"/s"); resp == nil || resp.StatusCode != 200 {
-				t.Errorf("%v %s", resp, body)
-			}
-		}()
-	}
-	wg.Wait()
-	up.check(t)
-	if v, _ := master.Client().Get(context.Background(), lock.FenceKey(shared.StoredKey(h.Prefix, "/s"))).Int(); v < 1 {
-		t.Errorf("fencing counter on the master is %d; the lock did not go through the sentinel's master", v)
 	}
 }

@@ -5,17 +5,15 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
@@ -88,7 +86,7 @@ func TestAddressFormsAgree(t *testing.T) {
 				if dir == "redis_lock" {
 					src = fmt.Sprintf("%s {\n\t%s %s\n}", dir, sub, f.addr)
 				}
-				var u caddyfile.Unmarshaler = new(RedisLock)
+				var u caddyfile.Unmarshaler = new(redislock.RedisLock)
 				if dir == "redis_ratelimit" {
 					u = new(RedisRateLimit)
 				}
@@ -98,7 +96,7 @@ func TestAddressFormsAgree(t *testing.T) {
 				}
 			}
 			list, _ := json.Marshal([]string{f.addr})
-			lock := new(RedisLock)
+			lock := new(redislock.RedisLock)
 			_ = json.Unmarshal([]byte(fmt.Sprintf(`{%q:%s}`, sub, list)), lock)
 			check("redis_lock JSON", lock.Validate(), "redis_lock: ")
 			rl := new(RedisRateLimit)
@@ -148,7 +146,7 @@ func TestPoolKeyFollowsTLSFiles(t *testing.T) {
 // of the pair is refused by both handlers.
 func TestTLSClientCertCaddyfile(t *testing.T) {
 	t.Parallel()
-	h := new(RedisLock)
+	h := new(redislock.RedisLock)
 	if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\ttls_client_cert c.pem c.key\n}")); err != nil {
 		t.Fatal(err)
 	}
@@ -166,7 +164,7 @@ func TestTLSClientCertCaddyfile(t *testing.T) {
 			t.Errorf("%q: %v", body, err)
 		}
 	}
-	lock := new(RedisLock)
+	lock := new(redislock.RedisLock)
 	_ = json.Unmarshal([]byte(`{"tls_client_cert_file":"c.pem"}`), lock)
 	if err := lock.Validate(); err == nil || !strings.Contains(err.Error(), "redis_lock: tls_client_cert: needs both") {
 		t.Errorf("lock with a cert but no key: %v", err)
@@ -175,269 +173,6 @@ func TestTLSClientCertCaddyfile(t *testing.T) {
 	_ = json.Unmarshal([]byte(`{"tls_client_key_file":"c.key","rates":[{"requests":1,"window":"1s"}]}`), rl)
 	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "redis_ratelimit: tls_client_cert: needs both") {
 		t.Errorf("rate limit with a key but no cert: %v", err)
-	}
-}
-
-// connectedClients reads connected_clients from INFO through c (its own
-// connection included).
-func connectedClients(t *testing.T, c *redis.Client) int {
-	return int(infoInt(t, c, "clients", "connected_clients"))
-}
-
-// warmLock is a lock handler (timeout 5s, wait 0) on a Redis of its own,
-// served, after one request.
-func warmLock(t *testing.T) (*testRedis, *RedisLock, *httptest.Server) {
-	t.Helper()
-	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
-	s := handlerServer(t, h, okHandler)
-	if resp, _ := get(t, s.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
-		t.Fatalf("warm-up: %v", resp)
-	}
-	return r, h, s
-}
-
-// pausedBurst makes a lock handler's pool grow as a slow Redis does: n
-// calls on the handler's shared client meet a paused Redis, each holding a
-// connection of its own (the calls that go outside the pipe, redisconn.Pipe:
-// extensions, sync_replicas acquires, wait-queue updates), while n locked
-// requests wait in the pipe; all succeed once it resumes. It returns the
-// handler's server, a client of the test's own and connected_clients
-// before and after the burst.
-func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after int) {
-	t.Helper()
-	r, h, s := warmLock(t)
-	rc = r.Client()
-	base = connectedClients(t, rc)
-	shared := h.locker.Clients()[0]
-	r.Pause()
-	var done []<-chan fetchResult
-	pings := make(chan error, n)
-	for i := 0; i < n; i++ {
-		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/k%d", s.URL, i)))
-		go func() { pings <- shared.Ping(context.Background()).Err() }()
-	}
-	// Every ping waits on a connection of its own: wait until Redis has
-	// accepted them all (the kernel completes the handshakes).
-	waitFor(3*time.Second, func() bool { return int(shared.PoolStats().TotalConns) >= n })
-	r.Resume()
-	for i, ch := range done {
-		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
-			t.Fatalf("request %d: %d %v", i, res.status, res.err)
-		}
-	}
-	for i := 0; i < n; i++ {
-		if err := <-pings; err != nil {
-			t.Fatalf("ping %d: %v", i, err)
-		}
-	}
-	after = connectedClients(t, rc)
-	if after < base+n/2 {
-		t.Fatalf("%d connections after %d calls met a paused Redis, %d before: the burst did not grow the pool", after, n, base)
-	}
-	return s.URL, rc, base, after
-}
-
-// TestPausedRedisLeavesLockPoolSmall: locked requests that meet a paused
-// Redis wait in the pipe (redisconn.Pipe) instead of each taking a
-// connection of its own: the pool grows by at most the pipelines in flight
-// and the background release, and every request is served once Redis
-// resumes.
-func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
-	t.Parallel()
-	r, h, s := warmLock(t)
-	rc := r.Client()
-	base := connectedClients(t, rc)
-	r.Pause()
-	const n = 48
-	var done []<-chan fetchResult
-	for i := 0; i < n; i++ {
-		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/p%d", s.URL, i)))
-	}
-	if !waitFor(5*time.Second, func() bool { return h.locker.QueuedCalls() >= n-redisconn.PipeInFlight }) {
-		r.Resume()
-		t.Fatalf("%d of %d locked requests queued in the pipe after 5s of a paused Redis, want %d: the test never met its premise", h.locker.QueuedCalls(), n, n-redisconn.PipeInFlight)
-	}
-	r.Resume()
-	for i, ch := range done {
-		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
-			t.Fatalf("request %d: %d %v", i, res.status, res.err)
-		}
-	}
-	if c := connectedClients(t, rc); c > base+redisconn.PipeInFlight+1 {
-		t.Fatalf("%d connections after %d locked requests met a paused Redis, %d before: want at most %d more (the pipelines in flight and the release)",
-			c, n, base, redisconn.PipeInFlight+1)
-	}
-}
-
-// TestPoolShrinksAfterSlowRedis: while Redis is paused, every request holds
-// a connection of its own; once those were idle for redisconn.ConnMaxIdle
-// (shortened here), they are closed, so the connections come back to about
-// what the traffic needs. Not parallel: it shortens redisconn.ConnMaxIdle
-// for the clients made meanwhile.
-func TestPoolShrinksAfterSlowRedis(t *testing.T) {
-	defer func(d time.Duration) { redisconn.ConnMaxIdle = d }(redisconn.ConnMaxIdle)
-	redisconn.ConnMaxIdle = 500 * time.Millisecond
-	srv, rc, base, after := pausedBurst(t, 48)
-	time.Sleep(redisconn.ConnMaxIdle + 200*time.Millisecond)
-	for i := 0; i < 30; i++ {
-		if resp, _ := get(t, fmt.Sprintf("%s/q%d", srv, i)); resp == nil || resp.StatusCode != 200 {
-			t.Fatalf("after the quiet spell: %v", resp)
-		}
-	}
-	// At worst (the reaper not yet done) a call that finds only expired
-	// connections closes three and dials one.
-	if c := connectedClients(t, rc); c > base+(after-base+2)/3+1 {
-		t.Errorf("%d connections after a quiet spell longer than redisconn.ConnMaxIdle (%d before the burst, %d after it); the expired idle ones were not closed", c, base, after)
-	}
-	t.Logf("connections: %d before, %d after 48 requests met a paused Redis, %d after a quiet spell", base, after, connectedClients(t, rc))
-}
-
-// TestPoolClosesIdleWithoutTraffic: after the burst of a paused Redis, no
-// call comes at all, and still the idle connections are closed once idle
-// for redisconn.ConnMaxIdle (plus the reaper's sweeps). go-redis closes an
-// idle connection only when a call takes it, three per call: before the
-// reaper, a quiet Caddy kept every connection a burst opened (the soak,
-// seed 605460989: a Redlock server at 186 connections after a quiet
-// minute and a few probes, 22 before the faults). Not parallel: it
-// shortens redisconn.ConnMaxIdle.
-func TestPoolClosesIdleWithoutTraffic(t *testing.T) {
-	defer func(d time.Duration) { redisconn.ConnMaxIdle = d }(redisconn.ConnMaxIdle)
-	redisconn.ConnMaxIdle = 500 * time.Millisecond
-	_, rc, base, after := pausedBurst(t, 48)
-	// base counts the warm-up's connection, closed too by now.
-	if !waitFor(10*time.Second, func() bool { return connectedClients(t, rc) <= base }) {
-		t.Fatalf("%d connections 10s after a burst (%d before it, %d after it) with no call since; want them closed after %v idle",
-			connectedClients(t, rc), base, after, redisconn.ConnMaxIdle)
-	}
-}
-
-// TestPoolDialsNothingUnderSteadyLoad: 64 callers lock and release keys
-// for a few thousand rounds (more calls in flight than the 16 idle
-// connections the pool used to keep): after a warm-up, Redis accepts no new
-// connection. Before, every connection handed back beyond 16 idle ones was
-// closed and the next call dialled again: about one new connection per
-// two locked requests.
-func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
-	t.Parallel()
-	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"10s"`))
-	round := func(from, n int) {
-		var wg sync.WaitGroup
-		for i := range 64 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for j := range n {
-					ls, err := h.locker.Acquire(t.Context(), []string{shared.StoredKey(h.Prefix, fmt.Sprintf("k%d-%d", i, (from+j)%50))})
-					if err != nil {
-						t.Error(err)
-						return
-					}
-					ls.Release()
-				}
-			}()
-		}
-		wg.Wait()
-	}
-	rc := r.Client()
-	// Warm-up until a whole round opens nothing: the pool grows to what 64
-	// callers need (one round is not always enough under CPU load from
-	// outside the test; a pool that churns never gets there).
-	stable := false
-	for w := 0; w < 5 && !stable; w++ {
-		before := infoInt(t, rc, "stats", "total_connections_received")
-		round(w*20, 20)
-		stable = infoInt(t, rc, "stats", "total_connections_received") == before
-	}
-	if !stable {
-		t.Fatal("the pool still opened Redis connections in the fifth warm-up round of 64 callers")
-	}
-	before := infoInt(t, rc, "stats", "total_connections_received")
-	round(20, 60)
-	if d := infoInt(t, rc, "stats", "total_connections_received") - before; d != 0 {
-		t.Fatalf("%d new Redis connections during 3840 lock-release rounds of 64 callers after a warm-up; want 0", d)
-	}
-}
-
-// TestRedlockDuplicateServers: a Redlock list that names one server twice
-// (which would give it two votes: with the other server down, it alone
-// would grant the lock) is refused in JSON, in the Caddyfile with its line,
-// and at provision time when a placeholder makes the duplicate; a password
-// never shows. Seed lists of a Cluster or a Sentinel may repeat an address.
-func TestRedlockDuplicateServers(t *testing.T) {
-	a, b := startRedis(t), startRedis(t)
-	t.Setenv("REDISDLM_TEST_DUP_ADDR", a.Addr)
-	for _, c := range []struct {
-		name  string
-		addrs []string
-		want  string
-	}{
-		{"same address", []string{a.Addr, a.Addr, b.Addr}, "is listed twice"},
-		{"address and URL", []string{a.Addr, "redis://:" + secretPW + "@" + a.Addr + "/0", b.Addr}, "are the same Redis server " + a.Addr},
-		{"another db", []string{"redis://" + a.Addr + "/1", b.Addr, "redis://" + a.Addr + "/2"}, "are the same Redis server " + a.Addr},
-	} {
-		t.Run(c.name, func(t *testing.T) {
-			list, _ := json.Marshal(c.addrs)
-			h := new(RedisLock)
-			if err := json.Unmarshal([]byte(`{"redis":`+string(list)+`}`), h); err != nil {
-				t.Fatal(err)
-			}
-			err := h.Validate()
-			if err == nil || !strings.Contains(err.Error(), "redis_lock: redis: ") || !strings.Contains(err.Error(), c.want) || strings.Contains(err.Error(), secretPW) {
-				t.Errorf("JSON %s: %v, want an error naming redis_lock: redis: and saying %q, without the password", list, err, c.want)
-			}
-			src := "redis_lock {\n\tredis " + strings.Join(c.addrs, " ") + "\n}"
-			err = new(RedisLock).UnmarshalCaddyfile(caddyfile.NewTestDispenser(src))
-			if err == nil || !strings.Contains(err.Error(), "redis_lock: redis: ") || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "Testfile:2") {
-				t.Errorf("Caddyfile %q: %v, want an error naming redis_lock: redis:, the line and %q", src, err, c.want)
-			}
-		})
-	}
-
-	// A placeholder is checked once it is replaced, in Provision.
-	h := new(RedisLock)
-	cfg := fmt.Sprintf(`{"redis":[%q,"{env.REDISDLM_TEST_DUP_ADDR}",%q]}`, a.Addr, b.Addr)
-	if err := json.Unmarshal([]byte(cfg), h); err != nil {
-		t.Fatal(err)
-	}
-	if err := h.Validate(); err != nil {
-		t.Fatalf("Validate %s: %v, want the placeholder left to Provision", cfg, err)
-	}
-	if err := new(RedisLock).UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_lock {\n\tredis " + a.Addr + " {env.REDISDLM_TEST_DUP_ADDR} " + b.Addr + "\n}")); err != nil {
-		t.Fatalf("Caddyfile with a placeholder address: %v, want it left to Provision", err)
-	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	err := h.Provision(ctx)
-	_ = h.Cleanup()
-	if err == nil || !strings.Contains(err.Error(), "redis_lock: redis: ") || !strings.Contains(err.Error(), "is listed twice") || !strings.Contains(err.Error(), "placeholders") {
-		t.Fatalf("Provision %s: %v, want a duplicate server error", cfg, err)
-	}
-
-	// Three distinct servers are a quorum (the third need not run: nothing dials).
-	ok := provisionLock(t, fmt.Sprintf(`{"redis":[%q,%q,"127.0.0.1:%d"]}`, a.Addr, "redis://"+b.Addr+"/1", freePort(t)))
-	if n := len(ok.locker.Clients()); n != 3 {
-		t.Errorf("a quorum of three distinct servers has %d servers", n)
-	}
-
-	// redis_ratelimit takes one address: a repeated one is still two.
-	rl := new(RedisRateLimit)
-	_ = json.Unmarshal([]byte(fmt.Sprintf(`{"redis":[%q,%q],"rates":[{"requests":1,"window":"1s"}]}`, a.Addr, a.Addr)), rl)
-	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "exactly one logical Redis") {
-		t.Errorf("redis_ratelimit with one address twice: %v, want exactly one logical Redis", err)
-	}
-
-	// Seeds of a Cluster or a Sentinel group may repeat: a seed only finds the rest.
-	for _, cfg := range []string{
-		fmt.Sprintf(`{"cluster":[%q,%q]}`, a.Addr, a.Addr),
-		fmt.Sprintf(`{"sentinel_master":"m","sentinels":[%q,"redis://%s"]}`, a.Addr, a.Addr),
-	} {
-		h := new(RedisLock)
-		_ = json.Unmarshal([]byte(cfg), h)
-		if err := h.Validate(); err != nil {
-			t.Errorf("%s: %v, want a repeated seed accepted", cfg, err)
-		}
 	}
 }
 
@@ -565,31 +300,16 @@ func TestClusterURLSeeds(t *testing.T) {
 	}
 }
 
-// TestSentinelURL: a sentinel given as a URL that carries the master's
-// password and db leads to the master, with that password and db.
-func TestSentinelURL(t *testing.T) {
+// TestRateLimitRepeatedAddress: redis_ratelimit takes one address, and a
+// repeated one is still two (redislock's TestRedlockDuplicateServers has
+// the lock's rule).
+func TestRateLimitRepeatedAddress(t *testing.T) {
 	t.Parallel()
-	master := startRedis(t)
-	sentinel := startSentinel(t, master)
-	ctx := context.Background()
-	sc := redis.NewSentinelClient(&redis.Options{Addr: sentinel})
-	defer sc.Close()
-	if err := sc.Set(ctx, "mymaster", "auth-pass", secretPW).Err(); err != nil {
-		t.Fatal(err)
-	}
-	if err := master.Client().ConfigSet(ctx, "requirepass", secretPW).Err(); err != nil {
-		t.Fatal(err)
-	}
-	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["redis://:%s@%s/2"],"timeout":"3s"}`, secretPW, sentinel))
-	srv := handlerServer(t, h, okHandler)
-	for i := 0; i < 3; i++ {
-		if resp, body := get(t, srv.URL+"/s"); resp == nil || resp.StatusCode != 200 {
-			t.Fatalf("lock through a sentinel URL: %v %s", resp, body)
-		}
-	}
-	c := redis.NewClient(&redis.Options{Addr: master.Addr, Password: secretPW, DB: 2})
-	defer c.Close()
-	if v, _ := c.Get(ctx, lock.FenceKey(shared.StoredKey(h.Prefix, "/s"))).Int(); v < 1 {
-		t.Errorf("fencing counter in db 2 of the master is %d; the lock did not go there", v)
+	a := startRedis(t)
+	// redis_ratelimit takes one address: a repeated one is still two.
+	rl := new(RedisRateLimit)
+	_ = json.Unmarshal([]byte(fmt.Sprintf(`{"redis":[%q,%q],"rates":[{"requests":1,"window":"1s"}]}`, a.Addr, a.Addr)), rl)
+	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "exactly one logical Redis") {
+		t.Errorf("redis_ratelimit with one address twice: %v, want exactly one logical Redis", err)
 	}
 }

@@ -14,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/redislock"
 )
 
 // prometheusServer is a real Prometheus scraping the test Caddy.
@@ -254,7 +256,7 @@ func TestDashboardQueriesOnPrometheus(t *testing.T) {
 			for _, p := range []string{"/a/1", "/b/1", "/c/1", "/d/1"} {
 				get(t, fmt.Sprintf("%s%s?%d", base, p, i))
 			}
-			get(t, base+"/f/1", DefaultFencingHeader, "1")
+			get(t, base+"/f/1", redislock.DefaultFencingHeader, "1")
 		}
 	}
 	traffic()

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -170,7 +171,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 	}
 
 	holder := goFetch(context.Background(), base+"/job/42")
-	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(DefaultLockPrefix, "/job/42")) == 1 }) {
+	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(redislock.DefaultLockPrefix, "/job/42")) == 1 }) {
 		t.Fatal("the job never held its lock")
 	}
 	resp, err := http.Post(fmt.Sprintf("http://localhost:%d/redisdlm/locks/jobs/%%2Fjob%%2F42/release", admin), "", nil)

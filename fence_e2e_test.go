@@ -16,6 +16,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/redisfence"
+	"github.com/caddy-dlm/redisdlm/redislock"
 )
 
 // e2eStorage is the storage behind the fencing Caddy: it records every
@@ -26,7 +27,7 @@ type e2eStorage struct {
 }
 
 func (s *e2eStorage) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	tok, _ := strconv.ParseInt(r.Header.Get(DefaultFencingHeader), 10, 64)
+	tok, _ := strconv.ParseInt(r.Header.Get(redislock.DefaultFencingHeader), 10, 64)
 	s.mu.Lock()
 	s.writes[r.URL.Path] = append(s.writes[r.URL.Path], tok)
 	s.mu.Unlock()
@@ -60,7 +61,7 @@ type e2eApp struct {
 
 func (a *e2eApp) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	who := r.Header.Get("X-Client") + " " + r.URL.Path
-	tok := r.Header.Get(DefaultFencingHeader)
+	tok := r.Header.Get(redislock.DefaultFencingHeader)
 	n, _ := strconv.ParseInt(tok, 10, 64)
 	status := a.write(r.URL.Path, tok)
 	a.mu.Lock()
@@ -89,7 +90,7 @@ func (a *e2eApp) write(path, token string) int {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPut, a.fence+path, strings.NewReader("balance=1"))
-	req.Header.Set(DefaultFencingHeader, token)
+	req.Header.Set(redislock.DefaultFencingHeader, token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return 0

@@ -13,6 +13,7 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redisfence"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -24,7 +25,7 @@ type storage struct {
 }
 
 func (s *storage) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	tok, _ := strconv.ParseInt(r.Header.Get(DefaultFencingHeader), 10, 64)
+	tok, _ := strconv.ParseInt(r.Header.Get(redislock.DefaultFencingHeader), 10, 64)
 	s.mu.Lock()
 	s.writes = append(s.writes, tok)
 	s.mu.Unlock()
@@ -77,7 +78,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 			<-stall // paused past its lease
 		}
 		out, _ := http.NewRequest("PUT", fenceSrv.URL+req.URL.Path, nil)
-		out.Header.Set(DefaultFencingHeader, req.Header.Get(DefaultFencingHeader))
+		out.Header.Set(redislock.DefaultFencingHeader, req.Header.Get(redislock.DefaultFencingHeader))
 		resp, err := http.DefaultClient.Do(out)
 		if err != nil {
 			return err

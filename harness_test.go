@@ -13,7 +13,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -21,13 +22,34 @@ import (
 )
 
 // provisionLock builds a redis_lock handler from its JSON form, provisions
-// it like Caddy would, and cleans it up when the test ends.
-func provisionLock(t testing.TB, cfg string) *RedisLock {
+// it like Caddy would, and cleans it up when the test ends (it keeps the
+// logger Caddy gives it: the root reaches the lock through its exported
+// API only).
+func provisionLock(t testing.TB, cfg string) *redislock.RedisLock {
 	t.Helper()
-	h := new(RedisLock)
-	provisionJSON(t, cfg, h)
-	quietLock(h)
+	h := new(redislock.RedisLock)
+	testkit.Provision(t, cfg, h)
 	return h
+}
+
+// provisionLockScoped is provisionLock for an instance that lives for part
+// of a test: the returned function cleans it up (once; it also runs when
+// the test ends).
+func provisionLockScoped(t *testing.T, cfg string) (*redislock.RedisLock, func()) {
+	t.Helper()
+	h := new(redislock.RedisLock)
+	if err := json.Unmarshal([]byte(cfg), h); err != nil {
+		t.Fatalf("config %s: %v", cfg, err)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision: %v", err)
+	}
+	var once sync.Once
+	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
+	t.Cleanup(done)
+	return h, done
 }
 
 // provisionRateLimitJSON does the same for a redis_ratelimit handler.
@@ -52,13 +74,8 @@ func provisionJSON(t testing.TB, cfg string, h provisionable) {
 	t.Cleanup(func() { _ = h.Cleanup() })
 }
 
-// quietLock and quietRateLimit replace the debug logger that Caddy gives a
-// module provisioned without a config (as in these tests) by quietLogger.
-func quietLock(h *RedisLock) {
-	h.logger = quietLogger()
-	h.locker.SetLogger(shared.SlogFor(h.logger))
-}
-
+// quietRateLimit replaces the debug logger that Caddy gives a module
+// provisioned without a config (as in these tests) by quietLogger.
 func quietRateLimit(h *RedisRateLimit) { h.logger = quietLogger() }
 
 // quietLogger logs warnings and errors to stderr.
@@ -143,6 +160,3 @@ func getAllOK(t *testing.T, n int, urls []string, name string, keys int) {
 	}
 	wg.Wait()
 }
-
-// lockInstanceID is the handler's instance id in the lock's Redis wait lists.
-func lockInstanceID(h *RedisLock) string { return h.locker.InstanceID() }

@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/redislock"
 )
 
 // heldPaymentUpstream places a payment per call, numbered; the first call is
@@ -98,7 +100,7 @@ http://127.0.0.1:%d {
 					if err != nil {
 						body = err.Error()
 					}
-					ch <- [3]string{fmt.Sprint(st), body, hdr.Get(HeaderIdempotentReplayed)}
+					ch <- [3]string{fmt.Sprint(st), body, hdr.Get(redislock.HeaderIdempotentReplayed)}
 				}()
 				return ch
 			}
@@ -195,7 +197,7 @@ func TestWholeCaddyNeverTwiceUpstreamUnreachable(t *testing.T) {
 		t.Fatalf("POST once the upstream listens: %d %q %v; want order #1", st, body, err)
 	}
 	st, hdr, body, err := post(base, "x", "Idempotency-Key", "k1")
-	if err != nil || st != http.StatusCreated || body != "order #1" || hdr.Get(HeaderIdempotentReplayed) != "true" {
-		t.Fatalf("the retry: %d %q replayed=%q %v; want order #1 replayed", st, body, hdr.Get(HeaderIdempotentReplayed), err)
+	if err != nil || st != http.StatusCreated || body != "order #1" || hdr.Get(redislock.HeaderIdempotentReplayed) != "true" {
+		t.Fatalf("the retry: %d %q replayed=%q %v; want order #1 replayed", st, body, hdr.Get(redislock.HeaderIdempotentReplayed), err)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -77,7 +78,7 @@ func TestStackedLimitersShowEveryPolicy(t *testing.T) {
 // only in it, or in a URL's password, get the same label.
 func TestHandlerLabelKeepsSecretsOut(t *testing.T) {
 	lock := func(pw, addr string) string {
-		h := &RedisLock{Keys: []string{"{http.request.uri.path}"}}
+		h := &redislock.RedisLock{Keys: []string{"{http.request.uri.path}"}}
 		h.Password = pw
 		h.Addresses = []string{addr}
 		return shared.HandlerLabel("lock", "", h)

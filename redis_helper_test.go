@@ -57,15 +57,6 @@ func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
 	return testredis.StartCluster(t, masters, replicas)
 }
 
-// startClusterNode starts one redis-server in cluster mode, on its own.
-func startClusterNode(t *testing.T) *testRedis { return testredis.StartClusterNode(t) }
-
-// redisZ is a sorted-set member scored as a lease end in ms (the lock
-// scripts' format).
-func redisZ(until time.Time, member string) redis.Z {
-	return redis.Z{Score: float64(until.UnixMilli()), Member: member}
-}
-
 // infoInt reads one integer field of an INFO section through c.
 func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
 	tb.Helper()

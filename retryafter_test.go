@@ -15,14 +15,15 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/redis/go-redis/v9"
 )
 
 // Tests of redis_lock's Retry-After (SPEC §3 items 11 and 14), through a
 // whole Caddy in-process against a real Redis. Each "instance" is a site of
-// its own whose redis_lock has another `timeout` (as in wake_test.go): that
-// gives it its own Redis client, local queues and id in the key's Redis
-// wait list, as a second Caddy would have.
+// its own whose redis_lock has another `timeout` (as in redislock's
+// wake_test.go): that gives it its own Redis client, local queues and id
+// in the key's Redis wait list, as a second Caddy would have.
 
 // jobUpstream runs a job per request: X-Job-Ms milliseconds long, or with
 // X-Gate until the test opens the gate (at most a minute). It announces the
@@ -128,7 +129,7 @@ func busyRetryAfter(t *testing.T, url, key string) int {
 func awaitFree(t *testing.T, rc *redis.Client, keys ...string) {
 	t.Helper()
 	for _, k := range keys {
-		key := shared.StoredKey(DefaultLockPrefix, k)
+		key := shared.StoredKey(redislock.DefaultLockPrefix, k)
 		if !waitFor(20*time.Second, func() bool { n, err := rc.Exists(context.Background(), key).Result(); return err == nil && n == 0 }) {
 			t.Errorf("lock %s still held after the test", k)
 		}
@@ -385,7 +386,7 @@ func TestRetryAfterLocalHandOff(t *testing.T) {
 	h1 := goFetchHdr(a, "X-Key", "chain", "X-Job-Ms", "3000")
 	w1 := goFetchHdr(a, "X-Key", "chain", "X-Job-Ms", "3000")
 	rc := r.Client()
-	waitq := lock.WaitqKey(shared.StoredKey(DefaultLockPrefix, "chain"))
+	waitq := lock.WaitqKey(shared.StoredKey(redislock.DefaultLockPrefix, "chain"))
 	if !waitFor(20*time.Second, func() bool { n, _ := rc.ZCard(context.Background(), waitq).Result(); return n == 1 }) {
 		t.Fatal("A never waited for chain in Redis")
 	}

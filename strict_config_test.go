@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/caddy-dlm/redisdlm/redisfence"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -37,7 +38,7 @@ func TestStrictConfig(t *testing.T) {
 		{"fingerprint misspelled field", "redis_lock", "replay 1m\n\tfingerprint {http.request.methd}", []string{"redis_lock: fingerprint", "does not exist"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var h unmarshaler = new(RedisLock)
+			var h unmarshaler = new(redislock.RedisLock)
 			if tc.dir == "redis_ratelimit" {
 				h = new(RedisRateLimit)
 			}
@@ -56,7 +57,7 @@ func TestStrictConfig(t *testing.T) {
 		{"redis_ratelimit", "rate 10 1s\n\trate 100 1m\n\tcount 401\n\tcount 403"},
 		{"redis_ratelimit", "rate 10 1s\n\tkey {http.request.uri.path.0}:{http.request.host.labels.1}:{http.request.remote.host/24,64}:{http.request.tls.client.subject}:{http.request.cookie.s}:{http.request.uri.query.q}"},
 	} {
-		var h unmarshaler = new(RedisLock)
+		var h unmarshaler = new(redislock.RedisLock)
 		if ok.dir == "redis_ratelimit" {
 			h = new(RedisRateLimit)
 		}
@@ -83,7 +84,7 @@ func TestStrictConfig(t *testing.T) {
 			t.Errorf("JSON %s: %v; want an error containing %q", tc.cfg, err, tc.want)
 		}
 	}
-	h := new(RedisLock)
+	h := new(redislock.RedisLock)
 	if err := json.Unmarshal([]byte(`{"keys":["{http.request.heder.X}"]}`), h); err != nil {
 		t.Fatal(err)
 	}
@@ -106,7 +107,7 @@ func TestEmptyPrefix(t *testing.T) {
 		dir, block string
 		h          func() unmarshaler
 	}{
-		{"redis_lock", "ttl 5s\n\tprefix \"\"", func() unmarshaler { return new(RedisLock) }},
+		{"redis_lock", "ttl 5s\n\tprefix \"\"", func() unmarshaler { return new(redislock.RedisLock) }},
 		{"redis_ratelimit", "rate 10 1m\n\tprefix \"\"", func() unmarshaler { return new(RedisRateLimit) }},
 		{"redis_fence", "retain 1h\n\tprefix \"\"", func() unmarshaler { return new(redisfence.RedisFence) }},
 	} {

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # Sub-benchmarks run in order servers=1, servers=3; redis-server's start-up
 # lines can split a result from its name, so take the p50 values in order.
-out=$(go test -run '^$' -bench BenchmarkLockAcquireRelease -benchtime 3000x . 2>/dev/null | grep -o '[0-9.]* p50-us')
+out=$(go test -run '^$' -bench BenchmarkLockAcquireRelease -benchtime 3000x ./redislock 2>/dev/null | grep -o '[0-9.]* p50-us')
 one=$(echo "$out" | sed -n 1p | awk '{print $1}')
 three=$(echo "$out" | sed -n 2p | awk '{print $1}')
 ratio=$(awk -v a="$three" -v b="$one" 'BEGIN { printf "%.2f", a / b }')

@@ -7,7 +7,7 @@
 // next local waiter, or released on every server, retried in the
 // background when an answer is lost).
 //
-// It knows nothing of Caddy or HTTP: the handler (package redisdlm)
+// It knows nothing of Caddy or HTTP: the handler (package redislock)
 // renders the keys, logs through the *slog.Logger it hands in, and counts
 // failed releases through Server.OnReleaseFailure. It calls Redis through
 // the smallest client interface it needs (Client) and reads the time of

@@ -1,6 +1,6 @@
 package lock
 
-// What the handler's tests (package redisdlm) set and read of the engine
+// What the handler's tests (package redislock) set and read of the engine
 // beyond its API: they watch it under real Caddy configs.
 
 import (

@@ -360,6 +360,10 @@ func ReleaseClient(key string) {
 	}
 }
 
+// StatusClientClosedRequest is the status a handler answers (as an error)
+// and logs when the client went away while it waited: nothing is written.
+const StatusClientClosedRequest = 499
+
 // RetryAfterSeconds renders a wait as a Retry-After value: whole seconds,
 // rounded up, at least 1.
 func RetryAfterSeconds(d time.Duration) int64 {

@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 import (
 	"context"
@@ -15,13 +15,14 @@ import (
 )
 
 // The release of an HTTP/1 request's lock waits until its response is on
-// the wire (SPEC §3 item 12: "before (or while)"). Caddy's server says,
-// through net/http's connection states, when a connection's response has
+// the wire: the client's answer never waits for the release's round trip,
+// and is complete before (or while) the lease is released. Caddy's server
+// says, through net/http's connection states, when a connection's response has
 // been written (StateIdle, before the next request is read), or that the
 // connection closed or was hijacked. Released from the handler instead, the
 // release's goroutine and its Redis write compete with the response for
 // the CPU: a sequential locked request answered about 0.25–0.5 Redis round
-// trips later on two cores (docs/benchmarks.md, eleventh round).
+// trips later on two cores.
 //
 // Only what is sure waits, and never long: an HTTP/1 request without a
 // body (net/http drains an unread body before it reports the connection
@@ -32,7 +33,7 @@ import (
 // HTTP/3, a request with a body, a connection hijacked while the route ran
 // (a WebSocket), and a route provisioned after its server started are
 // released as the handler returns, as before; so are execute-once (replay)
-// and a client gone with lock_delay (lockhandler.go's release).
+// and a client gone with lock_delay (handler.go's release).
 
 // waitBound is the longest a release waits for its response to be written.
 const waitBound = time.Second

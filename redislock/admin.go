@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 // The lock side of the admin API: the engine's answers (Inspect,
 // ForceRelease, ClearReplay) as the admin API's JSON.

@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 // The lock engine (internal/lock) as redis_lock uses it.
 

@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 import (
 	"encoding/json"
@@ -124,7 +124,7 @@ func TestCaddyfileAdaptErrors(t *testing.T) {
 	}
 }
 
-// TestFencingHeaderRule (issue 47 row 11, SPEC §6): fencing_header must
+// TestFencingHeaderRule: fencing_header must
 // not name a hop-by-hop header, Host, Content-Length, or a header the
 // handler's keys, fingerprint or credentials read (compared
 // case-insensitively). The Caddyfile parser names the line (fencing_header's,

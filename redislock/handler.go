@@ -1,4 +1,10 @@
-package redisdlm
+// Package redislock is the http.handlers.redis_lock module and its
+// Caddyfile directive: it holds a distributed lock in Redis per key while
+// the rest of the route serves the request, hands the upstream a fencing
+// token, can execute a request once (replay), and answers the admin API
+// for its keys. The lock itself is the engine's (internal/lock); this
+// package renders the keys, serves HTTP around the lease and reports.
+package redislock
 
 import (
 	"context"
@@ -36,9 +42,6 @@ const (
 	DefaultLockPrefix    = "caddy:lock:"
 	DefaultLockKey       = shared.DefaultLockKey
 )
-
-// statusClientClosedRequest is logged when the client went away while waiting.
-const statusClientClosedRequest = 499
 
 // RedisLock holds a distributed lock in Redis per key while the rest of the
 // route (for example reverse_proxy) serves the request, so requests for one
@@ -619,7 +622,7 @@ func (h *RedisLock) acquireFailed(w http.ResponseWriter, r *http.Request, next c
 		return caddyhttp.Error(h.Status, err)
 	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) || r.Context().Err() != nil:
 		h.m.Canceled.Observe(waited.Seconds())
-		return caddyhttp.Error(statusClientClosedRequest, fmt.Errorf("client went away while waiting for the lock: %w", err))
+		return caddyhttp.Error(shared.StatusClientClosedRequest, fmt.Errorf("client went away while waiting for the lock: %w", err))
 	default:
 		h.m.Errored.Observe(waited.Seconds())
 		if h.FailOpen {
@@ -1050,7 +1053,7 @@ func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end r
 		}
 		if end.cutOff && h.LockDelay > 0 {
 			// Cut short with its client gone: its upstream may still
-			// be writing, so lock_delay applies (SPEC §3 item 13).
+			// be writing, so lock_delay applies.
 			h.m.DelayAbandoned.Inc()
 			hd.lease.Abandon()
 			return nil
@@ -1064,7 +1067,7 @@ func (h *RedisLock) releaseReplay(hd held, r *http.Request, rec *recorder, end r
 }
 
 // estimateFree estimates when a busy lock will be free for this request
-// (SPEC §3 items 11 and 14). Before this handler saw any hold, the lease's
+// (its Retry-After, before jitter). Before this handler saw any hold, the lease's
 // time left is all there is. Otherwise: the expected end of the current
 // holder, its grant (Redis's TIME, so also right for a holder on another
 // instance) plus the p90 of the holds seen; plus p90 for every request

@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 import (
 	"context"

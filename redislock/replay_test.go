@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 import (
 	"context"
@@ -381,64 +381,6 @@ func TestReplayConfigErrors(t *testing.T) {
 		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "replay") {
 			t.Errorf("JSON %s: %v, want a replay error", cfg, err)
 		}
-	}
-}
-
-// TestWholeCaddyReplay: Caddy with a replayed idempotent POST in front of
-// reverse_proxy: 10 concurrent duplicates cost one upstream call, all get
-// its answer, and the replay counter shows at /metrics.
-func TestWholeCaddyReplay(t *testing.T) {
-	skipWholeCaddyIfShort(t)
-	r := startRedis(t)
-	var calls atomic.Int64
-	upSrv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
-		n := calls.Add(1)
-		time.Sleep(200 * time.Millisecond)
-		w.WriteHeader(http.StatusCreated)
-		fmt.Fprintf(w, "order %d", n)
-	}))
-	defer upSrv.Close()
-	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
-	admin localhost:%d
-	metrics
-	auto_https off
-}
-:%d {
-	@post method POST
-	redis_lock @post {
-		key {http.request.header.X-User}:{http.request.header.Idempotency-Key}
-		replay 1m
-		redis %s
-	}
-	reverse_proxy %s
-}
-`, admin, port, r.Addr, strings.TrimPrefix(upSrv.URL, "http://")))
-	url := fmt.Sprintf("http://127.0.0.1:%d/orders", port)
-	var wg sync.WaitGroup
-	var bad atomic.Int32
-	for i := 0; i < 10; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			st, _, body, err := post(url, "sku=1", "X-User", "alice", "Idempotency-Key", "abc")
-			if err != nil || st != 201 || body != "order 1" {
-				bad.Add(1)
-			}
-		}()
-	}
-	wg.Wait()
-	if calls.Load() != 1 || bad.Load() != 0 {
-		t.Fatalf("10 duplicates through Caddy: %d upstream calls, %d other answers; want 1 call, one answer", calls.Load(), bad.Load())
-	}
-	resp, err := http.Get(fmt.Sprintf("http://localhost:%d/metrics", admin))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, _ := io.ReadAll(resp.Body)
-	resp.Body.Close()
-	if !strings.Contains(string(b), `result="replayed"} `) {
-		t.Error("metrics lack caddy_redis_lock_replays_total{result=\"replayed\"}")
 	}
 }
 

@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 // redis_lock's Caddyfile syntax.
 

@@ -1,4 +1,4 @@
-package redisdlm
+package redislock
 
 // Execute once (`replay`): the holder's response is captured while it
 // streams to its own client, stored in Redis by the script that releases
@@ -58,7 +58,7 @@ var errBodyTooLarge = errors.New("redisdlm: request body larger than replay_max"
 
 // conditionalHeaders make a request one whose answer depends on what the
 // client already has: it is never answered from, nor stored as, a stored
-// answer (SPEC §3a).
+// answer.
 var conditionalHeaders = []string{"Range", "If-Match", "If-None-Match", "If-Modified-Since", "If-Unmodified-Since", "If-Range"}
 
 // identity is what a stored answer is matched against: the request's

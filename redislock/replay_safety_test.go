@@ -1,11 +1,10 @@
-package redisdlm
+package redislock
 
 import (
 	"context"
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -38,83 +37,6 @@ func (u *paymentUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("X-Payment", fmt.Sprint(n))
 	w.WriteHeader(http.StatusCreated)
 	fmt.Fprintf(w, "payment #%d", n)
-}
-
-func (u *paymentUpstream) overlap() int64 {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	return u.most
-}
-
-// TestReplayAnswerOutlivesClient (issue 19 item 1): a client posts a
-// payment through Caddy (redis_lock with replay in front of
-// reverse_proxy) and gives up after 0.5 s while the upstream takes 1.5 s;
-// the same POST is then sent twice, once to each of two instances (sites
-// with their own Redis clients, so their own pools, queues and instance
-// ids). The upstream sees one call and never two at once; both retries
-// wait for the first run and get its answer, replayed. Before the fix the
-// proxy aborted when the client left, the lock was released, nothing was
-// stored, and a retry ran the payment a second time while the first was
-// still running.
-func TestReplayAnswerOutlivesClient(t *testing.T) {
-	skipWholeCaddyIfShort(t)
-	r := startRedis(t)
-	up := &paymentUpstream{hold: 1500 * time.Millisecond}
-	upSrv := httptest.NewServer(up)
-	defer upSrv.Close()
-	portA, portB, admin := freePort(t), freePort(t), freePort(t)
-	site := func(port int, timeout string) string {
-		return fmt.Sprintf(`:%d {
-	@post method POST
-	redis_lock @post {
-		key {http.request.header.X-User}:{http.request.header.Idempotency-Key}
-		replay 24h
-		wait 20s
-		timeout %s
-		redis %s
-	}
-	reverse_proxy %s
-}
-`, port, timeout, r.Addr, strings.TrimPrefix(upSrv.URL, "http://"))
-	}
-	runCaddy(t, fmt.Sprintf("{\n\tadmin localhost:%d\n\tauto_https off\n}\n", admin)+site(portA, "2s")+site(portB, "3s"))
-	urlA := fmt.Sprintf("http://127.0.0.1:%d/pay", portA)
-	urlB := fmt.Sprintf("http://127.0.0.1:%d/pay", portB)
-
-	impatient := &http.Client{Timeout: 500 * time.Millisecond}
-	req, _ := http.NewRequest("POST", urlA, strings.NewReader(`{"amount":100}`))
-	req.Header.Set("X-User", "alice")
-	req.Header.Set("Idempotency-Key", "pay-1")
-	if resp, err := impatient.Do(req); err == nil {
-		resp.Body.Close()
-		t.Fatalf("the impatient client got %d before the 1.5 s upstream answered", resp.StatusCode)
-	}
-
-	type answer struct {
-		status   int
-		body     string
-		replayed string
-		err      error
-	}
-	answers := make([]answer, 2)
-	var wg sync.WaitGroup
-	for i, url := range []string{urlA, urlB} {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			st, hdr, body, err := post(url, `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "pay-1")
-			answers[i] = answer{st, body, hdr.Get(HeaderIdempotentReplayed), err}
-		}()
-	}
-	wg.Wait()
-	for i, a := range answers {
-		if a.err != nil || a.status != 201 || a.body != "payment #1" || a.replayed != "true" {
-			t.Errorf("retry %d: %d %q replayed=%q %v; want the first payment's answer, replayed", i, a.status, a.body, a.replayed, a.err)
-		}
-	}
-	if c, o := up.calls.Load(), up.overlap(); c != 1 || o != 1 {
-		t.Fatalf("the upstream saw %d calls, %d at once; want 1 call", c, o)
-	}
 }
 
 // TestReplayDetachedRunIsBounded: once its client is gone, a replay route
@@ -241,7 +163,7 @@ func send(method, url string, hdr ...string) (int, http.Header, string, error) {
 	return sendBody(method, url, "", hdr...)
 }
 
-// TestReplayServesOnlyWhatItCanAnswer (issue 19 item 2): request
+// TestReplayServesOnlyWhatItCanAnswer: request
 // coalescing (`key {http.request.uri}`, replay) is not poisoned by headers
 // the fingerprint ignores. A range request's 206 and a conditional
 // request's 304 are never stored (a plain GET then runs the route and
@@ -326,7 +248,7 @@ func TestReplayServesOnlyWhatItCanAnswer(t *testing.T) {
 	})
 }
 
-// TestReplayNeverAnotherClientsAnswer (issue 19 item 3): the fingerprint
+// TestReplayNeverAnotherClientsAnswer: the fingerprint
 // covers the credentials. Alice's answer to a GET (private, with her
 // cookie) is never replayed to Bob: his GET runs the route itself, and
 // his POST under a key Alice used is 422. A private answer goes only to
@@ -409,7 +331,7 @@ func (hb headerBefore) ServeHTTP(w http.ResponseWriter, r *http.Request, next ca
 // TestReplayMarksSetBeforeTheLock: Cache-Control private, Vary and Vary: *
 // set by a handler before the lock mark the answer the client gets, so
 // they decide what the stored answer may serve as if the route had set
-// them (SPEC §3a: never another client's private answer; Vary joins the
+// them (never another client's private answer; Vary joins the
 // fingerprint; Vary: * is never stored).
 func TestReplayMarksSetBeforeTheLock(t *testing.T) {
 	t.Parallel()
@@ -447,8 +369,8 @@ func TestReplayMarksSetBeforeTheLock(t *testing.T) {
 
 // TestReplayNotPassedByAHandOff: a handler without replay on the same key
 // (and lease options) never hands its lease to a replay waiter: the
-// waiter asks Redis, and the client's retry gets the stored answer (SPEC
-// §3a: a retried POST never reaches the upstream twice).
+// waiter asks Redis, and the client's retry gets the stored answer (a
+// retried POST never reaches the upstream twice).
 func TestReplayNotPassedByAHandOff(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
@@ -495,8 +417,8 @@ func TestReplayNotPassedByAHandOff(t *testing.T) {
 // TestReplayCutOffAtItsBound: a route whose client went away and that was
 // cancelled at its bound, but still writes an answer and returns without
 // an error, stores nothing, and its release is unclean: lock_delay
-// applies (SPEC §3a: then it is cancelled and nothing is stored; §3 item
-// 13: its upstream may still be writing).
+// applies (it is cancelled and nothing is stored; its upstream may still
+// be writing).
 func TestReplayCutOffAtItsBound(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
@@ -543,8 +465,8 @@ func TestReplayCutOffAtItsBound(t *testing.T) {
 }
 
 // TestReplayHeadAnswerNotForGet: with a fingerprint without the method, a
-// HEAD's answer (no body) is not replayed to a GET (SPEC §3a: a stored
-// answer is only for requests it can answer); to a HEAD it is.
+// HEAD's answer (no body) is not replayed to a GET (a stored answer is
+// only for requests it can answer); to a HEAD it is.
 func TestReplayHeadAnswerNotForGet(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)

@@ -1,0 +1,160 @@
+package redislock
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
+)
+
+func TestMain(m *testing.M) { testkit.Main(m) }
+
+// provisionLock builds a redis_lock handler from its JSON form, provisions
+// it like Caddy would, quiets its logger, and cleans it up when the test
+// ends.
+func provisionLock(t testing.TB, cfg string) *RedisLock {
+	t.Helper()
+	h := new(RedisLock)
+	testkit.Provision(t, cfg, h)
+	quietLock(h)
+	return h
+}
+
+// quietLock replaces the debug logger that Caddy gives a module
+// provisioned without a config (as in these tests) by testkit.QuietLogger.
+func quietLock(h *RedisLock) {
+	h.logger = testkit.QuietLogger()
+	h.locker.SetLogger(shared.SlogFor(h.logger))
+}
+
+// lockInstanceID is the handler's instance id in the lock's Redis wait lists.
+func lockInstanceID(h *RedisLock) string { return h.locker.InstanceID() }
+
+// testRedis is a real redis-server process for one test (internal/testredis).
+type testRedis = testredis.Server
+
+// startRedis starts redis-server; extra args are passed as config
+// (e.g. "--requirepass", "secret").
+func startRedis(t testing.TB, args ...string) *testRedis {
+	t.Helper()
+	return testredis.Start(t, args...)
+}
+
+// freePort returns a free loopback port (testredis.FreePort).
+func freePort(t testing.TB) int {
+	t.Helper()
+	return testredis.FreePort(t)
+}
+
+// handlerServer serves mw in front of next the way Caddy's server does.
+func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.HandlerFunc) *httptest.Server {
+	t.Helper()
+	return testkit.Serve(t, mw, next)
+}
+
+// okHandler answers 200.
+func okHandler(w http.ResponseWriter, r *http.Request) error { return testkit.OK(w, r) }
+
+// get sends one GET with a bounded client.
+func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
+	t.Helper()
+	return testkit.Get(t, url, hdr...)
+}
+
+// startRedisOnPort starts a server on a port chosen before (to test "Redis
+// comes up after Caddy").
+func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
+	t.Helper()
+	return testredis.StartOnPort(t, port, args...)
+}
+
+// startSentinel starts a redis-server in sentinel mode that monitors master
+// under the name "mymaster", and returns its address.
+func startSentinel(t *testing.T, master *testRedis) string {
+	t.Helper()
+	return testredis.StartSentinels(t, master, testredis.SentinelOptions{Count: 1, Quorum: 1, DownAfter: 5 * time.Second})[0]
+}
+
+// startCluster starts three redis-server masters in cluster mode on free
+// loopback ports and joins them into one Cluster (no replicas).
+func startCluster(t *testing.T) []*testRedis {
+	t.Helper()
+	return testredis.StartCluster(t, 3, 0)
+}
+
+// startClusterNode starts one redis-server in cluster mode, on its own.
+func startClusterNode(t *testing.T) *testRedis { return testredis.StartClusterNode(t) }
+
+// redisZ is a sorted-set member scored as a lease end in ms (the lock
+// scripts' format).
+func redisZ(until time.Time, member string) redis.Z {
+	return redis.Z{Score: float64(until.UnixMilli()), Member: member}
+}
+
+// infoInt reads one integer field of an INFO section through c.
+func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
+	tb.Helper()
+	info, err := c.Info(context.Background(), section).Result()
+	if err != nil {
+		tb.Fatalf("info %s: %v", section, err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	tb.Fatalf("no %s in INFO %s", field, section)
+	return 0
+}
+
+// secretPW is a Redis password that must never appear in an error or a log.
+const secretPW = "hunter2x"
+
+// wholeCaddyMu serialises tests that run the (process-global) Caddy.
+var wholeCaddyMu sync.Mutex
+
+// skipWholeCaddyIfShort skips whole-Caddy tests under -short.
+func skipWholeCaddyIfShort(t *testing.T) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("whole-Caddy test: skipped under -short")
+	}
+}
+
+// runCaddy adapts a Caddyfile and runs it as the whole in-process Caddy
+// (this module and Caddy's standard ones) until the test ends: for tests
+// of what only a real Caddy server drives, such as its connection hooks.
+func runCaddy(t *testing.T, caddyfile string) {
+	t.Helper()
+	skipWholeCaddyIfShort(t)
+	wholeCaddyMu.Lock()
+	cfg, warns, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
+	if err != nil {
+		wholeCaddyMu.Unlock()
+		t.Fatalf("adapt: %v", err)
+	}
+	for _, w := range warns {
+		t.Logf("adapt warning: %s", w.Message)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		wholeCaddyMu.Unlock()
+		t.Fatalf("load: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = caddy.Stop()
+		wholeCaddyMu.Unlock()
+	})
+}
