@@ -39,3 +39,35 @@ func TestEnginesImportNoHTTPOrCaddy(t *testing.T) {
 		}
 	}
 }
+
+// TestModulePackagesImportNoOther fails when the package of one Caddy
+// module (redislock, redisfence, redisadmin, ...) depends on another's:
+// what they share lives in internal/shared.
+func TestModulePackagesImportNoOther(t *testing.T) {
+	t.Parallel()
+	out, err := exec.Command("go", "list", "-f", "{{.ImportPath}}", "./...").Output()
+	if err != nil {
+		t.Fatalf("go list ./...: %v", err)
+	}
+	const root = "github.com/caddy-dlm/redisdlm"
+	modules := map[string]bool{}
+	for _, pkg := range strings.Fields(string(out)) {
+		if rest, ok := strings.CutPrefix(pkg, root+"/"); ok && !strings.Contains(rest, "/") && rest != "internal" {
+			modules[pkg] = true
+		}
+	}
+	if len(modules) < 3 {
+		t.Fatalf("module packages %v, want the lock's, the fence's and the admin API's at least", modules)
+	}
+	for pkg := range modules {
+		out, err := exec.Command("go", "list", "-deps", pkg).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", pkg, err)
+		}
+		for _, dep := range strings.Fields(string(out)) {
+			if dep != pkg && modules[dep] {
+				t.Errorf("%s depends on %s; a module package must not import another", pkg, dep)
+			}
+		}
+	}
+}
