@@ -42,15 +42,15 @@ type Stored struct {
 	Type string        // its Redis type ("string" when the engine wrote it)
 	TTL  time.Duration // until it expires (ms precision; <0: no expiry)
 	Size int64         // a string value's bytes (0 for another type)
-	// Head is a string value's first 8 KiB (StoredHeadMax); a run record's
-	// is its format alone ("run1"): the record holds its holder's token.
+	// Head is a string value's first 8 KiB; a run record's is its format
+	// alone ("run1"): the record holds its holder's token.
 	Head string
 	// Run: it is a run record, not a stored answer.
 	Run bool
 }
 
-// StoredHeadMax is how much of a stored answer Inspect reads.
-const StoredHeadMax = 8 << 10
+// storedHeadMax is how much of a stored answer Inspect reads.
+const storedHeadMax = 8 << 10
 
 // Removal is one server's answer to ForceRelease (holders removed) or
 // ClearReplay (keys deleted), or its error.
@@ -67,7 +67,7 @@ const forceReleaseFrom = "admin"
 func (l *Locker) inspect(ctx context.Context, lockKey string) []ServerState {
 	keys := []string{lockKey, FenceKey(lockKey), WaitqKey(lockKey), ReplayKey(lockKey)}
 	res := l.eachServer(ctx, func(ctx context.Context, s *Server) (any, error) {
-		v, err := inspectScript.Run(ctx, s.client, keys, l.dom.id).Slice()
+		v, err := inspectScript.Run(ctx, s.client, keys, l.dom.id, storedHeadMax).Slice()
 		if err != nil {
 			return nil, err
 		}

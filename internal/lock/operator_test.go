@@ -115,8 +115,8 @@ func TestInspectStored(t *testing.T) {
 	}
 	ls.Release()
 	st = l.Inspect(ctx, key)[0]
-	if s := st.Stored; s == nil || s.Run || st.InDoubt || s.Type != "string" || s.Size != int64(len(answer)) || s.Head != answer[:StoredHeadMax] {
-		t.Fatalf("a stored answer: %+v, want its size %d and first %d bytes", s, len(answer), StoredHeadMax)
+	if s := st.Stored; s == nil || s.Run || st.InDoubt || s.Type != "string" || s.Size != int64(len(answer)) || s.Head != answer[:storedHeadMax] {
+		t.Fatalf("a stored answer: %+v, want its size %d and first %d bytes", s, len(answer), storedHeadMax)
 	}
 	if st.Stored.TTL <= 0 || st.Stored.TTL > time.Minute {
 		t.Errorf("a stored answer expires in %s, want within the replay window (1m)", st.Stored.TTL)

@@ -3,11 +3,12 @@
 -- KEYS[1] lock sorted set (member = holder token, score = lease end, ms of Redis TIME)
 -- KEYS[2] fencing counter, KEYS[3] waitq (waiting instances, score = entry expiry ms)
 -- KEYS[4] stored replay (<lockkey>:replay)
--- ARGV[1] this instance's id in the wait list
+-- ARGV[1] this instance's id in the wait list, ARGV[2] how many bytes of a
+-- stored answer to return
 -- Returns {{lease left ms of each live holder}, fencing counter or "",
 --          live waiting instances, 1 if ARGV[1] is one of them else 0,
 --          replay type ("none" when absent), replay expiry ms (PTTL),
---          the replay's first 8 KiB (a string) or "", its size in bytes,
+--          the replay's first ARGV[2] bytes (a string) or "", its size in bytes,
 --          run: 0 no run record, 1 a run record whose holder's lease is
 --          live, 2 one with no live lease (in doubt)}.
 -- Holder tokens are never returned: a token can release the lock (a run
@@ -34,7 +35,7 @@ if rtype ~= 'none' then
 		-- The stored answer's format line and JSON head (status, headers)
 		-- come first; the body can be large, so only the start is read.
 		rsize = redis.call('STRLEN', KEYS[4])
-		rhead = redis.call('GETRANGE', KEYS[4], 0, 8191)
+		rhead = redis.call('GETRANGE', KEYS[4], 0, tonumber(ARGV[2]) - 1)
 	end
 end
 local run = 0
