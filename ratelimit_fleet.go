@@ -155,6 +155,9 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	if err == nil && len(res) != 4 {
 		err = fmt.Errorf("unexpected answer of %d values", len(res))
 	}
+	if h.local.unanswered.Swap(err != nil) && err == nil && h.local.mode.Load() {
+		h.local.returnAt(now) // Redis answers again: the return begins
+	}
 	if err != nil {
 		h.dropFleetConn() // a broken connection is not used again
 		if c := h.fleet.logger.Check(zap.DebugLevel, "rate-limit heartbeat failed"); c != nil {

@@ -45,9 +45,14 @@ type localState struct {
 	mode atomic.Bool
 	// Decisions made locally in this local mode.
 	n atomic.Int64
-	// When local mode last ended (UnixNano; 0: never): for returnCap after
-	// it this instance also holds every key to its share (capReturn).
+	// When this instance last came back from deciding locally, or may have
+	// (UnixNano; 0: never; in the hold after a restart of Redis, the hold's
+	// end): for returnCap after it this instance also holds every key to
+	// its share (capReturn). It only moves forward (returnAt).
 	back atomic.Int64
+	// The last heartbeat got no answer (Redis unreachable): while local
+	// mode lasts, every request is held to the share (capReturn).
+	unanswered atomic.Bool
 	// Redis TIME minus the local clock: local admission times become Redis
 	// times when charged.
 	clock clockOffset
@@ -104,7 +109,29 @@ func (h *RedisRateLimit) releaseLocal() {
 // (without the cap, Redis would admit n less only what the instances back
 // already charged, and the fleet up to n plus the others' uncharged
 // admissions in the window of the return).
+//
+// The return begins when Redis may answer this instance again: when local
+// mode starts (an outage may be short), when a heartbeat is answered after
+// one was not, and when the hold after a restart of Redis ends (the others
+// end theirs about then, and charge their last local admissions after
+// it). The first Redis decisions after local mode, the breaker's probe
+// included, are the return's too: an instance that admitted its share
+// locally and then let Redis decide alone would admit more than its share
+// in the window while the others' latest local admissions are still on
+// their way. Local mode still ends with the first Redis decision, at most
+// returnCap after Redis answers again (its probe is not held once that
+// second is over), and the cap holds for returnCap after that as well.
 const returnCap = time.Second
+
+// returnAt moves back to t, unless it is later already.
+func (s *localState) returnAt(t time.Time) {
+	for {
+		old := s.back.Load()
+		if old >= t.UnixNano() || s.back.CompareAndSwap(old, t.UnixNano()) {
+			return
+		}
+	}
+}
 
 // returnCapError is the answer of a decision that this instance's share
 // rejects within returnCap of its return from local mode, with the local
@@ -216,19 +243,17 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 }
 
 // capReturn holds a request to this instance's share for returnCap after
-// local mode ends: the request takes its place in the local limiter before Redis decides it
+// its return from local mode (see returnCap), and while local mode lasts
+// with Redis not answering the heartbeat (the share decides then anyway):
+// the request takes its place in the local limiter before Redis decides it
 // (reserved, so concurrent requests do not pass the share together). It
 // reports the reservation (zero: no cap now), or a returnCapError when the
-// share rejects the request. Not while local mode lasts: the request that
-// reaches Redis then is the breaker's probe, and only a Redis decision ends
-// local mode.
+// share rejects the request.
 func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, error) {
-	if h.local.mode.Load() {
-		return ratelimit.Reservation{}, nil
-	}
 	now := h.now()
 	back := h.local.back.Load()
-	if back == 0 || now.Sub(time.Unix(0, back)) >= returnCap {
+	unheard := h.local.mode.Load() && h.local.unanswered.Load()
+	if !unheard && (back == 0 || now.Sub(time.Unix(0, back)) >= returnCap) {
 		return ratelimit.Reservation{}, nil
 	}
 	n := h.instances()
@@ -262,7 +287,7 @@ func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got tim
 		h.local.clock.note(d.At-d.Hold.Microseconds()-sent.UnixMicro(), got)
 	}
 	if h.local.mode.Load() && h.local.mode.CompareAndSwap(true, false) {
-		h.local.back.Store(h.now().UnixNano())
+		h.local.returnAt(h.now())
 		h.logger.Warn("redis reachable again: local rate limiting (fail_local) ends, decisions come from redis; charging the local admissions to redis",
 			zap.Int64("local_decisions", h.local.n.Swap(0)))
 	}
@@ -298,6 +323,7 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	isCap := errors.As(cause, &capped)
 	own := isCap || errors.Is(cause, errChargeOnItsWay) // Redis answers
 	if !own && !h.local.mode.Load() && h.local.mode.CompareAndSwap(false, true) {
+		h.local.returnAt(h.now()) // Redis may answer again at once
 		h.logger.Warn("redis unavailable for rate limiting: enforcing every rate on this instance alone at its share (fail_local)",
 			zap.String("redis", h.client.Settings.Display()), zap.Int64("instances", n), zap.Error(cause))
 	}

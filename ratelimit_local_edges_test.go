@@ -544,3 +544,99 @@ func TestWholeCaddyFailLocalUneven(t *testing.T) {
 	}
 	t.Logf("busiest window %d (its bound %d)", busiest, bound)
 }
+
+// TestWholeCaddyFailLocalRestartReturn: the end of the hold after Redis
+// restarted empty is a return from local mode like any other. Three
+// instances (`instances 3`: a share of 7 of 21 per minute), each behind a
+// proxy of its own; Redis is killed, and each instance admits its share
+// locally: 21 in the window. Redis comes back empty, reachable for A only
+// (B and C hold their 14 admissions uncharged, as instances whose hold
+// has not ended yet still decide locally). A charges its 7 again during
+// its hold; when the hold ends, A's first request is the first Redis
+// decision after local mode, and Redis, knowing only A's 7, would admit
+// it. It must be held to A's share, spent, as every request is for a
+// second after a return: a 429, and the window keeps 21 = Σ max(through
+// Redis, share). Once B and C are back and have charged theirs, Redis
+// holds the fleet's 21 and admits nothing more in the window.
+func TestWholeCaddyFailLocalRestartReturn(t *testing.T) {
+	skipWholeCaddyIfShort(t)
+	t.Parallel()
+	r := startRedis(t)
+	up := startFLUpstream(t)
+	names := []string{"A", "B", "C"}
+	cs := map[string]*caddyProcess{}
+	ps := map[string]*cutProxy{}
+	for _, name := range names {
+		port := freePort(t)
+		ps[name] = startCutProxy(t, r.Addr)
+		cs[name] = startCaddyProcess(t, name, port, func(dir string) string {
+			return flSite(dir, port, 0, time.Minute, name, ps[name].addr, up.srv.Listener.Addr().String(), "\t\tinstances 3\n\t\ttimeout 300ms\n")
+		})
+	}
+	for _, name := range names {
+		if got := flSendN(t, cs[name], "warm", 1); got[200] != 1 {
+			t.Fatalf("Caddy %s with Redis up: %v", name, got)
+		}
+	}
+	killed := time.Now()
+	r.Kill()
+	for _, name := range names {
+		if got := flSendN(t, cs[name], "k", 10); got[200] != 7 {
+			t.Fatalf("Caddy %s with Redis down: %v, want its share 7 admitted", name, got)
+		}
+	}
+	ps["B"].cut.Store(true)
+	ps["C"].cut.Store(true)
+	restarting := time.Now()
+	r = startRedisOnPort(t, r.Port)
+	// A sees the new process (its heartbeat, tried every 100 ms while
+	// local) and charges its 7 again; its hold ends a heartbeat's life
+	// after it saw the restart, which it logs.
+	if !waitLog(cs["A"], "redis restarted", "", 20*time.Second) {
+		t.Fatal("Caddy A did not see the restart 20 s after it")
+	}
+	seen := time.Now()
+	key := DefaultRateLimitPrefix + "{k}:sw:21/1m0s"
+	if !waitFor(20*time.Second, func() bool { return slidingUsed(t, r, key, time.Minute) >= 7 }) {
+		t.Fatalf("Redis holds %d admissions of the key, want A's 7 charged again", slidingUsed(t, r, key, time.Minute))
+	}
+	time.Sleep(time.Until(seen.Add(heartbeatLife))) // A's hold is over
+	probe := flSend(cs["A"], "k")
+	answered := time.Now()
+	// A saw the restart after restarting began, so its return's second
+	// lasts at least until then + heartbeatLife + returnCap. (A machine
+	// stalled past it lets Redis decide alone, and Redis knows only A's 7:
+	// then nothing is asserted of this answer.)
+	within := answered.Before(restarting.Add(heartbeatLife + returnCap))
+	t.Logf("A's first request after its hold: %d, Retry-After %q (answered %v after restarting began)", probe.status, probe.retryAfter, answered.Sub(restarting).Round(time.Millisecond))
+	if within && probe.status != http.StatusTooManyRequests {
+		t.Errorf("A's first request after its hold: %d, want 429 (its share is spent; Redis knows only A's 7 of the window's 21)", probe.status)
+	}
+	ps["B"].cut.Store(false)
+	ps["C"].cut.Store(false)
+	if !waitFor(20*time.Second, func() bool { return slidingUsed(t, r, key, time.Minute) >= flEdgeN }) {
+		t.Errorf("Redis holds %d admissions of the key 20 s after B and C came back, want the fleet's 21", slidingUsed(t, r, key, time.Minute))
+	}
+	for _, name := range []string{"B", "C"} {
+		if !waitLog(cs[name], "redis restarted", "", 20*time.Second) {
+			t.Errorf("Caddy %s did not see the restart 20 s after it could", name)
+		}
+	}
+	time.Sleep(heartbeatLife + returnCap) // B's and C's holds and returns are over
+	after := map[string]map[int]int{}
+	for _, name := range names {
+		after[name] = flSendN(t, cs[name], "k", 3)
+	}
+	t.Logf("after every return: A %v, B %v, C %v", after["A"], after["B"], after["C"])
+	for _, name := range names {
+		if after[name][200] != 0 {
+			t.Errorf("Caddy %s after every return admitted %d, want none (Redis holds the window's 21)", name, after[name][200])
+		}
+	}
+	if !within {
+		t.Log("A's first request came after its return's second: its answer and the window are not checked")
+		return
+	}
+	busiest, bound := flCheckBound(t, up.arrivals("k"), time.Minute, names, 7, killed, answered)
+	t.Logf("busiest window %d (its bound %d)", busiest, bound)
+}

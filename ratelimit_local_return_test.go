@@ -107,6 +107,60 @@ func TestFailLocalReturnCap(t *testing.T) {
 	}
 }
 
+// TestFailLocalProbeHeld: the first Redis decision after local mode (the
+// breaker's probe) belongs to the return as well. Two instances
+// (instances 2: a share of 5 of 10 per minute) each admit their share
+// while Redis is unreachable from both; Redis comes back for A only, A's
+// heartbeat is answered and its 5 are charged, and A's next request of the
+// key, still in local mode, is the first to reach Redis. Redis knows only
+// A's 5 and would admit it: 11 in the window, one more than A's share
+// beside B's. Held to A's spent share, it gets the local 429.
+func TestFailLocalProbeHeld(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	pa, pb := startCutProxy(t, r.Addr), startCutProxy(t, r.Addr)
+	inst := func(p *cutProxy) *RedisRateLimit {
+		return newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Addresses = []string{p.addr}
+			h.FailLocal, h.Instances = true, 2
+			h.Timeout = caddy.Duration(300 * time.Millisecond)
+			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+		})
+	}
+	a, b := inst(pa), inst(pb)
+	const ip = "192.0.2.67"
+	if !serveRL(a, "192.0.2.68", nil).passed || !serveRL(b, "192.0.2.68", nil).passed {
+		t.Fatal("with Redis up: not admitted")
+	}
+	pa.cut.Store(true)
+	pb.cut.Store(true)
+	for _, h := range []*RedisRateLimit{a, b} {
+		if passed, statuses := countPassed(h, ip, 8); passed != 5 {
+			t.Fatalf("locally: %d of 8 admitted (%v), want the share 5", passed, statuses)
+		}
+	}
+	uncut := time.Now()
+	pa.cut.Store(false)
+	// A's fleet loop charges its 5 once its heartbeat is answered; no
+	// request has reached Redis yet, so A is still in local mode.
+	key := a.localRates(ip, &a.static)[0].Key
+	if !waitFor(10*time.Second, func() bool { return slidingUsed(t, r, key, time.Minute) == 5 && !a.local.lim.Pending() }) {
+		t.Fatalf("A's 5 not charged 10s after Redis came back for it (Redis holds %d)", slidingUsed(t, r, key, time.Minute))
+	}
+	if !a.local.mode.Load() {
+		t.Fatal("A left local mode with no Redis decision")
+	}
+	got := serveRL(a, ip, nil)
+	// The return began when A's heartbeat was answered, after uncut: a
+	// machine stalled past its second lets Redis decide alone.
+	if time.Since(uncut) < returnCap && (got.passed || got.status != 429) {
+		t.Errorf("A's first request back to Redis: passed %v, status %d; want the local 429 (A's share is spent, B's 5 are not charged)", got.passed, got.status)
+	}
+	if used := slidingUsed(t, r, key, time.Minute); time.Since(uncut) < returnCap && used != 5 {
+		t.Errorf("Redis holds %d admissions of the key, want A's 5 (the probe held before Redis)", used)
+	}
+}
+
 // replyDelayProxy forwards TCP connections to target, holding back each
 // chunk of Redis's replies by delay while armed (Redis runs a call at once,
 // its answer comes late); cut closes every connection, and new ones at
@@ -236,10 +290,11 @@ func TestFailLocalChargeStampsNotEarly(t *testing.T) {
 
 // TestFailLocalEndsWithSpentShare: an instance whose only key has spent
 // its share locally still goes back to Redis once Redis answers (the
-// breaker's probe reaches Redis; the return cap starts only after a Redis
-// decision ended local mode), and after the cap Redis admits what is left
-// of the quota. (Before, the cap refused the probe itself: local mode and
-// the share lasted until the local window freed a place, here a minute.)
+// return's hold keeps the probe to the spent share only for a second from
+// the heartbeat answered again; then the probe reaches Redis), and Redis
+// admits what is left of the quota. (A cap on the probe with no end would
+// keep local mode and the share until the local window freed a place, here
+// a minute.)
 func TestFailLocalEndsWithSpentShare(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)

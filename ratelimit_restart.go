@@ -127,6 +127,7 @@ func (h *RedisRateLimit) fromRestarted(before uint64) bool {
 func (h *RedisRateLimit) restartHold(now time.Time, log *zap.Logger) {
 	h.local.restart.at.Store(now.UnixNano())
 	h.local.restart.hold.Store(now.Add(heartbeatLife).UnixNano())
+	h.local.returnAt(now.Add(heartbeatLife)) // the hold's end is a return
 	h.local.lim.Recharge(now)
 	log.Warn("redis restarted (a new process, its windows lost): deciding locally (fail_local) while this instance charges its admissions of the current windows again",
 		zap.String("redis", h.client.Settings.Display()), zap.Duration("for", heartbeatLife))
