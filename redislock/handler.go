@@ -739,11 +739,11 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 	func() {
 		// Also when next panics (reverse_proxy aborts a copy cut short).
 		defer func() { cutOff = rec != nil && errors.Is(context.Cause(base), errDetachedRunOver) }()
-		// A copy aborted while the answer is withheld sent the client
-		// nothing: it gets 503 (see releaseWithheld), not a dropped
-		// connection.
+		// A copy aborted while the answer is withheld, or refused after a
+		// lost lease, sent the client nothing: it gets 503 (see
+		// releaseWithheld and on_lost), not a dropped connection.
 		defer func() {
-			if rec != nil && rec.withheld {
+			if rec != nil && rec.withheld || rw.isRefused() {
 				if p := recover(); p != nil && p != http.ErrAbortHandler {
 					panic(p)
 				} else if p != nil {

@@ -685,7 +685,18 @@ func TestLockLocalHandOff(t *testing.T) {
 	r := startRedis(t)
 	up := newExclusivityUpstream(3 * time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"60s","timeout":"5s"}`, r.Addr))
-	srv := handlerServer(t, h, up.ServeHTTP)
+	// The first holder stays until the other 39 queue behind it, so they
+	// contend however slowly a loaded machine starts them.
+	var first sync.Once
+	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
+		first.Do(func() {
+			deadline := time.Now().Add(20 * time.Second)
+			for lockWaitersFor(h, "/hot") < 39 && time.Now().Before(deadline) {
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+		return up.ServeHTTP(w, req)
+	})
 	before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
 	var wg sync.WaitGroup
 	for i := 0; i < 40; i++ {
