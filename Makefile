@@ -93,7 +93,7 @@ bin/caddy-ceiling: $(CEILING_SOURCES)
 	@mkdir -p bin
 	$(XCADDY) build $(CADDY_VERSION) --with $(MODULE)/bench/benchmutex@$(PSEUDO)=./bench/benchmutex --with $(MODULE)/bench/benchfloor@$(PSEUDO)=./bench/benchfloor --output bin/caddy-ceiling
 
-# Benchmark (SPEC §7), its own Go module: starts redis-servers, an upstream and
+# Benchmark, its own Go module: starts redis-servers, an upstream and
 # Caddy processes on loopback ports, prints a Markdown table, stops them all.
 # The library-level Redlock figure first, so that the bench's last table,
 # "Cost goals (same-run ratios)", ends the output.

@@ -73,7 +73,7 @@ func exceededWith(mark int, field, value string) int {
 	return n
 }
 
-// TestWholeCaddyEvents (issue 22 item 7, SPEC §5): through a real Caddy
+// TestWholeCaddyEvents: through a real Caddy
 // whose config subscribes an events.handlers module: a rejection emits
 // rate_limit_exceeded with handler, key and reason, once per key while the
 // deny cache answers; a force release through the admin API emits

@@ -112,7 +112,7 @@ func (a *e2eApp) get(m map[string]int, who string) int {
 	return m[who]
 }
 
-// TestFenceEndToEndPausedHolder (issue 23 item 3, SPEC §3b): fencing
+// TestFenceEndToEndPausedHolder: fencing
 // protects the data from a holder whose Caddy was paused past its lease.
 // Three Caddy processes, as in docs/fence.md's two tiers: locking Caddys A
 // and B (redis_lock, ttl 2s, auto_extend on, one Redis) in front of the
@@ -263,7 +263,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	}
 }
 
-// TestFenceEndToEndRedisRestart (issue 47 row 8): a fencing Caddy process
+// TestFenceEndToEndRedisRestart: a fencing Caddy process
 // whose Redis is killed (SIGKILL) and restarted empty on its port. T2 was
 // written and T1 < T2 refused before; after the restart, with the record
 // gone, T1 is refused twice and T2 too (a hold across the restart), and

@@ -47,7 +47,7 @@ func provisionFence(t *testing.T, cfg string) *redisfence.RedisFence {
 	return h
 }
 
-// TestFenceRefusesAStaleHolder (issue 23 item 3, SPEC §3b): two tiers —
+// TestFenceRefusesAStaleHolder: two tiers —
 // redis_lock in front of an app, redis_fence in front of the storage. The
 // first holder stalls past its ttl (no extension: a pause), a rival takes
 // the lock and writes; when the stalled holder's write arrives the fence

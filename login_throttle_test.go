@@ -9,7 +9,7 @@ import (
 	"golang.org/x/crypto/bcrypt"
 )
 
-// TestWholeCaddyLoginThrottling (issue 22 item 5, SPEC §1): behind
+// TestWholeCaddyLoginThrottling: behind
 // basic_auth, failed logins are limited only when the limiter runs first.
 // In the default order basic_auth answers every wrong password itself
 // (401) and the limiter never sees it: six failures, six 401s. With

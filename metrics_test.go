@@ -176,7 +176,7 @@ func labelsConfig(admin, port int, addr, rlRate string) string {
 `, admin, port, addr, addr, addr, addr, rlRate)
 }
 
-// TestWholeCaddyMetricsHandlerLabels (SPEC §5): through a whole Caddy
+// TestWholeCaddyMetricsHandlerLabels: through a whole Caddy
 // without the `metrics` global option, every caddy_redis_* series at the
 // admin /metrics endpoint carries a handler label: the name of a named
 // handler, else kind and a hash of its config, distinct for two handlers
@@ -300,7 +300,7 @@ func TestWholeCaddyMetricsHandlerLabels(t *testing.T) {
 	}
 }
 
-// TestWholeCaddyLogLinesNameHandler (SPEC §5): every log line of the
+// TestWholeCaddyLogLinesNameHandler: every log line of the
 // plugin names its handler and comes under the handler's module logger,
 // also the lines of the parts a pooled client shares between handlers:
 // the server check of a Redis that evicts keys warns each handler using

@@ -19,7 +19,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Tests of redis_lock's Retry-After (SPEC §3 items 11 and 14), through a
+// Tests of redis_lock's Retry-After, through a
 // whole Caddy in-process against a real Redis. Each "instance" is a site of
 // its own whose redis_lock has another `timeout` (as in redislock's
 // wake_test.go): that gives it its own Redis client, local queues and id

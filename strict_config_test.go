@@ -11,7 +11,7 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
-// TestStrictConfig (issue 22 item 6, SPEC §6): what Caddy's own modules
+// TestStrictConfig: what Caddy's own modules
 // refuse is refused here too, naming the subdirective or field and, in the
 // Caddyfile, the line. Before: a second ttl or key silently won, a
 // misspelled request placeholder rendered empty for every request, and a
@@ -93,7 +93,7 @@ func TestStrictConfig(t *testing.T) {
 	}
 }
 
-// TestEmptyPrefix (issue 47 row 11, SPEC §6): `prefix ""` written in a
+// TestEmptyPrefix: `prefix ""` written in a
 // Caddyfile is an error on every directive that has prefix, naming the
 // directive, the subdirective and the line (it silently meant the
 // default); in JSON an empty prefix is the default.

@@ -39,7 +39,7 @@ func (s *storage) seen() []int64 {
 	return append([]int64(nil), s.writes...)
 }
 
-// TestFenceAcrossRedisRestart (issue 47 row 8, SPEC §3b): T2 is written
+// TestFenceAcrossRedisRestart: T2 is written
 // and T1 < T2 refused; the fence's Redis is killed (SIGKILL) and restarted
 // empty on its port, so the record that refused T1 is gone. The fence
 // still refuses every token older than the new process: T1 twice (the
@@ -203,7 +203,7 @@ func TestFenceAnswers(t *testing.T) {
 }
 
 // TestFenceJSONShorthandToken: a token template in JSON with a Caddyfile
-// shorthand renders as Validate checked it (SPEC §6: the same placeholder
+// shorthand renders as Validate checked it (the same placeholder
 // forms in the Caddyfile and in JSON alike).
 func TestFenceJSONShorthandToken(t *testing.T) {
 	t.Parallel()

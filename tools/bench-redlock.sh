@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Library-level Redlock figure (SPEC §7): median acquire+release latency on
+# Library-level Redlock figure: median acquire+release latency on
 # three servers ÷ one server, from BenchmarkLockAcquireRelease (no HTTP).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -198,7 +198,7 @@ func testOptions() Options {
 // after a majority granted it). The release marks the token dead there, so
 // that acquire takes nothing when it arrives: the same instance's next
 // request, sent as soon as the release answered, gets the lock although
-// another member's release is still on its way (SPEC §3 items 5 and 12).
+// another member's release is still on its way.
 func TestReleaseOvertakesAcquire(t *testing.T) {
 	t.Parallel()
 	rs := startServers(t, 3)
@@ -359,7 +359,7 @@ func TestLostAcquireAnswer(t *testing.T) {
 // in one pipeline, whose answers are all lost after Redis ran them, each
 // fail as an outcome nobody knows (nothing is sent again): every request
 // gets ErrUnavailable, and its undo removes what the acquire took and
-// marks its token dead, so no key stays held (SPEC §7: a lost batch makes
+// marks its token dead, so no key stays held (a lost batch makes
 // every call in it an unknown outcome).
 func TestBatchedAcquiresLost(t *testing.T) {
 	t.Parallel()

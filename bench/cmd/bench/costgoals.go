@@ -1,6 +1,6 @@
 package main
 
-// The cost goals of SPEC §7 ("Cost per rate-limit decision", "Cost per
+// The cost goals of docs/benchmarks.md ("Cost per rate-limit decision", "Cost per
 // uncontended locked request", the uncontended latency goal), every figure
 // a ratio to a reference measured in the same run, on the same Redis: the
 // absolute µs on this shared 2-core machine move 3× between days, a ratio

@@ -13,7 +13,7 @@ import (
 
 // The sequential latency row's floors, sampled in its rounds beside the
 // PING (go-redis, one call each, every call on keys of its own): the
-// one-command lock of the SPEC's "exactly one round trip" design, and the
+// one-command lock (exactly one round trip), and the
 // round trip of the plugin's own acquire script on its uncontended path.
 // What the script costs Redis and the wire beyond a PING is part of every
 // locked request's wait, whatever the handler around it does.

@@ -1,6 +1,6 @@
 package main
 
-// The fail_local tier (SPEC §4 item 12, docs/ratelimit.md "Local limits
+// The fail_local tier (docs/ratelimit.md "Local limits
 // during an outage"): every Caddy has a route /fl/ with
 // `redis_ratelimit { rate 20 1s fail_local }` on the single Redis, N learned
 // from the heartbeats (4 instances), so each instance's local share is
@@ -49,7 +49,7 @@ const (
 	flSettle = 500 * time.Millisecond
 	// flSlow: the route's timeout is 300–400 ms.
 	flSlow = 250 * time.Millisecond
-	// flReturn: SPEC: decisions go back to Redis within a second (after a
+	// flReturn: decisions go back to Redis within a second (after a
 	// restart empty, a heartbeat's life, 3 s, and that second).
 	flReturn        = time.Second
 	flRestartReturn = 3*time.Second + flReturn
