@@ -19,7 +19,7 @@ import (
 // (README "Redis ACL" gives the same line): key patterns, the wake-up
 // channel and the commands the scripts and the clients send. With
 // sync_replicas add +wait; with a db other than 0 add +select.
-const minimalACL = "~caddy:lock:* ~caddy:rl:* resetchannels &redisdlm:wake &redisdlm:rl:forget -@all +evalsha +eval +time +zremrangebyscore +zscore +zcard +zrange +zadd +pexpire +pexpireat +zrem +get +set +exists +del +pttl +publish +getrange +setrange +subscribe +ping +info"
+const minimalACL = "~caddy:lock:* ~caddy:rl:* ~caddy:fence:* resetchannels &redisdlm:wake &redisdlm:rl:forget -@all +evalsha +eval +time +zremrangebyscore +zscore +zcard +zrange +zadd +pexpire +pexpireat +zrem +get +set +exists +del +pttl +publish +getrange +setrange +subscribe +ping +info"
 
 const aclUser, aclPassword = "caddy", "acl-pw-1"
 

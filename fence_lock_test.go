@@ -151,3 +151,35 @@ func TestFenceCaddyfile(t *testing.T) {
 		t.Fatalf("adapted order: redis_lock at %d, redis_fence at %d; want the lock first", l, f)
 	}
 }
+
+// TestFenceUnderMinimalACL: redis_fence works as the README's minimal ACL
+// user: it admits a current token and refuses an older one.
+func TestFenceUnderMinimalACL(t *testing.T) {
+	t.Parallel()
+	r := startACLRedis(t)
+	admin := aclAdmin(t, r)
+	// The fence refuses tokens of its Redis process's first seconds.
+	if !waitFor(20*time.Second, func() bool {
+		info, _ := admin.Info(t.Context(), "server").Result()
+		return strings.Contains(info, "uptime_in_seconds:") && !strings.Contains(info, "uptime_in_seconds:0\r") &&
+			!strings.Contains(info, "uptime_in_seconds:1\r") && !strings.Contains(info, "uptime_in_seconds:2\r")
+	}) {
+		t.Fatal("the ACL Redis never reported an uptime of 3 s")
+	}
+	store := new(storage)
+	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"username":%q,"password":%q,"timeout":"2s"}`, r.Addr, aclUser, aclPassword))
+	srv := handlerServer(t, fence, store.ServeHTTP)
+	now, err := admin.Time(t.Context()).Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok := now.UnixMicro()
+	for _, c := range []struct {
+		token int64
+		want  int
+	}{{tok, http.StatusNoContent}, {tok - 1000, http.StatusConflict}} {
+		if resp, body := get(t, srv.URL+"/acct", redislock.DefaultFencingHeader, strconv.FormatInt(c.token, 10)); resp == nil || resp.StatusCode != c.want {
+			t.Fatalf("token %d as the minimal ACL user: %v %s, want %d", c.token, resp, body, c.want)
+		}
+	}
+}
