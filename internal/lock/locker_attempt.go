@@ -234,11 +234,31 @@ func (t *try) late(k string) func(i int, r result) {
 		case r.err != nil && !refusedUnrun(r.err):
 			job.unknown = unknownOutcome(r.err)
 			t.l.releaseOn(i, job)
-		case r.err == nil && r.v.([]int64)[0] == 1 && (len(t.keys) > 1 || t.removed.Load()&(1<<i) == 0):
+		case r.err == nil && r.v.([]int64)[0] == 1 && len(t.keys) == 1:
+			// A grant that came after the release (or undo) was sent: that
+			// release's answer tells whether it ran after the grant
+			// (removed) or overtook it (not held); only then is a second
+			// release needed. Whichever of the two comes second decides
+			// (see releaseTrack).
+			if prev := t.removed.Or(lateGrantBit(i)); prev&answeredBit(i) != 0 && prev&(1<<i) == 0 {
+				t.l.releaseOn(i, job)
+			}
+		case r.err == nil && r.v.([]int64)[0] == 1:
 			t.l.releaseOn(i, job)
 		}
 	}
 }
+
+// A lease's release record, one atomic word shared by the attempt and its
+// release (try.removed, Lease.removed) for a lease of one key: bit i is set
+// when server i's release removed the token, answeredBit(i) when that
+// release answered without error, lateGrantBit(i) when server i's grant
+// came after the outcome was decided. A late grant is released again only
+// when the release answered "not held" (it overtook the grant): most late
+// grants are answered before their release reaches the server, and a
+// second release per request would double a Redlock member's releases.
+func answeredBit(i int) uint64  { return 1 << (16 + i) }
+func lateGrantBit(i int) uint64 { return 1 << (32 + i) }
 
 // notTaken ends an attempt that did not get order[i]: it gives back what
 // the attempt took, everywhere at once (this key too, where its answer was

@@ -81,8 +81,15 @@ func (l *Locker) runReleaseJobs(jobs []releaseJob, skip []uint64, removed *atomi
 				return notAsked{}, nil
 			}
 			ok, err := job.run(ctx, s) // bounded by the pipe
-			if err == nil && ok && removed != nil && len(jobs) == 1 {
-				removed.Or(1 << i)
+			if err == nil && removed != nil && len(jobs) == 1 {
+				bits := answeredBit(i)
+				if ok {
+					bits |= 1 << i
+				}
+				if prev := removed.Or(bits); !ok && prev&lateGrantBit(i) != 0 {
+					// A grant that came late, overtaken by this release.
+					l.releaseOn(i, job)
+				}
 			}
 			return ok, err
 		}, l.majorityAnswered, func(i int, r result) { l.settleRelease(i, job, r) })

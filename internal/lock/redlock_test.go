@@ -2,7 +2,10 @@ package lock
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -105,5 +108,54 @@ func TestRedlockSplitWaiterStillWoken(t *testing.T) {
 	}
 	if el := time.Since(start); el > 5*time.Second {
 		t.Errorf("the split waiter got the lock %s after the release; its backoff is 15s, so it ignored the wake-up", el)
+	}
+}
+
+// TestRedlockOneReleasePerServer: a Redlock member whose grant comes after
+// the majority decided (the usual case for one member: the fan-out's calls
+// leave one after the other) gets one release per lease, not a second one
+// for its late grant, unless that release overtook the grant (answered
+// "not held"): then it is released again (TestNoOrphanOnRedlockMinority).
+func TestRedlockOneReleasePerServer(t *testing.T) {
+	t.Parallel()
+	rs := startServers(t, 3)
+	o := testOptions()
+	o.Timeout = 2 * time.Second
+	l, fcs := testLocker(t, rs, o)
+	var releases [3]atomic.Int64
+	for i, fc := range fcs {
+		fc.setHook(func(cmd redis.Cmder, next func() error) error {
+			if s, _ := scriptCall(cmd); s == ReleaseScript {
+				releases[i].Add(1)
+			}
+			return next()
+		})
+	}
+	const workers, each = 16, 20
+	var wg sync.WaitGroup
+	for w := 0; w < workers; w++ {
+		wg.Add(1)
+		go func(w int) {
+			defer wg.Done()
+			for i := 0; i < each; i++ {
+				ls, err := l.Acquire(context.Background(), []string{fmt.Sprintf("caddy:lock:{one-%d-%d}", w, i)})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				ls.ReleaseInBackground("")
+			}
+		}(w)
+	}
+	wg.Wait()
+	if !allFree(10*time.Second, "caddy:lock:{one-0-0}", rs) {
+		t.Fatal("a lease stayed held")
+	}
+	const leases = workers * each
+	for i := range releases {
+		waitFor(5*time.Second, func() bool { return releases[i].Load() >= leases })
+		if n := releases[i].Load(); n > leases+leases/20 {
+			t.Errorf("server %d: %d releases for %d leases, want about one each", i, n, leases)
+		}
 	}
 }
