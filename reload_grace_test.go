@@ -50,7 +50,7 @@ func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 	if !waitFor(shared.DestructGrace+5*time.Second, func() bool { return client.Ping(context.Background()).Err() != nil }) {
 		t.Fatal("the old client was not closed after the grace")
 	}
-	if _, err := rlc.RateLimit(context.Background(), new(ratelimit.Call), nil); !errors.Is(err, ratelimit.ErrBatcherDone) {
+	if err := rlc.RateLimit(context.Background(), new(ratelimit.Call), nil); !errors.Is(err, ratelimit.ErrBatcherDone) {
 		t.Fatalf("a call on a closed client: %v, want ratelimit.ErrBatcherDone", err)
 	}
 	if b := rlc.Batcher(); b == nil {

@@ -23,7 +23,7 @@ func TestRateLimitBanNever(t *testing.T) {
 	ctx := context.Background()
 	banned := func(h *RedisRateLimit, id string) bool {
 		t.Helper()
-		n, err := r.Client().Exists(ctx, h.banKey(id)).Result()
+		n, err := r.Client().Exists(ctx, h.limit.BanKey(id)).Result()
 		if err != nil {
 			t.Fatal(err)
 		}

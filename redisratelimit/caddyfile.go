@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
@@ -67,9 +68,11 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if err := shared.OpenBlock(d, dir); err != nil {
 		return err
 	}
-	// Checks that depend on a later subdirective (algorithm) are made at the
-	// end of the block, with the line of the subdirective they concern.
-	var slidingErr, gcraErr, burstErr, instancesErr error
+	// Checks that depend on a later subdirective (algorithm, fail_local)
+	// are made at the end of the block, with the line of the subdirective
+	// they concern: rateErrs holds each algorithm's first rate error.
+	var burstErr, instancesErr error
+	rateErrs := map[string]error{}
 	seen := shared.Subdirectives{Repeatable: rateLimitRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -109,14 +112,14 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if rate.windowTmpl != "" {
 				win = time.Second
 			}
-			if err := checkRate(n, win, ""); err != nil {
+			r := ratelimit.Rate{N: n, Window: win}
+			if err := ratelimit.CheckRate(r); err != nil {
 				return d.Errf("%s: rate: %v", dir, err)
 			}
-			if err := checkRate(n, win, algoSliding); err != nil && slidingErr == nil {
-				slidingErr = d.Errf("%s: rate: %v", dir, err)
-			}
-			if err := checkRate(n, win, algoGCRA); err != nil && gcraErr == nil {
-				gcraErr = d.Errf("%s: rate: %v", dir, err)
+			for _, a := range ratelimit.Algorithms() {
+				if err := a.CheckRate(r); err != nil && rateErrs[a.Name()] == nil {
+					rateErrs[a.Name()] = d.Errf("%s: rate: %v", dir, err)
+				}
 			}
 			h.Rates = append(h.Rates, rate)
 		case "cost":
@@ -165,8 +168,8 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			v = strings.ToLower(v)
-			if v != algoSliding && v != algoGCRA {
-				return d.Errf("%s: algorithm: want sliding_window or gcra, got %q", dir, v)
+			if _, err := ratelimit.AlgorithmNamed(v); err != nil {
+				return d.Errf("%s: algorithm: %v", dir, err)
 			}
 			h.Algorithm = v
 		case "burst":
@@ -231,16 +234,14 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if len(h.Rates) == 0 {
 		return d.Errf("%s: at least one rate <n> <window> is required", dir)
 	}
-	if h.Algorithm == algoGCRA {
-		return gcraErr
-	}
-	if burstErr != nil {
+	algo, _ := ratelimit.AlgorithmNamed(h.Algorithm) // checked at its line
+	if burstErr != nil && !algo.HasBurst() {
 		return burstErr
 	}
 	if instancesErr != nil && !h.FailLocal {
 		return instancesErr
 	}
-	return slidingErr
+	return rateErrs[algo.Name()]
 }
 
 var _ caddyfile.Unmarshaler = (*RedisRateLimit)(nil)

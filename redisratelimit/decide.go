@@ -20,10 +20,10 @@ type decision = ratelimit.Decision
 
 // decide answers from the deny cache, else asks Redis (one script call).
 func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out decision, err error) {
-	if p.over >= 0 {
+	if p.Over >= 0 {
 		// More than a rate can ever admit: rejected at once, with no
 		// Retry-After (no moment would do).
-		return decision{Tight: p.over}, nil
+		return decision{Tight: p.Over}, nil
 	}
 	cacheID := id
 	if p.deny != "" {
@@ -48,27 +48,16 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out de
 			return decision{}, err
 		}
 	}
-	dc := &decisionCall{}
-	c := &dc.Call
-	c.Script, c.Argv, c.Keys = h.script, p.argv, h.redisKeys(dc.keys[:0], id, p)
-	// Without count and wait no admission is ever returned (settle): the
-	// answer need not say what returning it would take.
-	c.Lean = h.counts == nil && h.Wait == 0
-	if h.ban() > 0 {
-		c.BanKey = h.banKey(id)
-	}
-	if h.dynamic {
-		c.IndexKey = h.indexKey(id)
-	}
+	c := h.limit.DecisionCall(id, p.Plan)
 	sent, restarts := h.now(), h.restarts()
-	res, err := h.client.RateLimit(ctx, c, (*breakerLog)(h))
+	err = h.client.RateLimit(ctx, c, (*breakerLog)(h))
 	got := h.now()
 	if err == nil && h.local != nil && h.fromRestarted(restarts) {
 		err = errRestartHold // an answer of the restarted Redis: decided locally
 	}
 	if err == nil {
 		var d decision
-		if d, err = ratelimit.ParseDecision(res, len(p.rates), c.PerRate()); err == nil {
+		if d, err = c.Decision(); err == nil {
 			if h.local != nil {
 				h.noteRedis(id, p, d, sent, got, reserved)
 			}
@@ -84,7 +73,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out de
 		h.returnUnheard(id, p, c)
 	}
 	if !reserved.IsZero() {
-		h.local.lim.Unreserve(h.localRates(id, p), p.cost, reserved)
+		h.local.lim.Unreserve(h.localRates(id, p), p.Cost, reserved)
 	}
 	return decision{}, err
 }
@@ -98,20 +87,10 @@ func (h *RedisRateLimit) returnUnheard(id string, p *plan, c *ratelimit.Call) {
 	go func() {
 		defer h.client.Conn.Unuse()
 		<-c.Done()
-		if c.Err != nil {
-			return
-		}
-		if d, err := ratelimit.ParseDecision(c.Res, len(p.rates), c.PerRate()); err == nil && d.Allowed && d.Hold > 0 {
+		if d, err := c.Decision(); err == nil && d.Allowed && d.Hold > 0 {
 			h.settle(id, p, d)
 		}
 	}()
-}
-
-// decisionCall is a decision's script call with room for the keys of a
-// few rates: one allocation for both.
-type decisionCall struct {
-	ratelimit.Call
-	keys [4]string
 }
 
 // anyCost asks the deny cache for a ban only: no rejection of a request
@@ -124,7 +103,7 @@ func (h *RedisRateLimit) cached(cacheID, id string, p *plan) (decision, bool) {
 	if h.deny == nil {
 		return decision{}, false
 	}
-	e, ok := h.deny.Get(cacheID, p.cost)
+	e, ok := h.deny.Get(cacheID, p.Cost)
 	if !ok && cacheID != id {
 		e, ok = h.deny.Get(id, anyCost)
 	}
@@ -145,7 +124,7 @@ func (h *RedisRateLimit) fromCache(e ratelimit.DenyEntry) decision {
 }
 
 // keptBan is id's ban kept across a Pub/Sub reconnect to the same Redis
-// process (ratelimit_forget.go), as the decision it makes: a lift may have
+// process (forget.go), as the decision it makes: a lift may have
 // been missed, so the key's next request asks Redis (checkedBan).
 func (h *RedisRateLimit) keptBan(id string) (decision, bool) {
 	if h.deny == nil {
@@ -176,7 +155,7 @@ func (h *RedisRateLimit) checkedBan(ctx context.Context, id string, d decision, 
 }
 
 // announceBan tells every instance of the ban decision d started
-// (ratelimit.PublishBan, ratelimit_forget.go), so that each holds it until
+// (Limit.AnnounceBan, forget.go), so that each holds it until
 // it ends, also through an outage that follows. It is sent before the
 // request is answered, even when its client went away.
 func (h *RedisRateLimit) announceBan(ctx context.Context, id string, d decision, sent time.Time) {
@@ -188,7 +167,7 @@ func (h *RedisRateLimit) announceBan(ctx context.Context, id string, d decision,
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.timeout)
 	defer cancel()
-	if err := ratelimit.PublishBan(ctx, h.client.Redis, h.Prefix, id, left, retry); err != nil {
+	if err := h.limit.AnnounceBan(ctx, h.client.Redis, id, left, retry); err != nil {
 		h.logger.Warn("announcing a ban to the other instances failed; they learn it from redis on the key's next request there",
 			zap.String("redis", h.client.Settings.Display()), zap.Error(err))
 	}
@@ -214,7 +193,7 @@ func (h *RedisRateLimit) remember(cacheID, id string, p *plan, d decision, sent,
 	// that, minus a margin for clock-rate differences) and surely by
 	// got+wait (what Retry-After reports from the cache).
 	margin := time.Millisecond + d.Wait/1000
-	e := ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.cost}
+	e := ratelimit.DenyEntry{Until: sent.Add(d.Wait - margin), RetryAt: got.Add(d.Wait), Tight: d.Tight, Left: d.Remaining, Cost: p.Cost}
 	if d.Ban != ratelimit.NotBanned {
 		e.Banned, e.Left = true, 0
 		cacheID = id
@@ -234,48 +213,12 @@ func (h *RedisRateLimit) remembers(d decision) bool {
 	return h.deny != nil && !d.Ordered && (d.Ban != ratelimit.NotBanned || h.counts == nil && h.Wait == 0)
 }
 
-// banKey is the Redis key of id's ban: it exists, and expires, while the
-// ban lasts.
-func (h *RedisRateLimit) banKey(id string) string { return h.keyHead + id + "}:ban" }
-
-// indexKey is the Redis key of id's rate index, for a handler whose rates
-// are rendered per request: a sorted set of the rate states id has, each
-// scored by its expiry (ms), expiring with the latest (the decision script
-// keeps it; the admin API reads it instead of scanning the keyspace).
-func (h *RedisRateLimit) indexKey(id string) string { return h.keyHead + id + "}:rates" }
-
-// redisKeys appends the Redis keys of id's rates in plan p to buf.
-func (h *RedisRateLimit) redisKeys(buf []string, id string, p *plan) []string {
-	for _, s := range p.rates {
-		buf = append(buf, h.keyHead+id+s.tail)
-	}
-	return buf
-}
-
 // settle returns an admission: its answer does not count, or its client
 // went away while it was held. It runs on a bounded context of its own
 // (the request's may be over); a failure is logged, and the reservation
 // then ages out with its window like any admission.
 func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
-	var keys [4]string
-	c := &ratelimit.Call{Script: h.giveBack, Keys: h.redisKeys(keys[:0], id, p)}
-	if h.algo == algoGCRA {
-		// Per rate also its burst, the TAT this admission wrote and the
-		// key's sum of returns then: by them a rate gives back only what is
-		// left of this admission in its schedule (while a held request
-		// waits on the key: only while no later admission came after it).
-		c.Argv = make([]any, 0, 1+5*len(p.rates))
-		c.Argv = append(c.Argv, p.cost)
-		for i, s := range p.rates {
-			c.Argv = append(c.Argv, s.n, s.window.Microseconds(), s.burst, d.Ans[4+4*i], d.Ans[5+4*i])
-		}
-	} else {
-		c.Argv = make([]any, 0, 2+2*len(p.rates))
-		c.Argv = append(c.Argv, d.At, p.cost)
-		for _, s := range p.rates {
-			c.Argv = append(c.Argv, s.n, s.window.Microseconds())
-		}
-	}
+	c := h.limit.ReturnCall(id, p.Plan, d)
 	if h.deny != nil && p.deny == "" {
 		h.deny.Drop(id) // this instance's deny may be stale now
 	} else if h.deny != nil {
@@ -283,7 +226,7 @@ func (h *RedisRateLimit) settle(id string, p *plan, d decision) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*h.timeout)
 	defer cancel()
-	if _, err := h.client.RateLimit(ctx, c, (*breakerLog)(h)); err != nil {
+	if err := h.client.RateLimit(ctx, c, (*breakerLog)(h)); err != nil {
 		if due, n := h.settleWarn.Due(); due {
 			h.logger.Warn("returning a rate-limit admission failed; it ages out with its window",
 				zap.String("redis", h.client.Settings.Display()), zap.Error(err), zap.Int64("failures_since_last_warning", n))

@@ -2,35 +2,26 @@ package redisratelimit
 
 // The instances that share a rate-limit prefix, through Redis. A fail_local
 // handler runs one loop (fleetLoop) that, every fleetTick:
-//   - records this instance's heartbeat every ratelimit.HeartbeatEvery and reads how
-//     many instances keep one (N);
+//   - records this instance's heartbeat every ratelimit.HeartbeatEvery and
+//     reads how many instances keep one (N);
 //   - charges Redis with what it admitted locally while Redis was
-//     unreachable, once Redis answers (ratelimit_local.go); in local mode it
+//     unreachable, once Redis answers (local.go); in local mode it
 //     tries every localTick.
 // A handler without fail_local runs no loop. (Admin resets reach the other
-// instances through Pub/Sub: ratelimit_forget.go.)
+// instances through Pub/Sub: forget.go.)
 
 import (
 	"context"
 	_ "embed"
 	"errors"
-	"fmt"
 	"runtime/debug"
 	"sync/atomic"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/google/uuid"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
-)
-
-var (
-	//go:embed scripts/ratelimit_fleet.lua
-	rateLimitFleetLua    string
-	rateLimitFleetScript = redisconn.NewScript(rateLimitFleetLua)
 )
 
 // instanceID names this process in the heartbeats: one id per process, so
@@ -56,21 +47,11 @@ type fleet struct {
 	member string // this instance's heartbeat id
 	// Woken when Redis answered a decision while local admissions wait to
 	// be charged.
-	wake chan struct{}
-	// conn is the loop's own connection for heartbeats (nil until the
-	// first, and after a failure): a beat a second through the shared pool
-	// would take each idle connection in turn (the pool hands out the
-	// oldest first) and keep every one a burst opened from ever idling
-	// long enough for the reaper.
-	conn *redis.Conn
+	wake  chan struct{}
+	beats *ratelimit.Fleet // this instance's heartbeat, on a connection of its own
 	// failing: the last heartbeat got no answer (Redis unreachable).
 	failing atomic.Bool
 }
-
-// fleetKey is the heartbeat set of the handler's prefix. The hash tag holds
-// a character no limit id starts with, and the suffix is none of a rate's,
-// so it never mixes with a limit's keys.
-func (h *RedisRateLimit) fleetKey() string { return h.Prefix + "{~fleet}:instances" }
 
 // instance is this instance's heartbeat id.
 func (h *RedisRateLimit) instance() string {
@@ -88,6 +69,7 @@ func (h *RedisRateLimit) startFleet(ctx context.Context) {
 		return
 	}
 	h.fleet = &fleet{wake: make(chan struct{}, 1), logger: h.logger, member: h.instance()}
+	h.fleet.beats = ratelimit.NewFleet(h.client.Redis, h.Prefix, h.fleet.member)
 	go h.fleetLoop(ctx)
 }
 
@@ -100,7 +82,7 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 	}()
 	t := time.NewTimer(fleetTick)
 	defer t.Stop()
-	defer h.dropFleetConn()
+	defer h.fleet.beats.Close()
 	var lastBeat time.Time
 	for {
 		select {
@@ -140,29 +122,21 @@ func (h *RedisRateLimit) fleetLoop(ctx context.Context) {
 func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 	ctx, cancel := context.WithTimeout(ctx, h.timeout)
 	defer cancel()
-	var p redisconn.Processor = h.client.Redis
-	if c := h.fleetConn(ctx); c != nil {
-		p = c
-	}
 	restarts := h.restarts()
-	res, err := rateLimitFleetScript.Run(ctx, p, []string{h.fleetKey()}, h.fleet.member, ratelimit.HeartbeatLife.Microseconds(), h.local.joining.Load()).Int64Slice()
+	b, err := h.fleet.beats.Beat(ctx, h.local.joining.Load())
 	now := time.Now()
 	restarted := err == nil && h.redisRestarted(restarts, now, h.fleet.logger)
 	h.fleet.failing.Store(err != nil)
-	if err == nil && len(res) != 4 {
-		err = fmt.Errorf("unexpected answer of %d values", len(res))
-	}
 	if h.local.unanswered.Swap(err != nil) && err == nil && h.local.mode.Load() {
 		h.local.returnAt(now) // Redis answers again: the return begins
 	}
 	if err != nil {
-		h.dropFleetConn() // a broken connection is not used again
 		if c := h.fleet.logger.Check(zap.DebugLevel, "rate-limit heartbeat failed"); c != nil {
 			c.Write(zap.Error(err))
 		}
 		return false
 	}
-	h.noteFleet(res[0], res[1], res[2] == 1, res[3], restarted || h.local.restart.recent(now))
+	h.noteFleet(b, restarted || h.local.restart.recent(now))
 	return true
 }
 
@@ -184,7 +158,8 @@ func (h *RedisRateLimit) heartbeat(ctx context.Context) bool {
 // fail_closed). After a restart every instance is added again, but the
 // others' N still counts it: it joins again only when it was joining
 // before.
-func (h *RedisRateLimit) noteFleet(at, n int64, added bool, behind int64, afterRestart bool) {
+func (h *RedisRateLimit) noteFleet(b ratelimit.Beat, afterRestart bool) {
+	at, n := b.At, b.Instances
 	if n > 0 && (!afterRestart || n > h.local.instances.Load()) {
 		h.local.instances.Store(n)
 	}
@@ -192,11 +167,11 @@ func (h *RedisRateLimit) noteFleet(at, n int64, added bool, behind int64, afterR
 	switch {
 	case afterRestart && joining != 0:
 		h.local.joining.Store(at) // counted again from a beat on the new process
-	case joining == 0 && added && !afterRestart && behind > 0:
+	case joining == 0 && b.Added && !afterRestart && b.Behind > 0:
 		h.local.joining.Store(at)
 		h.fleet.logger.Info("joining the instances sharing the limit: no local decisions (fail_local) until each of them has counted this one",
 			zap.Int64("instances", n))
-	case joining != 0 && behind == 0:
+	case joining != 0 && b.Behind == 0:
 		h.local.joining.Store(0)
 	}
 }
@@ -245,30 +220,4 @@ func (h *RedisRateLimit) awaitCounted(ctx context.Context) error {
 		}
 	}
 	return nil
-}
-
-// fleetConn returns the loop's own connection, taking one out of the pool
-// (of the master of the heartbeat key's slot on a Cluster) when it has
-// none; nil when none can be had (the beat then goes through the pool).
-func (h *RedisRateLimit) fleetConn(ctx context.Context) *redis.Conn {
-	if h.fleet.conn != nil {
-		return h.fleet.conn
-	}
-	switch c := h.client.Redis.(type) {
-	case *redis.Client:
-		h.fleet.conn = c.Conn()
-	case *redis.ClusterClient:
-		if m, err := c.MasterForKey(ctx, h.fleetKey()); err == nil {
-			h.fleet.conn = m.Conn()
-		}
-	}
-	return h.fleet.conn
-}
-
-// dropFleetConn closes the loop's own connection, if any.
-func (h *RedisRateLimit) dropFleetConn() {
-	if h.fleet.conn != nil {
-		_ = h.fleet.conn.Close()
-		h.fleet.conn = nil
-	}
 }

@@ -11,14 +11,14 @@ import (
 )
 
 // Admin resets across the fleet: the instance whose admin API resets a
-// key's quota or lifts its ban publishes it (ratelimit.PublishForget); every
+// key's quota or lifts its ban publishes it (ratelimit's Limit.Reset); every
 // instance's listener (one per pooled client, started with its batcher)
 // makes every handler on that client with that prefix forget the key: in
 // its deny cache, and with fail_local in its local limiter. This is the one
 // way a reset reaches the other instances.
 //
 // Bans travel the same way: the instance whose decision starts a ban
-// publishes it (ratelimit.PublishBan), and every instance holds it in the
+// publishes it (Limit.AnnounceBan), and every instance holds it in the
 // deny cache of every handler on that client with that prefix and a ban,
 // until it ends, so it holds there through an outage and in local mode.
 // A resubscription (ratelimit.Forgetter.Resubscribed) keeps the bans: to be
@@ -36,12 +36,12 @@ var resetRegistry struct {
 
 // resetTarget is what a reset reaches of one handler.
 type resetTarget struct {
-	client  *shared.Client
-	prefix  string
-	keyHead string
-	bans    bool                 // the handler bans: it holds announced bans
-	deny    *ratelimit.DenyCache // nil without
-	local   *ratelimit.Local     // fail_local; nil without
+	client *shared.Client
+	prefix string
+	limit  *ratelimit.Limit
+	bans   bool                 // the handler bans: it holds announced bans
+	deny   *ratelimit.DenyCache // nil without
+	local  *ratelimit.Local     // fail_local; nil without
 	// announced: the keys whose rate_limit_exceeded went out this period;
 	// a reset starts a new one.
 	announced *ratelimit.DenyCache
@@ -50,7 +50,7 @@ type resetTarget struct {
 // forget drops id in t's deny cache and local limiter.
 func (t resetTarget) forget(id string) {
 	if t.local != nil {
-		t.local.Forget(t.keyHead + id + "}")
+		t.local.Forget(t.limit.KeysOf(id))
 	}
 	if t.deny != nil {
 		t.deny.Forget(id)
@@ -63,7 +63,7 @@ func (t resetTarget) forget(id string) {
 // registerResets adds h (its Provision), when it keeps anything a reset
 // must reach.
 func registerResets(h *RedisRateLimit) {
-	t := resetTarget{client: h.client, prefix: h.Prefix, keyHead: h.keyHead, bans: h.ban() > 0, deny: h.deny, announced: h.announced}
+	t := resetTarget{client: h.client, prefix: h.Prefix, limit: h.limit, bans: h.ban() > 0, deny: h.deny, announced: h.announced}
 	if h.local != nil {
 		t.local = h.local.lim
 	}
@@ -136,8 +136,7 @@ func (f resetForgetter) Resubscribed(newProcess bool) {
 			continue
 		}
 		if t.deny != nil {
-			banKey := func(id string) string { return t.keyHead + id + "}:ban" } // as RedisRateLimit.banKey
-			kept = append(kept, t.deny.KeepBans(!newProcess, banKey)...)
+			kept = append(kept, t.deny.KeepBans(!newProcess, t.limit)...)
 		}
 		if t.announced != nil {
 			t.announced.Clear()

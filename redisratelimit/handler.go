@@ -53,10 +53,7 @@ const (
 	// MaxSlidingWindowRequests is the largest n of a sliding_window rate: a
 	// key at its limit holds n 8-byte timestamps in Redis (about 0.9 MB
 	// at this n), see README. gcra takes any n at O(1) memory.
-	MaxSlidingWindowRequests = 100000
-
-	algoSliding = "sliding_window"
-	algoGCRA    = "gcra"
+	MaxSlidingWindowRequests = ratelimit.MaxSlidingWindowRequests
 
 	// denyCacheSize bounds the keys one handler remembers as rejected.
 	denyCacheSize = 10000
@@ -273,14 +270,13 @@ type RedisRateLimit struct {
 	label     string // the name, else a short hash of the JSON config
 	events    shared.Emitter
 	keyTmpl   *shared.KeyTemplate
-	keyHead   string // Prefix + "{": a Redis key is keyHead + id + a rate's tail
-	static    plan   // the plan of every request without placeholders; the templates otherwise
-	dynamic   bool   // some rate's n or window is a placeholder
+	algo      ratelimit.Algorithm
+	limit     *ratelimit.Limit // the engine's: its keys and scripts
+	specs     []rateSpec       // the rates as configured
+	static    plan             // the plan of every request without placeholders
+	dynamic   bool             // some rate's n or window is a placeholder
 	costTmpl  string
 	counts    *statusSet // nil: every answer counts
-	script    *redisconn.Script
-	giveBack  *redisconn.Script // returns an admission
-	algo      string
 	status    int
 	sendHdrs  bool
 	counters  [len(shared.RateLimitResults)]prometheus.Counter // by result, as rateLimitResults
@@ -305,13 +301,12 @@ type RedisRateLimit struct {
 	fullWarn   *shared.Warnings // fail_local: a new key finds its limiter full
 }
 
-// rateSpec is one rate as the script takes it.
+// rateSpec is one rate as configured: n and window, or the placeholders
+// they come from (rendered per request; the plan of a request without
+// them has stand-ins, n 1 per second).
 type rateSpec struct {
 	n      int64
 	window time.Duration
-	burst  int64
-	suffix string // of the Redis key
-	tail   string // "}" + suffix: closes the hash tag
 	name   string // `"r<i>";r=`, the start of its RateLimit field
 	nTmpl  string // the placeholder n comes from, if any
 	wTmpl  string // the placeholder window comes from, if any
@@ -341,10 +336,6 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	if keyRaw == "" {
 		keyRaw = DefaultRateLimitKey
 	}
-	h.algo = h.Algorithm
-	if h.algo == "" {
-		h.algo = algoSliding
-	}
 	h.status = h.Status
 	if h.status == 0 {
 		h.status = http.StatusTooManyRequests
@@ -365,32 +356,32 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 		return err
 	}
 
-	h.script, h.giveBack = ratelimit.SlidingScript, ratelimit.SlidingReturnScript
-	if h.algo == algoGCRA {
-		h.script, h.giveBack = ratelimit.GCRAScript, ratelimit.GCRAReturnScript
-	}
-	h.static = plan{cost: 1, rates: make([]rateSpec, len(h.Rates))}
+	h.algo, _ = ratelimit.AlgorithmNamed(h.Algorithm) // checked by Validate
+	h.specs = make([]rateSpec, len(h.Rates))
+	rates := make([]ratelimit.Rate, len(h.Rates))
 	for i, r := range h.Rates {
-		n, w := int64(r.Requests), time.Duration(r.Window)
-		if r.requestsTmpl != "" {
-			n = 1 // a stand-in until a request renders it
-		}
-		if r.windowTmpl != "" {
-			w = time.Second
-		}
-		s := h.newSpec(i, n, w)
+		s := rateSpec{n: int64(r.Requests), window: time.Duration(r.Window), name: fmt.Sprintf(`"r%d";r=`, i)}
 		s.nTmpl, s.wTmpl = shared.ExpandShorthands(r.requestsTmpl), shared.ExpandShorthands(r.windowTmpl)
+		if s.nTmpl != "" {
+			s.n = 1 // a stand-in until a request renders it
+		}
+		if s.wTmpl != "" {
+			s.window = time.Second
+		}
 		h.dynamic = h.dynamic || s.nTmpl != "" || s.wTmpl != ""
-		h.static.rates[i] = s
+		h.specs[i], rates[i] = s, h.rate(s.n, s.window)
 	}
+	cost := int64(1)
 	if c := string(h.Cost); redisconn.HasPlaceholder(c) {
 		h.costTmpl = shared.ExpandShorthands(c)
 	} else if c != "" {
-		h.static.cost, _ = strconv.ParseInt(c, 10, 64) // checked by Validate
+		cost, _ = strconv.ParseInt(c, 10, 64) // checked by Validate
 	}
-	h.finish(&h.static, h.hold())
 	h.counts, _ = parseStatusSet(h.Count) // checked by Validate
-	h.keyHead = h.Prefix + "{"
+	h.limit = ratelimit.NewLimit(h.Prefix, h.algo, ratelimit.LimitOptions{
+		Ban: h.ban(), Hold: h.hold(), Returns: h.counts != nil || h.Wait > 0, Indexed: h.dynamic,
+	})
+	h.static = h.newPlan(rates, cost)
 	if h.keyTmpl, err = shared.ParseKeyTemplate(keyRaw); err != nil {
 		return fmt.Errorf("redis_ratelimit: key: %w", err)
 	}
@@ -439,12 +430,9 @@ func (h *RedisRateLimit) Validate() error {
 	if len(h.Rates) == 0 {
 		return errors.New("redis_ratelimit: rate: at least one rate is required")
 	}
-	algo := h.Algorithm
-	if algo == "" {
-		algo = algoSliding
-	}
-	if algo != algoSliding && algo != algoGCRA {
-		return fmt.Errorf("redis_ratelimit: algorithm: want sliding_window or gcra, got %q", h.Algorithm)
+	algo, err := ratelimit.AlgorithmNamed(h.Algorithm)
+	if err != nil {
+		return fmt.Errorf("redis_ratelimit: algorithm: %w", err)
 	}
 	for i, r := range h.Rates {
 		n, w := r.Requests, time.Duration(r.Window)
@@ -454,7 +442,7 @@ func (h *RedisRateLimit) Validate() error {
 		if r.windowTmpl != "" {
 			w = time.Second
 		}
-		if err := checkRate(int64(n), w, algo); err != nil {
+		if err := algo.CheckRate(ratelimit.Rate{N: int64(n), Window: w}); err != nil {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
 		for _, t := range []string{r.requestsTmpl, r.windowTmpl} {
@@ -486,7 +474,7 @@ func (h *RedisRateLimit) Validate() error {
 	if h.Ban < 0 || h.Ban > 0 && time.Duration(h.Ban) < time.Millisecond {
 		return fmt.Errorf("redis_ratelimit: ban: must be at least 1ms (or 0: no ban), got %s", time.Duration(h.Ban))
 	}
-	if h.Burst < 0 || h.Burst != 0 && algo != algoGCRA {
+	if h.Burst < 0 || h.Burst != 0 && !algo.HasBurst() {
 		if h.Burst < 0 {
 			return fmt.Errorf("redis_ratelimit: burst: must be positive, got %d", h.Burst)
 		}
@@ -506,23 +494,6 @@ func (h *RedisRateLimit) Validate() error {
 	}
 	if strings.ContainsAny(h.Prefix, "{}") {
 		return fmt.Errorf("redis_ratelimit: prefix: must not contain { or } (the handler adds the hash tag), got %q", h.Prefix)
-	}
-	return nil
-}
-
-// checkRate checks one rate; the Caddyfile parser uses it too.
-func checkRate(n int64, window time.Duration, algo string) error {
-	if n < 1 {
-		return fmt.Errorf("requests must be at least 1, got %d", n)
-	}
-	if window < time.Millisecond {
-		return fmt.Errorf("window must be at least 1ms, got %s", window)
-	}
-	if algo == algoSliding && n > MaxSlidingWindowRequests {
-		return fmt.Errorf("%d requests is more than sliding_window accepts (%d): it keeps one 8-byte timestamp per admitted request per key in Redis; use algorithm gcra for larger rates", n, MaxSlidingWindowRequests)
-	}
-	if algo == algoGCRA && int64(window/time.Microsecond) < n {
-		return fmt.Errorf("%d requests per %s is faster than gcra's resolution of one request per microsecond", n, window)
 	}
 	return nil
 }
@@ -610,7 +581,7 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 		h.counters[shared.ResultBanned].Inc()
 	default:
 		h.counters[shared.ResultDenied].Inc()
-		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(p.rates[d.Tight].name, `"`), `";r=`) + " exceeded"
+		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(h.specs[d.Tight].name, `"`), `";r=`) + " exceeded"
 		if !d.Cached && h.firstRejection(id, d) { // at most once per key per deny-cache period
 			h.events.Emit(shared.EventRateLimitExceeded, func() map[string]any {
 				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "dry_run": h.DryRun}
@@ -624,7 +595,7 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit decision"); c != nil {
 		c.Write(zap.String("key", id), zap.Bool("allowed", d.Allowed), zap.Int64("remaining", d.Remaining),
-			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.cost),
+			zap.Int64("retry_after", retry), zap.Duration("hold", d.Hold), zap.Int64("cost", p.Cost),
 			zap.Bool("dry_run", h.DryRun), zap.Bool("deny_cache", d.Cached), zap.Bool("banned", d.Ban != ratelimit.NotBanned))
 	}
 }
@@ -683,24 +654,24 @@ func (h *RedisRateLimit) serveCounted(w http.ResponseWriter, r *http.Request, ne
 
 // setHeaders sets the RateLimit-Policy and RateLimit fields of an answer.
 func (h *RedisRateLimit) setHeaders(r *http.Request, hdr http.Header, p *plan, d decision) {
-	s := p.rates[d.Tight]
+	name, window := h.specs[d.Tight].name, p.Rates[d.Tight].Window
 	// Seconds until the quota grows: within the window, but under a ban
 	// not before the ban ends.
 	until := d.Reset
 	if d.Ban == ratelimit.NotBanned {
-		until = min(until, s.window)
+		until = min(until, window)
 	}
 	reset := shared.CeilSeconds(until)
 	defer caddyhttp.SetVar(r.Context(), stackVar, h)
 	if prev, ok := caddyhttp.GetVar(r.Context(), stackVar).(*RedisRateLimit); ok && prev != h {
-		rl := s.name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(reset, 10)
+		rl := name + strconv.FormatInt(d.Remaining, 10) + ";t=" + strconv.FormatInt(reset, 10)
 		stackHeaders(hdr, prev.label, h.label, p.policy, rl)
 		return
 	}
 	// Both fields in one allocation, under their canonical names (as
 	// Header.Set would store them). The quota grows within the window.
 	var buf [64]byte
-	f := append(buf[:0], s.name...)
+	f := append(buf[:0], name...)
 	f = strconv.AppendInt(f, d.Remaining, 10)
 	f = append(f, ";t="...)
 	f = strconv.AppendInt(f, reset, 10)

@@ -249,3 +249,9 @@ func rlRingTimes(ctx context.Context, c *redis.Client, key string, n int) (map[i
 	}
 	return out, nil
 }
+
+// The algorithms' names in configs.
+const (
+	algoSliding = "sliding_window"
+	algoGCRA    = "gcra"
+)

@@ -162,7 +162,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 					t.Fatalf("request %d: want admitted", i)
 				}
 			}
-			before, _ := r.Client().Dump(context.Background(), "caddy:rl:{192.0.2.3}:"+rlSuffixOf(h, 1)).Result()
+			before, _ := r.Client().Dump(context.Background(), rateKey(h, "192.0.2.3", 1)).Result()
 			for i := 0; i < 10; i++ {
 				if a := serveRL(h, "192.0.2.3", nil); a.passed {
 					t.Fatalf("request %d past the per-second rate admitted", i)
@@ -174,7 +174,7 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 					t.Fatalf("request %d past the per-second rate admitted", i)
 				}
 			}
-			after, _ := r.Client().Dump(context.Background(), "caddy:rl:{192.0.2.3}:"+rlSuffixOf(h, 1)).Result()
+			after, _ := r.Client().Dump(context.Background(), rateKey(h, "192.0.2.3", 1)).Result()
 			if before != after {
 				t.Fatal("rejected requests changed the state of the other rate")
 			}
@@ -197,8 +197,9 @@ func TestRateLimitRejectChargesNothing(t *testing.T) {
 	}
 }
 
-func rlSuffixOf(h *RedisRateLimit, i int) string {
-	return strings.TrimPrefix(h.static.rates[i].suffix, ":")
+// rateKey is the Redis key of rate i of h's static plan for id.
+func rateKey(h *RedisRateLimit, id string, i int) string {
+	return h.limit.LocalRates(id, h.static.Plan)[i].Key
 }
 
 // TestRateLimitRetryAfterExact: a retry at exactly Retry-After (after the

@@ -3,7 +3,7 @@ package redisratelimit
 // fail_local: while Redis is unreachable, this instance decides on its own
 // at its share of every rate (internal/ratelimit's Local); what it admits
 // is charged to Redis once Redis answers again. N, the instances sharing
-// the prefix, comes from `instances` or the heartbeats (ratelimit_fleet.go).
+// the prefix, comes from `instances` or the heartbeats (fleet.go).
 // The state lives in a pool across config reloads (localPool).
 
 import (
@@ -12,7 +12,6 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,7 +21,6 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 )
 
@@ -58,7 +56,7 @@ type localState struct {
 	clock clockOffset
 	// The number of instances seen in the last heartbeat read (0: none yet).
 	instances atomic.Int64
-	// Redis restarted empty (ratelimit_restart.go).
+	// Redis restarted empty (restart.go).
 	restart restartWatch
 	// The Redis TIME (µs) of this instance's first heartbeat in the set
 	// while some other instance has not beaten since (0: every other has
@@ -211,14 +209,7 @@ func (h *RedisRateLimit) chargeFirst(ctx context.Context, id string, p *plan) er
 
 // localRates are the rates of id in plan p, as the local limiter takes them.
 func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
-	out := make([]ratelimit.LocalRate, len(p.rates))
-	for i, s := range p.rates {
-		out[i] = ratelimit.LocalRate{Key: h.keyHead + id + s.tail, N: s.n, Window: s.window}
-		if h.algo == algoGCRA {
-			out[i].Burst = s.burst
-		}
-	}
-	return out
+	return h.limit.LocalRates(id, p.Plan)
 }
 
 // capReturn holds a request to this instance's share for ratelimit.ReturnCap after
@@ -239,7 +230,7 @@ func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, e
 	if n == 0 {
 		return ratelimit.Reservation{}, nil
 	}
-	ld, res := h.local.lim.Reserve(h.localRates(id, p), p.cost, n, now)
+	ld, res := h.local.lim.Reserve(h.localRates(id, p), p.Cost, n, now)
 	if !ld.Allowed {
 		return ratelimit.Reservation{}, returnCapError{ld}
 	}
@@ -253,14 +244,14 @@ func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, e
 func (h *RedisRateLimit) noteRedis(id string, p *plan, d decision, sent, got time.Time, reserved ratelimit.Reservation) {
 	switch {
 	case d.Allowed && reserved.IsZero():
-		h.local.lim.Note(h.localRates(id, p), p.cost, got)
+		h.local.lim.Note(h.localRates(id, p), p.Cost, got)
 	case d.Allowed:
 		// Noted when its answer came, as any admission (not when it was
 		// reserved, a round trip earlier: it would leave this instance's
 		// window that much early).
-		h.local.lim.Confirm(h.localRates(id, p), p.cost, reserved, got)
+		h.local.lim.Confirm(h.localRates(id, p), p.Cost, reserved, got)
 	case !reserved.IsZero():
-		h.local.lim.Unreserve(h.localRates(id, p), p.cost, reserved)
+		h.local.lim.Unreserve(h.localRates(id, p), p.Cost, reserved)
 	}
 	if d.Allowed {
 		h.local.clock.note(d.At-d.Hold.Microseconds()-sent.UnixMicro(), got)
@@ -313,7 +304,7 @@ func (h *RedisRateLimit) serveLocal(w http.ResponseWriter, r *http.Request, next
 	if isCap {
 		ld = capped.ld
 	} else {
-		ld = h.local.lim.Admit(h.localRates(id, p), p.cost, n, h.now())
+		ld = h.local.lim.Admit(h.localRates(id, p), p.Cost, n, h.now())
 	}
 	if ld.Full {
 		return h.localClosed(w, r, p, h.fullWarn, "the local rate limiter (fail_local) is full of admissions still to charge to redis: rejecting the requests of new keys with 503, as fail_closed",
@@ -376,95 +367,44 @@ func (h *RedisRateLimit) localRetry(wait time.Duration) time.Duration {
 // chargeLocal charges Redis with all local admissions, one script call per
 // rate's key; what fails stays for the next try.
 func (h *RedisRateLimit) chargeLocal(ctx context.Context) {
-	now := time.Now()
 	// In the background: time enough for a Redis just back, so that few
 	// charges wait for the next try.
-	err := h.charge(ctx, h.fleet.logger, h.local.lim.TakeCharges(now), max(4*h.timeout, 2*time.Second))
+	err := h.charge(ctx, h.fleet.logger, h.local.lim.TakeCharges(time.Now()), max(4*h.timeout, 2*time.Second))
 	if err != nil && !errors.Is(err, errRestartHold) { // a restart is logged as it is seen
 		h.fleet.logger.Warn("charging local admissions (fail_local) to redis failed; trying again", zap.Error(err))
 	}
 }
 
-// charge runs the charge script for each batch, each call bounded by
-// timeout. A batch whose call failed in a way that may pass next time (no
-// answer, a connection lost, Redis loading, read-only in a failover, out of
-// memory, busy) goes back to the local limiter with those after it, and is
-// sent again with the key's next charge: a call whose answer was lost may
-// have run, and the script skips the charges it already applied
-// (ChargeMarker), so each counts once; that error is returned. A batch
-// that Redis refused for good (a key of another type, an error in the
-// script) is dropped, and the others go on (one warning to log per call,
-// naming the first): Redis answers, so it is no reason to decide locally.
+// charge charges Redis with batches (ratelimit.Local.Charge), each call
+// bounded by timeout: a batch that may pass next time goes back to the
+// local limiter and its error is returned; one that Redis refused for good
+// is dropped (a warning to log names the first), since Redis answers and
+// it is no reason to decide locally. A restart of Redis seen meanwhile
+// ends it: the charge of the current windows again (Recharge) goes to the
+// new process.
 func (h *RedisRateLimit) charge(ctx context.Context, log *zap.Logger, batches []ratelimit.ChargeBatch, timeout time.Duration) error {
-	offset := h.local.clock.get()
-	var charged int64
-	var dropped int
-	var dropKey string
-	var dropErr error
-	defer func() {
-		if dropped > 0 {
-			log.Warn("redis refused charges of local admissions (fail_local); dropped",
-				zap.Int("rates", dropped), zap.String("key", dropKey), zap.Error(dropErr))
-		}
-	}()
-	for i, b := range batches {
-		script := ratelimit.SlidingChargeScript
-		args := []any{b.Rate.N, b.Rate.Window.Microseconds()}
-		if b.Rate.Burst > 0 { // gcra (handlers of both algorithms may share the limiter)
-			script = ratelimit.GCRAChargeScript
-			args = append(args, b.Rate.Burst)
-		}
-		args = append(args, ratelimit.ChargeMarkerTTL(b.Rate).Milliseconds())
-		for _, c := range b.Charges {
-			args = append(args, c.At.UnixMicro()+offset, c.Cost, c.Seq)
-		}
-		cctx, cancel := context.WithTimeout(ctx, timeout)
-		restarts := h.restarts()
-		err := script.Run(cctx, h.client.Redis, []string{b.Rate.Key, h.local.lim.ChargeMarker(b.Rate.Key)}, args...).Err()
-		cancel()
-		if h.redisRestarted(restarts, time.Now(), log) {
-			// The batches taken are superseded by the charge of the
-			// current windows (Recharge): it goes to the new process.
-			return errRestartHold
-		}
-		switch {
-		case err == nil:
-			h.local.lim.Done(b)
-			for _, c := range b.Charges {
-				charged += c.Cost
-			}
-		case refusedForGood(err):
-			h.local.lim.Done(b)
-			if dropped++; dropped == 1 {
-				dropKey, dropErr = b.Rate.Key, err
-			}
-		default:
-			for _, rest := range batches[i:] {
-				h.local.lim.Untake(rest)
-			}
-			return fmt.Errorf("charging local admissions: %w", err)
-		}
+	rep, err := h.local.lim.Charge(ctx, h.client.Redis, batches, ratelimit.ChargeOptions{
+		Offset:  h.local.clock.get(),
+		Timeout: timeout,
+		Superseded: func() func() bool {
+			restarts := h.restarts()
+			return func() bool { return h.redisRestarted(restarts, time.Now(), log) }
+		},
+	})
+	if rep.Dropped > 0 {
+		log.Warn("redis refused charges of local admissions (fail_local); dropped",
+			zap.Int("rates", rep.Dropped), zap.String("key", rep.DroppedKey), zap.Error(rep.DroppedErr))
+	}
+	if errors.Is(err, ratelimit.ErrChargeSuperseded) {
+		return errRestartHold
+	}
+	if err != nil {
+		return err
 	}
 	if len(batches) > 0 {
 		if c := log.Check(zap.InfoLevel, "local admissions (fail_local) charged to redis"); c != nil {
-			c.Write(zap.Int("rates", len(batches)), zap.Int64("cost", charged))
+			c.Write(zap.Int("rates", len(batches)), zap.Int64("cost", rep.Cost))
 		}
 	}
 	return nil
-}
-
-// refusedForGood reports whether Redis refused a charge call in a way that
-// a second send would meet again: a key of another type, or an error in the
-// script itself.
-func refusedForGood(err error) bool {
-	var re redis.Error
-	if !errors.As(err, &re) {
-		return false
-	}
-	msg := re.Error()
-	if redisconn.RefusedForNow(msg) {
-		return false
-	}
-	return strings.HasPrefix(msg, "WRONGTYPE") || strings.HasPrefix(msg, "CROSSSLOT") ||
-		strings.Contains(msg, "user_script") || strings.Contains(msg, "Error running script")
 }

@@ -1,23 +1,17 @@
 package redisratelimit
 
 import (
-	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"slices"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -279,114 +273,6 @@ func counterValue(t *testing.T, c prometheus.Counter) float64 {
 	return m.GetCounter().GetValue()
 }
 
-// TestFailLocalChargeSentAgain: a charge of local admissions whose call
-// failed after it was written is sent again, and counts once in Redis,
-// whether the call was lost before Redis ran it (without the second send
-// the admissions would never be charged: the fleet could then admit them
-// again) or only its answer was lost after Redis ran it (a second send
-// without the charge markers would count them twice). A proxy in front of
-// the Redis swallows the first charge call, or forwards it and drops the
-// connection once Redis has applied it.
-func TestFailLocalChargeSentAgain(t *testing.T) {
-	t.Parallel()
-	for _, algo := range []string{algoSliding, algoGCRA} {
-		for _, lost := range []string{"request", "answer"} {
-			t.Run(algo+"/"+lost, func(t *testing.T) {
-				t.Parallel()
-				r := startRedis(t)
-				rc := r.Client()
-				var armed atomic.Bool
-				var landed atomic.Bool // the lost answer's charge is in Redis
-				var rateKey string     // set before the proxy is armed
-				script := ratelimit.SlidingChargeScript
-				if algo == algoGCRA {
-					script = ratelimit.GCRAChargeScript
-				}
-				proxy := startInterceptProxy(t, r.Addr, func(chunk []byte, client, server net.Conn) bool {
-					if !bytes.Contains(chunk, []byte(script.Hash())) || !armed.CompareAndSwap(true, false) {
-						return true
-					}
-					// The client's side goes first, so no answer can reach it.
-					client.Close()
-					if lost == "answer" {
-						// Forwarded: the charge lands (its log or TAT
-						// appears) while its caller waits in vain.
-						server.Write(chunk)
-						landed.Store(waitFor(5*time.Second, func() bool { return rc.Exists(context.Background(), rateKey).Val() == 1 }))
-					}
-					server.Close()
-					return false
-				})
-				h := newRateLimit(t, r, func(h *RedisRateLimit) {
-					h.Addresses = []string{proxy}
-					h.FailLocal, h.Instances, h.Algorithm = true, 1, algo
-					h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
-				})
-				const ip = "192.0.2.31"
-				rates := h.localRates(ip, &h.static)
-				rateKey = rates[0].Key
-				for i := 0; i < 3; i++ {
-					if d := h.local.lim.Admit(rates, 1, 1, time.Now()); !d.Allowed {
-						t.Fatalf("local admission %d refused", i)
-					}
-				}
-				// The charge scripts loaded, so that the first charge
-				// call is the one with the charges (not a NOSCRIPT).
-				for _, sc := range []*redisconn.Script{ratelimit.SlidingChargeScript, ratelimit.GCRAChargeScript} {
-					if err := rc.ScriptLoad(context.Background(), sc.Source()).Err(); err != nil {
-						t.Fatal(err)
-					}
-				}
-				armed.Store(true)
-				// The fleet loop may send the first charge as well: wait
-				// for the proxy to have seen it, whoever sent it.
-				h.chargeLocal(t.Context())
-				if !waitFor(10*time.Second, func() bool { return !armed.Load() }) {
-					t.Fatal("the proxy saw no charge call")
-				}
-				if lost == "answer" {
-					// The caller saw its connection drop as soon as the
-					// proxy took the call, maybe before the proxy sent it
-					// on: wait until it is in Redis.
-					if !waitFor(10*time.Second, landed.Load) {
-						t.Fatal("the charge whose answer was lost never reached Redis")
-					}
-					// Read through the handler's own client (a read on a
-					// connection the proxy dropped fails: read again).
-					var views []quotaView
-					var found bool
-					var err error
-					waitFor(5*time.Second, func() bool {
-						views, _, _, found, err = h.peekQuota(t.Context(), ip)
-						return err == nil
-					})
-					if err != nil || !found || views[0].Used != 3 {
-						t.Fatalf("after the lost answer: Redis holds %+v (%v, %v), want used 3", views, found, err)
-					}
-				}
-				if !waitFor(10*time.Second, func() bool {
-					h.chargeLocal(t.Context())
-					return !h.local.lim.Pending()
-				}) {
-					t.Fatal("the charges were not sent again")
-				}
-				views, _, _, found, err := h.peekQuota(t.Context(), ip)
-				if err != nil || !found || len(views) != 1 || views[0].Used != 3 {
-					t.Fatalf("after the second call: Redis holds %+v (%v, %v), want used 3: the 3 local admissions, once", views, found, err)
-				}
-				// The marker expires with the rate's horizon (plus a minute).
-				keys, _ := rc.Keys(context.Background(), "*:charged:*").Result()
-				if len(keys) != 1 {
-					t.Fatalf("charge markers %v, want one", keys)
-				}
-				if ttl := rc.PTTL(context.Background(), keys[0]).Val(); ttl <= time.Minute || ttl > 2*time.Minute {
-					t.Errorf("charge marker expires in %v, want within the rate's minute plus one", ttl)
-				}
-			})
-		}
-	}
-}
-
 // TestFailLocalChargesOfAKeyInOrder: while a batch of a key's charges is on
 // its way (taken by one sender), a request of the key neither sends the
 // key's newer charges nor is decided by Redis (which does not know the
@@ -445,40 +331,6 @@ func TestFailLocalChargesOfAKeyInOrder(t *testing.T) {
 			})
 		})
 	}
-}
-
-// replyError is an error reply of a live Redis, as go-redis gives it.
-type replyError string
-
-func (e replyError) Error() string { return string(e) }
-func (replyError) RedisError()     {}
-
-// TestChargeRefusedForGood: only a charge that a second send would meet
-// again is dropped; what happens around an outage (no answer, a lost
-// connection, a failover's read-only replica, a loading or busy Redis, out
-// of memory) is sent again.
-func TestChargeRefusedForGood(t *testing.T) {
-	for _, c := range []struct {
-		err  error
-		drop bool
-	}{
-		{replyError("WRONGTYPE Operation against a key holding the wrong kind of value script: 1f0a, on @user_script:12."), true},
-		{replyError("ERR user_script:30: attempt to compare nil with number script: 1f0a, on @user_script:30."), true},
-		{replyError("READONLY You can't write against a read only replica."), false},
-		{replyError("LOADING Redis is loading the dataset in memory"), false},
-		{replyError("BUSY Redis is busy running a script."), false},
-		{replyError("OOM command not allowed when used memory > 'maxmemory'."), false},
-		{replyError("OOM command not allowed when used memory > 'maxmemory'. script: 1f0a, on @user_script:40."), false},
-		{replyError("READONLY You can't write against a read only replica. script: 1f0a, on @user_script:40."), false},
-		{replyError("ERR max number of clients reached"), false},
-		{context.DeadlineExceeded, false},
-		{io.EOF, false},
-	} {
-		if got := refusedForGood(c.err); got != c.drop {
-			t.Errorf("refusedForGood(%q) = %v, want %v", c.err, got, c.drop)
-		}
-	}
-	var _ redis.Error = replyError("")
 }
 
 // TestFailLocalChargeRefusedGoesOnToRedis: a request whose key's charge
@@ -659,7 +511,7 @@ func TestFailLocalRestartKeepsN(t *testing.T) {
 	})
 	others := func() {
 		now, _ := r.Client().Time(t.Context()).Result()
-		r.Client().ZAdd(t.Context(), h.fleetKey(), redis.Z{Score: float64(now.UnixMicro()), Member: "other-1"}, redis.Z{Score: float64(now.UnixMicro()), Member: "other-2"})
+		r.Client().ZAdd(t.Context(), ratelimit.FleetKey(h.Prefix), redis.Z{Score: float64(now.UnixMicro()), Member: "other-1"}, redis.Z{Score: float64(now.UnixMicro()), Member: "other-2"})
 	}
 	if !waitFor(15*time.Second, func() bool { others(); return h.instances() == 3 }) {
 		t.Fatalf("N = %d, want 3 from the heartbeats", h.instances())

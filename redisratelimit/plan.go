@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
@@ -165,55 +166,30 @@ func (v *IntOrPlaceholder) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// plan is what one request is decided by.
+// plan is what one request is decided by: the engine's plan (its rates,
+// cost and script arguments) and what the answer says of it.
 type plan struct {
-	rates  []rateSpec
-	argv   []any  // the script's arguments: cost, hold, ban, every rate's n, window (and burst)
+	*ratelimit.Plan
 	policy string // the RateLimit-Policy value
-	cost   int64
-	// over is the first rate whose capacity (n, or burst with gcra) is
-	// below cost, or -1: such a request can never pass.
-	over int
 	// deny is added to the deny cache's key: "" for the static plan, else
 	// the rendered rates, so a deny of one plan never answers another.
 	deny string
 }
 
-// newSpec makes rate i of n per window for the handler's algorithm.
-func (h *RedisRateLimit) newSpec(i int, n int64, window time.Duration) rateSpec {
-	s := rateSpec{n: n, window: window}
-	if h.algo == algoGCRA {
-		s.burst = s.n
-		if h.Burst > 0 {
-			s.burst = int64(h.Burst)
-		}
-		s.suffix = fmt.Sprintf(":gcra:%d/%s:b%d", s.n, s.window, s.burst)
-	} else {
-		s.suffix = fmt.Sprintf(":sw:%d/%s", s.n, s.window)
-	}
-	s.tail = "}" + s.suffix
-	s.name = fmt.Sprintf(`"r%d";r=`, i)
-	return s
+// rate is a rate of n per window as the handler's algorithm takes it.
+func (h *RedisRateLimit) rate(n int64, window time.Duration) ratelimit.Rate {
+	return ratelimit.Rate{N: n, Window: window, Burst: int64(h.Burst)}
 }
 
-// finish fills in the plan's arguments and policy from its rates and cost.
-func (h *RedisRateLimit) finish(p *plan, hold time.Duration) {
-	policies := make([]string, len(p.rates))
-	p.argv = append(make([]any, 0, 3+3*len(p.rates)), p.cost, hold.Microseconds(), h.ban().Milliseconds())
-	p.over = -1
-	for i, s := range p.rates {
-		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, s.n, shared.CeilSeconds(s.window))
-		p.argv = append(p.argv, s.n, s.window.Microseconds())
-		capacity := s.n
-		if h.algo == algoGCRA {
-			p.argv = append(p.argv, s.burst)
-			capacity = s.burst
-		}
-		if p.cost > capacity && p.over < 0 {
-			p.over = i
-		}
+// newPlan makes the plan of rates and cost, with its RateLimit-Policy.
+func (h *RedisRateLimit) newPlan(rates []ratelimit.Rate, cost int64) plan {
+	p := plan{Plan: h.limit.Plan(rates, cost)}
+	policies := make([]string, len(p.Rates))
+	for i, r := range p.Rates {
+		policies[i] = fmt.Sprintf(`"r%d";q=%d;w=%d`, i, r.N, shared.CeilSeconds(r.Window))
 	}
 	p.policy = strings.Join(policies, ", ")
+	return p
 }
 
 // errBadRender is a rate, window or cost that rendered to something
@@ -227,18 +203,17 @@ func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 	if !h.dynamic && h.costTmpl == "" {
 		return &h.static, nil
 	}
-	p := &plan{cost: h.static.cost, rates: h.static.rates}
+	cost, rates := h.static.Cost, h.static.Rates
 	if h.costTmpl != "" {
 		v, err := h.renderInt(repl, "cost", h.costTmpl, h.costTmpl)
 		if err != nil {
 			return nil, err
 		}
-		p.cost = v
+		cost = v
 	}
 	if h.dynamic {
-		p.rates = make([]rateSpec, len(h.static.rates))
-		var deny strings.Builder
-		for i, s := range h.static.rates {
+		rates = make([]ratelimit.Rate, len(h.specs))
+		for i, s := range h.specs {
 			n, window := s.n, s.window
 			tmpl := s.rateTemplate()
 			var err error
@@ -252,16 +227,17 @@ func (h *RedisRateLimit) planFor(repl *caddy.Replacer) (*plan, error) {
 					return nil, err
 				}
 			}
-			if err := checkRate(n, window, h.algo); err != nil {
+			rates[i] = h.rate(n, window)
+			if err := h.algo.CheckRate(rates[i]); err != nil {
 				return nil, h.badRender("rate", tmpl, fmt.Sprintf("%d %s", n, window), err)
 			}
-			p.rates[i] = h.newSpec(i, n, window)
-			deny.WriteString(p.rates[i].suffix)
 		}
-		p.deny = deny.String()
 	}
-	h.finish(p, h.hold())
-	return p, nil
+	p := h.newPlan(rates, cost)
+	if h.dynamic {
+		p.deny = p.ID()
+	}
+	return &p, nil
 }
 
 // hold is the longest a request may be held (wait), as the script takes it.

@@ -691,7 +691,7 @@ func TestRateLimitGCRAReturnsOnlyItsOwnUnits(t *testing.T) {
 			t.Helper()
 			var now string
 			if !waitFor(10*time.Second, func() bool {
-				now = r.Client().Get(context.Background(), "wait:{192.0.2.12}"+h.static.rates[0].suffix).Val()
+				now = r.Client().Get(context.Background(), rateKey(h, "192.0.2.12", 0)).Val()
 				return now != before
 			}) {
 				t.Fatal("a request was never held")
@@ -787,4 +787,62 @@ func TestRateLimitDenyCacheCostlier(t *testing.T) {
 			t.Fatal("the unit left was not admitted")
 		}
 	})
+}
+
+// TestRateLimitGCRACountOverlapping: under `rate 3 1m`, `count 401`, three
+// overlapping answers that do not count leave the quota whole, in whatever
+// order they end: three 401s then pass and a fourth is rejected.
+func TestRateLimitGCRACountOverlapping(t *testing.T) {
+	t.Parallel()
+	r := startRedis(t)
+	for name, sleeps := range map[string][3]time.Duration{
+		"in order":   {100 * time.Millisecond, 150 * time.Millisecond, 200 * time.Millisecond},
+		"reversed":   {300 * time.Millisecond, 200 * time.Millisecond, 100 * time.Millisecond},
+		"first last": {300 * time.Millisecond, 100 * time.Millisecond, 150 * time.Millisecond},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			h := newRateLimit(t, r, func(h *RedisRateLimit) {
+				h.Algorithm, h.Prefix = algoGCRA, "ov:"+strings.ReplaceAll(name, " ", "")+":"
+				h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
+				h.Count = []string{"401"}
+			})
+			answer := func(code int, sleep time.Duration, admitted chan<- struct{}) caddyhttp.HandlerFunc {
+				return func(w http.ResponseWriter, r *http.Request) error {
+					if admitted != nil {
+						close(admitted)
+					}
+					time.Sleep(sleep) // the upstream's work: the answers end in the order tested
+					w.WriteHeader(code)
+					return nil
+				}
+			}
+			var wg sync.WaitGroup
+			for _, s := range sleeps {
+				wg.Add(1)
+				admitted := make(chan struct{})
+				go func() {
+					defer wg.Done()
+					if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(200, s, admitted)); !a.passed {
+						t.Errorf("overlapping request: %d", a.status)
+						close(admitted)
+					}
+				}()
+				select { // admitted in this order
+				case <-admitted:
+				case <-time.After(10 * time.Second):
+					t.Fatal("an overlapping request was never admitted")
+				}
+			}
+			wg.Wait()
+			for i := 0; i < 3; i++ {
+				if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0, nil)); !a.passed {
+					t.Fatalf("401 number %d rejected: the 200s' reservations were kept", i+1)
+				}
+			}
+			if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0, nil)); a.passed {
+				t.Fatal("a fourth counted 401 admitted against rate 3 per minute")
+			}
+		})
+	}
 }

@@ -1,34 +1,82 @@
 package ratelimit
 
-import "time"
+// The instances that share a prefix, through Redis: each with fail_local
+// keeps a heartbeat in one sorted set per prefix (scripts/ratelimit_fleet.lua),
+// and reads how many keep one (N, the local share's divisor).
 
-// The heartbeats of the instances that share a prefix (fail_local's N).
-const (
-	// HeartbeatEvery is how often an instance records its heartbeat.
-	HeartbeatEvery = time.Second
-	// HeartbeatLife is how long a heartbeat lives, about three periods: an
-	// instance that stops (or whose Redis link broke) no longer counts
-	// after it.
-	HeartbeatLife = 3 * HeartbeatEvery
+import (
+	"context"
+	_ "embed"
+	"fmt"
+
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/redis/go-redis/v9"
 )
 
-// ReturnCap is how long an instance back from local mode holds every key
-// to its local share as well as to Redis's decision: the other instances
-// come back within it (in local mode they try Redis ten times a second) and
-// charge what they admitted locally, which Redis does not know until then
-// (without the cap, Redis would admit n less only what the instances back
-// already charged, and the fleet up to n plus the others' uncharged
-// admissions in the window of the return).
-//
-// The return begins when Redis may answer this instance again: when local
-// mode starts (an outage may be short), when a heartbeat is answered after
-// one was not, and when the hold after a restart of Redis ends (the others
-// end theirs about then, and charge their last local admissions after
-// it). The first Redis decisions after local mode, the breaker's probe
-// included, are the return's too: an instance that admitted its share
-// locally and then let Redis decide alone would admit more than its share
-// in the window while the others' latest local admissions are still on
-// their way. Local mode still ends with the first Redis decision, at most
-// ReturnCap after Redis answers again (its probe is not held once that
-// second is over), and the cap holds for ReturnCap after that as well.
-const ReturnCap = time.Second
+var (
+	//go:embed scripts/ratelimit_fleet.lua
+	fleetLua    string
+	fleetScript = redisconn.NewScript(fleetLua)
+)
+
+// fleetKey is the heartbeat set of prefix. The hash tag holds a character
+// no limit id starts with, and the suffix is none of a rate's, so it never
+// mixes with a limit's keys.
+func fleetKey(prefix string) string { return prefix + "{~fleet}:instances" }
+
+// Fleet keeps one instance's heartbeat among the instances sharing a
+// prefix (NewFleet).
+type Fleet struct {
+	client redis.UniversalClient
+	key    string
+	member string
+	// conn is the fleet's own connection (nil until the first beat, and
+	// after a failure): a beat a second through the shared pool would take
+	// each idle connection in turn (the pool hands out the oldest first)
+	// and keep every one a burst opened from ever idling long enough for
+	// the reaper.
+	conn *redis.Conn
+}
+
+// beat records the heartbeat and reads the fleet (Fleet.Beat).
+func (f *Fleet) beat(ctx context.Context, joining int64) (Beat, error) {
+	var p redisconn.Processor = f.client
+	if c := f.connection(ctx); c != nil {
+		p = c
+	}
+	res, err := fleetScript.Run(ctx, p, []string{f.key}, f.member, HeartbeatLife.Microseconds(), joining).Int64Slice()
+	if err == nil && len(res) != 4 {
+		err = fmt.Errorf("unexpected answer of %d values", len(res))
+	}
+	if err != nil {
+		f.close() // a broken connection is not used again
+		return Beat{}, err
+	}
+	return Beat{At: res[0], Instances: res[1], Added: res[2] == 1, Behind: res[3]}, nil
+}
+
+// connection returns the fleet's own connection, taking one out of the
+// pool (of the master of the heartbeat key's slot on a Cluster) when it has
+// none; nil when none can be had (the beat then goes through the pool).
+func (f *Fleet) connection(ctx context.Context) *redis.Conn {
+	if f.conn != nil {
+		return f.conn
+	}
+	switch c := f.client.(type) {
+	case *redis.Client:
+		f.conn = c.Conn()
+	case *redis.ClusterClient:
+		if m, err := c.MasterForKey(ctx, f.key); err == nil {
+			f.conn = m.Conn()
+		}
+	}
+	return f.conn
+}
+
+// close closes the fleet's own connection, if any.
+func (f *Fleet) close() {
+	if f.conn != nil {
+		_ = f.conn.Close()
+		f.conn = nil
+	}
+}

@@ -1,18 +1,17 @@
-package redisratelimit
+package ratelimit
 
 import (
 	"context"
-	"net/http"
+	"math"
+	"math/rand"
 	"sort"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/caddy-dlm/redisdlm/internal/redisconn"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -31,7 +30,7 @@ type gcraAdm struct{ at, tat, sum int64 }
 
 func (k *gcraKey) admit() (gcraAdm, bool) {
 	k.t.Helper()
-	res, err := decideOnce(context.Background(), k.c, ratelimit.GCRAScript, []string{k.key}, 1, k.hold, 0, k.n, k.w, k.n).Result()
+	res, err := decideOnce(context.Background(), k.c, gcraScript, []string{k.key}, 1, k.hold, 0, k.n, k.w, k.n).Result()
 	if err != nil || len(res) != 6 {
 		k.t.Fatalf("decision: %v %v", res, err)
 	}
@@ -49,7 +48,7 @@ func (k *gcraKey) mustAdmit() gcraAdm {
 
 func (k *gcraKey) giveBack(a gcraAdm) {
 	k.t.Helper()
-	if err := ratelimit.GCRAReturnScript.Run(context.Background(), k.c, []string{k.key}, 1, k.n, k.w, k.n, a.tat, a.sum).Err(); err != nil {
+	if err := gcraReturnScript.Run(context.Background(), k.c, []string{k.key}, 1, k.n, k.w, k.n, a.tat, a.sum).Err(); err != nil {
 		k.t.Fatal(err)
 	}
 }
@@ -78,7 +77,7 @@ func (k *gcraKey) now() int64 {
 // a unit of another admission, and never to a later incarnation of the key.
 func TestRateLimitGCRAReturnExact(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
+	r := testredis.Start(t)
 	const sec = int64(time.Second / time.Microsecond)
 	// X and R admitted together (burst 2); X returns; B is admitted and
 	// counts; then R returns. R's units moved to where X's were, and so
@@ -205,71 +204,13 @@ func TestRateLimitGCRAReturnExact(t *testing.T) {
 	})
 }
 
-// TestRateLimitGCRACountOverlapping: under `rate 3 1m`, `count 401`, three
-// overlapping answers that do not count leave the quota whole, in whatever
-// order they end: three 401s then pass and a fourth is rejected.
-func TestRateLimitGCRACountOverlapping(t *testing.T) {
-	t.Parallel()
-	r := startRedis(t)
-	for name, sleeps := range map[string][3]time.Duration{
-		"in order":   {100 * time.Millisecond, 150 * time.Millisecond, 200 * time.Millisecond},
-		"reversed":   {300 * time.Millisecond, 200 * time.Millisecond, 100 * time.Millisecond},
-		"first last": {300 * time.Millisecond, 100 * time.Millisecond, 150 * time.Millisecond},
-	} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			h := newRateLimit(t, r, func(h *RedisRateLimit) {
-				h.Algorithm, h.Prefix = algoGCRA, "ov:"+strings.ReplaceAll(name, " ", "")+":"
-				h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
-				h.Count = []string{"401"}
-			})
-			answer := func(code int, sleep time.Duration, admitted chan<- struct{}) caddyhttp.HandlerFunc {
-				return func(w http.ResponseWriter, r *http.Request) error {
-					if admitted != nil {
-						close(admitted)
-					}
-					time.Sleep(sleep) // the upstream's work: the answers end in the order tested
-					w.WriteHeader(code)
-					return nil
-				}
-			}
-			var wg sync.WaitGroup
-			for _, s := range sleeps {
-				wg.Add(1)
-				admitted := make(chan struct{})
-				go func() {
-					defer wg.Done()
-					if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(200, s, admitted)); !a.passed {
-						t.Errorf("overlapping request: %d", a.status)
-						close(admitted)
-					}
-				}()
-				select { // admitted in this order
-				case <-admitted:
-				case <-time.After(10 * time.Second):
-					t.Fatal("an overlapping request was never admitted")
-				}
-			}
-			wg.Wait()
-			for i := 0; i < 3; i++ {
-				if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0, nil)); !a.passed {
-					t.Fatalf("401 number %d rejected: the 200s' reservations were kept", i+1)
-				}
-			}
-			if a := serveRLWith(context.Background(), h, "192.0.2.90", nil, answer(401, 0, nil)); a.passed {
-				t.Fatal("a fourth counted 401 admitted against rate 3 per minute")
-			}
-		})
-	}
-}
-
 // TestPeekGCRAWithReturns: the admin API reads a key with returns ("TAT S
 // X" and the kept returns) as its TAT alone.
 func TestPeekGCRAWithReturns(t *testing.T) {
 	t.Parallel()
-	s := rateSpec{n: 4, window: 4 * time.Second, burst: 4}
-	u1, r1, z1 := peekGCRA("3000000", 1_000_000, s)
-	u2, r2, z2 := peekGCRA("3000000 7000 5000 1800000 1000", 1_000_000, s)
+	s := Rate{N: 4, Window: 4 * time.Second, Burst: 4}
+	u1, r1, z1 := GCRA.peek("3000000", 1_000_000, s)
+	u2, r2, z2 := GCRA.peek("3000000 7000 5000 1800000 1000", 1_000_000, s)
 	if u1 != 2 || u1 != u2 || r1 != r2 || z1 != z2 {
 		t.Fatalf("plain %d %d %v, with returns %d %d %v; want the same, 2 used", u1, r1, z1, u2, r2, z2)
 	}
@@ -283,7 +224,7 @@ func TestPeekGCRAWithReturns(t *testing.T) {
 // scheduled 23 ms after the waiter under burst 1, 1 per second.
 func TestRateLimitGCRAReturnBesideAWaiter(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
+	r := testredis.Start(t)
 	const sec = int64(time.Second / time.Microsecond)
 	plain := &gcraKey{t: t, c: r.Client(), key: "x:{a}:mixed", n: 1, w: sec}
 	held := &gcraKey{t: t, c: r.Client(), key: plain.key, n: 1, w: sec, hold: 5 * sec}
@@ -304,7 +245,7 @@ func TestRateLimitGCRAReturnBesideAWaiter(t *testing.T) {
 // pass within 0.7 s (burst + t·n/w allows 7.5).
 func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 	// Not parallel: it measures admissions against the rate on the client's clock, which a machine busy with 15 other tests cannot promise.
-	r := startRedis(t)
+	r := testredis.Start(t)
 	c := r.Client()
 	ctx := context.Background()
 	const sec = int64(time.Second / time.Microsecond)
@@ -316,7 +257,7 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 		for _, v := range rates {
 			argv = append(argv, v)
 		}
-		res, err := decideOnce(ctx, c, ratelimit.GCRAScript, keys, argv...).Result()
+		res, err := decideOnce(ctx, c, gcraScript, keys, argv...).Result()
 		if err != nil || res[0] < 0 {
 			t.Fatalf("decision: %v %v", res, err)
 		}
@@ -328,7 +269,7 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 	for i := 0; i < 2; i++ {
 		argv = append(argv, rates[3*i], rates[3*i+1], rates[3*i+2], rr[4+4*i], rr[5+4*i])
 	}
-	if err := ratelimit.GCRAReturnScript.Run(ctx, c, keys, argv...).Err(); err != nil {
+	if err := gcraReturnScript.Run(ctx, c, keys, argv...).Err(); err != nil {
 		t.Fatal(err)
 	}
 	for n := 0; n < 8; n++ {
@@ -339,6 +280,81 @@ func TestRateLimitGCRAReturnBesideAWaiterOfAnotherRate(t *testing.T) {
 		for b := a; b < len(passes); b++ {
 			if units, allowed := float64(b-a+1), 4+float64(passes[b]-passes[a])/float64(sec/5); units > allowed+0.01 {
 				t.Fatalf("rate i (5/s, burst 4): %v units passed in %v µs, at most %.2f allowed", units, passes[b]-passes[a], allowed)
+			}
+		}
+	}
+}
+
+// gcraStepProbe runs the Lua arithmetic of ratelimit_gcra_step.lua on
+// sextuples of ARGV (tat, now, cost, n, w, burst) and answers, per
+// sextuple, what the decision script computes of them: the moment the
+// request may pass, the TAT once admitted then, and the quota left and when
+// it grows at now on the key as it is and as it would be, as %.17g (exact
+// for a double).
+var gcraStepProbe = redisconn.NewScript(gcraStepLua + `
+local out, fmt = {}, string.format
+for i = 1, #ARGV, 6 do
+	local tat, now, cost = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+	local n, w, burst = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4]), tonumber(ARGV[i + 5])
+	local u = w / n
+	local tau = burst * u
+	local held = math.max(tat, now)
+	local at = gcra_at(held, cost, u, tau)
+	local after = gcra_after(held, at, cost, u)
+	local rem, grows = gcra_left(held, now, u, tau, burst)
+	local rem2, grows2 = gcra_left(after, now, u, tau, burst)
+	out[#out + 1] = fmt('%.17g %.17g %.17g %.17g %.17g %.17g', at, after, rem, grows, rem2, grows2)
+end
+return out
+`)
+
+// TestGCRAStepGoAndLuaAgree: the GCRA arithmetic exists once in Go
+// (gcraAt, gcraAfter, gcraLeft: the local limiter, the admin API's read)
+// and once in Lua (ratelimit_gcra_step.lua: the decision and the charge
+// scripts). Both run on the same random inputs (keys drained and in debt,
+// whole and fractional TATs, units of one µs and of hours, bursts below and
+// above n) and must give the same doubles to the last bit.
+func TestGCRAStepGoAndLuaAgree(t *testing.T) {
+	t.Parallel()
+	r := testredis.Start(t)
+	rng := rand.New(rand.NewSource(20261207))
+	type input struct{ tat, now, cost, n, w, burst float64 }
+	var ins []input
+	var argv []any
+	for len(ins) < 2000 {
+		n := []float64{1, 3, 7, 10, 1000, 1000000}[rng.Intn(6)]
+		w := []float64{1000000, 60000000, 7000001, 3600000000}[rng.Intn(4)]
+		if w < n {
+			continue // one unit per µs at most (gcra.CheckRate)
+		}
+		burst := float64(1 + rng.Int63n(int64(2*n)))
+		in := input{now: float64(1_765_000_000_000_000 + rng.Int63n(1_000_000_000)), cost: float64(1 + rng.Int63n(int64(burst))), n: n, w: w, burst: burst}
+		in.tat = in.now + (rng.Float64()*5-2)*w
+		if rng.Intn(2) == 0 {
+			in.tat = math.Floor(in.tat) // a TAT written whole
+		}
+		ins = append(ins, in)
+		for _, v := range []float64{in.tat, in.now, in.cost, in.n, in.w, in.burst} {
+			argv = append(argv, strconv.FormatFloat(v, 'g', -1, 64))
+		}
+	}
+	res, err := gcraStepProbe.Run(t.Context(), r.Client(), nil, argv...).StringSlice()
+	if err != nil || len(res) != len(ins) {
+		t.Fatalf("the Lua arithmetic: %d answers, %v", len(res), err)
+	}
+	for i, in := range ins {
+		u := in.w / in.n
+		tau := in.burst * u
+		held := math.Max(in.tat, in.now)
+		at := gcraAt(held, in.cost, u, tau)
+		after := gcraAfter(held, at, in.cost, u)
+		rem, grows := gcraLeft(held, in.now, u, tau, int64(in.burst))
+		rem2, grows2 := gcraLeft(after, in.now, u, tau, int64(in.burst))
+		want := []float64{at, after, float64(rem), grows, float64(rem2), grows2}
+		for j, f := range strings.Fields(res[i]) {
+			got, err := strconv.ParseFloat(f, 64)
+			if err != nil || got != want[j] {
+				t.Fatalf("input %+v: Lua answered %s, Go %v (value %d differs)", in, res[i], want, j)
 			}
 		}
 	}

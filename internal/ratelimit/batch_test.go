@@ -1,4 +1,4 @@
-package redisratelimit
+package ratelimit
 
 import (
 	"context"
@@ -8,9 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
-	"github.com/caddyserver/caddy/v2"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -21,21 +20,19 @@ import (
 // error (sent again alone) and the others their answers.
 func TestRateLimitMultiDecisions(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
-		h := newRL(func(h *RedisRateLimit) {
-			h.Rates = []Rate{{Requests: 7, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
-		})
+	eachAlgorithm(t, func(t *testing.T, algo Algorithm, r *testredis.Server) {
+		// Returns: full answers, as a limit with count or wait gets.
+		h := NewLimit("caddy:rl:", algo, LimitOptions{Returns: true})
+		p := h.Plan([]Rate{{N: 7, Window: time.Minute}, {N: 100, Window: time.Hour}}, 1)
 		// Another limit on the same Redis: one rate, its own parameters.
-		h2 := newRL(func(h *RedisRateLimit) {
-			h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
-			h.Prefix = "other:"
-		})
-		b := ratelimit.NewBatcher(h.client.Redis, ratelimit.Options{})
+		h2 := NewLimit("other:", algo, LimitOptions{Returns: true})
+		p2 := h2.Plan([]Rate{{N: 3, Window: time.Minute}}, 1)
+		b := NewBatcher(r.Client(), Options{})
 		defer b.Close()
-		if err := r.Client().RPush(context.Background(), h.keyHead+"bad"+h.static.rates[0].tail, "x").Err(); err != nil {
+		if err := r.Client().RPush(context.Background(), h.keys(nil, "bad", p)[0], "x").Err(); err != nil {
 			t.Fatal(err)
 		}
-		var calls []*ratelimit.Call
+		var calls []*Call
 		ids := []string{}
 		for i := 0; i < 30; i++ {
 			ids = append(ids, "hot")
@@ -49,20 +46,20 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 		ids = append(ids, "bad")
 		for _, id := range ids {
 			if id == "other" {
-				calls = append(calls, &ratelimit.Call{Script: h2.script, Argv: h2.static.argv, Keys: h2.redisKeys(nil, "hot", &h2.static)})
+				calls = append(calls, h2.DecisionCall("hot", p2))
 				continue
 			}
-			calls = append(calls, &ratelimit.Call{Script: h.script, Argv: h.static.argv, Keys: h.redisKeys(nil, id, &h.static)})
+			calls = append(calls, h.DecisionCall(id, p))
 		}
 		b.SendNow(calls) // loads the script (NOSCRIPT, then EVAL)
 		for _, c := range calls {
 			<-c.Done()
 		}
-		for _, p := range []string{h.keyHead + "hot*", h.keyHead + "cold*", h2.keyHead + "*"} {
-			r.Client().Del(context.Background(), r.Client().Keys(context.Background(), p).Val()...)
+		for _, k := range []string{h.head + "hot*", h.head + "cold*", h2.head + "*"} {
+			r.Client().Del(context.Background(), r.Client().Keys(context.Background(), k).Val()...)
 		}
 		for _, c := range calls {
-			c.Res, c.Err = nil, nil
+			c.res, c.err = nil, nil
 		}
 		before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
 		b.SendNow(calls)
@@ -73,16 +70,16 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 		for i, c := range calls {
 			<-c.Done()
 			if ids[i] == "bad" {
-				if c.Err == nil || !strings.Contains(c.Err.Error(), "WRONGTYPE") {
-					t.Fatalf("decision on a key of the wrong type: %v %v, want its own WRONGTYPE error", c.Res, c.Err)
+				if c.err == nil || !strings.Contains(c.err.Error(), "WRONGTYPE") {
+					t.Fatalf("decision on a key of the wrong type: %v %v, want its own WRONGTYPE error", c.res, c.err)
 				}
 				continue
 			}
-			if c.Err != nil {
-				t.Fatalf("decision %d (%s): %v", i, ids[i], c.Err)
+			if c.err != nil {
+				t.Fatalf("decision %d (%s): %v", i, ids[i], c.err)
 			}
 			if ids[i] == "other" {
-				d, err := ratelimit.ParseDecision(c.Res, 1, ratelimit.PerRate(c.Script))
+				d, err := parseDecision(c.res, 1, decisionScripts[c.script])
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -94,7 +91,7 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 				}
 				continue
 			}
-			d, err := ratelimit.ParseDecision(c.Res, 2, ratelimit.PerRate(c.Script))
+			d, err := parseDecision(c.res, 2, decisionScripts[c.script])
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -128,7 +125,7 @@ func TestRateLimitMultiDecisions(t *testing.T) {
 func decideOnce(ctx context.Context, p interface {
 	Process(context.Context, redis.Cmder) error
 }, script *redisconn.Script, keys []string, argv ...any) *redis.IntSliceCmd {
-	evalsha, eval := ratelimit.BatchOfOne(&ratelimit.Call{Script: script, Keys: keys, Argv: argv})
+	evalsha, eval := batchOfOne(&Call{script: script, keys: keys, argv: argv})
 	cmd := redis.NewIntSliceCmd(ctx, evalsha...)
 	_ = p.Process(ctx, cmd)
 	if redis.HasErrorPrefix(cmd.Err(), "NOSCRIPT") {
@@ -145,37 +142,34 @@ func decideOnce(ctx context.Context, p interface {
 // not sent again, so nothing is counted twice.
 func TestRateLimitMultiFailures(t *testing.T) {
 	t.Parallel()
-	eachAlgorithm(t, func(t *testing.T, algo string, r *testRedis, newRL func(func(*RedisRateLimit)) *RedisRateLimit) {
+	eachAlgorithm(t, func(t *testing.T, algo Algorithm, r *testredis.Server) {
 		ctx := context.Background()
-		h := newRL(func(h *RedisRateLimit) {
-			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
-		})
-		b := ratelimit.NewBatcher(h.client.Redis, ratelimit.Options{})
+		h := NewLimit("caddy:rl:", algo, LimitOptions{Returns: true})
+		p := h.Plan([]Rate{{N: 10, Window: time.Minute}}, 1)
+		b := NewBatcher(r.Client(), Options{})
 		defer b.Close()
-		call := func(id string) *ratelimit.Call {
-			return &ratelimit.Call{Script: h.script, Argv: h.static.argv, Keys: h.redisKeys(nil, id, &h.static)}
-		}
-		warm := []*ratelimit.Call{call("warm")}
+		call := func(id string) *Call { return h.DecisionCall(id, p) }
+		warm := []*Call{call("warm")}
 		b.SendNow(warm) // loads the script (NOSCRIPT, then EVAL)
 		<-warm[0].Done()
-		if algo == algoGCRA {
+		if algo == GCRA {
 			// A string that is not a TAT: the script fails on it.
-			if err := r.Client().Set(ctx, h.keyHead+"junk"+h.static.rates[0].tail, "not-a-number", time.Hour).Err(); err != nil {
+			if err := r.Client().Set(ctx, h.keys(nil, "junk", p)[0], "not-a-number", time.Hour).Err(); err != nil {
 				t.Fatal(err)
 			}
-			calls := []*ratelimit.Call{call("a"), call("junk"), call("b")}
+			calls := []*Call{call("a"), call("junk"), call("b")}
 			before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
 			b.SendNow(calls)
 			for i, c := range calls {
 				<-c.Done()
 				if i == 1 {
-					if c.Err == nil || !strings.Contains(c.Err.Error(), "compare") {
-						t.Fatalf("decision on a value that is not a TAT: %v %v, want Redis's own script error", c.Res, c.Err)
+					if c.err == nil || !strings.Contains(c.err.Error(), "compare") {
+						t.Fatalf("decision on a value that is not a TAT: %v %v, want Redis's own script error", c.res, c.err)
 					}
 					continue
 				}
-				if d, err := ratelimit.ParseDecision(c.Res, 1, ratelimit.PerRate(c.Script)); c.Err != nil || err != nil || !d.Allowed || d.Remaining != 9 {
-					t.Fatalf("decision %d beside a failing one: %+v %v %v, want admitted with 9 left", i, d, c.Err, err)
+				if d, err := parseDecision(c.res, 1, decisionScripts[c.script]); c.err != nil || err != nil || !d.Allowed || d.Remaining != 9 {
+					t.Fatalf("decision %d beside a failing one: %+v %v %v, want admitted with 9 left", i, d, c.err, err)
 				}
 			}
 			if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; got != 2 {
@@ -188,23 +182,23 @@ func TestRateLimitMultiFailures(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer r.Client().ConfigSet(ctx, "maxmemory", "0")
-		calls := []*ratelimit.Call{call("m1"), call("m2"), call("m3")}
+		calls := []*Call{call("m1"), call("m2"), call("m3")}
 		before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
 		b.SendNow(calls)
 		for i, c := range calls {
 			<-c.Done()
-			if !errors.Is(c.Err, ratelimit.ErrFailedRun) {
-				t.Fatalf("decision %d while Redis refuses writes: %v %v, want ratelimit.ErrFailedRun", i, c.Res, c.Err)
+			if !errors.Is(c.err, ErrFailedRun) {
+				t.Fatalf("decision %d while Redis refuses writes: %v %v, want ErrFailedRun", i, c.res, c.err)
 			}
 		}
 		if got := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before; got != 1 {
 			t.Fatalf("%d script calls, want 1 (a decision that may have written is not sent again)", got)
 		}
-		one := []*ratelimit.Call{call("m4")}
+		one := []*Call{call("m4")}
 		b.SendNow(one)
 		<-one[0].Done()
-		if one[0].Err == nil || !strings.Contains(one[0].Err.Error(), "OOM") {
-			t.Fatalf("a decision alone while Redis refuses writes: %v, want Redis's OOM error", one[0].Err)
+		if one[0].err == nil || !strings.Contains(one[0].err.Error(), "OOM") {
+			t.Fatalf("a decision alone while Redis refuses writes: %v, want Redis's OOM error", one[0].err)
 		}
 	})
 }
@@ -216,22 +210,34 @@ func TestRateLimitMultiFailures(t *testing.T) {
 // its real remaining quota, the "least remaining" choice named r0.
 func TestRejectionNamesARejectingRate(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
+	r := testredis.Start(t)
 	ctx := context.Background()
 	c := r.Client()
 	now := c.Time(ctx).Val().UnixMicro()
 	k0, k1 := "rl:{x}:r0", "rl:{x}:r1"
 	c.Set(ctx, k0, fmt.Sprint(now+1_000_000), time.Hour)
 	c.Set(ctx, k1, fmt.Sprint(now+2_400_000_000), time.Hour)
-	res, err := decideOnce(ctx, c, ratelimit.GCRAScript, []string{k0, k1}, 3, 500000, 0, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
+	res, err := decideOnce(ctx, c, gcraScript, []string{k0, k1}, 3, 500000, 0, 10, 1_000_000, 10, 6, 3_600_000_000, 6).Result()
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := ratelimit.ParseDecision(res, 2, ratelimit.PerRate(ratelimit.GCRAScript))
+	d, err := parseDecision(res, 2, decisionScripts[gcraScript])
 	if err != nil {
 		t.Fatal(err)
 	}
 	if d.Allowed || d.Tight != 1 || d.Remaining != 2 || d.Reset < 9*time.Minute {
 		t.Fatalf("answer %v: allowed=%v tight=r%d remaining %d reset %v, want rejected by r1 with 2 left for about 10 minutes", res, d.Allowed, d.Tight, d.Remaining, d.Reset)
+	}
+}
+
+// eachAlgorithm runs f for every algorithm, each on a Redis of its own, as
+// parallel subtests.
+func eachAlgorithm(t *testing.T, f func(t *testing.T, algo Algorithm, r *testredis.Server)) {
+	t.Helper()
+	for _, algo := range Algorithms() {
+		t.Run(algo.Name(), func(t *testing.T) {
+			t.Parallel()
+			f(t, algo, testredis.Start(t))
+		})
 	}
 }

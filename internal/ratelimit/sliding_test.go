@@ -1,4 +1,4 @@
-package redisratelimit
+package ratelimit
 
 import (
 	"context"
@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -124,7 +124,7 @@ return out
 // calls change no decision; times derived from "now" may differ by a little.
 func TestRateLimitSlidingScriptMatchesReference(t *testing.T) {
 	// Not parallel: it compares the script with a reference model to the millisecond of Redis TIME, which a machine busy with 15 other tests cannot promise.
-	r := startRedis(t)
+	r := testredis.Start(t)
 	c := r.Client()
 	ctx := context.Background()
 	const w = int64(time.Hour / time.Microsecond)
@@ -214,7 +214,7 @@ func TestRateLimitSlidingScriptMatchesReference(t *testing.T) {
 			t.Fatal(err)
 		}
 		// The script takes cost 1, no hold and no ban first.
-		res, err := decideOnce(ctx, c, ratelimit.SlidingScript, keysB, append([]any{1, 0, 0}, args...)...).Result()
+		res, err := decideOnce(ctx, c, slidingScript, keysB, append([]any{1, 0, 0}, args...)...).Result()
 		if err != nil {
 			t.Fatal(err)
 		}

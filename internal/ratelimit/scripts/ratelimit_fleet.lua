@@ -1,4 +1,4 @@
--- redis_ratelimit: the instances sharing one prefix (see ratelimit_fleet.go).
+-- redis_ratelimit: the instances sharing one prefix (see fleet.go).
 -- KEYS[1] the heartbeats: a sorted set of instance ids, scored by the Redis
 --         TIME (µs) of their latest heartbeat
 -- ARGV[1] this instance's id
