@@ -3,13 +3,10 @@ package redisratelimit
 // redis_ratelimit's Caddyfile syntax.
 
 import (
-	"errors"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
-	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -70,9 +67,17 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	// Checks that depend on a later subdirective (algorithm, fail_local)
 	// are made at the end of the block, with the line of the subdirective
-	// they concern: rateErrs holds each algorithm's first rate error.
-	var burstErr, instancesErr error
-	rateErrs := map[string]error{}
+	// they concern: algoErrs holds each algorithm's first error of a rate
+	// or the burst.
+	var instancesErr error
+	algoErrs := map[string]error{}
+	byAlgorithm := func(sub string, check func(ratelimit.Algorithm) error) {
+		for _, a := range ratelimit.Algorithms() {
+			if err := check(a); err != nil && algoErrs[a.Name()] == nil {
+				algoErrs[a.Name()] = d.Errf("%s: %s: %v", dir, sub, err)
+			}
+		}
+	}
 	seen := shared.Subdirectives{Repeatable: rateLimitRepeatable}
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -96,45 +101,22 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			rate, err := RateOf(args[0], args[1])
 			if err == nil {
-				err = errors.Join(shared.CheckTemplate(args[0]), shared.CheckTemplate(args[1]))
+				err = checkRate(rate, nil)
 			}
 			if err != nil {
 				return d.Errf("%s: rate: %v", dir, err)
 			}
-			if rate.requestsTmpl == "" && rate.Requests < 1 {
-				return d.Errf("%s: rate: the request count must be an integer >= 1, got %q", dir, args[0])
-			}
-			// A placeholder is checked per request; literals here.
-			n, win := int64(rate.Requests), time.Duration(rate.Window)
-			if rate.requestsTmpl != "" {
-				n = 1
-			}
-			if rate.windowTmpl != "" {
-				win = time.Second
-			}
-			r := ratelimit.Rate{N: n, Window: win}
-			if err := ratelimit.CheckRate(r); err != nil {
-				return d.Errf("%s: rate: %v", dir, err)
-			}
-			for _, a := range ratelimit.Algorithms() {
-				if err := a.CheckRate(r); err != nil && rateErrs[a.Name()] == nil {
-					rateErrs[a.Name()] = d.Errf("%s: rate: %v", dir, err)
-				}
-			}
+			byAlgorithm("rate", func(a ratelimit.Algorithm) error { return checkRate(rate, a) })
 			h.Rates = append(h.Rates, rate)
 		case "cost":
 			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
 			}
-			if err := shared.CheckTemplate(v); err != nil {
+			if err := checkCost(v); err != nil {
 				return d.Errf("%s: cost: %v", dir, err)
 			}
-			if !redisconn.HasPlaceholder(v) {
-				n, err := strconv.ParseInt(v, 10, 64)
-				if err != nil || n < 1 {
-					return d.Errf("%s: cost: want a whole number >= 1 or a placeholder, got %q", dir, v)
-				}
+			if n, err := strconv.ParseInt(v, 10, 64); err == nil {
 				v = strconv.FormatInt(n, 10) // "007" and "+5" are not JSON numbers
 			}
 			h.Cost = IntOrPlaceholder(v)
@@ -143,14 +125,21 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if len(args) == 0 {
 				return d.Errf("%s: count: needs at least one status code or class, e.g. count 401 403 or count 5xx", dir)
 			}
-			if _, err := parseStatusSet(args); err != nil {
+			if err := checkCount(args); err != nil {
 				return d.Errf("%s: count: %v", dir, err)
 			}
 			h.Count = append(h.Count, args...)
 		case "wait":
-			dur, err := shared.ParseNonNegativeDuration(d, dir)
+			v, err := shared.OneArg(d, dir)
 			if err != nil {
 				return err
+			}
+			dur, err := shared.ParseDuration(d, dir, sub, v)
+			if err != nil {
+				return err
+			}
+			if err := checkWait(dur); err != nil {
+				return d.Errf("%s: wait: %v", dir, err)
 			}
 			h.Wait = caddy.Duration(dur)
 		case "ban":
@@ -158,8 +147,8 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return err
 			}
-			if dur < time.Millisecond {
-				return d.Errf("%s: ban: must be at least 1ms, got %s", dir, dur)
+			if err := checkBan(dur); err != nil {
+				return d.Errf("%s: ban: %v", dir, err)
 			}
 			h.Ban = caddy.Duration(dur)
 		case "algorithm":
@@ -168,7 +157,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			v = strings.ToLower(v)
-			if _, err := ratelimit.AlgorithmNamed(v); err != nil {
+			if err := checkAlgorithm(v); err != nil {
 				return d.Errf("%s: algorithm: %v", dir, err)
 			}
 			h.Algorithm = v
@@ -178,7 +167,7 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Burst = n
-			burstErr = d.Errf("%s: burst: only valid with algorithm gcra", dir)
+			byAlgorithm("burst", func(a ratelimit.Algorithm) error { return checkBurst(n, a) })
 		case "headers":
 			on, err := shared.ParseOnOff(d, dir)
 			if err != nil {
@@ -197,8 +186,8 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			default:
 				h.FailLocal = true
 			}
-			if h.FailLocal && h.FailClosed {
-				return d.Errf("%s: %s: fail_local and fail_closed cannot be combined (choose one fail policy)", dir, sub)
+			if err := checkFailPolicy(h.FailLocal, h.FailClosed); err != nil {
+				return d.Errf("%s: %s: %v", dir, sub, err)
 			}
 		case "instances":
 			n, err := shared.ParsePositiveInt(d, dir, 1)
@@ -206,7 +195,9 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return err
 			}
 			h.Instances = n
-			instancesErr = d.Errf("%s: instances: only valid with fail_local", dir)
+			if err := checkInstances(n, false); err != nil {
+				instancesErr = d.Errf("%s: instances: %v", dir, err) // unless fail_local follows
+			}
 		case "ip_prefix":
 			args := d.RemainingArgs()
 			if len(args) != 2 {
@@ -227,21 +218,18 @@ func (h *RedisRateLimit) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("%s: unknown subdirective %q", dir, sub)
 			}
 			if sub == "redis" && len(h.Addresses) > 1 {
-				return d.Errf("%s: redis: takes exactly one address (one logical Redis; use cluster or sentinel for more), got %d", dir, len(h.Addresses))
+				return d.Errf("%s: %v", dir, h.RedisConfig.Validate(false))
 			}
 		}
 	}
 	if len(h.Rates) == 0 {
 		return d.Errf("%s: at least one rate <n> <window> is required", dir)
 	}
-	algo, _ := ratelimit.AlgorithmNamed(h.Algorithm) // checked at its line
-	if burstErr != nil && !algo.HasBurst() {
-		return burstErr
-	}
-	if instancesErr != nil && !h.FailLocal {
+	if instancesErr != nil && checkInstances(h.Instances, h.FailLocal) != nil {
 		return instancesErr
 	}
-	return rateErrs[algo.Name()]
+	algo, _ := ratelimit.AlgorithmNamed(h.Algorithm) // checked at its line
+	return algoErrs[algo.Name()]
 }
 
 var _ caddyfile.Unmarshaler = (*RedisRateLimit)(nil)

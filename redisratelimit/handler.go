@@ -430,70 +430,38 @@ func (h *RedisRateLimit) Validate() error {
 	if len(h.Rates) == 0 {
 		return errors.New("redis_ratelimit: rate: at least one rate is required")
 	}
-	algo, err := ratelimit.AlgorithmNamed(h.Algorithm)
-	if err != nil {
+	if err := checkAlgorithm(h.Algorithm); err != nil {
 		return fmt.Errorf("redis_ratelimit: algorithm: %w", err)
 	}
+	algo, _ := ratelimit.AlgorithmNamed(h.Algorithm)
 	for i, r := range h.Rates {
-		n, w := r.Requests, time.Duration(r.Window)
-		if r.requestsTmpl != "" {
-			n = 1 // checked per request
-		}
-		if r.windowTmpl != "" {
-			w = time.Second
-		}
-		if err := algo.CheckRate(ratelimit.Rate{N: int64(n), Window: w}); err != nil {
+		if err := checkRate(r, algo); err != nil {
 			return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
 		}
-		for _, t := range []string{r.requestsTmpl, r.windowTmpl} {
-			if err := shared.CheckTemplate(t); err != nil {
-				return fmt.Errorf("redis_ratelimit: rate %d: %w", i, err)
-			}
+	}
+	for _, c := range []struct {
+		sub string
+		err error
+	}{
+		{"burst", checkBurst(h.Burst, algo)},
+		{"cost", checkCost(string(h.Cost))},
+		{"count", checkCount(h.Count)},
+		{"wait", checkWait(time.Duration(h.Wait))},
+		{"ban", checkBan(time.Duration(h.Ban))},
+		{"fail_local", checkFailPolicy(h.FailLocal, h.FailClosed)},
+		{"instances", checkInstances(h.Instances, h.FailLocal)},
+		{"ip_prefix", checkIPPrefix(h.IPPrefix)},
+		{"jitter", shared.CheckJitter(h.Jitter)},
+		{"prefix", shared.CheckPrefix(h.Prefix)},
+	} {
+		if c.err != nil {
+			return fmt.Errorf("redis_ratelimit: %s: %w", c.sub, c.err)
 		}
 	}
-	if err := shared.CheckTemplate(string(h.Cost)); err != nil {
-		return fmt.Errorf("redis_ratelimit: cost: %w", err)
-	}
-	if c := string(h.Cost); c != "" && !redisconn.HasPlaceholder(c) {
-		if n, err := strconv.ParseInt(c, 10, 64); err != nil || n < 1 {
-			return fmt.Errorf("redis_ratelimit: cost: want a whole number >= 1 or a placeholder, got %q", c)
+	if h.Status != 0 {
+		if err := shared.CheckStatus(h.Status); err != nil {
+			return fmt.Errorf("redis_ratelimit: status: %w", err)
 		}
-	}
-	if _, err := parseStatusSet(h.Count); err != nil {
-		return fmt.Errorf("redis_ratelimit: count: %w", err)
-	}
-	if !(h.Jitter >= 0 && h.Jitter <= 1) { // NaN too
-		return fmt.Errorf("redis_ratelimit: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
-	}
-	if err := checkIPPrefix(h.IPPrefix); err != nil {
-		return fmt.Errorf("redis_ratelimit: ip_prefix: %w", err)
-	}
-	if h.Wait < 0 {
-		return fmt.Errorf("redis_ratelimit: wait: must not be negative, got %s", time.Duration(h.Wait))
-	}
-	if h.Ban < 0 || h.Ban > 0 && time.Duration(h.Ban) < time.Millisecond {
-		return fmt.Errorf("redis_ratelimit: ban: must be at least 1ms (or 0: no ban), got %s", time.Duration(h.Ban))
-	}
-	if h.Burst < 0 || h.Burst != 0 && !algo.HasBurst() {
-		if h.Burst < 0 {
-			return fmt.Errorf("redis_ratelimit: burst: must be positive, got %d", h.Burst)
-		}
-		return errors.New("redis_ratelimit: burst: only valid with algorithm gcra")
-	}
-	if h.Status != 0 && (h.Status < 400 || h.Status > 599) {
-		return fmt.Errorf("redis_ratelimit: status: want an HTTP status code in 400-599, got %d", h.Status)
-	}
-	if h.FailLocal && h.FailClosed {
-		return errors.New("redis_ratelimit: fail_local: cannot be combined with fail_closed (choose one fail policy)")
-	}
-	if h.Instances < 0 || h.Instances > 0 && !h.FailLocal {
-		if h.Instances < 0 {
-			return fmt.Errorf("redis_ratelimit: instances: must be at least 1, got %d", h.Instances)
-		}
-		return errors.New("redis_ratelimit: instances: only valid with fail_local")
-	}
-	if strings.ContainsAny(h.Prefix, "{}") {
-		return fmt.Errorf("redis_ratelimit: prefix: must not contain { or } (the handler adds the hash tag), got %q", h.Prefix)
 	}
 	return nil
 }
@@ -687,19 +655,3 @@ var (
 	_ caddy.CleanerUpper          = (*RedisRateLimit)(nil)
 	_ caddyhttp.MiddlewareHandler = (*RedisRateLimit)(nil)
 )
-
-// checkIPPrefix checks an ip_prefix: none, or IPv4 bits 1-32 and IPv6
-// bits 1-128.
-func checkIPPrefix(p []int) error {
-	switch {
-	case len(p) == 0:
-		return nil
-	case len(p) != 2:
-		return fmt.Errorf("want [IPv4 bits, IPv6 bits], got %d numbers", len(p))
-	case p[0] < 1 || p[0] > 32:
-		return fmt.Errorf("IPv4 bits must be 1-32, got %d (0 would put every client in one bucket)", p[0])
-	case p[1] < 1 || p[1] > 128:
-		return fmt.Errorf("IPv6 bits must be 1-128, got %d (0 would put every client in one bucket)", p[1])
-	}
-	return nil
-}

@@ -30,7 +30,7 @@ func algorithmNamed(name string) (Algorithm, error) {
 // checkRate is the rule every rate keeps (CheckRate).
 func checkRate(r Rate) error {
 	if r.N < 1 {
-		return fmt.Errorf("requests must be at least 1, got %d", r.N)
+		return fmt.Errorf("requests must be a whole number >= 1, got %d", r.N)
 	}
 	if r.Window < time.Millisecond {
 		return fmt.Errorf("window must be at least 1ms, got %s", r.Window)
