@@ -49,7 +49,7 @@ func banMetric(t *testing.T, admin int) int {
 	return sum
 }
 
-// TestWholeCaddyRateLimitBan (SPEC §4 item 13): two sites stand for two
+// TestWholeCaddyRateLimitBan: two sites stand for two
 // instances (each its own Redis client, batcher, deny cache and reset
 // listener) sharing one Redis and one prefix. A key its quota rejects on one
 // is banned on both, for the ban's duration, with Retry-After at the ban's

@@ -162,7 +162,7 @@ func (f *banFleet) expectAdmitted(t *testing.T, user string, d time.Duration, wh
 	}
 }
 
-// TestWholeCaddyBanHoldsThroughOutage (issue row 6): carol is banned
+// TestWholeCaddyBanHoldsThroughOutage: carol is banned
 // through A, then Redis is paused (SIGSTOP). B and C never asked Redis
 // about carol, yet answer her 429 with the ban's Retry-After until the ban
 // ends, never 200 — with fail_local and with the default policy (admit when
@@ -189,7 +189,7 @@ func TestWholeCaddyBanHoldsThroughOutage(t *testing.T) {
 	}
 }
 
-// TestWholeCaddyBanHoldsThroughEmptyRestart (issue row 7): carol is banned
+// TestWholeCaddyBanHoldsThroughEmptyRestart: carol is banned
 // through A, then Redis is killed (SIGKILL) and started again empty on its
 // port. No instance admits carol until the ban ends (their listeners
 // subscribe again to a new process and keep the ban), and the ban key is

@@ -21,7 +21,7 @@ import (
 	"github.com/caddy-dlm/redisdlm/redisratelimit"
 )
 
-// The edges of fail_local's bound (SPEC §4 item 12), each with real Caddy
+// The edges of fail_local's bound (docs/ratelimit.md), each with real Caddy
 // processes (caddyproc_test.go) in front of a recording upstream: in any
 // window of w the fleet admits at most Σ over instances of max(what Redis
 // admitted through that instance in the window, its share). An admission
@@ -241,7 +241,7 @@ func waitLog(c *caddyProcess, msg, after string, d time.Duration) bool {
 	})
 }
 
-// TestWholeCaddyFailLocalReload (issue 47 row 2): `instances 3` (a share
+// TestWholeCaddyFailLocalReload: `instances 3` (a share
 // of 7 of 21 per minute); Redis paused, 15 requests to A, A reloaded with
 // its timeout changed (a new Redis client), 15 more. A admits its share, 7,
 // over both configs (a reload keeps the local limiter, its counts and its
@@ -386,7 +386,7 @@ func flCheckBound(t *testing.T, as []flArrival, w time.Duration, insts []string,
 	return busiest, bound
 }
 
-// TestWholeCaddyFailLocalRestartEmpty (issue 47 row 4): three instances
+// TestWholeCaddyFailLocalRestartEmpty: three instances
 // (N from the heartbeats: a share of 7 of 21 per 10 s) under 8 requests a
 // second in turn; the single Redis is killed mid-window and restarted
 // empty 3 s later. Each instance holds what Redis admitted through it
@@ -438,7 +438,7 @@ func TestWholeCaddyFailLocalRestartEmpty(t *testing.T) {
 	}
 }
 
-// TestWholeCaddyFailLocalJoin (issue 47 row 5): A joins B (N from the
+// TestWholeCaddyFailLocalJoin: A joins B (N from the
 // heartbeats, 21 per minute), and Redis stops within a second of A's first
 // heartbeat, before every instance has read a count with A in it. Then
 // both get requests: together they admit no more than N·ceil(n ÷ N) = 22
@@ -485,7 +485,7 @@ func TestWholeCaddyFailLocalJoin(t *testing.T) {
 	}
 }
 
-// TestWholeCaddyFailLocalUneven (issue 47 row 3): three instances (N from
+// TestWholeCaddyFailLocalUneven: three instances (N from
 // the heartbeats: a share of 7 of 21 per minute); 30 requests to A, of
 // which Redis admits 21; Redis stops; 20 requests each to B and C, and 10
 // more to A. Each instance admits at most max(what Redis admitted through

@@ -116,7 +116,7 @@ func TestAdminQuotaPlansOnCluster(t *testing.T) {
 	}
 }
 
-// TestAdminQuotaPlansIndex (SPEC §8): a limit with placeholder rates is read
+// TestAdminQuotaPlansIndex: a limit with placeholder rates is read
 // and reset without a keyspace scan: the decision script keeps each key's
 // index of the rendered rates it has state for (`<prefix>{<key>}:rates`),
 // expiring with its longest window. GET and DELETE call no SCAN; a rate

@@ -18,7 +18,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 )
 
-// Bad input from a client (issue 19 item 4): a rate, window or cost that
+// Bad input from a client: a rate, window or cost that
 // renders to something unusable is a 400 that counts nothing, whatever the
 // fail policy; before, the fail policy answered it, so fail open a client
 // turned its own limit off.

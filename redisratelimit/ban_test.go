@@ -14,7 +14,7 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// TestRateLimitBanNever (SPEC §4 item 13): bad input, a cost above a
+// TestRateLimitBanNever: bad input, a cost above a
 // rate's n, dry_run, and requests that wait holds and admits never ban; a
 // rejection by the quota does (the control).
 func TestRateLimitBanNever(t *testing.T) {
@@ -130,7 +130,7 @@ func TestRateLimitBanValidation(t *testing.T) {
 
 // TestRateLimitBanRetryAfterNotEarly: a ban shorter than the quota's wait
 // reports the quota's wait (Retry-After never earlier than the moment the
-// request would be admitted, SPEC §4 item 4), when the ban starts and
+// request would be admitted), when the ban starts and
 // while it lasts; a ban longer than the window reports in RateLimit's t=
 // the ban's end, not the window's.
 func TestRateLimitBanRetryAfterNotEarly(t *testing.T) {
@@ -210,8 +210,8 @@ func TestRateLimitSharedKeyOtherWait(t *testing.T) {
 
 // TestRateLimitDenyCacheOffWithWait: with wait, a held client that goes
 // away gives its slot back, on any instance, so a rejection is never known
-// to last: rejected requests ask Redis (SPEC §4 item 4: answered from
-// memory only when that can only be stricter elsewhere, so still exact).
+// to last: rejected requests ask Redis (answered from memory only when
+// that can only be stricter elsewhere, so still exact).
 // A ban is still answered from memory.
 func TestRateLimitDenyCacheOffWithWait(t *testing.T) {
 	t.Parallel()
@@ -235,8 +235,8 @@ func TestRateLimitDenyCacheOffWithWait(t *testing.T) {
 }
 
 // TestRateLimitClientGoneDuringDecision: a client that goes away while its
-// decision is on its way to Redis, and would have been held, uses no quota
-// (SPEC §4 item 11): its admission is given back once the answer comes, so
+// decision is on its way to Redis, and would have been held, uses no quota:
+// its admission is given back once the answer comes, so
 // the next request gets that slot.
 func TestRateLimitClientGoneDuringDecision(t *testing.T) {
 	t.Parallel()

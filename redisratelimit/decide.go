@@ -81,7 +81,7 @@ func (h *RedisRateLimit) decide(ctx context.Context, id string, p *plan) (out de
 // returnUnheard gives back, once its answer comes, an admission held for
 // a client that went away while its decision was on its way to Redis: as
 // holdFor gives back the admission of a client that goes away while held
-// (SPEC §4 item 11: it uses no quota).
+// (a client that goes away uses no quota).
 func (h *RedisRateLimit) returnUnheard(id string, p *plan, c *ratelimit.Call) {
 	h.client.Conn.Use() // the client stays open until the return is sent
 	go func() {

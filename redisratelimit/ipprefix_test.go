@@ -18,7 +18,7 @@ func from(ip string) *http.Client {
 	return &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{DialContext: d.DialContext}}
 }
 
-// TestIPPrefix (issue 22 item 8, SPEC §4 item 15): with `ip_prefix 24 64`
+// TestIPPrefix: with `ip_prefix 24 64`
 // two client addresses in one /24 (127.0.0.1 and 127.0.0.2) share one
 // bucket — as the default key, as {client_ip} in a template and as the
 // fallback of a key that renders empty; without it each has its own. The

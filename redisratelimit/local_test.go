@@ -398,7 +398,7 @@ func onFreshKey(t *testing.T, h *RedisRateLimit, base int, msg string, try func(
 	t.Fatal(msg)
 }
 
-// TestFailLocalRetryAfter (issue 47 row 10): a local 429 while Redis is
+// TestFailLocalRetryAfter: a local 429 while Redis is
 // unreachable says when this instance asks Redis again (the next probe,
 // about a second), not when its local share grows (here most of a
 // 10 s window): once Redis answers, it admits the key at once. The
@@ -451,7 +451,7 @@ func TestFailLocalRetryAfter(t *testing.T) {
 	}
 }
 
-// TestFailLocalFullAnswers503 (issue 47 row 9): with the local limiter
+// TestFailLocalFullAnswers503: with the local limiter
 // full of keys whose local admissions still wait to be charged, a new key
 // is answered as fail_closed (503, Retry-After 1), counted as an error
 // and logged, while the keys it holds are still decided locally; none of

@@ -2,7 +2,7 @@ package redisratelimit
 
 // Stacked limiters: when several redis_ratelimit handlers answer one
 // request, the RateLimit-Policy entries of all of them are sent, each under
-// its handler's label, and RateLimit names the tightest (SPEC §4 item 16).
+// its handler's label, and RateLimit names the tightest.
 // A single handler's answer keeps its plain names ("r0"), so the common
 // case costs nothing more.
 

@@ -19,7 +19,7 @@ func (c chain) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.
 	}))
 }
 
-// TestStackedLimitersShowEveryPolicy (issue 22 item 3, SPEC §4 item 16): a
+// TestStackedLimitersShowEveryPolicy: a
 // gcra limiter (burst 1) then a sliding 3/5s limiter on one request: the
 // RateLimit-Policy entries of both are sent, each under its handler's
 // name, and RateLimit names the tightest — the burst, which rejects the
@@ -72,8 +72,8 @@ func TestStackedLimitersShowEveryPolicy(t *testing.T) {
 }
 
 // TestStackedLimiterFailOpen: a stacked limiter that answers by its fail
-// policy (its Redis is down: fail open) hides nothing of the other's state
-// (SPEC §4 item 16), whichever comes first: both policies are sent under
+// policy (its Redis is down: fail open) hides nothing of the other's
+// state, whichever comes first: both policies are sent under
 // their handlers' names, and RateLimit is the deciding one's, under its
 // name.
 func TestStackedLimiterFailOpen(t *testing.T) {

@@ -460,7 +460,7 @@ func TestLocalConfirmMadeAfter(t *testing.T) {
 	}
 }
 
-// TestLocalFullOfChargesRefusesNewKey (issue 47 row 9): when every entry
+// TestLocalFullOfChargesRefusesNewKey: when every entry
 // holds local admissions still to charge that still matter, a new key
 // finds no room: it is refused as Full (the handler answers as
 // fail_closed), and no charge is dropped. Charges past their rate's
