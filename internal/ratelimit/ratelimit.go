@@ -1,6 +1,9 @@
 // Package ratelimit is the rate-limit engine under redis_ratelimit. This
-// file is its whole face: every exported name is declared here, the work
-// behind it is in the files of each concern.
+// file is its whole face: every exported function, method, constant and
+// variable, and every exported type but the opaque ones (Batcher, Call,
+// DenyCache, Fleet, ForgetListener, Limit, Local: their fields are
+// unexported, declared with their work), is here; the work behind them is
+// in the files of each concern.
 //
 // A Limit is one handler's limits under a prefix, decided by one
 // Algorithm (sliding_window, gcra; algorithm.go has the interface, each
