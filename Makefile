@@ -4,7 +4,7 @@ XCADDY  := go run github.com/caddyserver/xcaddy/cmd/xcaddy@v0.4.5
 CADDY_VERSION := v2.11.9
 MODULE  := github.com/caddy-dlm/redisdlm
 PSEUDO  := v0.0.0-00010101000000-000000000000
-SOURCES := $(wildcard *.go) $(wildcard scripts/*.lua) $(shell find internal -name '*.go' -o -name '*.lua') go.mod go.sum
+SOURCES := $(shell find . \( -path ./bench -o -path ./examples -o -path ./tools -o -path ./bin \) -prune -o \( -name '*.go' ! -name '*_test.go' -o -name '*.lua' \) -print) go.mod go.sum
 
 .PHONY: all caddy upstream run stop test test-bench bench redis-server prometheus fuzz soak
 

@@ -2,7 +2,6 @@ package redisdlm
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -14,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -46,7 +47,7 @@ func adminCall(t *testing.T, method, u string) (int, map[string]any, string) {
 // (name, kind, servers without user info, prefix, keys, position), only
 // those of the running config after a reload, and nothing secret.
 func TestAdminListHandlers(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	_, redlock := startRedlock(t, 3)
 	var addrs []string
 	_ = json.Unmarshal([]byte(redlock), &addrs)
@@ -85,7 +86,7 @@ func TestAdminListHandlers(t *testing.T) {
 }
 `, admin, port, addrs[0], strings.Join(addrs, " "), addrs[0], extra, port2, addrs[0])
 	}
-	runCaddy(t, conf(""))
+	testkit.RunCaddy(t, conf(""))
 	base := fmt.Sprintf("http://localhost:%d/redisdlm/", admin)
 	status, m, body := adminCall(t, "GET", base)
 	if status != 200 {
@@ -240,7 +241,7 @@ func (u *lockUpstream) wasCanceled(n string) bool {
 // extension would otherwise re-create the missing lease — and the release
 // is counted as a lost lease.
 func TestAdminLockInspectAndRelease(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	for _, servers := range []int{1, 3} {
 		t.Run(fmt.Sprintf("%d servers", servers), func(t *testing.T) {
 			_, list := startRedlock(t, servers)
@@ -250,7 +251,7 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 			us := httptest.NewServer(up)
 			defer us.Close()
 			port, admin := freePort(t), freePort(t)
-			runCaddy(t, fmt.Sprintf(`{
+			testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 }
@@ -361,10 +362,10 @@ func TestAdminLockInspectAndRelease(t *testing.T) {
 // counting a request; DELETE resets the key's quota, also in the deny cache;
 // both algorithms; unknown keys are 404.
 func TestAdminQuota(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 }
@@ -484,7 +485,7 @@ func TestHandlerNames(t *testing.T) {
 				d = caddyfile.NewTestDispenser(dir + " {\n\t" + in + "\n}")
 				err, got = h.UnmarshalCaddyfile(d), h.Name
 			} else {
-				h := new(RedisRateLimit)
+				h := new(redisratelimit.RedisRateLimit)
 				err, got = h.UnmarshalCaddyfile(d), h.Name
 			}
 			switch {
@@ -507,8 +508,8 @@ func TestHandlerNames(t *testing.T) {
 			return err
 		}
 		// Validate provisions a whole config: not beside a running one.
-		wholeCaddyMu.Lock()
-		defer wholeCaddyMu.Unlock()
+		testkit.WholeCaddy.Lock()
+		defer testkit.WholeCaddy.Unlock()
 		return caddy.Validate(&cfg)
 	}
 	site := func(body string) string { return ":0 {\n" + body + "\nrespond ok\n}\n" }
@@ -547,93 +548,4 @@ func TestHandlerNames(t *testing.T) {
 		t.Errorf("JSON name 007: %v", err)
 	}
 	_ = h.Cleanup()
-}
-
-// TestRateLimitPeekMatchesScript: the admin API's read of a quota gives the
-// remaining quota and reset the rate-limit script itself reported for the
-// last admission, for both algorithms, and changes nothing.
-func TestRateLimitPeekMatchesScript(t *testing.T) {
-	t.Parallel()
-	r := startRedis(t)
-	for _, algo := range []string{algoSliding, algoGCRA} {
-		t.Run(algo, func(t *testing.T) {
-			h := newRateLimit(t, r, func(h *RedisRateLimit) {
-				h.Rates = []Rate{{Requests: 4, Window: caddy.Duration(20 * time.Second)}}
-				h.Algorithm = algo
-				h.Prefix = "peek:" + algo + ":"
-				h.Timeout = caddy.Duration(5 * time.Second) // a loaded machine
-			})
-			ctx := t.Context()
-			if _, _, _, found, err := h.peekQuota(ctx, "u"); err != nil || found {
-				t.Fatalf("before any request: found %v, %v", found, err)
-			}
-			for i := 1; i <= 5; i++ {
-				d, err := h.decide(ctx, "u", &h.static)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if d.Allowed != (i <= 4) {
-					t.Fatalf("request %d: allowed %v", i, d.Allowed)
-				}
-				h.deny.Forget("u")       // ask Redis every time
-				for j := 0; j < 2; j++ { // a second read sees the same: reading counts nothing
-					v, _, _, found, err := h.peekQuota(ctx, "u")
-					if err != nil || !found || len(v) != 1 {
-						t.Fatalf("request %d: peek %v %v %v", i, v, found, err)
-					}
-					q := v[0]
-					if q.Remaining != d.Remaining || q.Used != 4-d.Remaining {
-						t.Errorf("request %d: peek used %d remaining %d, the script said remaining %d", i, q.Used, q.Remaining, d.Remaining)
-					}
-					if diff := time.Duration(q.ResetMs)*time.Millisecond - d.Reset; diff < -time.Second || diff > time.Second {
-						t.Errorf("request %d: peek reset %dms, the script said %s", i, q.ResetMs, d.Reset)
-					}
-				}
-			}
-		})
-	}
-}
-
-// TestAdminQuotaOnCluster: the admin API's quota calls work on a Redis
-// Cluster (every script's keys share one hash slot). (The lock calls:
-// redislock's TestAdminOnCluster.)
-func TestAdminQuotaOnCluster(t *testing.T) {
-	t.Parallel()
-	rs := startCluster(t)
-	call := func(method, key string, f func(w http.ResponseWriter, r *http.Request) error) (int, string) {
-		w := httptest.NewRecorder()
-		err := f(w, httptest.NewRequest(method, "/", nil))
-		var ae caddy.APIError
-		if errors.As(err, &ae) {
-			return ae.HTTPStatus, ae.Message
-		}
-		if err != nil {
-			t.Fatalf("%s %s: %v", method, key, err)
-		}
-		return 200, w.Body.String()
-	}
-	ctx := t.Context()
-	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
-		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
-		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
-		h.Timeout = caddy.Duration(2 * time.Second)
-	})
-	for _, id := range []string{"u1", "u2", "u3"} {
-		if _, err := rl.decide(ctx, id, &rl.static); err != nil {
-			t.Fatal(err)
-		}
-		status, body := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return rl.inspectQuota(w, r, id) })
-		if status != 200 || !strings.Contains(body, `"remaining": 2`) {
-			t.Errorf("quota of %s on a cluster: %d %s", id, status, body)
-		}
-		status, body = call("DELETE", id, func(w http.ResponseWriter, r *http.Request) error {
-			return rl.resetQuota(w, r, []*RedisRateLimit{rl}, id)
-		})
-		if status != 200 {
-			t.Errorf("reset of %s on a cluster: %d %s", id, status, body)
-		}
-		if status, _ := call("GET", id, func(w http.ResponseWriter, r *http.Request) error { return rl.inspectQuota(w, r, id) }); status != 404 {
-			t.Errorf("quota of %s after its reset: %d, want 404", id, status)
-		}
-	}
 }

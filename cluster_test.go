@@ -6,8 +6,6 @@ import (
 	"net/http"
 	"testing"
 	"time"
-
-	"github.com/caddyserver/caddy/v2"
 )
 
 // startCluster starts three redis-server masters in cluster mode on free
@@ -47,11 +45,7 @@ func TestClusterLockAndRateLimit(t *testing.T) {
 		}
 	}
 
-	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
-		h.Addresses, h.Cluster = nil, []string{rs[0].Addr, rs[1].Addr}
-		h.Key = "{http.request.header.U}"
-		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}, {Requests: 100, Window: caddy.Duration(time.Hour)}}
-	})
+	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{"cluster":%s,"timeout":"5s","key":"{http.request.header.U}","rates":[{"requests":3,"window":"1m"},{"requests":100,"window":"1h"}]}`, seeds))
 	rls := handlerServer(t, rl, okHandler)
 	for _, user := range []string{"u1", "u2", "u3"} {
 		ok := 0

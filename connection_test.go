@@ -9,12 +9,11 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/redislock"
-	"github.com/caddyserver/caddy/v2"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
 )
@@ -88,7 +87,7 @@ func TestAddressFormsAgree(t *testing.T) {
 				}
 				var u caddyfile.Unmarshaler = new(redislock.RedisLock)
 				if dir == "redis_ratelimit" {
-					u = new(RedisRateLimit)
+					u = new(redisratelimit.RedisRateLimit)
 				}
 				check(dir+" Caddyfile", u.UnmarshalCaddyfile(caddyfile.NewTestDispenser(src)), dir+": "+sub+": ")
 				if f.reason != "" && len(errs) > 0 && !strings.Contains(errs[len(errs)-1], "Testfile:3") && !strings.Contains(errs[len(errs)-1], "Testfile:2") {
@@ -99,7 +98,7 @@ func TestAddressFormsAgree(t *testing.T) {
 			lock := new(redislock.RedisLock)
 			_ = json.Unmarshal([]byte(fmt.Sprintf(`{%q:%s}`, sub, list)), lock)
 			check("redis_lock JSON", lock.Validate(), "redis_lock: ")
-			rl := new(RedisRateLimit)
+			rl := new(redisratelimit.RedisRateLimit)
 			_ = json.Unmarshal([]byte(fmt.Sprintf(`{%q:%s,"rates":[{"requests":1,"window":"1s"}]}`, sub, list)), rl)
 			check("redis_ratelimit JSON", rl.Validate(), "redis_ratelimit: ")
 			for _, e := range errs {
@@ -158,7 +157,7 @@ func TestTLSClientCertCaddyfile(t *testing.T) {
 		t.Errorf("JSON form %s", b)
 	}
 	for _, body := range []string{"tls_client_cert c.pem", "tls_client_cert", "tls_client_cert a b c"} {
-		rl := new(RedisRateLimit)
+		rl := new(redisratelimit.RedisRateLimit)
 		err := rl.UnmarshalCaddyfile(caddyfile.NewTestDispenser("redis_ratelimit {\n\trate 1 1s\n\t" + body + "\n}"))
 		if err == nil || !strings.Contains(err.Error(), "redis_ratelimit: tls_client_cert: want <cert_file> <key_file>") || !strings.Contains(err.Error(), "Testfile:3") {
 			t.Errorf("%q: %v", body, err)
@@ -169,7 +168,7 @@ func TestTLSClientCertCaddyfile(t *testing.T) {
 	if err := lock.Validate(); err == nil || !strings.Contains(err.Error(), "redis_lock: tls_client_cert: needs both") {
 		t.Errorf("lock with a cert but no key: %v", err)
 	}
-	rl := new(RedisRateLimit)
+	rl := new(redisratelimit.RedisRateLimit)
 	_ = json.Unmarshal([]byte(`{"tls_client_key_file":"c.key","rates":[{"requests":1,"window":"1s"}]}`), rl)
 	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "redis_ratelimit: tls_client_cert: needs both") {
 		t.Errorf("rate limit with a key but no cert: %v", err)
@@ -236,7 +235,7 @@ func TestSeedURLsResolve(t *testing.T) {
 				t.Errorf("%s %v: %v, want an error naming %s: and saying %q, without the password", c.sub, c.addrs, err, c.sub, c.want)
 			}
 		}
-		err = new(RedisRateLimit).UnmarshalCaddyfile(caddyfile.NewTestDispenser(src))
+		err = new(redisratelimit.RedisRateLimit).UnmarshalCaddyfile(caddyfile.NewTestDispenser(src))
 		if err == nil || !strings.Contains(err.Error(), "redis_ratelimit: "+c.sub+": ") || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "Testfile:3") || strings.Contains(err.Error(), secretPW) {
 			t.Errorf("Caddyfile %q: %v, want an error naming redis_ratelimit: %s:, the line and %q", src, err, c.sub, c.want)
 		}
@@ -257,11 +256,8 @@ func TestClusterURLSeeds(t *testing.T) {
 		}
 	}
 	seeds := []string{"redis://:" + secretPW + "@" + rs[0].Addr, "redis://:" + secretPW + "@" + rs[1].Addr + "/0"}
-	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
-		h.Addresses, h.Cluster = nil, seeds
-		h.FailClosed = true
-		h.Rates = []Rate{{Requests: 3, Window: caddy.Duration(time.Minute)}}
-	})
+	list, _ := json.Marshal(seeds)
+	rl := provisionRateLimitJSON(t, fmt.Sprintf(`{"cluster":%s,"timeout":"5s","fail_closed":true,"rates":[{"requests":3,"window":"1m"}]}`, list))
 	rls := handlerServer(t, rl, okHandler)
 	ok := 0
 	for i := 0; i < 5; i++ {
@@ -276,7 +272,6 @@ func TestClusterURLSeeds(t *testing.T) {
 		t.Errorf("admitted %d of 5 with a limit of 3", ok)
 	}
 
-	list, _ := json.Marshal(seeds)
 	lock := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"3s"}`, list))
 	ls := handlerServer(t, lock, okHandler)
 	for i := 0; i < 3; i++ {
@@ -307,7 +302,7 @@ func TestRateLimitRepeatedAddress(t *testing.T) {
 	t.Parallel()
 	a := startRedis(t)
 	// redis_ratelimit takes one address: a repeated one is still two.
-	rl := new(RedisRateLimit)
+	rl := new(redisratelimit.RedisRateLimit)
 	_ = json.Unmarshal([]byte(fmt.Sprintf(`{"redis":[%q,%q],"rates":[{"requests":1,"window":"1s"}]}`, a.Addr, a.Addr)), rl)
 	if err := rl.Validate(); err == nil || !strings.Contains(err.Error(), "exactly one logical Redis") {
 		t.Errorf("redis_ratelimit with one address twice: %v, want exactly one logical Redis", err)

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
 )
 
@@ -195,10 +196,10 @@ func substitute(expr, rng string, vars map[string]string) string {
 // set to all handlers and to one named handler, and the handler variable
 // lists every handler.
 func TestDashboardQueriesOnPrometheus(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	admin, port := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -80,7 +81,7 @@ func exceededWith(mark int, field, value string) int {
 // redis_lock_forced from the lock handler itself, and the holder's next
 // extension finds the lease gone and emits redis_lock_lost.
 func TestWholeCaddyEvents(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	// The job runs until its lease is found lost (bounded), so an
 	// extension surely comes after the force release.
@@ -91,7 +92,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 	}))
 	defer slow.Close()
 	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 	events {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redisfence"
 	"github.com/caddy-dlm/redisdlm/redislock"
 )
@@ -128,7 +129,7 @@ func (a *e2eApp) get(m map[string]int, who string) int {
 // after B's, so the scenario really produces the stale write that the
 // fence refuses with 409 on the fenced key.
 func TestFenceEndToEndPausedHolder(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	lockRedis, fenceRedis := startRedis(t), startRedis(t)
 
@@ -269,7 +270,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 // gone, T1 is refused twice and T2 too (a hold across the restart), and
 // the storage sees none of them; a token issued after the restart passes.
 func TestFenceEndToEndRedisRestart(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	fenceRedis := startRedis(t)
 	store := &e2eStorage{writes: map[string][]int64{}}

@@ -7,18 +7,17 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 )
 
 // provisionLock builds a redis_lock handler from its JSON form, provisions
@@ -38,6 +37,13 @@ func provisionLock(t testing.TB, cfg string) *redislock.RedisLock {
 func provisionLockScoped(t *testing.T, cfg string) (*redislock.RedisLock, func()) {
 	t.Helper()
 	h := new(redislock.RedisLock)
+	return h, provisionScoped(t, cfg, h)
+}
+
+// provisionScoped fills h from its JSON form and provisions it; the returned
+// function cleans it up (once; it also runs when the test ends).
+func provisionScoped(t *testing.T, cfg string, h testkit.Provisionable) func() {
+	t.Helper()
 	if err := json.Unmarshal([]byte(cfg), h); err != nil {
 		t.Fatalf("config %s: %v", cfg, err)
 	}
@@ -49,39 +55,34 @@ func provisionLockScoped(t *testing.T, cfg string) (*redislock.RedisLock, func()
 	var once sync.Once
 	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
 	t.Cleanup(done)
-	return h, done
+	return done
 }
 
 // provisionRateLimitJSON does the same for a redis_ratelimit handler.
-func provisionRateLimitJSON(t testing.TB, cfg string) *RedisRateLimit {
+func provisionRateLimitJSON(t testing.TB, cfg string) *redisratelimit.RedisRateLimit {
 	t.Helper()
-	h := new(RedisRateLimit)
-	provisionJSON(t, cfg, h)
-	quietRateLimit(h)
+	h := new(redisratelimit.RedisRateLimit)
+	testkit.Provision(t, cfg, h)
 	return h
 }
 
-func provisionJSON(t testing.TB, cfg string, h provisionable) {
+// provisionRateLimitScoped is provisionRateLimitJSON for an instance that
+// lives for part of a test (provisionScoped).
+func provisionRateLimitScoped(t *testing.T, cfg string) (*redisratelimit.RedisRateLimit, func()) {
 	t.Helper()
-	if err := json.Unmarshal([]byte(cfg), h); err != nil {
-		t.Fatalf("config %s: %v", cfg, err)
-	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	t.Cleanup(cancel)
-	if err := h.Provision(ctx); err != nil {
-		t.Fatalf("provision: %v", err)
-	}
-	t.Cleanup(func() { _ = h.Cleanup() })
+	h := new(redisratelimit.RedisRateLimit)
+	return h, provisionScoped(t, cfg, h)
 }
 
-// quietRateLimit replaces the debug logger that Caddy gives a module
-// provisioned without a config (as in these tests) by quietLogger.
-func quietRateLimit(h *RedisRateLimit) { h.logger = quietLogger() }
-
-// quietLogger logs warnings and errors to stderr.
-func quietLogger() *zap.Logger {
-	enc := zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig())
-	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(os.Stderr), zapcore.WarnLevel))
+// rateLimitClient returns the pooled client of a provisioned redis_ratelimit
+// handler (its one logical Redis).
+func rateLimitClient(t *testing.T, h *redisratelimit.RedisRateLimit) *shared.Client {
+	t.Helper()
+	settings, err := h.RedisConfig.Resolve()
+	if err != nil || len(settings) != 1 {
+		t.Fatalf("the limiter's connection settings: %v %v", settings, err)
+	}
+	return pooledFor(t, settings[0].PoolKey())
 }
 
 // handlerServer serves mw in front of next the way Caddy's server does: a
@@ -101,7 +102,7 @@ func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.
 			if errors.As(err, &he) {
 				status = he.StatusCode
 			}
-			if status == statusClientClosedRequest {
+			if status == testkit.StatusClientClosedRequest {
 				return
 			}
 			w.WriteHeader(status)

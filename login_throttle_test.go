@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"golang.org/x/crypto/bcrypt"
 )
 
@@ -17,7 +18,7 @@ import (
 // shows, the third attempt within the window gets 429 — also with the right
 // password — and a successful login before it counts nothing.
 func TestWholeCaddyLoginThrottling(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	// The lowest bcrypt cost: each wrong password costs a compare, and the
 	// default cost takes seconds under the race detector.
@@ -44,7 +45,7 @@ func TestWholeCaddyLoginThrottling(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			port, admin := freePort(t), freePort(t)
-			runCaddy(t, fmt.Sprintf(`{
+			testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 %s}

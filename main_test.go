@@ -31,8 +31,5 @@ func TestMain(m *testing.M) {
 	// A client whose handlers went away closes this long after (10 s in
 	// Caddy): shorter here, so tests that watch it close need not wait.
 	shared.DestructGrace = 500 * time.Millisecond
-	// Two sites with clients of their own are two instances for fail_local
-	// (its heartbeats name the process, else).
-	instancePerClient = true
 	os.Exit(m.Run())
 }

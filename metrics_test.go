@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
@@ -183,10 +184,10 @@ func labelsConfig(admin, port int, addr, rlRate string) string {
 // of one kind. A reload keeps the series (and counts) of the handlers whose
 // config did not change, and drops those of the handler it changed.
 func TestWholeCaddyMetricsHandlerLabels(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	admin, port := freePort(t), freePort(t)
-	runCaddy(t, labelsConfig(admin, port, r.Addr, "1000 1m"))
+	testkit.RunCaddy(t, labelsConfig(admin, port, r.Addr, "1000 1m"))
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 	for _, p := range []string{"/a/1", "/a/2", "/b/1", "/c/1", "/c/2", "/c/3", "/d/1"} {
 		if resp, body := get(t, base+p); resp == nil || resp.StatusCode != 200 {
@@ -307,7 +308,7 @@ func TestWholeCaddyMetricsHandlerLabels(t *testing.T) {
 // it, and a release Redis did not answer is logged for the lease's
 // handler under http.handlers.redis_lock.
 func TestWholeCaddyLogLinesNameHandler(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru")
 	var paused atomic.Bool
 	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
@@ -324,7 +325,7 @@ func TestWholeCaddyLogLinesNameHandler(t *testing.T) {
 	}()
 	logFile := filepath.Join(t.TempDir(), "caddy.log")
 	admin, port := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 	log {

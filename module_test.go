@@ -14,45 +14,11 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/redis/go-redis/v9"
 )
-
-// wholeCaddyMu serialises tests that run the (process-global) Caddy.
-var wholeCaddyMu sync.Mutex
-
-// skipWholeCaddyIfShort skips whole-Caddy tests under -short.
-func skipWholeCaddyIfShort(t *testing.T) {
-	t.Helper()
-	if testing.Short() {
-		t.Skip("whole-Caddy test: skipped under -short")
-	}
-}
-
-// runCaddy adapts a Caddyfile and runs it as the whole in-process Caddy
-// until the test ends.
-func runCaddy(t *testing.T, caddyfile string) {
-	t.Helper()
-	skipWholeCaddyIfShort(t)
-	wholeCaddyMu.Lock()
-	cfg, warns, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
-	if err != nil {
-		wholeCaddyMu.Unlock()
-		t.Fatalf("adapt: %v", err)
-	}
-	for _, w := range warns {
-		t.Logf("adapt warning: %s", w.Message)
-	}
-	if err := caddy.Load(cfg, true); err != nil {
-		wholeCaddyMu.Unlock()
-		t.Fatalf("load: %v", err)
-	}
-	t.Cleanup(func() {
-		_ = caddy.Stop()
-		wholeCaddyMu.Unlock()
-	})
-}
 
 // TestWholeCaddyReverseProxy runs Caddy with redis_lock in front of
 // reverse_proxy to a test upstream: requests for one user are serialised,
@@ -60,7 +26,7 @@ func runCaddy(t *testing.T, caddyfile string) {
 // up, placeholders reach later handlers, and the metrics show up at the
 // admin endpoint.
 func TestWholeCaddyReverseProxy(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	var mu sync.Mutex
 	inflight := map[string]int{}
@@ -86,7 +52,7 @@ func TestWholeCaddyReverseProxy(t *testing.T) {
 	}))
 	defer up.Close()
 	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	metrics
 	auto_https off
@@ -163,7 +129,7 @@ func TestWholeCaddyReverseProxy(t *testing.T) {
 // settings share one client, across a config reload, and a reload leaks no
 // client.
 func TestWholeCaddyReloadSharesClient(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	port := freePort(t)
 	conf := func(body string) string {
@@ -183,7 +149,7 @@ func TestWholeCaddyReloadSharesClient(t *testing.T) {
 }
 `, port, r.Addr, r.Addr, body)
 	}
-	runCaddy(t, conf("one"))
+	testkit.RunCaddy(t, conf("one"))
 	if n := poolRefs(t, r.Addr); n != 2 {
 		t.Errorf("%d handlers hold the pooled client, want 2", n)
 	}

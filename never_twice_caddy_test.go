@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
 )
 
@@ -54,7 +55,7 @@ func (u *heldPaymentUpstream) let() { u.releaseO.Do(func() { close(u.release) })
 // client gets 503, retries get 409), or the answer is stored as with
 // continue. Either way the upstream sees one call.
 func TestWholeCaddyNeverTwicePausedHolder(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	for _, onLost := range []string{"continue", "cancel"} {
 		t.Run(onLost, func(t *testing.T) {
@@ -162,10 +163,10 @@ http://127.0.0.1:%d {
 // happened, so it does not leave the key in doubt: the retry runs, and
 // once the upstream is there its answer is stored and replayed.
 func TestWholeCaddyNeverTwiceUpstreamUnreachable(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	upPort, port := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin off
 	auto_https off
 }

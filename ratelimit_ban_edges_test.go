@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 )
 
 // A ban at the edges: three Caddy processes share one redis-server; a ban started through one is announced to all,
@@ -160,14 +162,14 @@ func (f *banFleet) expectAdmitted(t *testing.T, user string, d time.Duration, wh
 	}
 }
 
-// TestWholeCaddyBanHoldsThroughOutage (issue row 6): carol is banned
+// TestWholeCaddyBanHoldsThroughOutage: carol is banned
 // through A, then Redis is paused (SIGSTOP). B and C never asked Redis
 // about carol, yet answer her 429 with the ban's Retry-After until the ban
 // ends, never 200 — with fail_local and with the default policy (admit when
 // Redis is unreachable) alike: the ban was announced to every instance as
 // it started. Once it ends, the fail policy answers again (200).
 func TestWholeCaddyBanHoldsThroughOutage(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	for _, policy := range []string{"fail_local\n\t\tinstances 3", ""} {
 		name := "fail_local"
 		if policy == "" {
@@ -187,7 +189,7 @@ func TestWholeCaddyBanHoldsThroughOutage(t *testing.T) {
 	}
 }
 
-// TestWholeCaddyBanHoldsThroughEmptyRestart (issue row 7): carol is banned
+// TestWholeCaddyBanHoldsThroughEmptyRestart: carol is banned
 // through A, then Redis is killed (SIGKILL) and started again empty on its
 // port. No instance admits carol until the ban ends (their listeners
 // subscribe again to a new process and keep the ban), and the ban key is
@@ -195,7 +197,7 @@ func TestWholeCaddyBanHoldsThroughOutage(t *testing.T) {
 // the new process enforces it for every instance, also one that never
 // heard of it. Once the ban ends, carol passes.
 func TestWholeCaddyBanHoldsThroughEmptyRestart(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	const ban = 12 * time.Second
 	r := startRedis(t)
 	f := startBanFleet(t, r, ban, "")
@@ -208,7 +210,7 @@ func TestWholeCaddyBanHoldsThroughEmptyRestart(t *testing.T) {
 	}
 	r.Restart()
 	rc := r.Client()
-	key := DefaultRateLimitPrefix + "{carol}:ban"
+	key := redisratelimit.DefaultRateLimitPrefix + "{carol}:ban"
 	var back time.Duration // the ban key's lifetime when first seen back
 	var backAt time.Duration
 	f.expectBanned(t, "carol", started, ban, ban-700*time.Millisecond, func() {
@@ -237,7 +239,7 @@ func TestWholeCaddyBanHoldsThroughEmptyRestart(t *testing.T) {
 // kept, and holds when Redis is paused then (her check with Redis fails),
 // until it ends.
 func TestWholeCaddyBanLiftMissedOnReconnect(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	const ban = 25 * time.Second
 	r := startRedis(t)
 	f := startBanFleet(t, r, ban, "")

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"golang.org/x/crypto/bcrypt"
 )
 
@@ -25,7 +26,7 @@ import (
 // reaches the lock), and that the admin /metrics counts denials without
 // naming any user.
 func TestWholeCaddyRateLimit(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 
 	// A `caddy hash-password`-style bcrypt hash (minimum cost, for speed).
@@ -60,7 +61,7 @@ func TestWholeCaddyRateLimit(t *testing.T) {
 	defer up.Close()
 
 	authPort, hdrPort, admin := freePort(t), freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	metrics
 	auto_https off

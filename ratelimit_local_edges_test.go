@@ -14,9 +14,14 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 )
 
-// The edges of fail_local's bound (SPEC §4 item 12), each with real Caddy
+// The edges of fail_local's bound (docs/ratelimit.md), each with real Caddy
 // processes (caddyproc_test.go) in front of a recording upstream: in any
 // window of w the fleet admits at most Σ over instances of max(what Redis
 // admitted through that instance in the window, its share). An admission
@@ -169,7 +174,7 @@ func flSend(c *caddyProcess, user string) flAnswer {
 	}
 	_, _ = io.Copy(io.Discard, resp.Body)
 	resp.Body.Close()
-	return flAnswer{status: resp.StatusCode, retryAfter: resp.Header.Get(HeaderRetryAfter)}
+	return flAnswer{status: resp.StatusCode, retryAfter: resp.Header.Get(redisratelimit.HeaderRetryAfter)}
 }
 
 // flSendN sends n requests of user through c, one after the other, and
@@ -206,30 +211,7 @@ func reloadCaddy(t *testing.T, c *caddyProcess, admin int, caddyfile string) {
 // fleetCount is the number of live heartbeats under the default prefix.
 func fleetCount(t *testing.T, r *testRedis) int64 {
 	t.Helper()
-	n, _ := r.Client().ZCard(t.Context(), DefaultRateLimitPrefix+"{~fleet}:instances").Result()
-	return n
-}
-
-// slidingUsed counts the admissions Redis's sliding log of key holds
-// within the last w (Redis TIME).
-func slidingUsed(t *testing.T, r *testRedis, key string, w time.Duration) int {
-	t.Helper()
-	c := r.Client()
-	v, err := c.Get(t.Context(), key).Bytes()
-	if err != nil || len(v) < 24 {
-		return 0
-	}
-	now, err := c.Time(t.Context()).Result()
-	if err != nil {
-		t.Fatalf("redis TIME: %v", err)
-	}
-	n := 0
-	for off := 24; off+8 <= len(v); off += 8 {
-		at := int64(math.Float64frombits(binary.BigEndian.Uint64(v[off : off+8])))
-		if at > 0 && at >= now.Add(-w).UnixMicro() {
-			n++
-		}
-	}
+	n, _ := r.Client().ZCard(t.Context(), redisratelimit.DefaultRateLimitPrefix+"{~fleet}:instances").Result()
 	return n
 }
 
@@ -259,13 +241,13 @@ func waitLog(c *caddyProcess, msg, after string, d time.Duration) bool {
 	})
 }
 
-// TestWholeCaddyFailLocalReload (issue 47 row 2): `instances 3` (a share
+// TestWholeCaddyFailLocalReload: `instances 3` (a share
 // of 7 of 21 per minute); Redis paused, 15 requests to A, A reloaded with
 // its timeout changed (a new Redis client), 15 more. A admits its share, 7,
 // over both configs (a reload keeps the local limiter, its counts and its
 // pending charges), and once Redis answers again all 7 are charged to it.
 func TestWholeCaddyFailLocalReload(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	r := startRedis(t)
 	up := startFLUpstream(t)
@@ -298,17 +280,17 @@ func TestWholeCaddyFailLocalReload(t *testing.T) {
 	// Back to Redis: every local admission is charged to it, once. (The
 	// call that met the paused Redis may be recorded as it resumes: a
 	// stricter window, never a looser one.)
-	key := DefaultRateLimitPrefix + "{u}:sw:21/1m0s"
+	key := redisratelimit.DefaultRateLimitPrefix + "{u}:sw:21/1m0s"
 	if !waitFor(20*time.Second, func() bool {
 		flSend(a, "probe") // a request of another key ends local mode
-		return slidingUsed(t, r, key, time.Minute) >= 7
+		return testkit.SlidingUsed(t, r.Client(), key, time.Minute) >= 7
 	}) {
-		t.Errorf("Redis holds %d admissions of the key 20 s after SIGCONT, want the 7 local ones", slidingUsed(t, r, key, time.Minute))
+		t.Errorf("Redis holds %d admissions of the key 20 s after SIGCONT, want the 7 local ones", testkit.SlidingUsed(t, r.Client(), key, time.Minute))
 	}
 	if !waitLog(a, "local rate limiting (fail_local) ends", "", 20*time.Second) {
 		t.Fatal("A not back to Redis 20 s after SIGCONT")
 	}
-	if used := slidingUsed(t, r, key, time.Minute); used < 7 || used > 7+2 {
+	if used := testkit.SlidingUsed(t, r.Client(), key, time.Minute); used < 7 || used > 7+2 {
 		t.Errorf("Redis holds %d admissions of the key, want the 7 local ones (and up to 2 calls that met the paused Redis)", used)
 	}
 	if b := flBusiest(up.arrivals("u"), time.Minute); b.count > 7 {
@@ -320,7 +302,7 @@ func TestWholeCaddyFailLocalReload(t *testing.T) {
 // of them has beaten since the last one joined: each has read the count n.
 func waitFleetSeen(t *testing.T, r *testRedis, n int) {
 	t.Helper()
-	key := DefaultRateLimitPrefix + "{~fleet}:instances"
+	key := redisratelimit.DefaultRateLimitPrefix + "{~fleet}:instances"
 	// Every instance beats after the last one joined (so each counts all),
 	// then once more (so each joiner has seen that it is counted).
 	var marks []float64
@@ -404,7 +386,7 @@ func flCheckBound(t *testing.T, as []flArrival, w time.Duration, insts []string,
 	return busiest, bound
 }
 
-// TestWholeCaddyFailLocalRestartEmpty (issue 47 row 4): three instances
+// TestWholeCaddyFailLocalRestartEmpty: three instances
 // (N from the heartbeats: a share of 7 of 21 per 10 s) under 8 requests a
 // second in turn; the single Redis is killed mid-window and restarted
 // empty 3 s later. Each instance holds what Redis admitted through it
@@ -413,7 +395,7 @@ func flCheckBound(t *testing.T, as []flArrival, w time.Duration, insts []string,
 // the restart adds nothing: no window holds more than Σ max(through
 // Redis, share), 21 for this even load.
 func TestWholeCaddyFailLocalRestartEmpty(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	r := startRedis(t)
 	up := startFLUpstream(t)
@@ -442,27 +424,27 @@ func TestWholeCaddyFailLocalRestartEmpty(t *testing.T) {
 		}
 	}
 	back := time.Since(restarted)
-	if old := slidingBefore(t, r, DefaultRateLimitPrefix+"{k}:sw:21/10s", killed); old == 0 {
+	if old := slidingBefore(t, r, redisratelimit.DefaultRateLimitPrefix+"{k}:sw:21/10s", killed); old == 0 {
 		t.Error("Redis holds none of the admissions made before the kill: they were not charged again")
 	}
 	time.Sleep(15*time.Second - back) // past the window after the return
 	close(stop)
 	statuses := wait()
 	as := up.arrivals("k")
-	busiest, bound := flCheckBound(t, as, 10*time.Second, names, 7, killed, restarted.Add(heartbeatLife+3*time.Second))
+	busiest, bound := flCheckBound(t, as, 10*time.Second, names, 7, killed, restarted.Add(ratelimit.HeartbeatLife+3*time.Second))
 	t.Logf("statuses %v; %d admissions; busiest window %d (its bound %d)", statuses, len(as), busiest, bound)
 	if statuses[200] == 0 || statuses[http.StatusInternalServerError] > 0 || statuses[http.StatusBadGateway] > 0 {
 		t.Errorf("statuses %v", statuses)
 	}
 }
 
-// TestWholeCaddyFailLocalJoin (issue 47 row 5): A joins B (N from the
+// TestWholeCaddyFailLocalJoin: A joins B (N from the
 // heartbeats, 21 per minute), and Redis stops within a second of A's first
 // heartbeat, before every instance has read a count with A in it. Then
 // both get requests: together they admit no more than N·ceil(n ÷ N) = 22
 // for N = 2, whatever N each had read.
 func TestWholeCaddyFailLocalJoin(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	r := startRedis(t)
 	up := startFLUpstream(t)
@@ -503,14 +485,14 @@ func TestWholeCaddyFailLocalJoin(t *testing.T) {
 	}
 }
 
-// TestWholeCaddyFailLocalUneven (issue 47 row 3): three instances (N from
+// TestWholeCaddyFailLocalUneven: three instances (N from
 // the heartbeats: a share of 7 of 21 per minute); 30 requests to A, of
 // which Redis admits 21; Redis stops; 20 requests each to B and C, and 10
 // more to A. Each instance admits at most max(what Redis admitted through
 // it, its share): A nothing more, B and C 7 each, so the window holds
 // 35 = 21 + 7 + 7, the bound for uneven load, n + (N−1)·ceil(n ÷ N).
 func TestWholeCaddyFailLocalUneven(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	r := startRedis(t)
 	up := startFLUpstream(t)
@@ -559,18 +541,18 @@ func TestWholeCaddyFailLocalUneven(t *testing.T) {
 // Redis, share). Once B and C are back and have charged theirs, Redis
 // holds the fleet's 21 and admits nothing more in the window.
 func TestWholeCaddyFailLocalRestartReturn(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	t.Parallel()
 	r := startRedis(t)
 	up := startFLUpstream(t)
 	names := []string{"A", "B", "C"}
 	cs := map[string]*caddyProcess{}
-	ps := map[string]*cutProxy{}
+	ps := map[string]*testredis.CutProxy{}
 	for _, name := range names {
 		port := freePort(t)
-		ps[name] = startCutProxy(t, r.Addr)
+		ps[name] = testredis.StartCutProxy(t, r.Addr)
 		cs[name] = startCaddyProcess(t, name, port, func(dir string) string {
-			return flSite(dir, port, 0, time.Minute, name, ps[name].addr, up.srv.Listener.Addr().String(), "\t\tinstances 3\n\t\ttimeout 300ms\n")
+			return flSite(dir, port, 0, time.Minute, name, ps[name].Addr, up.srv.Listener.Addr().String(), "\t\tinstances 3\n\t\ttimeout 300ms\n")
 		})
 	}
 	for _, name := range names {
@@ -585,8 +567,8 @@ func TestWholeCaddyFailLocalRestartReturn(t *testing.T) {
 			t.Fatalf("Caddy %s with Redis down: %v, want its share 7 admitted", name, got)
 		}
 	}
-	ps["B"].cut.Store(true)
-	ps["C"].cut.Store(true)
+	ps["B"].Cut.Store(true)
+	ps["C"].Cut.Store(true)
 	restarting := time.Now()
 	r = startRedisOnPort(t, r.Port)
 	// A sees the new process (its heartbeat, tried every 100 ms while
@@ -596,33 +578,33 @@ func TestWholeCaddyFailLocalRestartReturn(t *testing.T) {
 		t.Fatal("Caddy A did not see the restart 20 s after it")
 	}
 	seen := time.Now()
-	key := DefaultRateLimitPrefix + "{k}:sw:21/1m0s"
-	if !waitFor(20*time.Second, func() bool { return slidingUsed(t, r, key, time.Minute) >= 7 }) {
-		t.Fatalf("Redis holds %d admissions of the key, want A's 7 charged again", slidingUsed(t, r, key, time.Minute))
+	key := redisratelimit.DefaultRateLimitPrefix + "{k}:sw:21/1m0s"
+	if !waitFor(20*time.Second, func() bool { return testkit.SlidingUsed(t, r.Client(), key, time.Minute) >= 7 }) {
+		t.Fatalf("Redis holds %d admissions of the key, want A's 7 charged again", testkit.SlidingUsed(t, r.Client(), key, time.Minute))
 	}
-	time.Sleep(time.Until(seen.Add(heartbeatLife))) // A's hold is over
+	time.Sleep(time.Until(seen.Add(ratelimit.HeartbeatLife))) // A's hold is over
 	probe := flSend(cs["A"], "k")
 	answered := time.Now()
 	// A saw the restart after restarting began, so its return's second
-	// lasts at least until then + heartbeatLife + returnCap. (A machine
+	// lasts at least until then + ratelimit.HeartbeatLife + ratelimit.ReturnCap. (A machine
 	// stalled past it lets Redis decide alone, and Redis knows only A's 7:
 	// then nothing is asserted of this answer.)
-	within := answered.Before(restarting.Add(heartbeatLife + returnCap))
+	within := answered.Before(restarting.Add(ratelimit.HeartbeatLife + ratelimit.ReturnCap))
 	t.Logf("A's first request after its hold: %d, Retry-After %q (answered %v after restarting began)", probe.status, probe.retryAfter, answered.Sub(restarting).Round(time.Millisecond))
 	if within && probe.status != http.StatusTooManyRequests {
 		t.Errorf("A's first request after its hold: %d, want 429 (its share is spent; Redis knows only A's 7 of the window's 21)", probe.status)
 	}
-	ps["B"].cut.Store(false)
-	ps["C"].cut.Store(false)
-	if !waitFor(20*time.Second, func() bool { return slidingUsed(t, r, key, time.Minute) >= flEdgeN }) {
-		t.Errorf("Redis holds %d admissions of the key 20 s after B and C came back, want the fleet's 21", slidingUsed(t, r, key, time.Minute))
+	ps["B"].Cut.Store(false)
+	ps["C"].Cut.Store(false)
+	if !waitFor(20*time.Second, func() bool { return testkit.SlidingUsed(t, r.Client(), key, time.Minute) >= flEdgeN }) {
+		t.Errorf("Redis holds %d admissions of the key 20 s after B and C came back, want the fleet's 21", testkit.SlidingUsed(t, r.Client(), key, time.Minute))
 	}
 	for _, name := range []string{"B", "C"} {
 		if !waitLog(cs[name], "redis restarted", "", 20*time.Second) {
 			t.Errorf("Caddy %s did not see the restart 20 s after it could", name)
 		}
 	}
-	time.Sleep(heartbeatLife + returnCap) // B's and C's holds and returns are over
+	time.Sleep(ratelimit.HeartbeatLife + ratelimit.ReturnCap) // B's and C's holds and returns are over
 	after := map[string]map[int]int{}
 	for _, name := range names {
 		after[name] = flSendN(t, cs[name], "k", 3)

@@ -9,6 +9,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 )
 
 // TestWholeCaddyRateLimitPlans runs the whole Caddy with rates and costs
@@ -16,10 +18,10 @@ import (
 // only when it fails: each plan gets its own limit and policy, an
 // endpoint's cost counts against it, and successful logins cost nothing.
 func TestWholeCaddyRateLimitPlans(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 }
@@ -102,10 +104,10 @@ func TestWholeCaddyRateLimitPlans(t *testing.T) {
 // and an unusable cost are each a 400 (before, they were admitted
 // unlimited, or 503 under fail_closed), counted as bad_request.
 func TestWholeCaddyRateLimitPlanWithoutDefault(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	auto_https off
 }

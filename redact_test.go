@@ -7,6 +7,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
+	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 )
@@ -18,7 +21,7 @@ import (
 // log line of this plugin, every error Caddy logs or returns, and every
 // answer for the passwords.
 func TestWholeCaddyNeverShowsPassword(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	const (
 		pwURL   = "pw-in-url-5e1d"
 		pwSub   = "pw-in-subdirective-77aa"
@@ -54,7 +57,7 @@ func TestWholeCaddyNeverShowsPassword(t *testing.T) {
 		fmt.Fprintf(&sb, "\thandle %s {\n\t\t%s\n\t\trespond ok\n\t}\n", r.path, r.handler)
 	}
 	sb.WriteString("}\n")
-	runCaddy(t, sb.String())
+	testkit.RunCaddy(t, sb.String())
 
 	var answers []string
 	for round := 0; round < 3; round++ {
@@ -130,5 +133,26 @@ func TestWholeCaddyNeverShowsPassword(t *testing.T) {
 				t.Errorf("error or answer shows a password: %s", e)
 			}
 		}
+	}
+}
+
+// A derived handler label (in /metrics, logs and stacked RateLimit-Policy
+// entries) says nothing about the Redis password: configs that differ
+// only in it, or in a URL's password, get the same label.
+func TestHandlerLabelKeepsSecretsOut(t *testing.T) {
+	lock := func(pw, addr string) string {
+		h := &redislock.RedisLock{Keys: []string{"{http.request.uri.path}"}}
+		h.Password = pw
+		h.Addresses = []string{addr}
+		return shared.HandlerLabel("lock", "", h)
+	}
+	if a, b := lock("secret-1", "127.0.0.1:6379"), lock("secret-2", "127.0.0.1:6379"); a != b {
+		t.Errorf("password field changes the label: %s vs %s", a, b)
+	}
+	if a, b := lock("", "redis://u:secret-1@127.0.0.1:6379/0"), lock("", "redis://u:secret-2@127.0.0.1:6379/0"); a != b {
+		t.Errorf("URL password changes the label: %s vs %s", a, b)
+	}
+	if a, b := lock("", "127.0.0.1:6379"), lock("", "127.0.0.1:6380"); a == b {
+		t.Errorf("another server, the same label %s", a)
 	}
 }

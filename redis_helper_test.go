@@ -2,8 +2,6 @@ package redisdlm
 
 import (
 	"context"
-	"io"
-	"net"
 	"strconv"
 	"strings"
 	"testing"
@@ -72,49 +70,4 @@ func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
 	}
 	tb.Fatalf("no %s in INFO %s", field, section)
 	return 0
-}
-
-// startInterceptProxy forwards TCP connections to target; every chunk a
-// client sends goes through intercept first, which may hold it, act on the
-// two connections, and says whether the chunk is forwarded (false: the
-// connection forwards nothing more). It returns the proxy's address.
-func startInterceptProxy(t *testing.T, target string, intercept func(chunk []byte, client, server net.Conn) bool) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			s, err := net.Dial("tcp", target)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			t.Cleanup(func() { c.Close(); s.Close() })
-			go func() { io.Copy(c, s); c.Close() }()
-			go func() {
-				buf := make([]byte, 64<<10)
-				for {
-					n, err := c.Read(buf)
-					if n > 0 {
-						if !intercept(buf[:n], c, s) {
-							return
-						}
-						s.Write(buf[:n])
-					}
-					if err != nil {
-						s.Close()
-						return
-					}
-				}
-			}()
-		}
-	}()
-	return ln.Addr().String()
 }

@@ -18,7 +18,8 @@
 package redisdlm
 
 import (
-	_ "github.com/caddy-dlm/redisdlm/redisadmin" // admin.api.redisdlm
-	_ "github.com/caddy-dlm/redisdlm/redisfence" // http.handlers.redis_fence
-	_ "github.com/caddy-dlm/redisdlm/redislock"  // http.handlers.redis_lock
+	_ "github.com/caddy-dlm/redisdlm/redisadmin"     // admin.api.redisdlm
+	_ "github.com/caddy-dlm/redisdlm/redisfence"     // http.handlers.redis_fence
+	_ "github.com/caddy-dlm/redisdlm/redislock"      // http.handlers.redis_lock
+	_ "github.com/caddy-dlm/redisdlm/redisratelimit" // http.handlers.redis_ratelimit
 )

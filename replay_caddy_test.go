@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
 )
 
@@ -19,7 +20,7 @@ import (
 // reverse_proxy: 10 concurrent duplicates cost one upstream call, all get
 // its answer, and the replay counter shows at /metrics.
 func TestWholeCaddyReplay(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	var calls atomic.Int64
 	upSrv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
@@ -30,7 +31,7 @@ func TestWholeCaddyReplay(t *testing.T) {
 	}))
 	defer upSrv.Close()
 	port, admin := freePort(t), freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin localhost:%d
 	metrics
 	auto_https off
@@ -84,7 +85,7 @@ func TestWholeCaddyReplay(t *testing.T) {
 // stored, and a retry ran the payment a second time while the first was
 // still running.
 func TestReplayAnswerOutlivesClient(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	up := &paymentUpstream{hold: 1500 * time.Millisecond}
 	upSrv := httptest.NewServer(up)
@@ -104,7 +105,7 @@ func TestReplayAnswerOutlivesClient(t *testing.T) {
 }
 `, port, timeout, r.Addr, strings.TrimPrefix(upSrv.URL, "http://"))
 	}
-	runCaddy(t, fmt.Sprintf("{\n\tadmin localhost:%d\n\tauto_https off\n}\n", admin)+site(portA, "2s")+site(portB, "3s"))
+	testkit.RunCaddy(t, fmt.Sprintf("{\n\tadmin localhost:%d\n\tauto_https off\n}\n", admin)+site(portA, "2s")+site(portB, "3s"))
 	urlA := fmt.Sprintf("http://127.0.0.1:%d/pay", portA)
 	urlB := fmt.Sprintf("http://127.0.0.1:%d/pay", portB)
 

@@ -15,6 +15,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/redis/go-redis/v9"
 )
@@ -95,7 +96,7 @@ func runRetryAfterCaddy(t *testing.T, redisAddr string, up *jobUpstream, sites .
 		}
 		fmt.Fprintf(&cf, "\t}\n\treverse_proxy %s\n}\n", strings.TrimPrefix(up.URL, "http://"))
 	}
-	runCaddy(t, cf.String())
+	testkit.RunCaddy(t, cf.String())
 	return urls, fmt.Sprintf("http://localhost:%d", admin)
 }
 

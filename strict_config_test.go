@@ -7,6 +7,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/redisfence"
 	"github.com/caddy-dlm/redisdlm/redislock"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -40,7 +41,7 @@ func TestStrictConfig(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var h unmarshaler = new(redislock.RedisLock)
 			if tc.dir == "redis_ratelimit" {
-				h = new(RedisRateLimit)
+				h = new(redisratelimit.RedisRateLimit)
 			}
 			err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.dir + " {\n\t" + tc.block + "\n}"))
 			for _, w := range tc.want {
@@ -59,7 +60,7 @@ func TestStrictConfig(t *testing.T) {
 	} {
 		var h unmarshaler = new(redislock.RedisLock)
 		if ok.dir == "redis_ratelimit" {
-			h = new(RedisRateLimit)
+			h = new(redisratelimit.RedisRateLimit)
 		}
 		if err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(ok.dir + " {\n\t" + ok.block + "\n}")); err != nil {
 			t.Errorf("%s {%s}: %v, want it accepted", ok.dir, ok.block, err)
@@ -75,7 +76,7 @@ func TestStrictConfig(t *testing.T) {
 		{`{"rates":[{"requests":5,"window":"1m"}],"key":"{http.request.heder.X}"}`, "does not exist"},
 		{`{"rates":[{"requests":"{http.request.heder.X}","window":"1m"}]}`, "does not exist"},
 	} {
-		h := new(RedisRateLimit)
+		h := new(redisratelimit.RedisRateLimit)
 		err := caddy.StrictUnmarshalJSON([]byte(tc.cfg), h)
 		if err == nil {
 			err = h.Validate()
@@ -108,7 +109,7 @@ func TestEmptyPrefix(t *testing.T) {
 		h          func() unmarshaler
 	}{
 		{"redis_lock", "ttl 5s\n\tprefix \"\"", func() unmarshaler { return new(redislock.RedisLock) }},
-		{"redis_ratelimit", "rate 10 1m\n\tprefix \"\"", func() unmarshaler { return new(RedisRateLimit) }},
+		{"redis_ratelimit", "rate 10 1m\n\tprefix \"\"", func() unmarshaler { return new(redisratelimit.RedisRateLimit) }},
 		{"redis_fence", "retain 1h\n\tprefix \"\"", func() unmarshaler { return new(redisfence.RedisFence) }},
 	} {
 		err := tc.h().UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.dir + " {\n\t" + tc.block + "\n}"))

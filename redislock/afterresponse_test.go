@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/redis/go-redis/v9"
@@ -26,7 +27,7 @@ import (
 // returns. Every lock is released (within seconds, with a ttl of 30s and a
 // wait of 2s that a lock left held would make fail), none is left held.
 func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	rc := r.Client()
 
@@ -48,7 +49,7 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 	}))
 	defer up.Close()
 
-	// Once Caddy stopped (runCaddy's cleanup runs before this one), no
+	// Once Caddy stopped (testkit.RunCaddy's cleanup runs before this one), no
 	// server is kept: each is forgotten with its last handler.
 	t.Cleanup(func() {
 		n := 0
@@ -58,7 +59,7 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 		}
 	})
 	port := freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin off
 	auto_https off
 	servers {
@@ -278,7 +279,7 @@ func TestWholeCaddyReleaseAfterResponse(t *testing.T) {
 // route runs (the old server's hook answers it), and when Redis is paused
 // as the release is sent (it goes out again once Redis answers).
 func TestWholeCaddyReleaseAfterResponseFaults(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	rc := r.Client()
 	arrived := make(chan string, 4)
@@ -306,7 +307,7 @@ func TestWholeCaddyReleaseAfterResponseFaults(t *testing.T) {
 }
 `, port, version, r.Addr, strings.TrimPrefix(up.URL, "http://"))
 	}
-	runCaddy(t, conf("v1"))
+	testkit.RunCaddy(t, conf("v1"))
 	base := fmt.Sprintf("http://127.0.0.1:%d", port)
 	held := func(key string) bool { return lockKeyHeld(rc, key) }
 	// slow sends one request for path and runs fault while the upstream
@@ -470,11 +471,11 @@ func TestResponseWaitsFindConn(t *testing.T) {
 // header), and a locked request, known by the address its header gives, is
 // released after its response.
 func TestWholeCaddyReleaseAfterResponseProxyProtocol(t *testing.T) {
-	skipWholeCaddyIfShort(t)
+	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
 	rc := r.Client()
 	port := freePort(t)
-	runCaddy(t, fmt.Sprintf(`{
+	testkit.RunCaddy(t, fmt.Sprintf(`{
 	admin off
 	auto_https off
 	servers {

@@ -6,15 +6,12 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
 )
@@ -122,39 +119,3 @@ func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
 
 // secretPW is a Redis password that must never appear in an error or a log.
 const secretPW = "hunter2x"
-
-// wholeCaddyMu serialises tests that run the (process-global) Caddy.
-var wholeCaddyMu sync.Mutex
-
-// skipWholeCaddyIfShort skips whole-Caddy tests under -short.
-func skipWholeCaddyIfShort(t *testing.T) {
-	t.Helper()
-	if testing.Short() {
-		t.Skip("whole-Caddy test: skipped under -short")
-	}
-}
-
-// runCaddy adapts a Caddyfile and runs it as the whole in-process Caddy
-// (this module and Caddy's standard ones) until the test ends: for tests
-// of what only a real Caddy server drives, such as its connection hooks.
-func runCaddy(t *testing.T, caddyfile string) {
-	t.Helper()
-	skipWholeCaddyIfShort(t)
-	wholeCaddyMu.Lock()
-	cfg, warns, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
-	if err != nil {
-		wholeCaddyMu.Unlock()
-		t.Fatalf("adapt: %v", err)
-	}
-	for _, w := range warns {
-		t.Logf("adapt warning: %s", w.Message)
-	}
-	if err := caddy.Load(cfg, true); err != nil {
-		wholeCaddyMu.Unlock()
-		t.Fatalf("load: %v", err)
-	}
-	t.Cleanup(func() {
-		_ = caddy.Stop()
-		wholeCaddyMu.Unlock()
-	})
-}

@@ -23,57 +23,10 @@ import (
 // accumulate and leave together.
 
 const (
-	// Workers is the pipelines in flight at once, per Redis client. One:
-	// under load each then carries all that arrived during the last round
-	// trip (one write, one read and one script call for all of them, on
-	// Caddy's side and on Redis's; with 2, each carried half as many for
-	// the same latency), and an idle worker still sends at once.
-	Workers    = 1
-	batchMax   = 128 // script calls per pipeline
-	batchQueue = 1024
-
-	// BreakerThreshold is the consecutive failures that open the breaker.
-	BreakerThreshold = 3
-	breakerProbe     = time.Second // how often an open breaker lets one call try Redis
+	batchMax     = 128 // script calls per pipeline
+	batchQueue   = 1024
+	breakerProbe = time.Second // how often an open breaker lets one call try Redis
 )
-
-// The batcher's own failures (besides Redis's errors and ErrFailedRun).
-var (
-	ErrRedisTimeout = errors.New("redisdlm: redis did not answer within the timeout")
-	ErrBreakerOpen  = errors.New("redisdlm: redis unreachable (circuit breaker open)")
-	ErrBatcherDone  = errors.New("redisdlm: redis client closed")
-)
-
-// Client is what the engine needs of a Redis client (a *redis.Client,
-// *redis.ClusterClient or *redis.Ring, or a test's wrapper of one that
-// injects what a real Redis cannot, e.g. an answer lost after the write).
-type Client interface {
-	Pipeline() redis.Pipeliner
-}
-
-// Clock tells the time to what depends on it (the breaker's probes, the
-// deny cache's expiry), so an engine test can move time without a sleep.
-type Clock interface {
-	Now() time.Time
-}
-
-// SystemClock is the real clock: time.Now.
-type SystemClock struct{}
-
-// Now is time.Now.
-func (SystemClock) Now() time.Time { return time.Now() }
-
-// Options are a Batcher's settings.
-type Options struct {
-	// Workers is the pipelines in flight at once: Workers in production, 0
-	// for a test that sends by hand (SendNow).
-	Workers int
-	// Logger returns the logger of the moment, for a worker's panic.
-	// Default: slog.Default.
-	Logger func() *slog.Logger
-	// Clock times the breaker's probes. Default: SystemClock.
-	Clock Clock
-}
 
 // Batcher sends the script calls of one Redis client in pipelines, and
 // keeps the breaker of that client.
@@ -88,18 +41,19 @@ type Batcher struct {
 	breaker breaker
 }
 
-// Call is one request's script call.
+// Call is one script call of a limit (Limit.DecisionCall, ReturnCall), run
+// by Batcher.Do; a decision's answer is read with Decision.
 type Call struct {
-	Script   *redisconn.Script
-	Keys     []string     // a decision: one per rate
-	BanKey   string       // a decision whose parameter set bans: the key's ban
-	IndexKey string       // a decision whose rates are rendered per request: the key's rate index
-	Argv     []any        // a decision: its parameter set (shared by the calls of one plan)
-	Lean     bool         // a decision whose admission is never returned: its answer has 2 integers per rate (PerRate)
+	script   *redisconn.Script
+	keys     []string     // a decision: one per rate
+	banKey   string       // a decision whose parameter set bans: the key's ban
+	indexKey string       // a decision whose rates are rendered per request: the key's rate index
+	argv     []any        // a decision: its parameter set (shared by the calls of one plan)
+	lean     bool         // a decision whose admission is never returned: its answer has 2 integers per rate (perRate)
 	deadline time.Time    // answered by then: a worker does not send a call taken later
 	state    atomic.Int32 // callPending, callTaken or callAbandoned
-	Res      []int64      // a decision's answer (see the decision scripts)
-	Err      error
+	res      []int64      // a decision's answer (see the decision scripts)
+	err      error
 	done     chan struct{} // closed by the worker that took the call
 	finished bool          // done is closed (the worker's own record)
 }
@@ -110,8 +64,8 @@ const (
 	callAbandoned
 )
 
-// NewBatcher starts o.Workers workers for client c.
-func NewBatcher(c Client, o Options) *Batcher {
+// newBatcher starts a batcher (NewBatcher).
+func newBatcher(c Client, o Options) *Batcher {
 	_, cluster := c.(*redis.ClusterClient)
 	b := &Batcher{
 		client:  c,
@@ -133,30 +87,17 @@ func NewBatcher(c Client, o Options) *Batcher {
 	return b
 }
 
-// Close stops the workers (the last handler using this client is gone).
-// Waiting callers get ErrBatcherDone.
-func (b *Batcher) Close() {
+// close stops the workers (Batcher.Close).
+func (b *Batcher) close() {
 	b.once.Do(func() { close(b.stop) })
 }
 
-// Observer is told when the breaker opens and closes (the calling
-// handler logs it: the batcher outlives configs, its log lines do not).
-type Observer interface {
-	// BreakerOpened: Redis failed consecutiveFailures times in a row;
-	// calls are refused without Redis, probed about once per second.
-	BreakerOpened(consecutiveFailures int)
-	// BreakerClosed: a call succeeded while the breaker was open.
-	BreakerClosed()
-}
-
-// Do runs one call through the breaker and the pipeline: refused at once
-// while the breaker is open; otherwise its outcome (a Redis failure or an
-// answer) is what the breaker counts. obs is told of the breaker's changes.
-func (b *Batcher) Do(ctx context.Context, c *Call, timeout time.Duration, obs Observer) ([]int64, error) {
+// do runs one call through the breaker and the pipeline (Batcher.Do).
+func (b *Batcher) do(ctx context.Context, c *Call, timeout time.Duration, obs Observer) error {
 	if !b.breaker.allow(b.clock.Now()) {
-		return nil, ErrBreakerOpen
+		return ErrBreakerOpen
 	}
-	res, err := b.call(ctx, c, timeout)
+	err := b.call(ctx, c, timeout)
 	switch {
 	case err == nil:
 		b.breaker.success(obs)
@@ -165,7 +106,7 @@ func (b *Batcher) Do(ctx context.Context, c *Call, timeout time.Duration, obs Ob
 	case errors.Is(err, ErrRedisTimeout) || redisconn.IsRedisDown(err) || isAuthFailure(err):
 		b.breaker.failure(b.clock.Now(), obs)
 	}
-	return res, err
+	return err
 }
 
 // isAuthFailure reports whether Redis refused this client's credentials or
@@ -193,33 +134,33 @@ func isAuthFailure(err error) bool {
 // No timer per call: the worker that takes a call answers it by its
 // deadline (a call taken too late is not sent; a pipeline's context ends at
 // the earliest deadline in it). Only a full queue waits with a timer.
-func (b *Batcher) call(ctx context.Context, c *Call, timeout time.Duration) ([]int64, error) {
+func (b *Batcher) call(ctx context.Context, c *Call, timeout time.Duration) error {
 	c.deadline = time.Now().Add(timeout)
 	c.done = make(chan struct{})
 	select {
 	case b.queue <- c:
 	default:
 		if err := b.enqueueSlow(ctx, c, timeout); err != nil {
-			return nil, err
+			return err
 		}
 	}
 	select {
 	case <-c.done:
-		return c.Res, c.Err
+		return c.err
 	case <-ctx.Done():
 		// If a worker took it already, it ends by the call's deadline.
 		c.state.CompareAndSwap(callPending, callAbandoned)
-		return nil, ctx.Err()
+		return ctx.Err()
 	case <-b.stop:
 		if c.state.CompareAndSwap(callPending, callAbandoned) {
-			return nil, ErrBatcherDone
+			return ErrBatcherDone
 		}
 		// Taken: the worker answers it by the deadline.
 		select {
 		case <-c.done:
-			return c.Res, c.Err
+			return c.err
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return ctx.Err()
 		}
 	}
 }
@@ -386,13 +327,13 @@ func (u *rlUnit) answerCalls(err error, alone []*rlUnit) []*rlUnit {
 		switch {
 		case err != nil || !u.batch:
 			c.finish(err)
-		case len(u.calls) > 1 && c.Res[0] == failedRead:
+		case len(u.calls) > 1 && c.res[0] == failedRead:
 			// Nothing of it was written: alone, it fails with Redis's
 			// own error (or, if its key changed meanwhile, is decided).
-			c.Res = nil
+			c.res = nil
 			alone = append(alone, &rlUnit{calls: []*Call{c}, batch: true})
-		case c.Res[0] == failedRun:
-			c.Res = nil
+		case c.res[0] == failedRun:
+			c.res = nil
 			c.finish(ErrFailedRun)
 		default:
 			c.finish(nil)
@@ -400,11 +341,6 @@ func (u *rlUnit) answerCalls(err error, alone []*rlUnit) []*rlUnit {
 	}
 	return alone
 }
-
-// ErrFailedRun answers a decision of a batch that failed once it had begun
-// recording (Redis refused a write, e.g. out of memory): it is not sent
-// again, so nothing is counted twice.
-var ErrFailedRun = answerError("redis_ratelimit: the decision failed while recording it (Redis refused a write, e.g. out of memory); not sent again")
 
 // answerError is an answer from Redis that makes no sense as a decision: a
 // fault, but not one of reaching Redis (the breaker does not count it).
@@ -421,7 +357,7 @@ func (c *Call) finish(err error) {
 		return
 	}
 	c.finished = true
-	c.Err = err
+	c.err = err
 	close(c.done)
 }
 
@@ -497,7 +433,7 @@ func (b *breaker) allow(now time.Time) bool {
 func (b *breaker) success(obs Observer) {
 	if b.fails.Load() != 0 || b.open.Load() {
 		b.fails.Store(0)
-		if b.open.Swap(false) {
+		if b.open.Swap(false) && obs != nil {
 			obs.BreakerClosed()
 		}
 	}
@@ -509,18 +445,14 @@ func (b *breaker) failure(now time.Time, obs Observer) {
 		b.nextProbe = now.Add(breakerProbe)
 		opened := !b.open.Swap(true)
 		b.mu.Unlock()
-		if opened {
+		if opened && obs != nil {
 			obs.BreakerOpened(BreakerThreshold)
 		}
 	}
 }
 
-// BreakerOpen reports whether the breaker is open now.
-func (b *Batcher) BreakerOpen() bool { return b.breaker.open.Load() }
-
-// SendNow sends calls as one pipeline at once, as a worker would, and
-// answers each (Done, Res, Err). For tests, on a batcher without workers.
-func (b *Batcher) SendNow(calls []*Call) {
+// sendNow sends calls as one pipeline at once (Batcher.SendNow).
+func (b *Batcher) sendNow(calls []*Call) {
 	for _, c := range calls {
 		c.deadline = time.Now().Add(5 * time.Second)
 		c.done = make(chan struct{})
@@ -529,14 +461,3 @@ func (b *Batcher) SendNow(calls []*Call) {
 	}
 	b.send(calls)
 }
-
-// Stopped is closed once Close stopped the workers.
-func (b *Batcher) Stopped() <-chan struct{} { return b.stop }
-
-// Done is closed once the call is answered (Res, Err).
-func (c *Call) Done() <-chan struct{} { return c.done }
-
-// Taken reports whether a worker took the call: then it is answered (Done)
-// by its deadline, also when its caller stopped waiting; otherwise it never
-// runs.
-func (c *Call) Taken() bool { return c.state.Load() == callTaken }

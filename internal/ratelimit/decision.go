@@ -5,39 +5,16 @@ import (
 	"time"
 )
 
-// Decision is the outcome for one request.
-type Decision struct {
-	Allowed   bool
-	Hold      time.Duration // admitted: how long to hold the request until its slot
-	Wait      time.Duration // rejected: until the request would be admitted (0 = never)
-	At        int64         // admitted: the time (µs, Redis TIME) it was recorded at
-	Tight     int           // the rate reported in the RateLimit field
-	Remaining int64         // of rate tight
-	Reset     time.Duration // until rate tight's quota grows (0 = full)
-	Ban       BanState      // rejected: whether by a ban (then Wait lasts until its end, or later, see BanLeft)
-	// BanLeft: rejected under a ban that began before (Banned), until the
-	// ban ends; Wait is later when the quota that started the ban admits
-	// the request only after that.
-	BanLeft time.Duration
-	// Ordered: rejected, or rejected for longer than its quotas would, by
-	// the order of a log (sliding_window): an admission another handler
-	// holds until later comes first. Its slot may be given back at any
-	// moment, so the rejection may not last.
-	Ordered bool
-	Cached  bool    // answered from the deny cache
-	Ans     []int64 // the script's answer (settle reads what gcra wrote)
-}
-
-// ParseDecision reads one decision's answer: {hold when admitted (>= 0), else
+// parseDecision reads one decision's answer: {hold when admitted (>= 0), else
 // minus the wait; time recorded when admitted, else the BanState; then per
 // rate remaining, reset and, with per = 4 (gcra), the TAT written and the
 // key's sum of returns}.
-func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
+func parseDecision(vals []int64, nrates, per int) (Decision, error) {
 	if per < 2 || len(vals) != 2+per*nrates || vals[0] == failedRead || vals[0] == failedRun ||
 		vals[0] < 0 && (vals[1] < int64(NotBanned) || vals[1] > ordered) {
 		return Decision{}, fmt.Errorf("redis_ratelimit: unexpected script answer %v", vals)
 	}
-	d := Decision{Allowed: vals[0] >= 0, Tight: -1, Ans: vals}
+	d := Decision{Allowed: vals[0] >= 0, Tight: -1, ans: vals}
 	if d.Allowed {
 		d.Hold, d.At = time.Duration(vals[0])*time.Microsecond, vals[1]
 	} else {
@@ -74,4 +51,12 @@ func ParseDecision(vals []int64, nrates, per int) (Decision, error) {
 		d.Remaining, d.Reset = 0, d.Wait
 	}
 	return d, nil
+}
+
+// decision reads the answer of decision call c (Call.Decision).
+func (c *Call) decision() (Decision, error) {
+	if c.err != nil {
+		return Decision{}, c.err
+	}
+	return parseDecision(c.res, len(c.keys), c.perRate())
 }

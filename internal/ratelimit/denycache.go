@@ -17,41 +17,19 @@ type DenyCache struct {
 	lastSweep time.Time
 }
 
-// DenyEntry is one rejection remembered.
-type DenyEntry struct {
-	Until   time.Time // answer from memory before this (a little early)
-	RetryAt time.Time // Retry-After points here (a little late)
-	Tight   int       // the rate that rejects
-	Left    int64     // its remaining quota when Redis rejected (less than cost)
-	Cost    int64     // the rejected cost: only a request of this cost is answered here
-	Banned  bool      // a ban: every request of the key is answered here, whatever its cost
-	// Recheck: a ban kept across a Pub/Sub reconnect to the same Redis
-	// process, during which a lift may have been missed: the key's next
-	// request asks Redis, and is answered from here only when Redis cannot
-	// answer (Kept).
-	Recheck bool
-}
-
-// NewDenyCache makes a cache of at most max entries, on clock (nil:
-// SystemClock); the entries' moments are of that clock.
-func NewDenyCache(max int, clock Clock) *DenyCache {
+// newDenyCache makes a deny cache (NewDenyCache).
+func newDenyCache(max int, clock Clock) *DenyCache {
 	if clock == nil {
 		clock = SystemClock{}
 	}
 	return &DenyCache{clock: clock, max: max, m: make(map[string]DenyEntry)}
 }
 
-// ClockFunc is a Clock that calls f.
-type ClockFunc func() time.Time
-
-// Now calls f.
-func (f ClockFunc) Now() time.Time { return f() }
-
-// Get returns the entry of id if it still rejects a request of cost. Only
+// get returns the entry of id if it still rejects a request of cost. Only
 // the same cost, unless it is a ban: a cheaper request may pass, and a
 // costlier one passes later than RetryAt, so both ask Redis. A ban to be
 // checked with Redis (Recheck) is not returned.
-func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
+func (c *DenyCache) get(id string, cost int64) (DenyEntry, bool) {
 	now := c.clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -66,8 +44,8 @@ func (c *DenyCache) Get(id string, cost int64) (DenyEntry, bool) {
 	return e, !e.Recheck && (e.Banned || cost == e.Cost)
 }
 
-// Put remembers a rejection of id until e.Until (nothing once it is past).
-func (c *DenyCache) Put(id string, e DenyEntry) {
+// put remembers a rejection of id until e.Until (nothing once it is past).
+func (c *DenyCache) put(id string, e DenyEntry) {
 	now := c.clock.Now()
 	if !now.Before(e.Until) {
 		return
@@ -99,8 +77,8 @@ func (c *DenyCache) makeRoom(now time.Time) {
 	}
 }
 
-// Drop forgets id's rejection (its quota was given back); a ban stays.
-func (c *DenyCache) Drop(id string) {
+// drop forgets id's rejection (its quota was given back); a ban stays.
+func (c *DenyCache) drop(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if !c.m[id].Banned {
@@ -108,10 +86,10 @@ func (c *DenyCache) Drop(id string) {
 	}
 }
 
-// Mark records id until until and reports whether it had no live entry:
+// mark records id until until and reports whether it had no live entry:
 // the cache as a set of keys that expire (one event per key per period),
 // checked and set at once.
-func (c *DenyCache) Mark(id string, until time.Time) bool {
+func (c *DenyCache) mark(id string, until time.Time) bool {
 	now := c.clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -128,23 +106,23 @@ func (c *DenyCache) Mark(id string, until time.Time) bool {
 	return true
 }
 
-// Clear forgets every entry.
-func (c *DenyCache) Clear() {
+// clear forgets every entry.
+func (c *DenyCache) clear() {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	clear(c.m)
 }
 
-// Len is the number of entries held.
-func (c *DenyCache) Len() int {
+// len is the number of entries held.
+func (c *DenyCache) len() int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	return len(c.m)
 }
 
-// Forget drops a key from the deny cache, under every plan, its ban too
+// forget drops a key from the deny cache, under every plan, its ban too
 // (an admin reset).
-func (c *DenyCache) Forget(id string) {
+func (c *DenyCache) forget(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	delete(c.m, id)
@@ -155,12 +133,12 @@ func (c *DenyCache) Forget(id string) {
 	}
 }
 
-// Announced remembers a ban another instance (or this one) announced: it
+// announced remembers a ban another instance (or this one) announced: it
 // ends in left and a request may pass in retry (later, when the quota that
 // started it admits only then), both from now. A ban this cache holds from
 // a Redis answer is kept (its moments are closer); a message arrives a
 // little after it was sent, so the ban is held until a margin before left.
-func (c *DenyCache) Announced(id string, left, retry time.Duration) {
+func (c *DenyCache) announced(id string, left, retry time.Duration) {
 	now := c.clock.Now()
 	e := DenyEntry{Until: now.Add(left - time.Millisecond - left/1000), RetryAt: now.Add(max(left, retry)), Banned: true}
 	if !now.Before(e.Until) {
@@ -178,22 +156,13 @@ func (c *DenyCache) Announced(id string, left, retry time.Duration) {
 	c.m[id] = e
 }
 
-// KeptBan is a ban an instance holds, to be written back to a Redis that
-// may have lost it: its Redis key, when it ends and when its Retry-After
-// points, from now.
-type KeptBan struct {
-	Key         string
-	Left, Retry time.Duration
-}
-
 // KeepBans forgets every entry but the bans that have not ended (a reset
 // may have been missed while the Pub/Sub connection was down; a ban is held
 // until it ends). With recheck (a reconnect to the same Redis process, which
 // may have lifted a ban meanwhile) every ban kept is marked to be checked
 // with Redis. It returns the bans kept that are not to be checked, each
-// under its Redis key (key of its id), for a new Redis process that lost
-// them.
-func (c *DenyCache) KeepBans(recheck bool, key func(id string) string) []KeptBan {
+// under its key of limit l, for a new Redis process that lost them.
+func (c *DenyCache) keepBans(recheck bool, l *Limit) []KeptBan {
 	now := c.clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -206,15 +175,15 @@ func (c *DenyCache) KeepBans(recheck bool, key func(id string) string) []KeptBan
 			e.Recheck = true
 			c.m[id] = e
 		case !e.Recheck:
-			out = append(out, KeptBan{Key: key(id), Left: e.Until.Sub(now), Retry: e.RetryAt.Sub(now)})
+			out = append(out, KeptBan{Key: l.banKey(id), Left: e.Until.Sub(now), Retry: e.RetryAt.Sub(now)})
 		}
 	}
 	return out
 }
 
-// Kept returns id's ban if it is to be checked with Redis (Recheck) and has
+// kept returns id's ban if it is to be checked with Redis (Recheck) and has
 // not ended: the answer while Redis cannot give one.
-func (c *DenyCache) Kept(id string) (DenyEntry, bool) {
+func (c *DenyCache) kept(id string) (DenyEntry, bool) {
 	now := c.clock.Now()
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -222,9 +191,9 @@ func (c *DenyCache) Kept(id string) (DenyEntry, bool) {
 	return e, ok && e.Recheck && now.Before(e.Until)
 }
 
-// DropKept forgets id's ban if it is to be checked with Redis: Redis
+// dropKept forgets id's ban if it is to be checked with Redis: Redis
 // answered without it, so it was lifted meanwhile.
-func (c *DenyCache) DropKept(id string) {
+func (c *DenyCache) dropKept(id string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.m[id].Recheck {

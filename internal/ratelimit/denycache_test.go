@@ -26,8 +26,8 @@ func TestDenyCacheKeepsBans(t *testing.T) {
 	c.Announced("gone", 0, 0)                    // over: not held
 	clock.Advance(2 * time.Second)
 
-	key := func(id string) string { return "p{" + id + "}:ban" }
-	kept := c.KeepBans(false, key)
+	lim := NewLimit("p", SlidingWindow, LimitOptions{})
+	kept := c.KeepBans(false, lim)
 	got := map[string]KeptBan{}
 	for _, b := range kept {
 		got[b.Key] = b
@@ -44,7 +44,7 @@ func TestDenyCacheKeepsBans(t *testing.T) {
 		t.Fatal("a ban kept for a new process is not answered from memory")
 	}
 
-	if kept := c.KeepBans(true, key); len(kept) != 0 {
+	if kept := c.KeepBans(true, lim); len(kept) != 0 {
 		t.Fatalf("bans handed out after a reconnect to the same process: %+v, want none (they are checked)", kept)
 	}
 	if _, ok := c.Get("carol", 1); ok {
@@ -53,7 +53,7 @@ func TestDenyCacheKeepsBans(t *testing.T) {
 	if _, ok := c.Kept("carol"); !ok {
 		t.Fatal("a ban to be checked with Redis is not kept for when Redis cannot answer")
 	}
-	if kept := c.KeepBans(false, key); len(kept) != 0 {
+	if kept := c.KeepBans(false, lim); len(kept) != 0 {
 		t.Fatalf("bans still to be checked were handed out for a write-back: %+v", kept)
 	}
 	c.DropKept("carol")

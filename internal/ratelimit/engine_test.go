@@ -78,7 +78,7 @@ func (o *countObserver) BreakerClosed()    { o.closed.Add(1) }
 // slidingCall is one decision of 1 per call on a sliding_window rate of n
 // per minute for key.
 func slidingCall(key string, n int) *Call {
-	return &Call{Script: SlidingScript, Keys: []string{key}, Argv: []any{1, 0, 0, n, time.Minute.Microseconds()}}
+	return &Call{script: slidingScript, keys: []string{key}, argv: []any{1, 0, 0, n, time.Minute.Microseconds()}}
 }
 
 // faultyBatcher is a batcher with one worker on a fake clock, over a
@@ -106,14 +106,15 @@ func TestBatcherLostAnswer(t *testing.T) {
 	const key, n = "t:{lost}:sw", 10
 	// Loaded, so that EVALSHA runs (a NOSCRIPT answer lost would hide the
 	// EVAL the batcher sends next).
-	if err := r.Client().ScriptLoad(ctx, SlidingScript.Source()).Err(); err != nil {
+	if err := r.Client().ScriptLoad(ctx, slidingScript.Source()).Err(); err != nil {
 		t.Fatal(err)
 	}
 
 	f.fault.Store(faultLostRead)
 	for i := 0; i < BreakerThreshold; i++ {
-		if res, err := b.Do(ctx, slidingCall(key, n), 5*time.Second, obs); !errors.Is(err, errLost) || res != nil {
-			t.Fatalf("lost answer %d: %v %v, want no answer and the transport error", i, res, err)
+		c := slidingCall(key, n)
+		if err := b.Do(ctx, c, 5*time.Second, obs); !errors.Is(err, errLost) || c.res != nil {
+			t.Fatalf("lost answer %d: %v %v, want no answer and the transport error", i, c.res, err)
 		}
 	}
 	if execs := f.execs.Load(); execs != BreakerThreshold {
@@ -122,11 +123,11 @@ func TestBatcherLostAnswer(t *testing.T) {
 	if !b.BreakerOpen() || obs.opened.Load() != 1 {
 		t.Fatalf("breaker open %v, opened %d times, after %d lost answers; want open once", b.BreakerOpen(), obs.opened.Load(), BreakerThreshold)
 	}
-	if _, err := b.Do(ctx, slidingCall(key, n), 5*time.Second, obs); !errors.Is(err, ErrBreakerOpen) {
+	if err := b.Do(ctx, slidingCall(key, n), 5*time.Second, obs); !errors.Is(err, ErrBreakerOpen) {
 		t.Fatalf("call on an open breaker: %v, want ErrBreakerOpen", err)
 	}
 	clock.Advance(999 * time.Millisecond)
-	if _, err := b.Do(ctx, slidingCall(key, n), 5*time.Second, obs); !errors.Is(err, ErrBreakerOpen) {
+	if err := b.Do(ctx, slidingCall(key, n), 5*time.Second, obs); !errors.Is(err, ErrBreakerOpen) {
 		t.Fatalf("call 999ms after the breaker opened: %v, want ErrBreakerOpen", err)
 	}
 	if execs := f.execs.Load(); execs != BreakerThreshold {
@@ -135,11 +136,13 @@ func TestBatcherLostAnswer(t *testing.T) {
 
 	f.fault.Store(faultNone)
 	clock.Advance(time.Millisecond)
-	res, err := b.Do(ctx, slidingCall(key, n), 5*time.Second, obs)
+	c := slidingCall(key, n)
+	err := b.Do(ctx, c, 5*time.Second, obs)
+	res := c.res
 	if err != nil {
 		t.Fatalf("the probe a second later: %v", err)
 	}
-	d, err := ParseDecision(res, 1, PerRate(SlidingScript))
+	d, err := parseDecision(res, 1, decisionScripts[slidingScript])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -160,7 +163,7 @@ func TestBatcherBreakerProbes(t *testing.T) {
 	_, f, clock, b, obs := faultyBatcher(t)
 	ctx := context.Background()
 	call := func() error {
-		_, err := b.Do(ctx, slidingCall("t:{probe}:sw", 100), 5*time.Second, obs)
+		err := b.Do(ctx, slidingCall("t:{probe}:sw", 100), 5*time.Second, obs)
 		return err
 	}
 
@@ -216,7 +219,7 @@ func TestFailureCodesAgreeWithScripts(t *testing.T) {
 		t.Fatal(err)
 	}
 	gcra := func(key string) *Call {
-		return &Call{Script: GCRAScript, Keys: []string{key}, Argv: []any{1, 0, 0, 5, time.Minute.Microseconds(), 5}}
+		return &Call{script: gcraScript, keys: []string{key}, argv: []any{1, 0, 0, 5, time.Minute.Microseconds(), 5}}
 	}
 	for _, tc := range []struct {
 		name  string
@@ -244,7 +247,7 @@ func TestFailureCodesAgreeWithScripts(t *testing.T) {
 		if err != nil || !u.answer(vals) {
 			t.Fatalf("%s: %v %v", tc.name, vals, err)
 		}
-		last := tc.calls[len(tc.calls)-1].Res
+		last := tc.calls[len(tc.calls)-1].res
 		if last[0] != tc.want || last[1] != 0 {
 			t.Fatalf("%s: the failed decision answered %v, want %d then zeros", tc.name, last, tc.want)
 		}
@@ -272,11 +275,11 @@ func TestBanInBatch(t *testing.T) {
 	banning := []any{1, 0, ban, 1, w, 5, w} // two rates: 1 and 5 a minute
 	plain := []any{1, 0, 0, 1, w}
 	call := func(argv []any, id string) *Call {
-		c := &Call{Script: SlidingScript, Keys: []string{"t:{" + id + "}:sw:1", "t:{" + id + "}:sw:5"}, Argv: argv}
+		c := &Call{script: slidingScript, keys: []string{"t:{" + id + "}:sw:1", "t:{" + id + "}:sw:5"}, argv: argv}
 		if argv[2] != 0 {
-			c.BanKey = "t:{" + id + "}:ban"
+			c.banKey = "t:{" + id + "}:ban"
 		} else {
-			c.Keys = c.Keys[:1]
+			c.keys = c.keys[:1]
 		}
 		return c
 	}
@@ -285,9 +288,9 @@ func TestBanInBatch(t *testing.T) {
 	var ds []Decision
 	for i, c := range calls {
 		<-c.Done()
-		d, err := ParseDecision(c.Res, len(c.Keys), PerRate(SlidingScript))
-		if c.Err != nil || err != nil {
-			t.Fatalf("decision %d: %v %v", i, c.Err, err)
+		d, err := parseDecision(c.res, len(c.keys), decisionScripts[slidingScript])
+		if c.err != nil || err != nil {
+			t.Fatalf("decision %d: %v %v", i, c.err, err)
 		}
 		ds = append(ds, d)
 	}
@@ -304,7 +307,7 @@ func TestBanInBatch(t *testing.T) {
 		t.Fatalf("a banned key: %+v, want Banned with the ban's rest as wait", d)
 	}
 	// Refused without reading its rates: every rate answers rejecting.
-	if res := calls[4].Res; res[2] != -1 || res[4] != -1 {
+	if res := calls[4].res; res[2] != -1 || res[4] != -1 {
 		t.Fatalf("a banned decision's rates: %v, want -1 (rejecting) on each", res)
 	}
 	ctx := context.Background()
@@ -331,16 +334,16 @@ func TestBanOutOfMemory(t *testing.T) {
 	defer b.Close()
 	ctx := context.Background()
 	call := func() *Call {
-		return &Call{Script: GCRAScript, Keys: []string{"t:{oom}:g"}, BanKey: "t:{oom}:ban", Argv: []any{1, 0, 60_000, 1, time.Minute.Microseconds(), 1}}
+		return &Call{script: gcraScript, keys: []string{"t:{oom}:g"}, banKey: "t:{oom}:ban", argv: []any{1, 0, 60_000, 1, time.Minute.Microseconds(), 1}}
 	}
 	decide := func() (Decision, error) {
 		cl := call()
 		b.SendNow([]*Call{cl})
 		<-cl.Done()
-		if cl.Err != nil {
-			return Decision{}, cl.Err
+		if cl.err != nil {
+			return Decision{}, cl.err
 		}
-		return ParseDecision(cl.Res, 1, PerRate(GCRAScript))
+		return parseDecision(cl.res, 1, decisionScripts[gcraScript])
 	}
 	if d, err := decide(); err != nil || !d.Allowed {
 		t.Fatalf("first decision: %+v %v", d, err)
@@ -374,18 +377,18 @@ func TestIndexInBatch(t *testing.T) {
 		script *redisconn.Script
 		argv   []any // two rates: 2 a second and 5 a minute
 	}{
-		{SlidingScript, []any{1, 0, 0, 2, time.Second.Microseconds(), 5, time.Minute.Microseconds()}},
-		{GCRAScript, []any{1, 0, 0, 2, time.Second.Microseconds(), 2, 5, time.Minute.Microseconds(), 5}},
-		{SlidingScript, []any{1, 0, 60_000, 2, time.Second.Microseconds(), 5, time.Minute.Microseconds()}},
+		{slidingScript, []any{1, 0, 0, 2, time.Second.Microseconds(), 5, time.Minute.Microseconds()}},
+		{gcraScript, []any{1, 0, 0, 2, time.Second.Microseconds(), 2, 5, time.Minute.Microseconds(), 5}},
+		{slidingScript, []any{1, 0, 60_000, 2, time.Second.Microseconds(), 5, time.Minute.Microseconds()}},
 	} {
 		p := fmt.Sprintf("i%d:", n)
 		call := func(id string, index bool) *Call {
-			c := &Call{Script: algo.script, Keys: []string{p + "{" + id + "}:a", p + "{" + id + "}:b"}, Argv: algo.argv}
+			c := &Call{script: algo.script, keys: []string{p + "{" + id + "}:a", p + "{" + id + "}:b"}, argv: algo.argv}
 			if algo.argv[2] != 0 {
-				c.BanKey = p + "{" + id + "}:ban"
+				c.banKey = p + "{" + id + "}:ban"
 			}
 			if index {
-				c.IndexKey = p + "{" + id + "}:rates"
+				c.indexKey = p + "{" + id + "}:rates"
 			}
 			return c
 		}
@@ -393,9 +396,9 @@ func TestIndexInBatch(t *testing.T) {
 		b.SendNow(calls)
 		for i, c := range calls {
 			<-c.Done()
-			d, err := ParseDecision(c.Res, len(c.Keys), PerRate(algo.script))
-			if c.Err != nil || err != nil || d.Allowed != (i < 4) {
-				t.Fatalf("%s decision %d: %+v %v %v, want the first two of each key admitted", p, i, d, c.Err, err)
+			d, err := parseDecision(c.res, len(c.keys), decisionScripts[algo.script])
+			if c.err != nil || err != nil || d.Allowed != (i < 4) {
+				t.Fatalf("%s decision %d: %+v %v %v, want the first two of each key admitted", p, i, d, c.err, err)
 			}
 		}
 		index := p + "{x}:rates"

@@ -56,7 +56,7 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 		ret func(argv []any, res []int64) []any
 	}{
 		{
-			name: "gcra", body: gcraLua, per: perGCRA, script: GCRAScript, giveBack: gcraReturnLua,
+			name: "gcra", body: gcraStepLua + gcraLua, per: perGCRA, script: gcraScript, giveBack: gcraReturnLua,
 			rate: func(rng *rand.Rand) ([]int64, int64) {
 				n := []int64{1, 3, 10, 1000000}[rng.Intn(4)]
 				w := []int64{1000000, 10000000, 60000000, 7000001}[rng.Intn(4)]
@@ -144,9 +144,9 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 					if s.nrates == 1 && rng.Intn(20) == 0 {
 						id = "junk"
 					}
-					fc = append(fc, &Call{Script: tc.script, Keys: keysOf("f:", id, s.nrates), Argv: argv})
-					gc = append(gc, &Call{Script: tc.script, Keys: keysOf("g:", id, s.nrates), Argv: argv})
-					lc = append(lc, &Call{Script: tc.script, Keys: keysOf("l:", id, s.nrates), Argv: argv, Lean: true})
+					fc = append(fc, &Call{script: tc.script, keys: keysOf("f:", id, s.nrates), argv: argv})
+					gc = append(gc, &Call{script: tc.script, keys: keysOf("g:", id, s.nrates), argv: argv})
+					lc = append(lc, &Call{script: tc.script, keys: keysOf("l:", id, s.nrates), argv: argv, lean: true})
 				}
 				fres, ferr := run("f:", atClock(t, fast, clock), fc)
 				gres, gerr := run("g:", atClock(t, general, clock), gc)
@@ -165,23 +165,23 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 					}
 					(&rlUnit{calls: fc, batch: true}).answer(fres)
 					for i, c := range fc {
-						want := append([]int64(nil), c.Res[:2]...)
-						for r := 0; r < len(c.Keys); r++ {
-							want = append(want, c.Res[2+tc.per*r:4+tc.per*r]...)
+						want := append([]int64(nil), c.res[:2]...)
+						for r := 0; r < len(c.keys); r++ {
+							want = append(want, c.res[2+tc.per*r:4+tc.per*r]...)
 						}
-						if !slices.Equal(lc[i].Res, want) {
-							t.Fatalf("step %d, decision %d: lean answer %v, full one %v", step, i, lc[i].Res, c.Res)
+						if !slices.Equal(lc[i].res, want) {
+							t.Fatalf("step %d, decision %d: lean answer %v, full one %v", step, i, lc[i].res, c.res)
 						}
 					}
 				}
 				if u := (&rlUnit{calls: fc, batch: true}); ferr == nil && u.answer(fres) {
 					for _, c := range fc {
 						switch {
-						case c.Res[0] == failedRead:
+						case c.res[0] == failedRead:
 							seen["failed"]++
-						case c.Res[0] < 0:
+						case c.res[0] < 0:
 							seen["rejected"]++
-						case c.Res[0] > 1:
+						case c.res[0] > 1:
 							seen["held"]++
 						default:
 							seen["admitted"]++
@@ -192,14 +192,14 @@ func TestRateLimitFastPathSameAnswers(t *testing.T) {
 					// Return an admission now and then (a key with returns
 					// then takes the general path on both sides).
 					u := &rlUnit{calls: fc, batch: true}
-					if u.answer(fres) && fres[0] >= 0 && len(fc[0].Keys) == 1 && !strings.Contains(fc[0].Keys[0], "junk") {
+					if u.answer(fres) && fres[0] >= 0 && len(fc[0].keys) == 1 && !strings.Contains(fc[0].keys[0], "junk") {
 						ret := tc.giveBack
 						if strings.Contains(ret, timeLine) {
 							ret = atClock(t, ret, clock)
 						}
 						for _, p := range []string{"f:", "g:", "l:"} {
-							key := strings.Replace(fc[0].Keys[0], "f:", p, 1)
-							err := c.Eval(ctx, ret, []string{key}, tc.ret(fc[0].Argv, fc[0].Res)...).Err()
+							key := strings.Replace(fc[0].keys[0], "f:", p, 1)
+							err := c.Eval(ctx, ret, []string{key}, tc.ret(fc[0].argv, fc[0].res)...).Err()
 							if err != nil && err != redis.Nil {
 								t.Fatalf("returning an admission: %v", err)
 							}

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	_ "embed"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -34,22 +35,9 @@ import (
 // rate-limit call by a round trip; a reset published just then, of a key
 // rejected just then, is the only one a listener may miss.)
 
-// ForgetChannel is the Pub/Sub channel of admin resets.
-const ForgetChannel = "redisdlm:rl:forget"
-
-// Publisher is what PublishForget needs of a Redis client.
-type Publisher interface {
-	Publish(ctx context.Context, channel string, message any) *redis.IntCmd
-}
-
-// Subscriber is what a ForgetListener needs of a Redis client.
-type Subscriber interface {
-	Subscribe(ctx context.Context, channels ...string) *redis.PubSub
-}
-
-// PublishForget tells every listening instance to forget id of the limits
+// publishForget tells every listening instance to forget id of the limits
 // under prefix.
-func PublishForget(ctx context.Context, c Publisher, prefix, id string) error {
+func publishForget(ctx context.Context, c Publisher, prefix, id string) error {
 	return c.Publish(ctx, ForgetChannel, prefix+"\x00"+id).Err()
 }
 
@@ -58,10 +46,10 @@ func PublishForget(ctx context.Context, c Publisher, prefix, id string) error {
 // as a reset of a prefix that no handler has).
 const banTag = "{ban}\x00"
 
-// PublishBan tells every listening instance that id of the limits under
+// publishBan tells every listening instance that id of the limits under
 // prefix is banned: the ban ends in left, and a request may pass in retry
 // (later than left when the quota that started the ban admits only then).
-func PublishBan(ctx context.Context, c Publisher, prefix, id string, left, retry time.Duration) error {
+func publishBan(ctx context.Context, c Publisher, prefix, id string, left, retry time.Duration) error {
 	msg := banTag + prefix + "\x00" + strconv.FormatInt(left.Milliseconds(), 10) + "\x00" +
 		strconv.FormatInt(retry.Milliseconds(), 10) + "\x00" + id
 	return c.Publish(ctx, ForgetChannel, msg).Err()
@@ -90,17 +78,6 @@ func parseBan(payload string) (prefix, id string, left, retry time.Duration, ok 
 // time.Duration holds).
 const maxBanMs = int64(time.Duration(1<<63-1) / time.Millisecond)
 
-// Forgetter is told what to forget and what to hold: one id of the limits
-// under prefix to forget (a reset), one to hold as banned, and, after a
-// resubscription (a reset may have been missed), everything to forget but
-// the bans, knowing whether Redis runs a new process since the previous
-// subscription.
-type Forgetter interface {
-	Forget(prefix, id string)
-	Ban(prefix, id string, left, retry time.Duration)
-	Resubscribed(newProcess bool)
-}
-
 // ForgetListener receives the resets published on one Redis.
 type ForgetListener struct {
 	client     Subscriber
@@ -119,15 +96,15 @@ type ForgetListener struct {
 // redisconn.Check.Restarts is: go-redis runs the connection hook on a
 // Pub/Sub connection too, before it subscribes). logger returns the logger
 // of the moment, for a panic.
-func ListenForget(c Subscriber, f Forgetter, restarts func() uint64, logger func() *slog.Logger) *ForgetListener {
+func listenForget(c Subscriber, f Forgetter, restarts func() uint64, logger func() *slog.Logger) *ForgetListener {
 	ctx, cancel := context.WithCancel(context.Background())
 	l := &ForgetListener{client: c, forgetter: f, restarts: restarts, logger: logger, cancel: cancel, done: make(chan struct{})}
 	go l.supervise(ctx)
 	return l
 }
 
-// Close stops the listener and waits for it.
-func (l *ForgetListener) Close() {
+// stop stops the listener and waits for it (ForgetListener.Close).
+func (l *ForgetListener) stop() {
 	l.cancel()
 	<-l.done
 }
@@ -198,27 +175,18 @@ func (l *ForgetListener) deliver(payload string) {
 	}
 }
 
-// writeBackLua sets a ban key the Redis lacks, as the decision script
-// would have: expiring when the ban ends (ARGV[1], ms), holding the moment
-// a request may pass (Redis TIME + ARGV[2] µs).
-const writeBackLua = `local t = redis.call('TIME')
-local at = tonumber(t[1]) * 1000000 + tonumber(t[2]) + tonumber(ARGV[2])
-return redis.call('SET', KEYS[1], string.format('%d', at), 'PX', ARGV[1], 'NX') and 1 or 0
-`
+var (
+	//go:embed scripts/ratelimit_ban_write_back.lua
+	writeBackLua    string
+	writeBackScript = redisconn.NewScript(writeBackLua)
+)
 
-var writeBackScript = redisconn.NewScript(writeBackLua)
-
-// Pipeliner is what WriteBackBans needs of a Redis client.
-type Pipeliner interface {
-	Pipeline() redis.Pipeliner
-}
-
-// WriteBackBans writes the bans an instance holds back to a Redis that may
+// writeBackBans writes the bans an instance holds back to a Redis that may
 // have lost them (a new process), in one pipeline: each ban key that is
 // missing is set with the ban's remaining lifetime; one that is there (the
 // ban was started again, or another instance wrote it back) is left as it
 // is. It returns how many it set.
-func WriteBackBans(ctx context.Context, c Pipeliner, bans []KeptBan) (int, error) {
+func writeBackBans(ctx context.Context, c Pipeliner, bans []KeptBan) (int, error) {
 	if len(bans) == 0 {
 		return 0, nil
 	}

@@ -89,13 +89,13 @@ func TestForgetListener(t *testing.T) {
 	// Published until the listener is subscribed (a message before that is
 	// not delivered).
 	if !waitFor(10*time.Second, func() bool {
-		_ = PublishForget(ctx, pub, "caddy:rl:", "mallory")
+		_ = publishForget(ctx, pub, "caddy:rl:", "mallory")
 		ids, _, _ := f.state()
 		return len(ids) > 0
 	}) {
 		t.Fatal("a published reset never reached the listener")
 	}
-	if err := PublishBan(ctx, pub, "caddy:rl:", "carol\x00x", 29*time.Second, 31*time.Second); err != nil {
+	if err := publishBan(ctx, pub, "caddy:rl:", "carol\x00x", 29*time.Second, 31*time.Second); err != nil {
 		t.Fatal(err)
 	}
 	want := "caddy:rl:|carol\x00x|29s|31s"

@@ -1,14 +1,17 @@
 package ratelimit
 
 import (
+	"context"
 	_ "embed"
-	"math"
+	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/google/uuid"
+	"github.com/redis/go-redis/v9"
 )
 
 // The local limiter of fail_local: while Redis is unreachable, each
@@ -36,64 +39,17 @@ import (
 // a gcra rate replays the buckets into a theoretical arrival time at the
 // share's rate, each bucket's admissions at its end (a little stricter).
 
-var (
-	//go:embed scripts/ratelimit_sliding_charge.lua
-	slidingChargeLua string
-	//go:embed scripts/ratelimit_gcra_charge.lua
-	gcraChargeLua string
-
-	// SlidingChargeScript and GCRAChargeScript charge one rate's key with
-	// local admissions (see the scripts). They are sent alone, never in a
-	// batch.
-	SlidingChargeScript = redisconn.NewScript(slidingChargeLua)
-	GCRAChargeScript    = redisconn.NewScript(gcraChargeLua)
-)
-
 const localBuckets = 16
 
-// LocalRate is one rate of a limit as the local limiter takes it.
-type LocalRate struct {
-	Key    string // the rate's Redis key: its identity
-	N      int64
-	Window time.Duration
-	Burst  int64 // gcra; 0 for sliding_window
-}
-
 // horizon is how far back the rate's admissions matter.
-func (r LocalRate) horizon() time.Duration {
-	if r.Burst > r.N {
-		return time.Duration(float64(r.Window) * float64(r.Burst) / float64(r.N))
-	}
-	return r.Window
-}
+func (r LocalRate) horizon() time.Duration { return r.algo.horizon(r.Rate) }
 
-// Share is the part of n (and burst) one of instances instances enforces:
-// ceil(n ÷ instances), at least 1.
-func Share(n, instances int64) int64 {
+// share is ceil(n ÷ instances), at least 1 (Share).
+func share(n, instances int64) int64 {
 	if instances < 1 {
 		instances = 1
 	}
 	return max(1, (n+instances-1)/instances)
-}
-
-// Charge is admissions made locally in one bucket: the latest time, their
-// sum of costs, and the charge's sequence number (unique in its limiter,
-// ascending in a key's charges). A charge once taken is sealed: new
-// admissions of its bucket make a charge of their own, since Redis may
-// have applied the sealed one already.
-type Charge struct {
-	At     time.Time
-	Cost   int64
-	Seq    int64
-	sealed bool
-}
-
-// ChargeBatch is what one rate's key is to be charged with.
-type ChargeBatch struct {
-	Rate    LocalRate
-	Charges []Charge // ascending
-	e       *localRate
-	round   uint64 // e.round when taken
 }
 
 type localRate struct {
@@ -103,7 +59,7 @@ type localRate struct {
 	counts  [localBuckets + 1]int64
 	charges []Charge // admitted locally, not yet charged; one per bucket
 	// A batch of this key's charges is on its way to Redis (taken, not yet
-	// Done or given back): nothing more of the key is taken meanwhile.
+	// done or given back): nothing more of the key is taken meanwhile.
 	inflight bool
 	last     time.Time
 	gen      uint64 // when it was made: Local.gen then
@@ -128,21 +84,20 @@ type Local struct {
 	gen     uint64 // the last entry made (see Reservation)
 }
 
-// NewLocal makes a local limiter of at most max rates of keys; epoch is
-// any moment before the first call (bucket numbers count from it).
-func NewLocal(max int, epoch time.Time) *Local {
+// newLocal makes a local limiter (NewLocal).
+func newLocal(max int, epoch time.Time) *Local {
 	return &Local{max: max, epoch: epoch, m: make(map[string]*localRate), id: uuid.NewString()}
 }
 
-// ChargeMarker is the Redis key where the charge script keeps the highest
+// chargeMarker is the Redis key where the charge script keeps the highest
 // sequence number of this limiter it applied to the rate's key: the
 // rate's key (so the same hash slot) and the limiter's id.
-func (l *Local) ChargeMarker(key string) string { return key + ":charged:" + l.id }
+func (l *Local) chargeMarker(key string) string { return key + ":charged:" + l.id }
 
-// ChargeMarkerTTL is how long a charge marker must outlive the charge it
+// chargeMarkerTTL is how long a charge marker must outlive the charge it
 // records: a charge is sent (again) only within its rate's horizon of its
 // time, and the marker is written no earlier than that time.
-func ChargeMarkerTTL(r LocalRate) time.Duration { return r.horizon() + time.Minute }
+func chargeMarkerTTL(r LocalRate) time.Duration { return r.horizon() + time.Minute }
 
 // bucket is the number of the bucket of e at t.
 func (l *Local) bucket(e *localRate, t time.Time) int64 {
@@ -244,9 +199,9 @@ func (l *Local) add(e *localRate, now time.Time, cost int64) {
 	e.last = now
 }
 
-// Note records an admission that Redis decided, of cost on every rate (a
+// note records an admission that Redis decided, of cost on every rate (a
 // rate with no room left is not noted).
-func (l *Local) Note(rates []LocalRate, cost int64, now time.Time) {
+func (l *Local) note(rates []LocalRate, cost int64, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, r := range rates {
@@ -256,58 +211,10 @@ func (l *Local) Note(rates []LocalRate, cost int64, now time.Time) {
 	}
 }
 
-// LocalDecision is the local limiter's answer.
-type LocalDecision struct {
-	Allowed   bool
-	Wait      time.Duration // rejected: until it would be admitted (0 = never)
-	Tight     int           // the rate reported (a rejecting one when rejected)
-	Remaining int64         // of rate Tight, in its share
-	Reset     time.Duration // until rate Tight's share grows (0 = full)
-	Share     int64         // rate Tight's share of n
-	// Full: rate Tight's key has no entry, and no room for one: the
-	// limiter is full of charges that still matter. Not allowed; the
-	// caller decides as if it could not decide at all.
-	Full bool
-}
-
-// Admit decides a request of cost on every rate, each at its share for
-// instances instances, and records it when every rate admits it, as a
-// local admission to be charged to Redis.
-func (l *Local) Admit(rates []LocalRate, cost, instances int64, now time.Time) LocalDecision {
-	d, _ := l.admit(rates, cost, instances, now, true)
-	return d
-}
-
-// Reservation is a place Reserve took in the share: when, and which
-// entries held it (those made by then). The zero Reservation is none.
-type Reservation struct {
-	At  time.Time
-	gen uint64
-}
-
-// IsZero reports whether r is no reservation.
-func (r Reservation) IsZero() bool { return r.At.IsZero() }
-
-// Reserve decides a request as Admit does, and records it when every rate
-// admits it as an admission Redis is about to decide (nothing to charge):
-// the cap of an instance back from local mode (see the handler's
-// fail_local), which also asks Redis. Unreserve takes it back when Redis
-// does not admit it. The Reservation is zero when a rate rejects.
-func (l *Local) Reserve(rates []LocalRate, cost, instances int64, now time.Time) (LocalDecision, Reservation) {
-	return l.admit(rates, cost, instances, now, false)
-}
-
-// Unreserve takes back a reservation of cost on rates.
-func (l *Local) Unreserve(rates []LocalRate, cost int64, res Reservation) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.unreserve(rates, cost, res)
-}
-
-// Confirm turns a reservation of cost into an admission Redis decided,
+// confirm turns a reservation of cost into an admission Redis decided,
 // noted at now (as Note), in one step: no other call sees the share
 // without it in between.
-func (l *Local) Confirm(rates []LocalRate, cost int64, res Reservation, now time.Time) {
+func (l *Local) confirm(rates []LocalRate, cost int64, res Reservation, now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.unreserve(rates, cost, res)
@@ -347,15 +254,8 @@ func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, c
 			return LocalDecision{Tight: i, Full: true}, Reservation{}
 		}
 		es[i] = e
-		share := Share(r.N, instances)
-		var ok bool
-		var rem int64
-		var wait, reset time.Duration
-		if r.Burst > 0 {
-			ok, rem, wait, reset = l.gcra(e, share, Share(r.Burst, instances), cost, now)
-		} else {
-			ok, rem, wait, reset = l.sliding(e, share, cost, now)
-		}
+		st := r.algo.admitLocally(l, e, cost, instances, now)
+		ok, rem, wait, reset, share := st.ok, st.rem, st.wait, st.reset, st.share
 		better := d.Tight < 0 || rem < d.Remaining || rem == d.Remaining && reset > d.Reset
 		switch {
 		case !ok && d.Allowed: // the first rate that rejects
@@ -400,75 +300,6 @@ func (l *Local) admit(rates []LocalRate, cost, instances int64, now time.Time, c
 	return d, Reservation{At: now, gen: l.gen}
 }
 
-// sliding decides one sliding_window rate at its share: the admissions of
-// every bucket that reaches into the window count.
-func (l *Local) sliding(e *localRate, share, cost int64, now time.Time) (ok bool, rem int64, wait, reset time.Duration) {
-	cur := l.bucket(e, now)
-	from := l.bucket(e, now.Add(-e.rate.Window))
-	var used int64
-	first := int64(-1)
-	for b := from; b <= cur; b++ {
-		if c := e.count(b); c > 0 {
-			used += c
-			if first < 0 {
-				first = b
-			}
-		}
-	}
-	rem = max(0, share-used)
-	// Bucket b leaves the window at epoch + (b+1)·width + window.
-	leaves := func(b int64) time.Duration {
-		return l.epoch.Add(time.Duration(b+1)*e.width + e.rate.Window).Sub(now)
-	}
-	if first >= 0 {
-		reset = max(time.Microsecond, leaves(first))
-	}
-	if used+cost <= share {
-		return true, rem, 0, reset
-	}
-	if cost > share {
-		return false, rem, 0, reset // never at this share
-	}
-	need := used + cost - share
-	for b := from; b <= cur; b++ {
-		if need -= e.count(b); need <= 0 {
-			return false, rem, max(time.Microsecond, leaves(b)), reset
-		}
-	}
-	return false, rem, e.rate.Window, reset
-}
-
-// gcra decides one gcra rate at its share: a theoretical arrival time
-// replayed from the buckets, one unit costing window ÷ share.
-func (l *Local) gcra(e *localRate, share, burst, cost int64, now time.Time) (ok bool, rem int64, wait, reset time.Duration) {
-	unit := float64(e.rate.Window) / float64(share)
-	tau := float64(burst) * unit
-	cur := l.bucket(e, now)
-	t := float64(now.Sub(l.epoch))
-	tat := 0.0
-	for b := cur - localBuckets; b <= cur; b++ {
-		c := e.count(b)
-		if c == 0 {
-			continue
-		}
-		at := math.Min(float64(time.Duration(b+1)*e.width), t)
-		tat = math.Max(tat, at) + float64(c)*unit
-	}
-	tat = math.Max(tat, t)
-	debt := tat - t
-	rem = min(max(int64(math.Floor((tau-debt+0.5)/unit)), 0), burst)
-	if rem < burst {
-		reset = time.Duration(math.Max(1000, math.Ceil(debt-tau+float64(rem+1)*unit)))
-	}
-	if cost > burst {
-		return false, rem, 0, reset
-	}
-	if at := tat + float64(cost)*unit - tau; at > t {
-		return false, rem, time.Duration(math.Ceil(at - t)), reset
-	}
-	return true, rem, 0, reset
-}
-
 // count is e's count in bucket b (0 when the ring holds another).
 func (e *localRate) count(b int64) int64 {
 	if b < 0 {
@@ -481,19 +312,19 @@ func (e *localRate) count(b int64) int64 {
 	return e.counts[i]
 }
 
-// Pending reports whether local admissions wait to be charged to Redis.
-func (l *Local) Pending() bool {
+// pending reports whether local admissions wait to be charged to Redis.
+func (l *Local) pending() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.charged > 0
 }
 
-// TakeCharges hands over the local admissions to charge to Redis, per
+// takeCharges hands over the local admissions to charge to Redis, per
 // rate's key, leaving none; those older than their rate's horizon at now are
 // dropped (they no longer matter). A key whose batch is on its way already
 // is left for later. Report each batch's end with Done, or give it back
 // with Untake.
-func (l *Local) TakeCharges(now time.Time) []ChargeBatch {
+func (l *Local) takeCharges(now time.Time) []ChargeBatch {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var out []ChargeBatch
@@ -503,9 +334,9 @@ func (l *Local) TakeCharges(now time.Time) []ChargeBatch {
 	return out
 }
 
-// PendingFor reports whether local admissions on any of these rates' keys
+// pendingFor reports whether local admissions on any of these rates' keys
 // wait to be charged, or are on their way.
-func (l *Local) PendingFor(rates []LocalRate) bool {
+func (l *Local) pendingFor(rates []LocalRate) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.charged == 0 {
@@ -519,10 +350,10 @@ func (l *Local) PendingFor(rates []LocalRate) bool {
 	return false
 }
 
-// TakeFor is TakeCharges for these rates only; onTheirWay reports whether
+// takeFor is TakeCharges for these rates only; onTheirWay reports whether
 // a batch of any of their keys was on its way already (taken by another
 // caller, not yet Done): Redis does not know all of them yet.
-func (l *Local) TakeFor(rates []LocalRate, now time.Time) (out []ChargeBatch, onTheirWay bool) {
+func (l *Local) takeFor(rates []LocalRate, now time.Time) (out []ChargeBatch, onTheirWay bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, r := range rates {
@@ -556,9 +387,9 @@ func (l *Local) take(e *localRate, now time.Time, out []ChargeBatch) []ChargeBat
 	return append(out, ChargeBatch{Rate: e.rate, Charges: cs, e: e, round: e.round})
 }
 
-// Done ends a batch taken: Redis applied it (or refused it for good); the
+// done ends a batch taken: Redis applied it (or refused it for good); the
 // key's next charges may go.
-func (l *Local) Done(b ChargeBatch) {
+func (l *Local) done(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	e := b.e
@@ -571,12 +402,12 @@ func (l *Local) Done(b ChargeBatch) {
 	}
 }
 
-// Untake gives back a batch whose charge did not surely go through (never
+// untake gives back a batch whose charge did not surely go through (never
 // sent, or its answer lost): it goes before the key's charges made since
 // (their numbers are higher), is sent again with them, and the charge
 // script skips what of it already ran. A key forgotten meanwhile (an admin
 // reset) or replaced (a plan changed) takes nothing back.
-func (l *Local) Untake(b ChargeBatch) {
+func (l *Local) untake(b ChargeBatch) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	e := b.e
@@ -587,13 +418,13 @@ func (l *Local) Untake(b ChargeBatch) {
 	e.charges = append(b.Charges, e.charges...)
 }
 
-// Recharge makes every admission the limiter counts within its rate's
+// recharge makes every admission the limiter counts within its rate's
 // horizon at now, those Redis decided (Note) and its own, a charge again,
 // in place of the charges pending: Redis restarted empty and lost them.
 // Each bucket's admissions are charged at the bucket's end (no earlier than
 // they happened; at most a bucket later, which is stricter). A batch on its
 // way is superseded: when it ends, it gives nothing back.
-func (l *Local) Recharge(now time.Time) {
+func (l *Local) recharge(now time.Time) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.charged = 0
@@ -619,10 +450,10 @@ func (l *Local) Recharge(now time.Time) {
 	}
 }
 
-// Forget drops the state of every rate whose key starts with prefix (an
+// forget drops the state of every rate whose key starts with prefix (an
 // admin reset of a limit: its admissions no longer count, here either),
 // charges included.
-func (l *Local) Forget(prefix string) {
+func (l *Local) forget(prefix string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for k, e := range l.m {
@@ -633,4 +464,60 @@ func (l *Local) Forget(prefix string) {
 			delete(l.m, k)
 		}
 	}
+}
+
+// charge runs the charge script of each batch (Local.Charge).
+func (l *Local) charge(ctx context.Context, c redisconn.Processor, batches []ChargeBatch, o ChargeOptions) (ChargeReport, error) {
+	var rep ChargeReport
+	for i, b := range batches {
+		args := append(b.Rate.algo.chargeArgs(b.Rate.Rate), chargeMarkerTTL(b.Rate).Milliseconds())
+		for _, ch := range b.Charges {
+			args = append(args, ch.At.UnixMicro()+o.Offset, ch.Cost, ch.Seq)
+		}
+		var superseded func() bool
+		if o.Superseded != nil {
+			superseded = o.Superseded()
+		}
+		cctx, cancel := context.WithTimeout(ctx, o.Timeout)
+		err := b.Rate.algo.chargeScript().Run(cctx, c, []string{b.Rate.Key, l.chargeMarker(b.Rate.Key)}, args...).Err()
+		cancel()
+		if superseded != nil && superseded() {
+			return rep, ErrChargeSuperseded
+		}
+		switch {
+		case err == nil:
+			l.done(b)
+			rep.Rates++
+			for _, ch := range b.Charges {
+				rep.Cost += ch.Cost
+			}
+		case refusedForGood(err):
+			l.done(b)
+			if rep.Dropped++; rep.Dropped == 1 {
+				rep.DroppedKey, rep.DroppedErr = b.Rate.Key, err
+			}
+		default:
+			for _, rest := range batches[i:] {
+				l.untake(rest)
+			}
+			return rep, fmt.Errorf("charging local admissions: %w", err)
+		}
+	}
+	return rep, nil
+}
+
+// refusedForGood reports whether Redis refused a charge call in a way that
+// a second send would meet again: a key of another type, or an error in the
+// script itself.
+func refusedForGood(err error) bool {
+	var re redis.Error
+	if !errors.As(err, &re) {
+		return false
+	}
+	msg := re.Error()
+	if redisconn.RefusedForNow(msg) {
+		return false
+	}
+	return strings.HasPrefix(msg, "WRONGTYPE") || strings.HasPrefix(msg, "CROSSSLOT") ||
+		strings.Contains(msg, "user_script") || strings.Contains(msg, "Error running script")
 }

@@ -23,7 +23,7 @@ func TestShare(t *testing.T) {
 func TestLocalSlidingExact(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(100, epoch)
-	r := LocalRate{Key: "k:sw:20/2s", N: 20, Window: 2 * time.Second}
+	r := slidingRate("k:sw:20/2s", 20, 2*time.Second)
 	now := epoch.Add(time.Second)
 	l.Note([]LocalRate{r}, 6, now) // admitted through Redis before the outage
 	var admitted []time.Time
@@ -82,7 +82,7 @@ func countIn(ts []time.Time, from time.Time, w time.Duration) int {
 func TestLocalGCRA(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(100, epoch)
-	r := LocalRate{Key: "k:gcra", N: 20, Window: 2 * time.Second, Burst: 8}
+	r := gcraRate("k:gcra", 20, 2*time.Second, 8)
 	now := epoch.Add(time.Second)
 	n := 0
 	for i := 0; i < 10; i++ {
@@ -118,7 +118,7 @@ func TestLocalBounded(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(10, epoch)
 	for i := 0; i < 100; i++ {
-		l.Note([]LocalRate{{Key: string(rune('a' + i)), N: 5, Window: time.Second}}, 1, epoch.Add(time.Duration(i)*time.Millisecond))
+		l.Note([]LocalRate{slidingRate(string(rune('a'+i)), 5, time.Second)}, 1, epoch.Add(time.Duration(i)*time.Millisecond))
 	}
 	if len(l.m) > 10 {
 		t.Errorf("%d entries, max 10", len(l.m))
@@ -129,8 +129,8 @@ func TestLocalBounded(t *testing.T) {
 func TestLocalForget(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(10, epoch)
-	a := LocalRate{Key: "p{a}:sw:2/1m0s", N: 2, Window: time.Minute}
-	b := LocalRate{Key: "p{ab}:sw:2/1m0s", N: 2, Window: time.Minute}
+	a := slidingRate("p{a}:sw:2/1m0s", 2, time.Minute)
+	b := slidingRate("p{ab}:sw:2/1m0s", 2, time.Minute)
 	now := epoch.Add(time.Second)
 	for _, r := range []LocalRate{a, a, b, b} {
 		l.Admit([]LocalRate{r}, 1, 1, now)
@@ -159,7 +159,7 @@ func TestLocalForget(t *testing.T) {
 func TestLocalChargesSealedWhenTaken(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(100, epoch)
-	r := LocalRate{Key: "k:sw:20/1m", N: 20, Window: time.Minute}
+	r := slidingRate("k:sw:20/1m", 20, time.Minute)
 	now := epoch.Add(time.Second)
 	for i := 0; i < 2; i++ {
 		l.Admit([]LocalRate{r}, 1, 1, now) // one bucket: one charge of 2
@@ -194,8 +194,8 @@ func TestLocalChargesSealedWhenTaken(t *testing.T) {
 func TestLocalOneBatchOfAKeyOnItsWay(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(100, epoch)
-	r := LocalRate{Key: "k:sw:20/1m", N: 20, Window: time.Minute}
-	other := LocalRate{Key: "o:sw:20/1m", N: 20, Window: time.Minute}
+	r := slidingRate("k:sw:20/1m", 20, time.Minute)
+	other := slidingRate("o:sw:20/1m", 20, time.Minute)
 	now := epoch.Add(time.Second)
 	l.Admit([]LocalRate{r}, 1, 1, now)
 	first := l.TakeCharges(now)
@@ -229,8 +229,8 @@ func TestLocalOneBatchOfAKeyOnItsWay(t *testing.T) {
 func TestLocalFullMapKeepsCallersRates(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(1, epoch)
-	a := LocalRate{Key: "k:sw:5/1m", N: 5, Window: time.Minute}
-	b := LocalRate{Key: "k:sw:50/1h", N: 50, Window: time.Hour}
+	a := slidingRate("k:sw:5/1m", 5, time.Minute)
+	b := slidingRate("k:sw:50/1h", 50, time.Hour)
 	now := epoch.Add(time.Second)
 	if !l.Admit([]LocalRate{a, b}, 1, 1, now).Allowed {
 		t.Fatal("first request rejected")
@@ -247,7 +247,7 @@ func TestLocalFullMapKeepsCallersRates(t *testing.T) {
 	// A rate of the request whose entry is stale (its admissions no longer
 	// matter) is not dropped to make room for the request's next rate.
 	l = NewLocal(1, epoch)
-	short := LocalRate{Key: "k:sw:5/1s", N: 5, Window: time.Second}
+	short := slidingRate("k:sw:5/1s", 5, time.Second)
 	l.Note([]LocalRate{short}, 1, now)
 	later := now.Add(time.Minute)
 	if !l.Admit([]LocalRate{short, b}, 1, 1, later).Allowed {
@@ -269,8 +269,8 @@ func TestLocalFullMapKeepsCallersRates(t *testing.T) {
 func TestLocalBatchOnItsWayNotEvicted(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(1, epoch)
-	a := LocalRate{Key: "a:sw:5/1m", N: 5, Window: time.Minute}
-	b := LocalRate{Key: "b:sw:5/1m", N: 5, Window: time.Minute}
+	a := slidingRate("a:sw:5/1m", 5, time.Minute)
+	b := slidingRate("b:sw:5/1m", 5, time.Minute)
 	now := epoch.Add(time.Second)
 	l.Admit([]LocalRate{a}, 1, 1, now)
 	first := l.TakeCharges(now)
@@ -290,8 +290,8 @@ func TestLocalBatchOnItsWayNotEvicted(t *testing.T) {
 func TestLocalReplacedEntryIgnoresOldBatch(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	l := NewLocal(10, epoch)
-	old := LocalRate{Key: "k:sw", N: 5, Window: time.Minute}
-	cur := LocalRate{Key: "k:sw", N: 6, Window: time.Minute}
+	old := slidingRate("k:sw", 5, time.Minute)
+	cur := slidingRate("k:sw", 6, time.Minute)
 	now := epoch.Add(time.Second)
 	l.Admit([]LocalRate{old}, 1, 1, now)
 	b1 := l.TakeCharges(now)
@@ -332,10 +332,10 @@ func TestLocalReserve(t *testing.T) {
 		// their reservation, but not from their answer 300 ms later.
 		check time.Duration
 	}{
-		{LocalRate{Key: "k:sw", N: 4, Window: time.Second}, time.Second + 100*time.Millisecond},
+		{slidingRate("k:sw", 4, time.Second), time.Second + 100*time.Millisecond},
 		// gcra at a share of 2/s (burst 2): the two put the arrival time
 		// 1 s on, and a request passes within 500 ms of it.
-		{LocalRate{Key: "k:gcra", N: 4, Window: time.Second, Burst: 4}, 700 * time.Millisecond},
+		{gcraRate("k:gcra", 4, time.Second, 4), 700 * time.Millisecond},
 	} {
 		r := c.r
 		epoch := time.Unix(1000, 0)
@@ -386,7 +386,7 @@ func TestLocalReserve(t *testing.T) {
 // entry's own admissions still fill the share.
 func TestLocalUnreserveMadeAfter(t *testing.T) {
 	epoch := time.Unix(1000, 0)
-	r := LocalRate{Key: "k", N: 2, Window: time.Second}
+	r := slidingRate("k", 2, time.Second)
 	at := epoch.Add(time.Second)
 	for _, c := range []struct {
 		name    string
@@ -395,12 +395,12 @@ func TestLocalUnreserveMadeAfter(t *testing.T) {
 	}{
 		{"evicted", func(l *Local) {
 			// max 1: another key's entry evicts k's.
-			l.Note([]LocalRate{{Key: "other", N: 2, Window: time.Second}}, 1, at)
+			l.Note([]LocalRate{slidingRate("other", 2, time.Second)}, 1, at)
 			if _, ok := l.m["k"]; ok {
 				t.Fatal("k's entry not evicted")
 			}
 		}, r},
-		{"plan changed", func(*Local) {}, LocalRate{Key: "k", N: 2, Window: 2 * time.Second}},
+		{"plan changed", func(*Local) {}, slidingRate("k", 2, 2*time.Second)},
 	} {
 		l := NewLocal(1, epoch)
 		d, res := l.Reserve([]LocalRate{r}, 1, 1, at)
@@ -430,13 +430,13 @@ func TestLocalUnreserveMadeAfter(t *testing.T) {
 func TestLocalConfirmMadeAfter(t *testing.T) {
 	epoch := time.Unix(1000, 0)
 	at := epoch.Add(time.Second)
-	r := LocalRate{Key: "k", N: 2, Window: time.Second}
-	changed := LocalRate{Key: "k", N: 2, Window: 2 * time.Second}
+	r := slidingRate("k", 2, time.Second)
+	changed := slidingRate("k", 2, 2*time.Second)
 
 	// max 1: another key's entry evicts k's, then k's is made again.
 	l := NewLocal(1, epoch)
 	_, res := l.Reserve([]LocalRate{r}, 1, 1, at)
-	l.Note([]LocalRate{{Key: "x", N: 2, Window: time.Second}}, 1, at)
+	l.Note([]LocalRate{slidingRate("x", 2, time.Second)}, 1, at)
 	l.Note([]LocalRate{r}, 1, at) // k's new entry, one admission
 	l.Confirm([]LocalRate{r}, 1, res, at)
 	if d := l.Admit([]LocalRate{r}, 1, 1, at); d.Allowed {
@@ -444,7 +444,7 @@ func TestLocalConfirmMadeAfter(t *testing.T) {
 	}
 
 	l = NewLocal(10, epoch)
-	other := LocalRate{Key: "o", N: 1, Window: time.Second}
+	other := slidingRate("o", 1, time.Second)
 	d, res := l.Reserve([]LocalRate{r, other}, 1, 1, at)
 	if !d.Allowed {
 		t.Fatal("reservation on two rates refused")
@@ -460,7 +460,7 @@ func TestLocalConfirmMadeAfter(t *testing.T) {
 	}
 }
 
-// TestLocalFullOfChargesRefusesNewKey (issue 47 row 9): when every entry
+// TestLocalFullOfChargesRefusesNewKey: when every entry
 // holds local admissions still to charge that still matter, a new key
 // finds no room: it is refused as Full (the handler answers as
 // fail_closed), and no charge is dropped. Charges past their rate's
@@ -469,7 +469,7 @@ func TestLocalConfirmMadeAfter(t *testing.T) {
 func TestLocalFullOfChargesRefusesNewKey(t *testing.T) {
 	clock := testclock.New()
 	l := NewLocal(3, clock.Now())
-	rate := func(k string) []LocalRate { return []LocalRate{{Key: k, N: 10, Window: 10 * time.Second}} }
+	rate := func(k string) []LocalRate { return []LocalRate{slidingRate(k, 10, 10*time.Second)} }
 	clock.Advance(time.Second)
 	for _, k := range []string{"a", "b", "c"} {
 		if !l.Admit(rate(k), 2, 1, clock.Now()).Allowed {
@@ -520,7 +520,7 @@ func TestLocalFullOfChargesRefusesNewKey(t *testing.T) {
 func TestLocalRecharge(t *testing.T) {
 	clock := testclock.New()
 	l := NewLocal(10, clock.Now())
-	r := []LocalRate{{Key: "k", N: 100, Window: 10 * time.Second}}
+	r := []LocalRate{slidingRate("k", 100, 10*time.Second)}
 	l.Note(r, 4, clock.Now()) // leaves the window before the restart
 	clock.Advance(5 * time.Second)
 	noted := clock.Now()
@@ -559,4 +559,14 @@ func TestLocalRecharge(t *testing.T) {
 	if l.Pending() {
 		t.Error("pending after the recharge batch was done")
 	}
+}
+
+// slidingRate is a sliding_window rate of n per window under key.
+func slidingRate(key string, n int64, window time.Duration) LocalRate {
+	return LocalRate{Key: key, Rate: Rate{N: n, Window: window}, algo: SlidingWindow}
+}
+
+// gcraRate is a gcra rate of n per window and burst under key.
+func gcraRate(key string, n int64, window time.Duration, burst int64) LocalRate {
+	return LocalRate{Key: key, Rate: Rate{N: n, Window: window, Burst: burst}, algo: GCRA}
 }

@@ -33,19 +33,19 @@ func (u *rlUnit) command(as sendAs) []any {
 	c0 := u.calls[0]
 	eval := as == byText
 	if !u.batch {
-		return append(c0.Script.Head(eval, c0.Keys, len(c0.Argv)), c0.Argv...)
+		return append(c0.script.Head(eval, c0.keys, len(c0.argv)), c0.argv...)
 	}
-	keys := make([]string, 0, len(u.calls)*(len(c0.Keys)+1))
+	keys := make([]string, 0, len(u.calls)*(len(c0.keys)+1))
 	for _, c := range u.calls {
-		keys = append(keys, c.Keys...)
-		if c.BanKey != "" {
-			keys = append(keys, c.BanKey)
+		keys = append(keys, c.keys...)
+		if c.banKey != "" {
+			keys = append(keys, c.banKey)
 		}
-		if c.IndexKey != "" {
-			keys = append(keys, c.IndexKey)
+		if c.indexKey != "" {
+			keys = append(keys, c.indexKey)
 		}
 	}
-	args := c0.Script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.Argv)))
+	args := c0.script.Head(eval, keys, 2+len(u.calls)+2*(2+len(c0.argv)))
 	args = append(args, len(u.calls), 0) // S is filled in below
 	sIdx := len(args) - 1
 	var sets []*Call // the first call of each set
@@ -58,14 +58,14 @@ func (u *rlUnit) command(as sendAs) []any {
 		if i == len(sets) {
 			sets = append(sets, c)
 			flags := 0 // 1: it indexes; 2: lean answers
-			if c.IndexKey != "" {
+			if c.indexKey != "" {
 				flags |= 1
 			}
-			if c.Lean {
+			if c.lean {
 				flags |= 2
 			}
-			args = append(args, len(c.Keys), flags)
-			args = append(args, c.Argv...)
+			args = append(args, len(c.keys), flags)
+			args = append(args, c.argv...)
 		}
 		idx = append(idx, i+1)
 	}
@@ -78,10 +78,10 @@ func (u *rlUnit) command(as sendAs) []any {
 	return args
 }
 
-// BatchOfOne is the command of one decision sent alone, as a batch of one,
+// batchOfOne is the command of one decision sent alone, as a batch of one,
 // as the batcher sends it: with EVALSHA, and with EVAL and the script's
-// text (for tests and tools that run one decision).
-func BatchOfOne(c *Call) (evalsha, eval []any) {
+// text (for tests that run one decision).
+func batchOfOne(c *Call) (evalsha, eval []any) {
 	u := &rlUnit{calls: []*Call{c}, batch: true}
 	return u.command(bySHA), u.command(byText)
 }
@@ -89,7 +89,7 @@ func BatchOfOne(c *Call) (evalsha, eval []any) {
 // sameSet reports whether two calls share a parameter set: their
 // arguments, whether they index, and whether their answers are lean.
 func sameSet(a, b *Call) bool {
-	return (a.IndexKey == "") == (b.IndexKey == "") && a.Lean == b.Lean && sameArgs(a.Argv, b.Argv)
+	return (a.indexKey == "") == (b.indexKey == "") && a.lean == b.lean && sameArgs(a.argv, b.argv)
 }
 
 // sameArgs reports whether two calls share their arguments: mostly the same
@@ -107,14 +107,14 @@ func sameArgs(a, b []any) bool {
 func (u *rlUnit) answer(vals []int64) bool {
 	n := 0
 	for _, c := range u.calls {
-		n += 2 + c.PerRate()*len(c.Keys)
+		n += 2 + c.perRate()*len(c.keys)
 	}
 	if len(vals) != n {
 		return false
 	}
 	for _, c := range u.calls {
-		w := 2 + c.PerRate()*len(c.Keys)
-		c.Res, vals = vals[:w:w], vals[w:]
+		w := 2 + c.perRate()*len(c.keys)
+		c.res, vals = vals[:w:w], vals[w:]
 	}
 	return true
 }
@@ -130,13 +130,13 @@ func units(batch []*Call, cluster bool) []*rlUnit {
 	idx := make(map[group]int, 4)
 	out := make([]*rlUnit, 0, 4)
 	for _, c := range batch {
-		if decisionScripts[c.Script] == 0 {
+		if decisionScripts[c.script] == 0 {
 			out = append(out, &rlUnit{calls: []*Call{c}})
 			continue
 		}
-		g := group{script: c.Script}
+		g := group{script: c.script}
 		if cluster {
-			g.slot = keySlot(c.Keys[0])
+			g.slot = keySlot(c.keys[0])
 		}
 		i, ok := idx[g]
 		if !ok {

@@ -65,9 +65,9 @@ func TestRateLimitMultiPerSlot(t *testing.T) {
 	t.Parallel()
 	calls := []*Call{}
 	for _, id := range []string{"a", "b", "a", "c", "b", "a"} {
-		calls = append(calls, &Call{Script: SlidingScript, Keys: []string{"p:{" + id + "}:sw:1/1s", "p:{" + id + "}:sw:9/1h"}, Argv: []any{1, 0, 1, 1000000, 9, 3600000000}})
+		calls = append(calls, &Call{script: slidingScript, keys: []string{"p:{" + id + "}:sw:1/1s", "p:{" + id + "}:sw:9/1h"}, argv: []any{1, 0, 1, 1000000, 9, 3600000000}})
 	}
-	calls = append(calls, &Call{Script: SlidingReturnScript, Keys: []string{"p:{a}:sw:1/1s"}, Argv: []any{1, 1, 1, 1}})
+	calls = append(calls, &Call{script: slidingReturnScript, keys: []string{"p:{a}:sw:1/1s"}, argv: []any{1, 1, 1, 1}})
 	count := func(us []*rlUnit) (multi, single int) {
 		for _, u := range us {
 			if u.batch {
@@ -86,9 +86,9 @@ func TestRateLimitMultiPerSlot(t *testing.T) {
 		t.Fatalf("cluster: %d batches and %d single calls, want 3 (slots of a, b and c) and 1 (the return)", m, s)
 	}
 	for _, u := range us {
-		slot := keySlot(u.calls[0].Keys[0])
+		slot := keySlot(u.calls[0].keys[0])
 		for _, c := range u.calls {
-			for _, k := range c.Keys {
+			for _, k := range c.keys {
 				if keySlot(k) != slot {
 					t.Fatalf("a batch mixes slots: %v", u.command(bySHA))
 				}
@@ -112,8 +112,8 @@ func TestBatcherCallsNeverResent(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	var sent []redis.Cmder
-	decision := &Call{Script: GCRAScript, Keys: []string{"p:{a}:g"}, Argv: []any{1, 0, 5, 1000000, 5}}
-	giveBack := &Call{Script: GCRAReturnScript, Keys: []string{"p:{a}:g"}, Argv: []any{1, 5, 1000000, 5, 0, 0}}
+	decision := &Call{script: gcraScript, keys: []string{"p:{a}:g"}, argv: []any{1, 0, 5, 1000000, 5}}
+	giveBack := &Call{script: gcraReturnScript, keys: []string{"p:{a}:g"}, argv: []any{1, 5, 1000000, 5, 0, 0}}
 	us := units([]*Call{decision, giveBack}, false)
 	if len(us) != 2 {
 		t.Fatalf("%d units, want 2", len(us))

@@ -8,31 +8,13 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 )
 
-// The rate limiter's Lua scripts: two decision scripts, each put together
-// from the batch driver and an algorithm's body (they take a batch, see
-// multi.go), and the two that return an admission.
+// The rate limiter's Lua scripts. Each algorithm's decision script is put
+// together from the batch driver and the algorithm's body (it takes a
+// batch, see multi.go; newDecisionScript); its other scripts, and those of
+// the fleet and the admin API, are sent alone.
 var (
 	//go:embed scripts/ratelimit_batch.lua
 	batchLua string
-	//go:embed scripts/ratelimit_sliding.lua
-	slidingLua string
-	//go:embed scripts/ratelimit_gcra.lua
-	gcraLua string
-	//go:embed scripts/ratelimit_sliding_return.lua
-	slidingReturnLua string
-	//go:embed scripts/ratelimit_gcra_return.lua
-	gcraReturnLua string
-
-	SlidingScript       = redisconn.NewScript(decisionScript(slidingLua, perSliding))
-	GCRAScript          = redisconn.NewScript(decisionScript(gcraLua, perGCRA))
-	SlidingReturnScript = redisconn.NewScript(slidingReturnLua)
-	GCRAReturnScript    = redisconn.NewScript(gcraReturnLua)
-)
-
-// The integers a decision's answer has per rate (after its first two).
-const (
-	perSliding = 2 // remaining, reset
-	perGCRA    = 4 // remaining, reset, the TAT written, the key's sum of returns
 )
 
 // The codes of a decision in a batch that failed (e.g. on a key of another
@@ -43,17 +25,6 @@ const (
 const (
 	failedRead = -1 << 62
 	failedRun  = -1 << 61
-)
-
-// BanState says whether a rejection is a ban's (see Decision.Ban); the
-// decision scripts answer it after a rejection's wait, as the constants
-// BANNED and BAN_STARTED (decisionScript).
-type BanState int64
-
-const (
-	NotBanned  BanState = iota // rejected by a rate, no ban
-	Banned                     // rejected outright: the key is under a ban
-	BanStarted                 // rejected by a rate, and so the ban starts now
 )
 
 // ordered is what a decision script answers in the place of the BanState
@@ -78,21 +49,26 @@ func decisionScript(body string, per int) string {
 	return consts + head + body + tail
 }
 
-// decisionScripts take a batch; other scripts (returning an admission) are
-// always sent alone. The value is how many integers a decision's answer
-// has per rate (after its first two).
-var decisionScripts = map[*redisconn.Script]int{SlidingScript: perSliding, GCRAScript: perGCRA}
+// decisionScripts are the decision scripts, which take a batch, each with
+// how many integers a decision's answer has per rate (after its first two);
+// other scripts (returning an admission, charging, the fleet's, the admin
+// API's) are always sent alone.
+var decisionScripts = map[*redisconn.Script]int{}
 
-// PerRate is how many integers a decision script's answer has per rate
-// (after its first two); 0 for a script that takes no batch.
-func PerRate(s *redisconn.Script) int { return decisionScripts[s] }
+// newDecisionScript makes the decision script of an algorithm's body.
+func newDecisionScript(body string, per int) *redisconn.Script {
+	s := redisconn.NewScript(decisionScript(body, per))
+	decisionScripts[s] = per
+	return s
+}
 
-// PerRate is how many integers the answer of decision c has per rate
+// perRate is how many integers the answer of decision c has per rate
 // (after its first two): its script's, or 2 when its answer is lean (the
-// remaining quota and when it grows; not what returning it would need).
-func (c *Call) PerRate() int {
-	if c.Lean && decisionScripts[c.Script] > 2 {
+// remaining quota and when it grows; not what returning it would need); 0
+// for a call that is no decision.
+func (c *Call) perRate() int {
+	if c.lean && decisionScripts[c.script] > 2 {
 		return 2
 	}
-	return decisionScripts[c.Script]
+	return decisionScripts[c.script]
 }

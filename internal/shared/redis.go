@@ -291,11 +291,11 @@ func (p *Client) Destruct() error {
 // into one pipeline, answered within the client's timeout (or when ctx
 // ends), and refused at once while the breaker is open. obs is the
 // calling handler's: the batcher outlives configs, its log lines do not.
-func (p *Client) RateLimit(ctx context.Context, c *ratelimit.Call, obs ratelimit.Observer) ([]int64, error) {
+func (p *Client) RateLimit(ctx context.Context, c *ratelimit.Call, obs ratelimit.Observer) error {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
-		return nil, ratelimit.ErrBatcherDone
+		return ratelimit.ErrBatcherDone
 	}
 	if p.rl == nil {
 		p.rl = ratelimit.NewBatcher(p.Redis, ratelimit.Options{Workers: ratelimit.Workers, Logger: p.Users.Slogger("rl")})

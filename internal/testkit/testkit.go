@@ -5,24 +5,30 @@
 package testkit
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -153,4 +159,102 @@ func Count(c prometheus.Counter) float64 {
 	var m dto.Metric
 	_ = c.Write(&m)
 	return m.GetCounter().GetValue()
+}
+
+// CheckRoundTrip checks what a Caddyfile parser accepted, the way Caddy
+// uses it: its JSON form unmarshals into a fresh handler with the same JSON,
+// and Provision of that either succeeds (Cleanup then releases what it took)
+// or fails with an error that names the directive. Provision never dials.
+// Configs naming files (TLS) are not provisioned: a fuzzed path could be a
+// device that never ends.
+func CheckRoundTrip(t *testing.T, dir string, parsed any, conn *shared.RedisConfig, fresh Provisionable) {
+	t.Helper()
+	b1, err := json.Marshal(parsed)
+	if err != nil {
+		t.Fatalf("%s: JSON form of an accepted config: %v", dir, err)
+	}
+	if err := json.Unmarshal(b1, fresh); err != nil {
+		t.Fatalf("%s: JSON %s does not unmarshal: %v", dir, b1, err)
+	}
+	b2, _ := json.Marshal(fresh)
+	if !bytes.Equal(b1, b2) {
+		t.Fatalf("%s: JSON round trip changed the config:\n%s\n%s", dir, b1, b2)
+	}
+	if conn.TLSCAFile != "" || conn.TLSClientCertFile != "" || conn.TLSClientKeyFile != "" {
+		return
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	err = fresh.Provision(ctx)
+	_ = fresh.Cleanup()
+	if err != nil && !strings.Contains(err.Error(), dir) {
+		t.Fatalf("%s: Provision of %s: error does not name the directive: %v", dir, b1, err)
+	}
+}
+
+// CheckParseError fails unless a parse error names the directive.
+func CheckParseError(t *testing.T, dir string, err error) {
+	t.Helper()
+	if err != nil && !strings.Contains(err.Error(), dir) {
+		t.Fatalf("parse error does not name the directive %s: %v", dir, err)
+	}
+}
+
+// SlidingUsed counts the admissions Redis's sliding log of key holds
+// within the last w (Redis TIME): a redis_ratelimit sliding_window log, a
+// 24-byte header and then 8-byte admission times in µs.
+func SlidingUsed(t testing.TB, c *redis.Client, key string, w time.Duration) int {
+	t.Helper()
+	v, err := c.Get(t.Context(), key).Bytes()
+	if err != nil || len(v) < 24 {
+		return 0
+	}
+	now, err := c.Time(t.Context()).Result()
+	if err != nil {
+		t.Fatalf("redis TIME: %v", err)
+	}
+	n := 0
+	for off := 24; off+8 <= len(v); off += 8 {
+		at := int64(math.Float64frombits(binary.BigEndian.Uint64(v[off : off+8])))
+		if at > 0 && at >= now.Add(-w).UnixMicro() {
+			n++
+		}
+	}
+	return n
+}
+
+// WholeCaddy serialises what runs the (process-global) Caddy: RunCaddy,
+// and caddy.Validate of a whole config.
+var WholeCaddy sync.Mutex
+
+// SkipWholeCaddyIfShort skips whole-Caddy tests under -short.
+func SkipWholeCaddyIfShort(t testing.TB) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("whole-Caddy test: skipped under -short")
+	}
+}
+
+// RunCaddy adapts a Caddyfile and runs it as the whole in-process Caddy
+// (the modules linked into the test binary) until the test ends.
+func RunCaddy(t testing.TB, caddyfile string) {
+	t.Helper()
+	SkipWholeCaddyIfShort(t)
+	WholeCaddy.Lock()
+	cfg, warns, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(caddyfile), map[string]any{"filename": "Caddyfile"})
+	if err != nil {
+		WholeCaddy.Unlock()
+		t.Fatalf("adapt: %v", err)
+	}
+	for _, w := range warns {
+		t.Logf("adapt warning: %s", w.Message)
+	}
+	if err := caddy.Load(cfg, true); err != nil {
+		WholeCaddy.Unlock()
+		t.Fatalf("load: %v", err)
+	}
+	t.Cleanup(func() {
+		_ = caddy.Stop()
+		WholeCaddy.Unlock()
+	})
 }

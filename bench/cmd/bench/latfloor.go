@@ -33,7 +33,7 @@ func setNXFloor(c *redis.Client, tag string) func(context.Context) error {
 // replay, no lock_delay, instances taking turns): the script's uncontended
 // path, as a locked request of the row takes it.
 func acquireFloor(c *redis.Client, tag string) (func(context.Context) error, error) {
-	src, err := os.ReadFile(filepath.Join(*scriptDir, "..", "internal", "lock", "scripts", "lock_acquire.lua"))
+	src, err := os.ReadFile(filepath.Join(*scriptDir, "internal", "lock", "scripts", "lock_acquire.lua"))
 	if err != nil {
 		return nil, fmt.Errorf("the acquire script (see -scripts): %w", err)
 	}

@@ -61,7 +61,7 @@ var (
 	onlyRL    = flag.Bool("only-ratelimit", false, "run the redis_ratelimit part only")
 	onlyRP    = flag.Bool("only-replay", false, "run the execute-once (replay) part only")
 	onlyRLP   = flag.Bool("only-redlock-proxy", false, "run the Redlock latency-proxy figure only")
-	scriptDir = flag.String("scripts", "../scripts", "the plugin's Lua scripts, to name EVALSHA calls (the engines' own, in ../internal/*/scripts next to it, too)")
+	scriptDir = flag.String("scripts", "..", "the plugin's source tree, whose Lua scripts (internal/*/scripts, */scripts) name EVALSHA calls")
 )
 
 // scriptNames maps the SHA1 of each of the plugin's scripts to its name.
@@ -74,8 +74,8 @@ var refResult hotResult
 var loadAvg []byte
 
 func loadScriptNames() {
-	files, _ := filepath.Glob(filepath.Join(*scriptDir, "*.lua"))
-	engines, _ := filepath.Glob(filepath.Join(*scriptDir, "..", "internal", "*", "scripts", "*.lua"))
+	files, _ := filepath.Glob(filepath.Join(*scriptDir, "*", "scripts", "*.lua"))
+	engines, _ := filepath.Glob(filepath.Join(*scriptDir, "internal", "*", "scripts", "*.lua"))
 	for _, f := range append(files, engines...) {
 		b, err := os.ReadFile(f)
 		if err != nil {

@@ -16,7 +16,7 @@ import (
 	"os"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm"
+	"github.com/caddy-dlm/redisdlm/redisratelimit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/go-redis/redis_rate/v10"
@@ -163,10 +163,10 @@ return 1
 
 // provisionRateLimit makes a redis_ratelimit handler keyed by the X-Key
 // header, with rate n per second, outside any Caddy server.
-func provisionRateLimit(addr, algo string, n int) (*redisdlm.RedisRateLimit, func(), error) {
-	h := &redisdlm.RedisRateLimit{
+func provisionRateLimit(addr, algo string, n int) (*redisratelimit.RedisRateLimit, func(), error) {
+	h := &redisratelimit.RedisRateLimit{
 		Key:       "{http.request.header.X-Key}",
-		Rates:     []redisdlm.Rate{{Requests: n, Window: caddy.Duration(time.Second)}},
+		Rates:     []redisratelimit.Rate{{Requests: n, Window: caddy.Duration(time.Second)}},
 		Algorithm: algo,
 	}
 	h.Addresses = []string{addr}
@@ -191,7 +191,7 @@ var okNext = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) 
 
 // serveOnce runs one request with key through h, as Caddy would hand it
 // over; with h nil, straight to the next handler.
-func serveOnce(h *redisdlm.RedisRateLimit, key string) error {
+func serveOnce(h *redisratelimit.RedisRateLimit, key string) error {
 	req := httptest.NewRequest(http.MethodGet, "http://bench/", nil)
 	req.Header.Set("X-Key", key)
 	repl := caddyhttp.NewTestReplacer(req)

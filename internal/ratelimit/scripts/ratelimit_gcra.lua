@@ -1,5 +1,7 @@
 -- redis_ratelimit, algorithm gcra: the generic cell rate algorithm, the
--- body of a decision script (ratelimit_batch.lua is the batch around it).
+-- body of a decision script (ratelimit_batch.lua is the batch around it; its
+-- arithmetic, gcra_at, gcra_after and gcra_left, is ratelimit_gcra_step.lua,
+-- in front of it).
 --
 -- ARGN = 3 values per rate: n, window w in µs, burst (1 <= c <= burst). A
 --          request that every rate admits within the set's hold (wait) is
@@ -80,7 +82,7 @@ local function decide()
 				tat, list = now, ''
 			end
 		end
-		local at = tat + cost * u[i] - tau[i]
+		local at = gcra_at(tat, cost, u[i], tau[i])
 		tats[i], ats[i], sums[i], exps[i], lists[i] = tat, at, sum, x, list
 		if at > A then
 			A = at
@@ -97,10 +99,7 @@ local function decide()
 	for i = 1, r do
 		local tat, ui, p, sum = tats[i], u[i], o + 3 + per * (i - 1), sums[i]
 		if admit then
-			if A > tat then
-				tat = A
-			end
-			tat = tat + cost * ui
+			tat = gcra_after(tat, A, cost, ui)
 			-- The state matters until the TAT is in the past. Whole
 			-- numbers are formatted as integers (a double's %.17g
 			-- costs Redis several times more).
@@ -131,33 +130,24 @@ local function decide()
 		if per == 4 then
 			out[p + 3] = sum or 0
 		end
-		local debt = tat - now
-		-- Half a microsecond of slack absorbs the rounding of µs-sized doubles.
-		local rem = floor((tau[i] - debt + 0.5) / ui)
-		if rem < 0 then
-			rem = 0
-		end
-		out[p] = rem
+		local rem, grows = gcra_left(tat, now, ui, tau[i], burst[i])
 		if not admit and ats[i] - now > maxwait then
 			-- A rate that rejects: its quota as -(rem+1), so the caller
 			-- reports a rejecting rate in the RateLimit field.
 			out[p], out[p + 1] = -rem - 1, ceil(ats[i] - now)
-		elseif rem >= burst[i] then
-			out[p + 1] = 0
 		else
-			out[p + 1] = math.max(1, ceil(debt - tau[i] + (rem + 1) * ui))
+			out[p], out[p + 1] = rem, grows
 		end
 	end
 end
 
 -- decide1 is decide() for a set of one rate that neither bans nor indexes,
 -- on a key without returns (a plain TAT, or none): the same steps and
--- arithmetic (cost*T computed once per set: the same double), without the
--- tables of many rates (ratelimit_batch.lua).
-local U1, TAU1, BURST1, CT1, HOLD1, FULL1 -- of the set load1 readied
+-- arithmetic, without the tables of many rates (ratelimit_batch.lua).
+local U1, TAU1, BURST1, COST1, HOLD1, FULL1 -- of the set load1 readied
 function load1(s)
 	U1, TAU1, BURST1, HOLD1 = UNIT[s][1], TAU[s][1], BURST[s][1], HOLD[s]
-	CT1, FULL1 = COST[s] * U1, PERS[s] == 4
+	COST1, FULL1 = COST[s], PERS[s] == 4
 end
 
 function decide1(call)
@@ -174,7 +164,7 @@ function decide1(call)
 			tat = now
 		end
 	end
-	local at = tat + CT1 - TAU1
+	local at = gcra_at(tat, COST1, U1, TAU1)
 	local A = now
 	if at > A then
 		A = at
@@ -182,10 +172,7 @@ function decide1(call)
 	local hold = ceil(A - now)
 	local admit = hold <= HOLD1
 	if admit then
-		if A > tat then
-			tat = A
-		end
-		tat = tat + CT1
+		tat = gcra_after(tat, A, COST1, U1)
 		local v = tat
 		if tat == floor(tat) then
 			v = fmt('%d', tat)
@@ -209,17 +196,11 @@ function decide1(call)
 			out[o + 5], out[o + 6] = 0, 0
 		end
 	end
-	local debt = tat - now
-	local rem = floor((TAU1 - debt + 0.5) / U1)
-	if rem < 0 then
-		rem = 0
-	end
+	local rem, grows = gcra_left(tat, now, U1, TAU1, BURST1)
 	if not admit and at - now > HOLD1 then
 		out[o + 3], out[o + 4] = -rem - 1, ceil(at - now)
-	elseif rem >= BURST1 then
-		out[o + 3], out[o + 4] = rem, 0
 	else
-		out[o + 3], out[o + 4] = rem, math.max(1, ceil(debt - TAU1 + (rem + 1) * U1))
+		out[o + 3], out[o + 4] = rem, grows
 	end
 	return true
 end

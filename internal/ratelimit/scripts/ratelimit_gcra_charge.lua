@@ -1,6 +1,7 @@
 -- redis_ratelimit, algorithm gcra: charge a rate's theoretical arrival time
 -- with the admissions an instance made on its own while Redis was
 -- unreachable (fail_local), whatever the TAT is: they were admitted already.
+-- Its arithmetic (gcra_after) is ratelimit_gcra_step.lua, in front of it.
 --
 -- KEYS[1]  the TAT of the rate (format in ratelimit_gcra.lua).
 -- KEYS[2]  the charge marker of the instance's local limiter on this key:
@@ -45,10 +46,7 @@ local own = 0
 for a = 5, #ARGV - 2, 3 do
 	local at, c, seq = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
 	if seq > done then
-		if at > own then
-			own = at
-		end
-		own = own + c * u
+		own = gcra_after(own, at, c, u)
 		if seq > top then
 			top = seq
 		end
