@@ -174,3 +174,18 @@ func (d *domain) wakeAll() {
 		q.wakeHead()
 	}
 }
+
+// local counts the domain's waiters and holders of a Redis lock key, over
+// every local queue that involves it.
+func (d *domain) local(redisKey string) (waiters, held int) {
+	d.mu.Lock()
+	qs := slices.Clone(d.byWake[WakeID(redisKey)])
+	d.mu.Unlock()
+	for _, q := range qs {
+		q.mu.Lock()
+		waiters += len(q.waiters)
+		held += q.held
+		q.mu.Unlock()
+	}
+	return waiters, held
+}

@@ -128,7 +128,7 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 			}
 			rs[2].Restart() // the third member lost its state
 			c := rs[2].Client()
-			for _, sc := range []*redisconn.Script{ExtendScript, ReleaseScript} {
+			for _, sc := range []*redisconn.Script{extendScript, releaseScript} {
 				c.ScriptLoad(ctx, sc.Source()) // so the late EVALSHA finds its script
 			}
 			// The third member's extensions are held back on their way: in
@@ -140,7 +140,7 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 			var held, landed, released atomic.Int32
 			fcs[2].setHook(func(cmd redis.Cmder, next func() error) error {
 				switch s, _ := scriptCall(cmd); s {
-				case ExtendScript:
+				case extendScript:
 					held.Add(1)
 					if tc.lost {
 						mu.Lock()
@@ -155,7 +155,7 @@ func TestLateExtensionDoesNotRecreateReleasedLease(t *testing.T) {
 						landed.Add(1)
 					}
 					return err
-				case ReleaseScript:
+				case releaseScript:
 					err := next()
 					released.Add(1)
 					return err

@@ -18,7 +18,7 @@ import (
 // replay, instances taking turns), for instance id self.
 func acquireFor(t *testing.T, r *testredis.Server, key, token, self string) []int64 {
 	t.Helper()
-	res, err := AcquireScript.Run(context.Background(), r.Client(), []string{key, FenceKey(key), WaitqKey(key), ReplayKey(key), DeadKey(key), DelayKey(key)},
+	res, err := acquireScript.Run(context.Background(), r.Client(), []string{key, FenceKey(key), WaitqKey(key), ReplayKey(key), DeadKey(key), DelayKey(key)},
 		token, int64(30000), 1, self, int64(10000), 1, "0", "1", int64(0)).Int64Slice()
 	if err != nil {
 		t.Fatalf("acquire %s: %v", key, err)
@@ -28,7 +28,7 @@ func acquireFor(t *testing.T, r *testredis.Server, key, token, self string) []in
 
 func releaseFor(t *testing.T, r *testredis.Server, key, token, self string) int64 {
 	t.Helper()
-	n, err := ReleaseScript.Run(context.Background(), r.Client(), []string{key, FenceKey(key), ReplayKey(key), WaitqKey(key), DeadKey(key), DelayKey(key)},
+	n, err := releaseScript.Run(context.Background(), r.Client(), []string{key, FenceKey(key), ReplayKey(key), WaitqKey(key), DeadKey(key), DelayKey(key)},
 		token, WakeChannel, "msg", int64(0), int64(30000), "", int64(0), self, int64(0), "0", int64(0)).Int64()
 	if err != nil {
 		t.Fatalf("release %s: %v", key, err)

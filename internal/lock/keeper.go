@@ -10,19 +10,6 @@ import (
 	"time"
 )
 
-// KeepOptions say how a held lease is kept (see Keep).
-type KeepOptions struct {
-	Extend  bool          // extend it every ttl/3 (owner-checked)
-	MaxHold time.Duration // stop extending this long after the grant (0: never)
-	OnLost  func(error)   // runs at most once, when the lease is lost
-}
-
-// Keeper keeps a lease alive until Stop.
-type Keeper struct{ k *keeper }
-
-// Stop stops keeping the lease; no extension follows it.
-func (k Keeper) Stop() { k.k.stop() }
-
 // keeper keeps one lease alive while its request runs. It is driven by a
 // timer, not a goroutine of its own, so a request that ends before the
 // first extension costs no goroutine start or join on the hand-off path.

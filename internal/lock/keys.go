@@ -16,29 +16,6 @@ const (
 	delaySuffix  = ":delay"
 )
 
-// FenceKey is the fencing counter of a lock key; WaitqKey the list of
-// instances waiting for it. Both share the lock key's hash tag.
-func FenceKey(lockKey string) string  { return lockKey + fenceSuffix }
-func ReplayKey(lockKey string) string { return lockKey + replaySuffix }
-func WaitqKey(lockKey string) string  { return lockKey + waitqSuffix }
-
-// DeadKey holds the tokens of attempts given up while their outcome was
-// unknown: the acquire script never grants them (see lock_acquire.lua).
-func DeadKey(lockKey string) string { return lockKey + deadSuffix }
-
-// DelayKey holds the lock_delay ends of a lock key: after a lease ends
-// without its holder's release, nobody is granted it until then (see
-// lock_acquire.lua).
-func DelayKey(lockKey string) string { return lockKey + delaySuffix }
-
-// WakeID is how a wake-up names a lock key on the Pub/Sub channel: an
-// opaque digest, so a client of a shared Redis that subscribes learns
-// nothing of the keys (user ids, paths) being locked.
-func WakeID(lockKey string) string {
-	var buf [32]byte
-	return string(appendWakeID(buf[:0], lockKey))
-}
-
 // appendWakeID appends WakeID(lockKey) to b.
 func appendWakeID(b []byte, lockKey string) []byte {
 	sum := sha256.Sum256([]byte(lockKey))

@@ -39,13 +39,13 @@ func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
 	fcs[2].setHook(func(cmd redis.Cmder, next func() error) error {
 		s, _ := scriptCall(cmd)
 		switch {
-		case s == AcquireScript && firstKey(cmd) == ka && held.Load() == nil:
+		case s == acquireScript && firstKey(cmd) == ka && held.Load() == nil:
 			args := heldArgs(cmd)
 			held.Store(&args)
 			close(lost)
 			cmd.SetErr(errLostAnswer)
 			return errLostAnswer
-		case s == ReleaseScript && firstKey(cmd) == ka:
+		case s == releaseScript && firstKey(cmd) == ka:
 			err := next()
 			undone.Store(true)
 			return err
@@ -55,7 +55,7 @@ func TestUndoMarksEveryUnknownKeyDead(t *testing.T) {
 	// The other two answer b a little late: a's loss is known by then.
 	for _, fc := range fcs[:2] {
 		fc.setHook(func(cmd redis.Cmder, next func() error) error {
-			if s, _ := scriptCall(cmd); s == AcquireScript && firstKey(cmd) == kb {
+			if s, _ := scriptCall(cmd); s == acquireScript && firstKey(cmd) == kb {
 				_ = waitClosed(lost)
 				time.Sleep(100 * time.Millisecond) // a slow answer, not a wait for a state
 			}
@@ -123,7 +123,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		var failures, sent atomic.Int32
 		l.servers[0].OnReleaseFailure(func(string) { failures.Add(1) })
 		fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
-			if s, _ := scriptCall(cmd); s == ReleaseScript {
+			if s, _ := scriptCall(cmd); s == releaseScript {
 				sent.Add(1)
 			}
 			return next()
@@ -173,12 +173,12 @@ func TestNoOrphanAfterDelayedAcquire(t *testing.T) {
 			var releases atomic.Int32
 			fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
 				switch s, _ := scriptCall(cmd); {
-				case s == AcquireScript && held.Load() == nil:
+				case s == acquireScript && held.Load() == nil:
 					args := heldArgs(cmd)
 					held.Store(&args)
 					cmd.SetErr(errLostAnswer) // on its way: the caller sees a timeout
 					return errLostAnswer
-				case s == ReleaseScript:
+				case s == releaseScript:
 					err := next()
 					releases.Add(1)
 					return err
@@ -226,7 +226,7 @@ func TestDeadTokensOutliveShorterUndos(t *testing.T) {
 		token string
 		ttlMs int64
 	}{{"A", 300000}, {"B", 1000}} { // ttl 5m, then 1s
-		if err := ReleaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+releaseGiveUpExtra.Milliseconds(), "0", 0).Err(); err != nil {
+		if err := releaseScript.Run(ctx, c, keys, undo.token, "", "", 0, undo.ttlMs, "", 0, "x", 2*undo.ttlMs+releaseGiveUpExtra.Milliseconds(), "0", 0).Err(); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -253,7 +253,7 @@ func TestNoOrphanOnRedlockMinority(t *testing.T) {
 	var held atomic.Pointer[[]any]
 	lost := make(chan struct{})
 	fcs[2].setHook(func(cmd redis.Cmder, next func() error) error {
-		if s, _ := scriptCall(cmd); s == AcquireScript && held.Load() == nil {
+		if s, _ := scriptCall(cmd); s == acquireScript && held.Load() == nil {
 			args := heldArgs(cmd)
 			held.Store(&args)
 			close(lost)

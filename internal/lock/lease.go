@@ -74,8 +74,8 @@ type Lease struct {
 	clearRun atomic.Bool
 }
 
-// Valid reports the remaining validity of the lease.
-func (ls *Lease) Valid() time.Duration {
+// valid is the lease's remaining validity by the engine's clock.
+func (ls *Lease) valid() time.Duration {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	return ls.until.Sub(ls.l.now())
@@ -95,11 +95,6 @@ func (ls *Lease) setUntil(t time.Time) {
 
 // markLost records that the lease is gone, so it is not handed on.
 func (ls *Lease) markLost() { ls.lost.Store(true) }
-
-// Release gives the lease back on every server and wakes the next local
-// waiter — or hands it on to that waiter without a Redis call. It is safe
-// to call more than once.
-func (ls *Lease) Release() { ls.releaseWith("", releaseNow) }
 
 // releaseMode says when a release's Redis round trip runs.
 type releaseMode int

@@ -17,32 +17,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Options configures a locker.
-type Options struct {
-	TTL        time.Duration
-	Wait       time.Duration
-	BackoffMin time.Duration
-	BackoffMax time.Duration
-	Permits    int
-	MaxWaiters int
-	Timeout    time.Duration // bound of one Redis call
-	// SyncReplicas > 0: WAIT for that many replicas before a lock counts.
-	SyncReplicas int
-	// Replay > 0: an acquisition answers with a holder's stored answer
-	// (kept this long) when there is one (one server, one key).
-	Replay time.Duration
-	// Handler names the handler in the log lines of the releases it
-	// leaves to a server's background releaser, and to OnReleaseFailure.
-	Handler string
-	// LockDelay > 0: after a lease ends without its holder's clean
-	// release (it expired, was force-released or lost, or was abandoned),
-	// nobody is granted the keys for this long.
-	LockDelay time.Duration
-	// Clock is read for validities and the keeper's schedule (nil: the
-	// real one).
-	Clock Clock
-}
-
 // Locker takes locks on one Redis server or a Redlock quorum of servers.
 type Locker struct {
 	servers []*Server
@@ -62,15 +36,8 @@ type constArgv struct {
 	ttlMs, permits, self, life, delayMs, replayMs any
 }
 
-// New builds a locker over servers (1, 3, 5 or 7). It does not dial.
-//
-// Lockers share a domain (one local queue per key) when they use the same
-// servers and the options a hand-off passes on (ttl, permits,
-// sync_replicas, lock_delay) and both replay or neither does: a lease is
-// only ever handed to a waiter that would have taken the same lease itself
-// (a replay waiter asks Redis for a stored answer first, which a lease
-// handed on by a locker without replay would pass by).
-func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
+// newLocker is New.
+func newLocker(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 	ids := make([]string, len(servers))
 	for i, s := range servers {
 		ids[i] = s.id
@@ -99,33 +66,6 @@ func New(servers []*Server, opts Options, logger *slog.Logger) *Locker {
 
 // close drops this locker's reference to its shared queue domain.
 func (l *Locker) close() { releaseDomain(l.dom) }
-
-// Run names a request that must run at most once per key within the
-// replay window (replay, an unsafe method): its grant writes a run record
-// under the key, with Fingerprint, that refuses every other request until
-// an answer is stored or the run is cleared (see Lease.ClearRun).
-type Run struct {
-	Fingerprint string
-}
-
-// Acquire takes the lock on all keys (sorted, deduplicated Redis keys) or
-// none, waiting up to opts.Wait. Errors: *BusyError (ErrNotObtained,
-// ErrTooManyWaiters), ErrUnavailable, or the context's error; with
-// replay also *Replayed.
-//
-// The returned lease holds a reference to the key's local queue until it
-// is released, so waiters that arrive while it is held queue behind it.
-func (l *Locker) Acquire(ctx context.Context, keys []string) (*Lease, error) {
-	return l.acquire(ctx, keys, nil)
-}
-
-// AcquireRun is Acquire for a Run (one key; replay on): besides Acquire's
-// errors, *InDoubtError when another request's run of the key started and
-// its outcome is unknown, and ErrRunMismatch when it was another request's
-// (fingerprint).
-func (l *Locker) AcquireRun(ctx context.Context, keys []string, run Run) (*Lease, error) {
-	return l.acquire(ctx, keys, &run)
-}
 
 func (l *Locker) acquire(ctx context.Context, keys []string, run *Run) (*Lease, error) {
 	q := l.dom.queue(keys)
@@ -506,4 +446,22 @@ func (l *Locker) logPanic(what string, r any) {
 	if l.logger != nil {
 		l.logger.Error("panic in the lock engine; recovered", slog.String("while", what), slog.Any("panic", r), slog.String("stack", string(debug.Stack())))
 	}
+}
+
+// clients is Clients.
+func (l *Locker) clients() []redis.UniversalClient {
+	out := make([]redis.UniversalClient, len(l.servers))
+	for i, s := range l.servers {
+		out[i] = s.conn.Client
+	}
+	return out
+}
+
+// queuedCalls is QueuedCalls.
+func (l *Locker) queuedCalls() int {
+	n := 0
+	for _, s := range l.servers {
+		n += s.pipe.Queued()
+	}
+	return n
 }

@@ -218,7 +218,7 @@ func (t *try) ask(ctx context.Context, s *Server, k string) ([]int64, string, er
 		return t.l.acquireSynced(ctx, s.client, argv)
 	}
 	// The pipe bounds the call by the server's timeout.
-	return acquireReply(AcquireScript.RunArgv(ctx, s.batched(), argv))
+	return acquireReply(acquireScript.RunArgv(ctx, s.batched(), argv))
 }
 
 // late handles an answer for k that came after the outcome was decided:
@@ -402,7 +402,7 @@ func (t *try) acquireArgv(buf []any, keys []string) []any {
 	if t.run != nil {
 		run, fp = flagArgs[1], &t.run.Fingerprint
 	}
-	return AcquireScript.Argv(buf, keys, &t.token, c.ttlMs, c.permits, c.self, c.life, t.chain, l.replayFlag(), l.turnsFlag(len(t.keys)), c.delayMs,
+	return acquireScript.Argv(buf, keys, &t.token, c.ttlMs, c.permits, c.self, c.life, t.chain, l.replayFlag(), l.turnsFlag(len(t.keys)), c.delayMs,
 		run, fp, c.replayMs)
 }
 
@@ -431,7 +431,7 @@ func (l *Locker) acquireSynced(ctx context.Context, c Client, argv []any) ([]int
 	}
 	waitMs := max((l.opts.Timeout / 2).Milliseconds(), 1) // 0 would block for ever
 	pipe := node.Pipeline()
-	acq := AcquireScript.EvalArgv(cctx, pipe, argv)
+	acq := acquireScript.EvalArgv(cctx, pipe, argv)
 	wait := redis.NewIntCmd(cctx, "wait", l.opts.SyncReplicas, waitMs)
 	_ = pipe.Process(cctx, wait)
 	_, _ = pipe.Exec(cctx)

@@ -42,7 +42,7 @@ func (l *Locker) extend(ctx context.Context, ls *Lease) error {
 			}
 			cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), l.opts.Timeout)
 			defer cancel()
-			v, err := ExtendScript.Run(cctx, s.client, []string{k, FenceKey(k), DeadKey(k), DelayKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate, l.opts.LockDelay.Milliseconds()).Int64()
+			v, err := extendScript.Run(cctx, s.client, []string{k, FenceKey(k), DeadKey(k), DelayKey(k)}, ls.token, l.opts.TTL.Milliseconds(), l.opts.Permits, recreate, l.opts.LockDelay.Milliseconds()).Int64()
 			if track && unknownOutcome(err) {
 				ls.unknown.Store(true)
 			}

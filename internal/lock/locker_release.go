@@ -144,3 +144,19 @@ func (l *Locker) releaseOn(i int, job releaseJob) {
 		l.servers[i].rel.retry(job, err)
 	}
 }
+
+// keepAnswer is KeepAnswer.
+func (ls *Lease) keepAnswer(ctx context.Context, answer string) (bool, error) {
+	l := ls.l
+	ctx, cancel := context.WithTimeout(ctx, l.opts.Timeout)
+	defer cancel()
+	n, err := keepAnswerScript.Run(ctx, l.servers[0].client, []string{ls.keys[0], ReplayKey(ls.keys[0])},
+		ls.token, answer, l.opts.Replay.Milliseconds()).Int64()
+	return n == 1, err
+}
+
+// abandon is Abandon.
+func (ls *Lease) abandon() {
+	ls.unclean.Store(true)
+	ls.releaseWith("", releaseInBackground)
+}

@@ -15,49 +15,8 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// ServerState is one server's state of a lock key (Inspect).
-type ServerState struct {
-	// Err: the server could not be read; the other fields are zero.
-	Err error
-	// LeaseLeft is the time left on each live holder's lease (ms precision).
-	LeaseLeft []time.Duration
-	// Fence is the key's fencing counter (nil: the key has none).
-	Fence *int64
-	// InstancesWaiting counts the instances on the key's wait list, and
-	// ThisInstanceWaiting says whether this locker's instance is one of them.
-	InstancesWaiting    int
-	ThisInstanceWaiting bool
-	// Stored is what the key's ReplayKey holds (nil: nothing).
-	Stored *Stored
-	// InDoubt: a run record whose holder has no live lease: the run may or
-	// may not have happened, so duplicates are refused until the record
-	// ends or is cleared (ClearReplay).
-	InDoubt bool
-}
-
-// Stored is the value under a lock key's ReplayKey: an answer stored for
-// replay (the caller's opaque string), a run record, or a value of
-// another Redis type that the engine did not write.
-type Stored struct {
-	Type string        // its Redis type ("string" when the engine wrote it)
-	TTL  time.Duration // until it expires (ms precision; <0: no expiry)
-	Size int64         // a string value's bytes (0 for another type)
-	// Head is a string value's first 8 KiB; a run record's is its format
-	// alone ("run1"): the record holds its holder's token.
-	Head string
-	// Run: it is a run record, not a stored answer.
-	Run bool
-}
-
 // storedHeadMax is how much of a stored answer Inspect reads.
 const storedHeadMax = 8 << 10
-
-// Removal is one server's answer to ForceRelease (holders removed) or
-// ClearReplay (keys deleted), or its error.
-type Removal struct {
-	Count int64
-	Err   error
-}
 
 // forceReleaseFrom is the sender named in a force release's wake-up: no
 // domain has this id, so every instance's waiters of the key are woken.

@@ -125,7 +125,7 @@ func TestRedlockOneReleasePerServer(t *testing.T) {
 	var releases [3]atomic.Int64
 	for i, fc := range fcs {
 		fc.setHook(func(cmd redis.Cmder, next func() error) error {
-			if s, _ := scriptCall(cmd); s == ReleaseScript {
+			if s, _ := scriptCall(cmd); s == releaseScript {
 				releases[i].Add(1)
 			}
 			return next()

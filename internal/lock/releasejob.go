@@ -49,9 +49,9 @@ func isOOM(err error) bool {
 // release that stores an answer for replay (up to replay_max) is refused
 // over maxmemory, and then releases without storing it.
 func (j releaseJob) run(ctx context.Context, s *Server) (bool, error) {
-	script := ReleaseScript
+	script := releaseScript
 	if j.answer != "" {
-		script = ReleaseStoreScript
+		script = releaseStoreScript
 	}
 	keys := keyNames(j.key).releaseKeyArray()
 	var args [releaseArgs]any
@@ -92,7 +92,7 @@ func (j *releaseJob) start(s *Server, c *releaseCall, ks names, spawn func(func(
 	var args [releaseArgs]any
 	j.fill(&args)
 	c.to = to
-	ReleaseScript.Go(s.batched(), ReleaseScript.Argv(c.argv[:0], c.keys[:], args[:]...), spawn, c.answered)
+	releaseScript.Go(s.batched(), releaseScript.Argv(c.argv[:0], c.keys[:], args[:]...), spawn, c.answered)
 }
 
 func (c *releaseCall) answered(cmd *redis.Cmd) {

@@ -138,7 +138,7 @@ func TestRunRecordOfLostAttemptCleared(t *testing.T) {
 	ctx := context.Background()
 	var lost atomic.Bool
 	fcs[0].setHook(func(cmd redis.Cmder, next func() error) error {
-		if s, _ := scriptCall(cmd); s == AcquireScript && lost.CompareAndSwap(false, true) {
+		if s, _ := scriptCall(cmd); s == acquireScript && lost.CompareAndSwap(false, true) {
 			if err := next(); err != nil {
 				return err
 			}

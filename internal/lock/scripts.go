@@ -28,16 +28,15 @@ var (
 	//go:embed scripts/lock_force_release.lua
 	forceReleaseLua string
 
-	AcquireScript      = redisconn.NewScript(acquireLua)
-	ExtendScript       = redisconn.NewScript(extendLua)
-	ReleaseScript      = redisconn.NewScript(releaseLua)
+	acquireScript      = redisconn.NewScript(acquireLua)
+	extendScript       = redisconn.NewScript(extendLua)
+	releaseScript      = redisconn.NewScript(releaseLua)
 	fenceRaiseScript   = redisconn.NewScript(fenceRaiseLua)
 	renewScript        = redisconn.NewScript(renewLua)
 	keepAnswerScript   = redisconn.NewScript(keepAnswerLua)
 	inspectScript      = redisconn.NewScript(inspectLua)
 	forceReleaseScript = redisconn.NewScript(forceReleaseLua)
+	// releaseStoreScript is the release script without allow-oom, for a
+	// release that stores an answer for replay: that one can grow memory.
+	releaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))
 )
-
-// ReleaseStoreScript is the release script without allow-oom, for a
-// release that stores an answer for replay: that one can grow memory.
-var ReleaseStoreScript = redisconn.NewScript(strings.Replace(releaseLua, "#!lua flags=allow-oom\n", "#!lua\n", 1))

@@ -36,19 +36,6 @@ type Server struct {
 	onReleaseFailure func(handler string)
 }
 
-// Client is what the engine calls on a server's Redis client, and no more:
-// its scripts and commands (Process, through redisconn.Script, which sends
-// EVALSHA, then EVAL on NOSCRIPT, and never resends a call whose answer
-// was lost), and a pipeline for an acquire followed by WAIT
-// (sync_replicas). A *redis.Client or *redis.ClusterClient is one; a test
-// wraps one to inject what a real Redis cannot, such as an answer lost
-// after the write. (The wake-up listener subscribes on the shared client
-// itself.)
-type Client interface {
-	redisconn.Processor
-	Pipeline() redis.Pipeliner
-}
-
 // batched is the server's client through its pipe.
 func (s *Server) batched() redisconn.Sender { return s.batch }
 
@@ -64,9 +51,8 @@ type masterForKey interface {
 	MasterForKey(ctx context.Context, key string) (*redis.Client, error)
 }
 
-// NewServer wraps a shared client; nothing is dialed until the first call.
-// logger returns the logger of the moment (the server outlives configs).
-func NewServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *Server {
+// newServer is NewServer.
+func newServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *Server {
 	c := conn.Client
 	s := &Server{id: id, name: redisconn.ClientName(c), conn: conn, timeout: conn.Timeout, wake: newWakeListener(c, logger), logger: logger}
 	s.setClient(c)
@@ -80,11 +66,3 @@ func NewServer(id string, conn *redisconn.Conn, logger func() *slog.Logger) *Ser
 func (s *Server) closeWhenIdle(closeClient func()) {
 	s.conn.CloseWhenIdle(func() { s.wake.stop(); closeClient() })
 }
-
-// CloseWhenIdle stops the wake-up listener and runs closeClient once no
-// user of the client is left (at once when none is).
-func (s *Server) CloseWhenIdle(closeClient func()) { s.closeWhenIdle(closeClient) }
-
-// OnReleaseFailure sets what counts a failed release of a lease that was
-// held, or whose acquire outcome is unknown (before the server is used).
-func (s *Server) OnReleaseFailure(count func(handler string)) { s.onReleaseFailure = count }

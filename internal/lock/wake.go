@@ -16,10 +16,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// WakeChannel is the one Pub/Sub channel per Redis server on which releases
-// are announced; the message is "<domain id> <WakeID of the lock key>".
-const WakeChannel = "redisdlm:wake"
-
 // dispatchWake delivers a release announced on Redis to the local queues of
 // that key in every domain but the one that announced it (which woke its own
 // queue already). Two domains in one process share a Redis server when they
