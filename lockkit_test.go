@@ -7,12 +7,12 @@ import (
 	"io"
 	"net/http"
 	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddyserver/caddy/v2"
 	dto "github.com/prometheus/client_model/go"
@@ -79,18 +79,7 @@ func await(t *testing.T, ch <-chan fetchResult, d time.Duration, what string) fe
 }
 
 // waitFor polls cond every 5ms until it holds or d has passed.
-func waitFor(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
 // lockCfg builds a redis_lock JSON config on one Redis server.
 func lockCfg(addr, extra string) string {
@@ -232,14 +221,7 @@ func heldBy(r *testRedis, key string) int64 {
 // JSON list of their addresses.
 func startRedlock(t *testing.T, n int) ([]*testRedis, string) {
 	t.Helper()
-	var rs []*testRedis
-	var addrs []string
-	for i := 0; i < n; i++ {
-		r := startRedis(t)
-		rs = append(rs, r)
-		addrs = append(addrs, `"`+r.Addr+`"`)
-	}
-	return rs, "[" + strings.Join(addrs, ",") + "]"
+	return testredis.StartRedlock(t, n)
 }
 
 // lockClient is the pooled Redis client of a provisioned lock handler on

@@ -1,9 +1,6 @@
 package redisdlm
 
 import (
-	"context"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -58,16 +55,5 @@ func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
 // infoInt reads one integer field of an INFO section through c.
 func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
 	tb.Helper()
-	info, err := c.Info(context.Background(), section).Result()
-	if err != nil {
-		tb.Fatalf("info %s: %v", section, err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, field+":"); ok {
-			n, _ := strconv.ParseInt(v, 10, 64)
-			return n
-		}
-	}
-	tb.Fatalf("no %s in INFO %s", field, section)
-	return 0
+	return testredis.InfoInt(tb, c, section, field)
 }

@@ -1,11 +1,8 @@
 package redislock
 
 import (
-	"context"
 	"net/http"
 	"net/http/httptest"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -103,18 +100,7 @@ func redisZ(until time.Time, member string) redis.Z {
 // infoInt reads one integer field of an INFO section through c.
 func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
 	tb.Helper()
-	info, err := c.Info(context.Background(), section).Result()
-	if err != nil {
-		tb.Fatalf("info %s: %v", section, err)
-	}
-	for _, line := range strings.Split(info, "\r\n") {
-		if v, ok := strings.CutPrefix(line, field+":"); ok {
-			n, _ := strconv.ParseInt(v, 10, 64)
-			return n
-		}
-	}
-	tb.Fatalf("no %s in INFO %s", field, section)
-	return 0
+	return testredis.InfoInt(tb, c, section, field)
 }
 
 // secretPW is a Redis password that must never appear in an error or a log.

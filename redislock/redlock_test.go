@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -31,14 +32,7 @@ func onOneAndThreeServers(t *testing.T, f func(t *testing.T, rs []*testRedis, ad
 // JSON list of their addresses.
 func startRedlock(t *testing.T, n int) ([]*testRedis, string) {
 	t.Helper()
-	var rs []*testRedis
-	var addrs []string
-	for i := 0; i < n; i++ {
-		r := startRedis(t)
-		rs = append(rs, r)
-		addrs = append(addrs, `"`+r.Addr+`"`)
-	}
-	return rs, "[" + strings.Join(addrs, ",") + "]"
+	return testredis.StartRedlock(t, n)
 }
 
 // hammer sends n concurrent requests (conc at a time) alternating over the

@@ -16,6 +16,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -88,18 +89,7 @@ func await(t *testing.T, ch <-chan fetchResult, d time.Duration, what string) fe
 }
 
 // waitFor polls cond every 5ms until it holds or d has passed.
-func waitFor(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
 // wakeSubscribers counts the Pub/Sub subscribers of the wake-up channel.
 func wakeSubscribers(c *redis.Client) int64 {

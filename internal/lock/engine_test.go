@@ -16,18 +16,7 @@ import (
 )
 
 // waitFor polls cond until it holds (true) or d passed (false).
-func waitFor(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
+func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
 // redisZ is a sorted-set member scored as a lease end in ms (the lock
 // scripts' format).

@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -100,19 +101,9 @@ func OK(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// WaitFor polls cond until it holds (true) or d passed (false).
-func WaitFor(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+// WaitFor polls cond until it holds (true) or d passed (false)
+// (testredis.WaitFor).
+func WaitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
 // Get sends one GET with headers (name, value pairs) through a bounded
 // client; a failed request fails the test and returns nil.

@@ -77,7 +77,7 @@ func StartSentinels(t testing.TB, master *Server, o SentinelOptions) []string {
 func StartReplica(t testing.TB, master *Server) *Server {
 	t.Helper()
 	r := Start(t, "--replicaof", "127.0.0.1", strconv.Itoa(master.Port))
-	if !waitFor(20*time.Second, func() bool {
+	if !WaitFor(20*time.Second, func() bool {
 		info, _ := r.Client().Info(context.Background(), "replication").Result()
 		return strings.Contains(info, "master_link_status:up")
 	}) {
@@ -123,7 +123,7 @@ func StartCluster(t testing.TB, masters, replicas int) []*Server {
 	waitInfo := func(r *Server, want ...string) {
 		t.Helper()
 		c := r.Client()
-		if !waitFor(40*time.Second, func() bool {
+		if !WaitFor(40*time.Second, func() bool {
 			info, _ := c.ClusterInfo(ctx).Result()
 			for _, w := range want {
 				if !strings.Contains(info, w) {
@@ -148,18 +148,4 @@ func StartCluster(t testing.TB, masters, replicas int) []*Server {
 // StartClusterNode starts one redis-server in cluster mode, on its own.
 func StartClusterNode(t testing.TB) *Server {
 	return Start(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
-}
-
-// waitFor polls cond until it holds (true) or d passed (false).
-func waitFor(d time.Duration, cond func() bool) bool {
-	deadline := time.Now().Add(d)
-	for {
-		if cond() {
-			return true
-		}
-		if time.Now().After(deadline) {
-			return false
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }

@@ -245,3 +245,48 @@ func (r *Server) Micros() int64 {
 	}
 	return now.UnixMicro()
 }
+
+// WaitFor polls cond every 5ms until it holds (true) or d passed (false).
+func WaitFor(d time.Duration, cond func() bool) bool {
+	deadline := time.Now().Add(d)
+	for {
+		if cond() {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// InfoInt reads one integer field of an INFO section through c.
+func InfoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
+	tb.Helper()
+	info, err := c.Info(context.Background(), section).Result()
+	if err != nil {
+		tb.Fatalf("info %s: %v", section, err)
+	}
+	for _, line := range strings.Split(info, "\r\n") {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	tb.Fatalf("no %s in INFO %s", field, section)
+	return 0
+}
+
+// StartRedlock starts n independent redis-servers (a Redlock's) and returns
+// them with the JSON list of their addresses.
+func StartRedlock(t testing.TB, n int) ([]*Server, string) {
+	t.Helper()
+	var rs []*Server
+	var addrs []string
+	for i := 0; i < n; i++ {
+		r := Start(t)
+		rs = append(rs, r)
+		addrs = append(addrs, `"`+r.Addr+`"`)
+	}
+	return rs, "[" + strings.Join(addrs, ",") + "]"
+}
