@@ -76,18 +76,32 @@ func TestCostGoalsFrom(t *testing.T) {
 	}
 	load := func(xs ...costSample) *costLoad { return &costLoad{samples: xs} }
 	plainL := load(s(1000, 0.05, 0, 0), s(2000, 0.10, 0, 0))
-	lockedL := load(s(600, 0.06, 0.060, 0), s(1000, 0.10, 0.100, 0)) // Caddy 100 µs vs 50: +1.0; Redis 100 µs
+	lockedL := load(s(600, 0.06, 0.060, 0), s(1000, 0.10, 0.100, 0)) // 0.6, 0.5; Caddy 100 µs vs 50: +1.0; Redis 100 µs
 	floorL := load(s(2000, 0, 0.100, 0), s(2000, 0, 0.100, 0))       // 50 µs: ratio 2.0
+	floor := &floorHandlers{
+		plainL: load(s(1000, 0.04, 0, 0), s(1000, 0.04, 0, 0)),  // 40 µs
+		lockB:  load(s(750, 0.045, 0, 0), s(625, 0.0375, 0, 0)), // 0.75, 0.625 (÷ → 0.8, 0.8); 60 µs: +0.5 (÷ → 2.0)
+	}
+	us := func(n int) time.Duration { return time.Duration(n) * time.Microsecond }
 	seq := []seqResult{
-		{name: "plain", median: 400 * time.Microsecond, n: 10},
-		{name: "locked", median: 700 * time.Microsecond, n: 10},
-		{name: "ping", median: 200 * time.Microsecond, n: 10},
+		{name: "plain", median: us(400), n: 10},
+		{name: "locked", median: us(700), n: 10},
+		{name: "ping", median: us(200), n: 10},
+		{name: "floor plain", median: us(300), n: 10},
+		{name: "floor locked", median: us(500), n: 10},
+		{name: "sliding_window", median: us(440), n: 10},
+		{name: "gcra", median: us(500), n: 10},
 	}
 	plainR := load(s(1000, 0.05, 0, 0), s(1000, 0.05, 0, 0))
-	lim := load(s(800, 0.048, 0.008, 0), s(600, 0.036, 0.006, 0)) // Caddy +0.2, Redis 10 µs, 0.8 and 0.6
-	envoy := load(s(1000, 0, 0.010, 0), s(1000, 0, 0.020, 0))     // 10 and 20 µs: 1.0 and 0.5
-	exact := load(s(1000, 0, 0.004, 0), s(1000, 0, 0.004, 0))     // 4 µs: 2.5
-	goals := costGoalsFrom(plainL, lockedL, floorL, seq, plainR, lim, lim, envoy, exact)
+	lim := load(s(900, 0.054, 0.0018, 0), s(900, 0.054, 0.0018, 0)) // 0.9, Caddy +0.2, Redis 2 µs
+	exact := load(s(1000, 0, 0.004, 0), s(1000, 0, 0.004, 0))       // 4 µs: 0.5
+	costs := []lockCostRow{
+		{name: "1", reqs: 1000, dur: time.Second, redisCPU: 0.020}, // 20 µs
+		{name: "3", reqs: 500, dur: time.Second, redisCPU: 0.015},  // 0.5; 30 µs: 1.5
+	}
+	hot := []hotResult{{name: "hot-caddy1", util: 0.88}, {name: "hot-ceiling", util: 0.88}, {name: "hot-caddy2", util: 0.77}}
+	goals := costGoalsFrom(costInputs{plainL: plainL, lockedL: lockedL, floorL: floorL, floor: floor, seq: seq,
+		plainR: plainR, swL: lim, gcraL: lim, exactL: exact, lockCost: costs, hot: hot})
 	if len(goals) != len(costFigures) {
 		t.Fatalf("%d rows, want %d", len(goals), len(costFigures))
 	}
@@ -95,20 +109,46 @@ func TestCostGoalsFrom(t *testing.T) {
 		lead string
 		met  bool
 	}{
-		{"**0.55**", true},  // (0.6 + 0.5) / 2
-		{"**1.00**", true},  // Caddy added ÷ plain
-		{"**2.00**", true},  // Redis ÷ floor
+		{"**0.80**", false}, // (0.6 ÷ 0.75, 0.5 ÷ 0.625)
+		{"**2.00**", false}, // Caddy added 1.0 ÷ the batched floor's 0.5
+		{"**1.50**", false}, // (700 − 400) ÷ (500 − 300)
+		{"**2.00**", false}, // Redis ÷ the SET NX PX + DEL floor
+		{"**0.50**", false}, // Redlock throughput
+		{"**1.50**", false}, // Redlock Redis CPU per server
+		{"**1.00**", true},  // hot key, 1 Caddy
+		{"**0.88**", false}, // hot key, 2 Caddy: 0.77 ÷ 0.88, against ≥ 0.90
 		{"**0**", true},     // connections
-		{"**1.50**", true},  // (0.7 − 0.4) / 0.2
-		{"**0.75**", true},  // ÷ Envoy: (1.0 + 0.5) / 2
-		{"**2.50**", false}, // ÷ exact floor
+		{"**1.50**", false}, // (700 − 400) ÷ 200, no verdict
+		{"**0.90**", true},  // sliding_window throughput
+		{"**0.50**", true},  // Redis ÷ exact floor
 		{"**0.20**", true},  // Caddy added
-		{"**0.70**", true},  // throughput
+		{"**0.20**", true},  // (440 − 400) ÷ 200
+		{"**0.90**", true},  // gcra throughput
+		{"**0.50**", true},
+		{"**0.20**", true},
+		{"**0.50**", false}, // (500 − 400) ÷ 200
 	}
 	for i, w := range want {
 		g := goals[i]
 		if g.err != nil || !strings.HasPrefix(g.measured, w.lead) || g.met != w.met {
 			t.Errorf("row %d (%s): measured %q met %v err %v; want %s, met %v", i, g.figure, g.measured, g.met, g.err, w.lead, w.met)
+		}
+	}
+	if !goals[9].noGoal || goals[10].noGoal {
+		t.Error("only the lock's latency ÷ PING is printed without a verdict")
+	}
+	for _, g := range goals[len(want):] {
+		if g.err == nil || g.met {
+			t.Errorf("%s: measured %q without counted leases", g.figure, g.measured)
+		}
+	}
+	// Without the main part (-only-cost) and without the floor handlers,
+	// their rows say why, and the others stand.
+	goals = costGoalsFrom(costInputs{plainL: plainL, lockedL: lockedL, floorL: floorL, floor: &floorHandlers{err: fmt.Errorf("no binary")}, seq: seq,
+		plainR: plainR, swL: lim, gcraL: lim, exactL: exact})
+	for i, g := range goals[:8] {
+		if (g.err == nil) != (i == 3) {
+			t.Errorf("row %d (%s) without the floor handlers and the main part: measured %q err %v", i, g.figure, g.measured, g.err)
 		}
 	}
 }

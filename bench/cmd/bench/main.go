@@ -951,7 +951,7 @@ func run() error {
 		return nil
 	}
 	if *onlyCost { // the cost goals alone: lock cost and rate-limit cost, same-run ratios
-		printCostGoals(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runCostGoals(step))
+		printCostGoals(func(f string, a ...any) { fmt.Printf(f+"\n", a...) }, runCostGoals(step, nil, nil))
 		return nil
 	}
 	if *onlyRL { // development: the rate-limit part alone
@@ -1186,7 +1186,7 @@ func run() error {
 	// 8. Redlock behind latency proxies: its own Caddy and redis-servers.
 	rlp := runRedlockProxy(step, *seqN)
 	// 9. The cost goals as same-run ratios: its own Caddy and redis-servers.
-	cg := runCostGoals(step)
+	cg := runCostGoals(step, costs, hot)
 	step("done; stopping")
 
 	printReport(e, hot, cmdRows, seq, rl, time.Since(begin))
