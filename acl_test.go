@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -62,7 +63,7 @@ func TestACLMinimal(t *testing.T) {
 	r := startACLRedis(t)
 	conn := fmt.Sprintf(`"redis":[%q],"username":%q,"password":%q`, r.Addr, aclUser, aclPassword)
 
-	up := newExclusivityUpstream(2 * time.Millisecond)
+	up := testkit.NewExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{%s,"timeout":"2s","wait":"30s"}`, conn))
 	b := provisionLock(t, fmt.Sprintf(`{%s,"timeout":"3s","wait":"30s"}`, conn))
 	if lockClient(t, a) == lockClient(t, b) {
@@ -70,20 +71,20 @@ func TestACLMinimal(t *testing.T) {
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 	getAllOK(t, 60, []string{sa.URL, sb.URL}, "acl", 3)
-	up.check(t)
+	up.Check(t)
 
 	// A semaphore of 2 and a wait that runs out.
-	hold := newHoldUpstream()
+	hold := testkit.NewHoldUpstream()
 	sem := provisionLock(t, fmt.Sprintf(`{%s,"permits":2,"wait":"0s"}`, conn))
 	ss := handlerServer(t, sem, hold.ServeHTTP)
-	h1, h2 := startHolder(t, hold, ss.URL+"/sem"), startHolder(t, hold, ss.URL+"/sem")
+	h1, h2 := testkit.StartHolder(t, hold, ss.URL+"/sem"), testkit.StartHolder(t, hold, ss.URL+"/sem")
 	if resp, body := get(t, ss.URL+"/sem"); resp == nil || resp.StatusCode != http.StatusLocked {
 		t.Errorf("third holder of 2 permits: %v %s, want 423", resp, body)
 	}
 	hold.Release()
-	for _, ch := range []<-chan fetchResult{h1, h2} {
-		if res := await(t, ch, 10*time.Second, "holder"); res.status != 200 {
-			t.Errorf("holder answered %d", res.status)
+	for _, ch := range []<-chan testkit.FetchResult{h1, h2} {
+		if res := testkit.Await(t, ch, 10*time.Second, "holder"); res.Status != 200 {
+			t.Errorf("holder answered %d", res.Status)
 		}
 	}
 
@@ -181,15 +182,15 @@ func TestACLMinimalRedlockAndCount(t *testing.T) {
 	select {
 	case <-entered:
 	case res := <-done:
-		t.Fatalf("Redlock request answered %d %v before it held the lock", res.status, res.err)
+		t.Fatalf("Redlock request answered %d %v before it held the lock", res.Status, res.Err)
 	case <-time.After(20 * time.Second):
 		t.Fatal("the Redlock request did not get the lock within 20s")
 	}
 	rs[2].Restart()
 	close(restarted)
-	res := await(t, done, 30*time.Second, "Redlock request")
-	if res.status != 200 {
-		t.Errorf("Redlock over two keys as ACL user: %d %v", res.status, res.err)
+	res := testkit.Await(t, done, 30*time.Second, "Redlock request")
+	if res.Status != 200 {
+		t.Errorf("Redlock over two keys as ACL user: %d %v", res.Status, res.Err)
 	}
 	if !extendedThere.Load() {
 		t.Error("no extension re-created the lease on the member that restarted empty within 20s")
@@ -219,22 +220,22 @@ func TestACLMinimalRedlockAndCount(t *testing.T) {
 	}
 }
 
-// goFetchHdr is goFetch with request headers (name, value pairs).
-func goFetchHdr(url string, hdr ...string) <-chan fetchResult {
-	ch := make(chan fetchResult, 1)
+// goFetchHdr is testkit.GoFetch with request headers (name, value pairs).
+func goFetchHdr(url string, hdr ...string) <-chan testkit.FetchResult {
+	ch := make(chan testkit.FetchResult, 1)
 	go func() {
 		req, _ := http.NewRequest("GET", url, nil)
 		for i := 0; i+1 < len(hdr); i += 2 {
 			req.Header.Set(hdr[i], hdr[i+1])
 		}
 		start := time.Now()
-		resp, err := wakeHTTP.Do(req)
+		resp, err := testkit.FetchClient.Do(req)
 		if err != nil {
-			ch <- fetchResult{err: err, took: time.Since(start)}
+			ch <- testkit.FetchResult{Err: err, Took: time.Since(start)}
 			return
 		}
 		resp.Body.Close()
-		ch <- fetchResult{status: resp.StatusCode, hdr: resp.Header, took: time.Since(start)}
+		ch <- testkit.FetchResult{Status: resp.StatusCode, Hdr: resp.Header, Took: time.Since(start)}
 	}()
 	return ch
 }

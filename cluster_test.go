@@ -6,6 +6,8 @@ import (
 	"net/http"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 )
 
 // startCluster starts three redis-server masters in cluster mode on free
@@ -20,12 +22,12 @@ func TestClusterLockAndRateLimit(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
 	seeds := fmt.Sprintf(`["%s","%s"]`, rs[0].Addr, rs[1].Addr)
-	up := newExclusivityUpstream(time.Millisecond)
+	up := testkit.NewExclusivityUpstream(time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"2s","wait":"30s"}`, seeds))
 	b := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"3s","wait":"30s"}`, seeds))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 	getAllOK(t, 120, []string{sa.URL, sb.URL}, "k", 6)
-	up.check(t)
+	up.Check(t)
 	// The six keys landed on more than one master.
 	masters := 0
 	for _, r := range rs {

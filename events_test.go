@@ -171,7 +171,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 		t.Errorf("%d rate_limit_exceeded events for 19 concurrent rejections of one key, want 1", eve)
 	}
 
-	holder := goFetch(context.Background(), base+"/job/42")
+	holder := testkit.GoFetch(context.Background(), base+"/job/42")
 	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(redislock.DefaultLockPrefix, "/job/42")) == 1 }) {
 		t.Fatal("the job never held its lock")
 	}
@@ -180,7 +180,7 @@ func TestWholeCaddyEvents(t *testing.T) {
 		t.Fatalf("force release: %v %v", resp, err)
 	}
 	resp.Body.Close()
-	await(t, holder, 20*time.Second, "the job")
+	testkit.Await(t, holder, 20*time.Second, "the job")
 	forced, lost := eventsNamed(mark, shared.EventLockForced), eventsNamed(mark, shared.EventLockLost)
 	if len(forced) != 1 || forced[0].Data["handler"] != "jobs" || forced[0].Data["key"] != "/job/42" {
 		t.Fatalf("redis_lock_forced events %v, want one for jobs /job/42", forced)

@@ -184,7 +184,7 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 
 	paths := []string{"/fenced/7", "/plain/7"}
 	fenceRedis.AwaitUptime(3 * time.Second) // the lock's tokens are newer than the fence's Redis
-	answersA := map[string]<-chan fetchResult{}
+	answersA := map[string]<-chan testkit.FetchResult{}
 	for _, p := range paths {
 		answersA[p] = goFetchHdr(a.url()+p, "X-Client", "A")
 	}
@@ -209,13 +209,13 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	}()
 	// B waits until A's leases run out (2s at most: A cannot extend), takes
 	// both locks and writes.
-	answersB := map[string]<-chan fetchResult{}
+	answersB := map[string]<-chan testkit.FetchResult{}
 	for _, p := range paths {
 		answersB[p] = goFetchHdr(b.url()+p, "X-Client", "B")
 	}
 	for _, p := range paths {
-		if res := await(t, answersB[p], 60*time.Second, "B "+p); res.status != http.StatusNoContent {
-			t.Fatalf("B %s: %d %v, want 204 (B's write stored)", p, res.status, res.err)
+		if res := testkit.Await(t, answersB[p], 60*time.Second, "B "+p); res.Status != http.StatusNoContent {
+			t.Fatalf("B %s: %d %v, want 204 (B's write stored)", p, res.Status, res.Err)
 		}
 	}
 	for _, p := range paths {
@@ -230,8 +230,8 @@ func TestFenceEndToEndPausedHolder(t *testing.T) {
 	a.signal(t, syscall.SIGCONT)
 	resumed = true
 	for _, p := range paths {
-		if res := await(t, answersA[p], 60*time.Second, "A "+p); res.status != http.StatusServiceUnavailable {
-			t.Errorf("A %s after the pause: %d %v, want 503 (lease lost, on_lost cancel)", p, res.status, res.err)
+		if res := testkit.Await(t, answersA[p], 60*time.Second, "A "+p); res.Status != http.StatusServiceUnavailable {
+			t.Errorf("A %s after the pause: %d %v, want 503 (lease lost, on_lost cancel)", p, res.Status, res.Err)
 		}
 	}
 

@@ -62,7 +62,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"key":"{http.request.uri.path}","name":"stale-fence"}`, r.Addr))
 	fenceSrv := handlerServer(t, fence, store.ServeHTTP)
 
-	lock := provisionLock(t, lockCfg(r.Addr, `"ttl":"1s","auto_extend":false,"on_lost":"continue","wait":"10s","timeout":"5s"`))
+	lock := provisionLock(t, testkit.LockConfig(r.Addr, `"ttl":"1s","auto_extend":false,"on_lost":"continue","wait":"10s","timeout":"5s"`))
 	stall := make(chan struct{})
 	var unstall sync.Once
 	release := func() { unstall.Do(func() { close(stall) }) }
@@ -89,7 +89,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	}
 	lockSrv := handlerServer(t, lock, app)
 
-	staleAnswer := goFetch(context.Background(), lockSrv.URL+"/accounts/7")
+	staleAnswer := testkit.GoFetch(context.Background(), lockSrv.URL+"/accounts/7")
 	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(lock.Prefix, "/accounts/7")) == 1 }) {
 		t.Fatal("the first holder never held the lock")
 	}
@@ -99,9 +99,9 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 		t.Fatalf("the rival's write: %v, want 204 from the storage", resp)
 	}
 	release()
-	res := await(t, staleAnswer, 20*time.Second, "the stale holder")
-	if res.status != http.StatusConflict {
-		t.Fatalf("the stale holder's write: %d, want 409 from the fence", res.status)
+	res := testkit.Await(t, staleAnswer, 20*time.Second, "the stale holder")
+	if res.Status != http.StatusConflict {
+		t.Fatalf("the stale holder's write: %d, want 409 from the fence", res.Status)
 	}
 	writes := store.seen()
 	if len(writes) != 1 {

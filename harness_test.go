@@ -82,7 +82,7 @@ func rateLimitClient(t *testing.T, h *redisratelimit.RedisRateLimit) *shared.Cli
 	if err != nil || len(settings) != 1 {
 		t.Fatalf("the limiter's connection settings: %v %v", settings, err)
 	}
-	return pooledFor(t, settings[0].PoolKey())
+	return testkit.PooledFor(t, settings[0].PoolKey())
 }
 
 // handlerServer serves mw in front of next the way Caddy's server does: a

@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -23,7 +24,7 @@ import (
 func TestReloadGraceForRequestsOnTheirWay(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h, cleanup := provisionLockScoped(t, lockCfg(r.Addr, `"timeout":"456ms"`))
+	h, cleanup := provisionLockScoped(t, testkit.LockConfig(r.Addr, `"timeout":"456ms"`))
 	// The lock's client: the same settings.
 	rl, rlCleanup := provisionRateLimitScoped(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"456ms","rates":[{"requests":1,"window":"1m"}],"count":["401"]}`, r.Addr))
 	rlc := rateLimitClient(t, rl)

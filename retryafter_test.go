@@ -102,7 +102,7 @@ func runRetryAfterCaddy(t *testing.T, redisAddr string, up *jobUpstream, sites .
 
 // job sends one request for key in the background: a job of ms
 // milliseconds, or gated with ms < 0.
-func job(url, key string, ms int) <-chan fetchResult {
+func job(url, key string, ms int) <-chan testkit.FetchResult {
 	hdr := []string{"X-Key", key, "X-Job-Ms", strconv.Itoa(ms)}
 	if ms < 0 {
 		hdr = []string{"X-Key", key, "X-Gate", "1"}
@@ -115,12 +115,12 @@ func job(url, key string, ms int) <-chan fetchResult {
 func busyRetryAfter(t *testing.T, url, key string) int {
 	t.Helper()
 	r := <-job(url, key, 10)
-	if r.err != nil || r.status != http.StatusLocked {
-		t.Fatalf("request for busy %s: %d %v, want 423", key, r.status, r.err)
+	if r.Err != nil || r.Status != http.StatusLocked {
+		t.Fatalf("request for busy %s: %d %v, want 423", key, r.Status, r.Err)
 	}
-	n, err := strconv.Atoi(r.hdr.Get("Retry-After"))
+	n, err := strconv.Atoi(r.Hdr.Get("Retry-After"))
 	if err != nil || n < 1 {
-		t.Fatalf("Retry-After %q: want whole seconds >= 1", r.hdr.Get("Retry-After"))
+		t.Fatalf("Retry-After %q: want whole seconds >= 1", r.Hdr.Get("Retry-After"))
 	}
 	return n
 }
@@ -141,13 +141,13 @@ func awaitFree(t *testing.T, rc *redis.Client, keys ...string) {
 // own), so that its handler has seen that many holds end.
 func learnHolds(t *testing.T, up *jobUpstream, url string, n, ms int) {
 	t.Helper()
-	var chs []<-chan fetchResult
+	var chs []<-chan testkit.FetchResult
 	for i := 0; i < n; i++ {
 		chs = append(chs, job(url, fmt.Sprintf("learn%d", i), ms))
 	}
 	for i, ch := range chs {
-		if r := await(t, ch, time.Duration(ms)*time.Millisecond+20*time.Second, "learning job"); r.status != 200 {
-			t.Fatalf("learning job %d: %d %v", i, r.status, r.err)
+		if r := testkit.Await(t, ch, time.Duration(ms)*time.Millisecond+20*time.Second, "learning job"); r.Status != 200 {
+			t.Fatalf("learning job %d: %d %v", i, r.Status, r.Err)
 		}
 	}
 }
@@ -179,15 +179,15 @@ func TestRetryAfterHonouredGetsThrough(t *testing.T) {
 			// Come at a different point of the job each try.
 			time.Sleep(time.Duration(i) * 200 * time.Millisecond)
 			first := <-job(url, key, 3000)
-			ra, err := strconv.Atoi(first.hdr.Get("Retry-After"))
-			if first.err != nil || first.status != http.StatusLocked || err != nil {
-				out <- outcome{status: first.status, err: fmt.Errorf("first request: %d %v, Retry-After %q", first.status, first.err, first.hdr.Get("Retry-After"))}
+			ra, err := strconv.Atoi(first.Hdr.Get("Retry-After"))
+			if first.Err != nil || first.Status != http.StatusLocked || err != nil {
+				out <- outcome{status: first.Status, err: fmt.Errorf("first request: %d %v, Retry-After %q", first.Status, first.Err, first.Hdr.Get("Retry-After"))}
 				<-holder
 				return
 			}
 			time.Sleep(time.Duration(ra) * time.Second) // honoured exactly
 			retry := <-job(url, key, 10)
-			out <- outcome{retryAfter: ra, status: retry.status, err: retry.err}
+			out <- outcome{retryAfter: ra, status: retry.Status, err: retry.Err}
 			<-holder
 		}(i)
 	}
@@ -237,10 +237,10 @@ func TestRetryAfterHolderOnAnotherInstance(t *testing.T) {
 		t.Errorf("2.5 s into B's 4 s job, A says Retry-After %d; want about 2 (from B's grant, not a whole hold from now)", ra)
 	}
 	time.Sleep(time.Duration(ra) * time.Second)
-	if res := <-job(a, "shared", 10); res.status != http.StatusOK {
-		t.Errorf("retry after %d s: %d %v, want 200 (B's job is over)", ra, res.status, res.err)
+	if res := <-job(a, "shared", 10); res.Status != http.StatusOK {
+		t.Errorf("retry after %d s: %d %v, want 200 (B's job is over)", ra, res.Status, res.Err)
 	}
-	await(t, holder, 30*time.Second, "B's holder")
+	testkit.Await(t, holder, 30*time.Second, "B's holder")
 	awaitFree(t, r.Client(), "shared")
 }
 
@@ -324,9 +324,9 @@ func TestRetryAfterCountsWaitersElsewhere(t *testing.T) {
 		t.Errorf("with 1, then 2 other instances waiting, the lock is said to be free %s, then %s later; want each step about the 3 s p90", d1, d2)
 	}
 	up.open()
-	for _, w := range []<-chan fetchResult{holder, waiterC, waiterD} {
-		if res := await(t, w, 40*time.Second, "holder and waiters"); res.status != http.StatusOK {
-			t.Errorf("holder or waiter: %d %v, want 200", res.status, res.err)
+	for _, w := range []<-chan testkit.FetchResult{holder, waiterC, waiterD} {
+		if res := testkit.Await(t, w, 40*time.Second, "holder and waiters"); res.Status != http.StatusOK {
+			t.Errorf("holder or waiter: %d %v, want 200", res.Status, res.Err)
 		}
 	}
 	awaitFree(t, rc, "hot")
@@ -357,9 +357,9 @@ func TestRetryAfterNoHoldSeenIsLeaseLeft(t *testing.T) {
 		t.Errorf("holder on another instance, ttl 30s: Retry-After %d, want its lease's ~30 s left", ra)
 	}
 	up.open()
-	for _, w := range []<-chan fetchResult{local, remote} {
-		if res := await(t, w, 30*time.Second, "holders"); res.status != http.StatusOK {
-			t.Errorf("holder: %d %v", res.status, res.err)
+	for _, w := range []<-chan testkit.FetchResult{local, remote} {
+		if res := testkit.Await(t, w, 30*time.Second, "holders"); res.Status != http.StatusOK {
+			t.Errorf("holder: %d %v", res.Status, res.Err)
 		}
 	}
 	awaitFree(t, r.Client(), "mine", "theirs")
@@ -411,12 +411,12 @@ func TestRetryAfterLocalHandOff(t *testing.T) {
 		t.Errorf("1 s into W1's 3 s job (handed on here): Retry-After %d, want about 3", ra)
 	}
 	time.Sleep(time.Duration(ra) * time.Second)
-	if res := <-job(asker, "chain", 10); res.status != http.StatusOK {
-		t.Errorf("retry after %d s: %d %v, want 200 (W1's job is over)", ra, res.status, res.err)
+	if res := <-job(asker, "chain", 10); res.Status != http.StatusOK {
+		t.Errorf("retry after %d s: %d %v, want 200 (W1's job is over)", ra, res.Status, res.Err)
 	}
-	for _, w := range []<-chan fetchResult{h0, h1, w1} {
-		if res := await(t, w, 30*time.Second, "holders"); res.status != http.StatusOK {
-			t.Errorf("holder: %d %v", res.status, res.err)
+	for _, w := range []<-chan testkit.FetchResult{h0, h1, w1} {
+		if res := testkit.Await(t, w, 30*time.Second, "holders"); res.Status != http.StatusOK {
+			t.Errorf("holder: %d %v", res.Status, res.Err)
 		}
 	}
 	awaitFree(t, rc, "chain")

@@ -17,6 +17,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 )
 
 // testPKI is a CA made at run time with a server certificate for 127.0.0.1
@@ -119,7 +121,7 @@ func TestTLSConnections(t *testing.T) {
 	}
 	for i, c := range ok {
 		t.Run(c.name, func(t *testing.T) {
-			up := newExclusivityUpstream(time.Millisecond)
+			up := testkit.NewExclusivityUpstream(time.Millisecond)
 			lock := provisionLock(t, fmt.Sprintf(`{%s,"timeout":"2s","wait":"20s"}`, c.conn))
 			srv := handlerServer(t, lock, up.ServeHTTP)
 			for j := 0; j < 5; j++ {
@@ -127,7 +129,7 @@ func TestTLSConnections(t *testing.T) {
 					t.Fatalf("lock over TLS: %v %s", resp, body)
 				}
 			}
-			up.check(t)
+			up.Check(t)
 			rl := provisionRateLimitJSON(t, fmt.Sprintf(`{%s,"timeout":"2s","fail_closed":true,"rates":[{"requests":2,"window":"1m"}],"key":"tls%d"}`, c.conn, i))
 			rls := handlerServer(t, rl, okHandler)
 			var codes []int

@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
@@ -128,7 +129,7 @@ func TestSentinelLock(t *testing.T) {
 	t.Parallel()
 	master := startRedis(t)
 	sentinel := startSentinel(t, master)
-	up := newExclusivityUpstream(time.Millisecond)
+	up := testkit.NewExclusivityUpstream(time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"30s","timeout":"3s"}`, sentinel))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
@@ -142,7 +143,7 @@ func TestSentinelLock(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	up.check(t)
+	up.Check(t)
 	if v, _ := master.Client().Get(context.Background(), lock.FenceKey(shared.StoredKey(h.Prefix, "/s"))).Int(); v < 1 {
 		t.Errorf("fencing counter on the master is %d; the lock did not go through the sentinel's master", v)
 	}

@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -49,10 +50,10 @@ func TestJitter(t *testing.T) {
 	}
 	t.Run("redis_lock", func(t *testing.T) {
 		t.Parallel()
-		up := newHoldUpstream()
-		h := provisionLock(t, lockCfg(r.Addr, `"ttl":"40s","wait":"0s","jitter":1,"prefix":"jit:"`))
+		up := testkit.NewHoldUpstream()
+		h := provisionLock(t, testkit.LockConfig(r.Addr, `"ttl":"40s","wait":"0s","jitter":1,"prefix":"jit:"`))
 		srv := handlerServer(t, h, up.ServeHTTP)
-		startHolder(t, up, srv.URL+"/hot")
+		testkit.StartHolder(t, up, srv.URL+"/hot")
 		// No hold seen yet: the estimate is the lease left (about 40 s).
 		spread(t, retryAfters(t, srv.URL+"/hot", 30, http.StatusLocked), 38, 81)
 	})

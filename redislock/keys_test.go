@@ -1,6 +1,10 @@
 package redislock
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
+)
 
 // TestKeyWithEmptyPlaceholder: a key in which one placeholder renders empty
 // or unknown never becomes a shared key ("user:" for everyone without the
@@ -9,7 +13,7 @@ import "testing"
 func TestKeyWithEmptyPlaceholder(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	lock := provisionLock(t, lockCfg(r.Addr, `"keys":["inventory:{http.request.uri.query.sku1}"],"wait":"0s"`))
+	lock := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["inventory:{http.request.uri.query.sku1}"],"wait":"0s"`))
 	srv := handlerServer(t, lock, okHandler)
 	if resp, _ := get(t, srv.URL+"/order?sku2=b"); resp == nil || resp.StatusCode != 400 {
 		t.Errorf("lock key with an empty placeholder: status %v, want 400", resp)

@@ -11,6 +11,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	dto "github.com/prometheus/client_model/go"
 )
 
@@ -84,7 +85,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 		t.Parallel()
 		r := startRedis(t)
 		t.Cleanup(r.Resume) // whatever fails first
-		h := provisionLock(t, lockCfg(r.Addr, `"timeout":"300ms","ttl":"30s"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"300ms","ttl":"30s"`))
 		// Redis stops answering while the route runs: the release after it
 		// fails.
 		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
@@ -112,7 +113,7 @@ func TestNoOrphanAfterLostAnswer(t *testing.T) {
 func TestReloadKeepsClientForRelease(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h, cleanup := provisionLockScoped(t, lockCfg(r.Addr, `"timeout":"444ms"`))
+	h, cleanup := provisionLockScoped(t, testkit.LockConfig(r.Addr, `"timeout":"444ms"`))
 	key := shared.StoredKey(h.Prefix, "/reload")
 	ls, err := h.locker.Acquire(context.Background(), []string{key})
 	if err != nil {
@@ -155,14 +156,14 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 		}
 		return nil
 	}
-	a := provisionLock(t, lockCfg(r.Addr, `"wait":"10s"`))
-	b := provisionLock(t, lockCfg(r.Addr, `"wait":"10s","timeout":"600ms"`))
+	a := provisionLock(t, testkit.LockConfig(r.Addr, `"wait":"10s"`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, `"wait":"10s","timeout":"600ms"`))
 	sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
-	holder := goFetch(context.Background(), sa.URL+"/secret-alice?hold=1")
+	holder := testkit.GoFetch(context.Background(), sa.URL+"/secret-alice?hold=1")
 	if !waitFor(10*time.Second, func() bool { return heldBy(r, shared.StoredKey(a.Prefix, "/secret-alice")) > 0 }) {
 		t.Fatal("the holder never took the lock")
 	}
-	waiter := goFetch(context.Background(), sb.URL+"/secret-alice")
+	waiter := testkit.GoFetch(context.Background(), sb.URL+"/secret-alice")
 	// Release once the waiter's instance is on the key's wait list (a
 	// fixed sleep lost that race on a loaded machine).
 	wq := lock.WaitqKey(shared.StoredKey(a.Prefix, "/secret-alice"))
@@ -170,8 +171,8 @@ func TestWakeMessagesAreOpaque(t *testing.T) {
 		t.Fatal("the waiter's instance never joined the wait list")
 	}
 	openRelease()
-	await(t, holder, 20*time.Second, "holder")
-	await(t, waiter, 20*time.Second, "waiter")
+	testkit.Await(t, holder, 20*time.Second, "holder")
+	testkit.Await(t, waiter, 20*time.Second, "waiter")
 	if !waitFor(3*time.Second, func() bool { return got.Load().(string) != "" }) {
 		t.Fatal("no wake-up published for a cross-instance waiter")
 	}
@@ -244,22 +245,22 @@ func TestReleasePublishesOnlyForOtherInstances(t *testing.T) {
 			if n := publishes(rs) - before; n != 0 {
 				t.Fatalf("20 uncontended releases published %d wake-ups, want 0", n)
 			}
-			holder := goFetch(context.Background(), sa.URL+"/hot?hold=1")
+			holder := testkit.GoFetch(context.Background(), sa.URL+"/hot?hold=1")
 			recvWithin(t, (<-chan struct{})(entered), 15*time.Second, "the holder reaching the upstream")
-			waiter := goFetch(context.Background(), sb.URL+"/hot")
+			waiter := testkit.GoFetch(context.Background(), sb.URL+"/hot")
 			// b's attempt failed and it waits: its instance is on a wait list.
 			if !waitFor(15*time.Second, func() bool { return onWaitList(rs, lockInstanceID(b)) }) {
 				t.Fatal("the waiter's instance never joined a wait list")
 			}
 			start := time.Now()
 			openRelease()
-			if res := await(t, waiter, 20*time.Second, "waiter"); res.status != 200 {
-				t.Fatalf("waiter: %d %v", res.status, res.err)
+			if res := testkit.Await(t, waiter, 20*time.Second, "waiter"); res.Status != 200 {
+				t.Fatalf("waiter: %d %v", res.Status, res.Err)
 			}
 			if el := time.Since(start); el > 5*time.Second {
 				t.Errorf("the other instance's waiter got the lock %s after the release; its backoff is 15s, so the wake-up was lost", el)
 			}
-			await(t, holder, 20*time.Second, "holder")
+			testkit.Await(t, holder, 20*time.Second, "holder")
 			if publishes(rs)-before == 0 {
 				t.Error("no wake-up published although another instance waited")
 			}

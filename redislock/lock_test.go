@@ -15,71 +15,10 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	dto "github.com/prometheus/client_model/go"
 )
-
-// exclusivityUpstream counts requests in flight per key and records the
-// fencing tokens in the order it sees them.
-type exclusivityUpstream struct {
-	hold time.Duration
-
-	mu       sync.Mutex
-	inflight map[string]int
-	maxSeen  map[string]int
-	tokens   map[string][]int64
-	served   int
-}
-
-func newExclusivityUpstream(hold time.Duration) *exclusivityUpstream {
-	return &exclusivityUpstream{hold: hold, inflight: map[string]int{}, maxSeen: map[string]int{}, tokens: map[string][]int64{}}
-}
-
-func (u *exclusivityUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	key := r.URL.Path
-	tok, err := strconv.ParseInt(r.Header.Get("Lock-Fencing-Token"), 10, 64)
-	u.mu.Lock()
-	u.inflight[key]++
-	if u.inflight[key] > u.maxSeen[key] {
-		u.maxSeen[key] = u.inflight[key]
-	}
-	if err == nil {
-		u.tokens[key] = append(u.tokens[key], tok)
-	} else {
-		u.tokens[key] = append(u.tokens[key], -1)
-	}
-	u.mu.Unlock()
-	time.Sleep(u.hold)
-	u.mu.Lock()
-	u.inflight[key]--
-	u.served++
-	u.mu.Unlock()
-	w.Header().Set("X-Fence", r.Header.Get("Lock-Fencing-Token"))
-	w.WriteHeader(http.StatusOK)
-	return nil
-}
-
-// check fails the test when a key ever had two holders or its tokens did
-// not strictly increase in upstream order.
-func (u *exclusivityUpstream) check(t *testing.T) {
-	t.Helper()
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	for k, m := range u.maxSeen {
-		if m > 1 {
-			t.Errorf("key %s: %d requests in flight at once, want at most 1", k, m)
-		}
-	}
-	for k, toks := range u.tokens {
-		for i := 1; i < len(toks); i++ {
-			if toks[i] <= toks[i-1] {
-				t.Errorf("key %s: fencing token %d after %d: not strictly increasing (tokens %v)", k, toks[i], toks[i-1], toks)
-				break
-			}
-		}
-	}
-}
 
 // TestLockMutualExclusionTwoInstances: two handler instances with separate
 // Redis clients (so separate pools, local queues and instance ids) and 240
@@ -88,7 +27,7 @@ func (u *exclusivityUpstream) check(t *testing.T) {
 func TestLockMutualExclusionTwoInstances(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := newExclusivityUpstream(2 * time.Millisecond)
+	up := testkit.NewExclusivityUpstream(2 * time.Millisecond)
 	a := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"2s","wait":"60s"}`, r.Addr))
 	b := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"3s","wait":"60s"}`, r.Addr))
 	if lockInstanceID(a) == lockInstanceID(b) {
@@ -113,9 +52,9 @@ func TestLockMutualExclusionTwoInstances(t *testing.T) {
 		}(i)
 	}
 	wg.Wait()
-	up.check(t)
-	if up.served != 240 {
-		t.Fatalf("served %d, want 240", up.served)
+	up.Check(t)
+	if up.Served() != 240 {
+		t.Fatalf("served %d, want 240", up.Served())
 	}
 }
 
@@ -171,7 +110,7 @@ func TestLockWaitZeroAndTimeout(t *testing.T) {
 func TestLockAutoExtend(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := newExclusivityUpstream(3500 * time.Millisecond)
+	up := testkit.NewExclusivityUpstream(3500 * time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"ttl":"1500ms","wait":"30s","timeout":"3s"}`, r.Addr))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
@@ -193,7 +132,7 @@ func TestLockAutoExtend(t *testing.T) {
 		}(i)
 	}
 	wg.Wait()
-	up.check(t)
+	up.Check(t)
 	// Whichever got the lock first (the 200 ms head start is no promise on
 	// a loaded machine), the other ended a whole hold later.
 	if d := ends[1].Sub(ends[0]).Abs(); d < 3000*time.Millisecond {
@@ -683,7 +622,7 @@ func TestLockFIFOWithinInstance(t *testing.T) {
 func TestLockLocalHandOff(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := newExclusivityUpstream(3 * time.Millisecond)
+	up := testkit.NewExclusivityUpstream(3 * time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"60s","timeout":"5s"}`, r.Addr))
 	// The first holder stays until the other 39 queue behind it, so they
 	// contend however slowly a loaded machine starts them.
@@ -710,9 +649,9 @@ func TestLockLocalHandOff(t *testing.T) {
 	}
 	wg.Wait()
 	calls := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before
-	up.check(t)
-	if up.served != 40 {
-		t.Fatalf("served %d", up.served)
+	up.Check(t)
+	if up.Served() != 40 {
+		t.Fatalf("served %d", up.Served())
 	}
 	if calls >= 60 {
 		t.Errorf("%d script calls for 40 contended requests; local hand-off should need far fewer than 2 per request", calls)
@@ -722,9 +661,7 @@ func TestLockLocalHandOff(t *testing.T) {
 
 // lostCount reads caddy_redis_lock_lost_total of one handler.
 func lostCount(handler string) float64 {
-	var m dto.Metric
-	_ = shared.LockLostTotal.WithLabelValues(handler).Write(&m)
-	return m.GetCounter().GetValue()
+	return testkit.Count(shared.LockLostTotal.WithLabelValues(handler))
 }
 
 // TestLockSubscriptionsConstant: waiting on many keys uses one Pub/Sub
@@ -808,7 +745,7 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 		time.Sleep(1500 * time.Millisecond)
 		return nil
 	}
-	h := provisionLock(t, lockCfg(r.Addr, `"ttl":"60s","wait":"0s"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"ttl":"60s","wait":"0s"`))
 	srv := handlerServer(t, h, up)
 	retry := func() int {
 		t.Helper()
@@ -822,18 +759,18 @@ func TestLockRetryAfterFromHoldTimes(t *testing.T) {
 		}
 		return n
 	}
-	first := goFetch(context.Background(), srv.URL+"/job")
+	first := testkit.GoFetch(context.Background(), srv.URL+"/job")
 	recvWithin(t, entered, 15*time.Second, "the first job reaching the upstream")
 	if n := retry(); n < 55 || n > 60 {
 		t.Errorf("no hold seen yet: Retry-After %d, want the remaining lease (~60)", n)
 	}
-	await(t, first, 20*time.Second, "first job")
-	second := goFetch(context.Background(), srv.URL+"/job")
+	testkit.Await(t, first, 20*time.Second, "first job")
+	second := testkit.GoFetch(context.Background(), srv.URL+"/job")
 	recvWithin(t, entered, 15*time.Second, "the second job reaching the upstream")
 	if n := retry(); n < 1 || n > 3 {
 		t.Errorf("after one 1.5s hold: Retry-After %d, want about 2 (not the 60s lease)", n)
 	}
-	await(t, second, 20*time.Second, "second job")
+	testkit.Await(t, second, 20*time.Second, "second job")
 
 	// Two holds of ~1.5s seen; the release allowance is the timeout (500ms).
 	p90, ok := h.holds.p90()
@@ -982,7 +919,7 @@ func TestLockHandOffKeepsTokensFresh(t *testing.T) {
 func TestFencingTokenSurvivesHopByHop(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri.path}"]`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri.path}"]`))
 	got := make(chan [2]string, 1)
 	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 		// What reverse_proxy does to the request's hop-by-hop headers.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -33,7 +34,7 @@ const neverTwiceCfg = replayCfg + `,"ttl":"500ms","auto_extend":false,"on_lost":
 func TestNeverTwiceHolderPastItsLease(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, neverTwiceCfg+`,"prefix":"nt:past:"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, neverTwiceCfg+`,"prefix":"nt:past:"`))
 	up := new(orderUpstream)
 	srv := handlerServer(t, h, up.ServeHTTP)
 	first := make(chan [2]string, 1)
@@ -87,7 +88,7 @@ func TestNeverTwiceWithheldAnswerNotStorable(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			h := provisionLock(t, lockCfg(r.Addr, neverTwiceCfg+`,"replay_max":64,"prefix":"nt:w:`+tc.name+`:"`))
+			h := provisionLock(t, testkit.LockConfig(r.Addr, neverTwiceCfg+`,"replay_max":64,"prefix":"nt:w:`+tc.name+`:"`))
 			up := new(orderUpstream)
 			srv := handlerServer(t, h, up.ServeHTTP)
 			st, hdr, body, err := post(srv.URL+"/o?sleep=900ms&"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
@@ -109,7 +110,7 @@ func TestNeverTwiceWithheldAnswerNotStorable(t *testing.T) {
 func TestNeverTwiceOnlyOwnRecordStores(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, neverTwiceCfg+`,"prefix":"nt:own:"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, neverTwiceCfg+`,"prefix":"nt:own:"`))
 	var calls atomic.Int64
 	release := make(chan struct{})
 	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
@@ -152,7 +153,7 @@ func TestNeverTwiceOnlyOwnRecordStores(t *testing.T) {
 func TestAdminInDoubt(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"5s","prefix":"nt:admin:"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"timeout":"5s","prefix":"nt:admin:"`))
 	var calls atomic.Int64
 	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 		if calls.Add(1) == 1 {

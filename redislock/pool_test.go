@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -24,7 +25,7 @@ func connectedClients(t *testing.T, c *redis.Client) int {
 func warmLock(t *testing.T) (*testRedis, *RedisLock, *httptest.Server) {
 	t.Helper()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"0s"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"5s","wait":"0s"`))
 	s := handlerServer(t, h, okHandler)
 	if resp, _ := get(t, s.URL+"/warm"); resp == nil || resp.StatusCode != 200 {
 		t.Fatalf("warm-up: %v", resp)
@@ -46,10 +47,10 @@ func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after
 	base = connectedClients(t, rc)
 	shared := h.locker.Clients()[0]
 	r.Pause()
-	var done []<-chan fetchResult
+	var done []<-chan testkit.FetchResult
 	pings := make(chan error, n)
 	for i := 0; i < n; i++ {
-		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/k%d", s.URL, i)))
+		done = append(done, testkit.GoFetch(context.Background(), fmt.Sprintf("%s/k%d", s.URL, i)))
 		go func() { pings <- shared.Ping(context.Background()).Err() }()
 	}
 	// Every ping waits on a connection of its own: wait until Redis has
@@ -57,8 +58,8 @@ func pausedBurst(t *testing.T, n int) (srv string, rc *redis.Client, base, after
 	waitFor(3*time.Second, func() bool { return int(shared.PoolStats().TotalConns) >= n })
 	r.Resume()
 	for i, ch := range done {
-		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
-			t.Fatalf("request %d: %d %v", i, res.status, res.err)
+		if res := testkit.Await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.Status != 200 {
+			t.Fatalf("request %d: %d %v", i, res.Status, res.Err)
 		}
 	}
 	for i := 0; i < n; i++ {
@@ -85,9 +86,9 @@ func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
 	base := connectedClients(t, rc)
 	r.Pause()
 	const n = 48
-	var done []<-chan fetchResult
+	var done []<-chan testkit.FetchResult
 	for i := 0; i < n; i++ {
-		done = append(done, goFetch(context.Background(), fmt.Sprintf("%s/p%d", s.URL, i)))
+		done = append(done, testkit.GoFetch(context.Background(), fmt.Sprintf("%s/p%d", s.URL, i)))
 	}
 	if !waitFor(5*time.Second, func() bool { return h.locker.QueuedCalls() >= n-redisconn.PipeInFlight }) {
 		r.Resume()
@@ -95,8 +96,8 @@ func TestPausedRedisLeavesLockPoolSmall(t *testing.T) {
 	}
 	r.Resume()
 	for i, ch := range done {
-		if res := await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.status != 200 {
-			t.Fatalf("request %d: %d %v", i, res.status, res.err)
+		if res := testkit.Await(t, ch, 20*time.Second, fmt.Sprintf("request %d", i)); res.Status != 200 {
+			t.Fatalf("request %d: %d %v", i, res.Status, res.Err)
 		}
 	}
 	if c := connectedClients(t, rc); c > base+redisconn.PipeInFlight+1 {
@@ -156,7 +157,7 @@ func TestPoolClosesIdleWithoutTraffic(t *testing.T) {
 func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"timeout":"5s","wait":"10s"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"5s","wait":"10s"`))
 	round := func(from, n int) {
 		var wg sync.WaitGroup
 		for i := range 64 {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -64,7 +65,7 @@ func TestRedlockMinorityDown(t *testing.T) {
 	for _, mode := range []string{"paused", "killed"} {
 		t.Run(mode, func(t *testing.T) {
 			rs, addrs := startRedlock(t, 3)
-			up := newExclusivityUpstream(time.Millisecond)
+			up := testkit.NewExclusivityUpstream(time.Millisecond)
 			a := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"800ms","wait":"30s"}`, addrs))
 			b := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"801ms","wait":"30s"}`, addrs))
 			sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -83,7 +84,7 @@ func TestRedlockMinorityDown(t *testing.T) {
 				t.Errorf("uncontended request took %s with one server %s; want about the 800ms timeout at most", el, mode)
 			}
 			hammerLock(t, 120, 24, sa.URL+"/k", sb.URL+"/k")
-			up.check(t)
+			up.Check(t)
 		})
 	}
 }
@@ -125,7 +126,7 @@ func TestRedlockMajorityDown(t *testing.T) {
 func TestRedlockRestartEmptyKeepsTokensIncreasing(t *testing.T) {
 	t.Parallel()
 	rs, addrs := startRedlock(t, 3)
-	up := newExclusivityUpstream(0)
+	up := testkit.NewExclusivityUpstream(0)
 	a := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"400ms","wait":"60s"}`, addrs))
 	b := provisionLock(t, fmt.Sprintf(`{"redis":%s,"timeout":"401ms","wait":"60s"}`, addrs))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -161,9 +162,9 @@ func TestRedlockRestartEmptyKeepsTokensIncreasing(t *testing.T) {
 	}
 	wg.Wait()
 	<-stop
-	up.check(t)
-	if up.served != 1000 {
-		t.Errorf("served %d, want 1000", up.served)
+	up.Check(t)
+	if up.Served() != 1000 {
+		t.Errorf("served %d, want 1000", up.Served())
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -58,7 +59,7 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 			var calls atomic.Int64
 			ended := make(chan error, 1)
 			started := make(chan struct{}, 1)
-			h := provisionLock(t, lockCfg(r.Addr, replayCfg+tc.cfg+`,"timeout":"5s","prefix":"bound:`+tc.name+`:"`))
+			h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+tc.cfg+`,"timeout":"5s","prefix":"bound:`+tc.name+`:"`))
 			srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 				if calls.Add(1) == 1 {
 					started <- struct{}{}
@@ -176,7 +177,7 @@ func TestReplayServesOnlyWhatItCanAnswer(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	up := new(answerUpstream)
-	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s"`))
 	srv := handlerServer(t, h, up.ServeHTTP)
 
 	type step struct {
@@ -260,7 +261,7 @@ func TestReplayNeverAnotherClientsAnswer(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	up := new(answerUpstream)
-	coalesce := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"co:"`))
+	coalesce := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"co:"`))
 	sc := handlerServer(t, coalesce, up.ServeHTTP)
 
 	const alice, bob = "Bearer alice", "Bearer bob"
@@ -292,7 +293,7 @@ func TestReplayNeverAnotherClientsAnswer(t *testing.T) {
 	// credential_cookies: only the named cookie counts, so an analytics
 	// cookie that changed does not break the retry, and another session
 	// does not get the answer.
-	cc := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"cc:","credential_cookies":["session"]`))
+	cc := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"cc:","credential_cookies":["session"]`))
 	scc := handlerServer(t, cc, up.ServeHTTP)
 	send("GET", scc.URL+"/me?cc=no-store", "Cookie", "session=s1; _ga=1")
 	if _, hdr, _, _ := send("GET", scc.URL+"/me?cc=no-store", "Cookie", "session=s1; _ga=2"); hdr.Get(HeaderIdempotentReplayed) != "true" {
@@ -304,7 +305,7 @@ func TestReplayNeverAnotherClientsAnswer(t *testing.T) {
 
 	// fingerprint off: any request with the key gets a public answer, but
 	// a private one only goes to its owner.
-	off := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"off:","fingerprint":["off"]`))
+	off := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"off:","fingerprint":["off"]`))
 	so := handlerServer(t, off, up.ServeHTTP)
 	send("GET", so.URL+"/pub", "Authorization", alice)
 	if _, hdr, _, _ := send("GET", so.URL+"/pub", "Authorization", bob); hdr.Get(HeaderIdempotentReplayed) != "true" {
@@ -338,7 +339,7 @@ func TestReplayMarksSetBeforeTheLock(t *testing.T) {
 	r := startRedis(t)
 	up := new(answerUpstream)
 	site := func(prefix, name, value string) string {
-		h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"`+prefix+`"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"`+prefix+`"`))
 		return handlerServer(t, headerBefore{h, name, value}, up.ServeHTTP).URL
 	}
 
@@ -375,8 +376,8 @@ func TestReplayNotPassedByAHandOff(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	keys := `"keys":["{http.request.header.Idem}"],"wait":"20s","prefix":"mixed:"`
-	hr := provisionLock(t, lockCfg(r.Addr, keys+`,"replay":"30s"`))
-	hn := provisionLock(t, lockCfg(r.Addr, keys))
+	hr := provisionLock(t, testkit.LockConfig(r.Addr, keys+`,"replay":"30s"`))
+	hn := provisionLock(t, testkit.LockConfig(r.Addr, keys))
 	var calls atomic.Int64
 	release := make(chan struct{})
 	started := make(chan struct{}, 1)
@@ -426,7 +427,7 @@ func TestReplayCutOffAtItsBound(t *testing.T) {
 		// A route that panics on its way out (reverse_proxy aborts a copy
 		// its cancelled context cut short) is cut off too.
 		prefix := fmt.Sprintf("cut-%v:", panics)
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"ttl":"1s","lock_delay":"20s","timeout":"5s","prefix":"`+prefix+`"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"ttl":"1s","lock_delay":"20s","timeout":"5s","prefix":"`+prefix+`"`))
 		started := make(chan struct{}, 1)
 		returned := make(chan error, 1)
 		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
@@ -470,7 +471,7 @@ func TestReplayCutOffAtItsBound(t *testing.T) {
 func TestReplayHeadAnswerNotForGet(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:","fingerprint":["{http.request.uri}"]`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:","fingerprint":["{http.request.uri}"]`))
 	srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 		w.WriteHeader(http.StatusOK)
 		if req.Method != http.MethodHead {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -82,8 +83,8 @@ func TestReplayDuplicatesRunOnce(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	up := new(orderUpstream)
-	a := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"2s"`))
-	b := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"3s"`))
+	a := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"timeout":"2s"`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"timeout":"3s"`))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 
 	type answer struct {
@@ -161,7 +162,7 @@ func TestReplayNotStored(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			up := new(orderUpstream)
-			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":64,"prefix":"ns:`+tc.name+`:"`))
+			h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"replay_max":64,"prefix":"ns:`+tc.name+`:"`))
 			srv := handlerServer(t, h, up.ServeHTTP)
 			var st int
 			for i := 1; i <= 2; i++ {
@@ -188,7 +189,7 @@ func TestReplayNotStored(t *testing.T) {
 			second      string
 		}{{"text/event-stream", "409"}, {"application/json", "part and the rest"}} {
 			var calls atomic.Int64
-			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:streamed:`+tc.contentType+`:"`))
+			h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"prefix":"ns:streamed:`+tc.contentType+`:"`))
 			srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
 				calls.Add(1)
 				w.Header().Set("Content-Type", tc.contentType)
@@ -217,7 +218,7 @@ func TestReplayNotStored(t *testing.T) {
 		// the key is in doubt (the upstream acted, or may have). A GET, which
 		// may run again, does.
 		var calls atomic.Int64
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"ns:brokeoff:"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"prefix":"ns:brokeoff:"`))
 		srv := handlerServer(t, h, func(w http.ResponseWriter, r *http.Request) error {
 			if calls.Add(1) == 1 {
 				w.WriteHeader(200)
@@ -242,7 +243,7 @@ func TestReplayNotStored(t *testing.T) {
 		// replayed the whole answer.
 		var calls atomic.Int64
 		started := make(chan struct{}, 4)
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"timeout":"5s","prefix":"ns:gone:"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"timeout":"5s","prefix":"ns:gone:"`))
 		clients := make(chan context.Context, 4) // the client's own context, seen before the lock
 		srv := handlerServer(t, seeClient{h, clients}, func(w http.ResponseWriter, req *http.Request) error {
 			if calls.Add(1) == 1 {
@@ -306,7 +307,7 @@ func TestReplayCoalescesGets(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	up := new(orderUpstream)
-	h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"2s","wait":"20s"`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"2s","wait":"20s"`))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
 	var bad atomic.Int32
@@ -333,7 +334,7 @@ func TestReplayLargeRequestBody(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	up := new(orderUpstream)
-	h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":16`))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"replay_max":16`))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	if st, _, _, _ := post(srv.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
 		t.Fatalf("body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
@@ -341,7 +342,7 @@ func TestReplayLargeRequestBody(t *testing.T) {
 	// Under replay the body is always buffered (a client that goes away
 	// mid-upload cannot cut the route's copy short), whatever the
 	// fingerprint: over replay_max it is 413 with fingerprint off too.
-	off := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"replay_max":16,"fingerprint":["off"],"prefix":"off:"`))
+	off := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"replay_max":16,"fingerprint":["off"],"prefix":"off:"`))
 	so := handlerServer(t, off, up.ServeHTTP)
 	if st, _, _, _ := post(so.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
 		t.Fatalf("fingerprint off, body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
@@ -390,7 +391,7 @@ func TestReplayConfigErrors(t *testing.T) {
 //	go test -run '^$' -bench ReplayMemory -benchtime 1x -v .
 func BenchmarkReplayMemory(b *testing.B) {
 	r := startRedis(b)
-	h := provisionLock(b, lockCfg(r.Addr, `"keys":["{http.request.header.K}"],"replay":"1m","replay_max":1048576`))
+	h := provisionLock(b, testkit.LockConfig(r.Addr, `"keys":["{http.request.header.K}"],"replay":"1m","replay_max":1048576`))
 	for _, size := range []int{0, 100, 1000, 10000, 100000} {
 		up := func(w http.ResponseWriter, req *http.Request) error {
 			w.Header().Set("Content-Type", "application/json")
@@ -426,7 +427,7 @@ func TestReplayWithSyncReplicas(t *testing.T) {
 	_ = startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
 	waitReplicaOnline(t, primary.Client(), 1)
 	up := new(orderUpstream)
-	h := provisionLock(t, lockCfg(primary.Addr, replayCfg+`,"sync_replicas":1,"timeout":"2s"`))
+	h := provisionLock(t, testkit.LockConfig(primary.Addr, replayCfg+`,"sync_replicas":1,"timeout":"2s"`))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var bodies []string
 	for i := 0; i < 2; i++ {
@@ -518,7 +519,7 @@ func TestReplayLargeMaxForwardsBody(t *testing.T) {
 		_, _ = fmt.Fprintf(w, "got %d bytes", len(b))
 		return nil
 	}
-	h := provisionLock(t, lockCfg(r.Addr, fmt.Sprintf(`%s,"replay_max":%d`, replayCfg, MaxReplayMax)))
+	h := provisionLock(t, testkit.LockConfig(r.Addr, fmt.Sprintf(`%s,"replay_max":%d`, replayCfg, MaxReplayMax)))
 	srv := handlerServer(t, h, echo)
 	body := strings.Repeat("order-line;", 1000)
 	for i := 0; i < 2; i++ {
@@ -578,7 +579,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			var calls atomic.Int64
-			h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"rf:`+strings.ReplaceAll(name, " ", "-")+`:"`))
+			h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"prefix":"rf:`+strings.ReplaceAll(name, " ", "-")+`:"`))
 			srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 				calls.Add(1)
 				write(w)
@@ -597,7 +598,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 	}
 	t.Run("headers set before the lock", func(t *testing.T) {
 		t.Parallel()
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"outer:"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"prefix":"outer:"`))
 		srv := handlerServer(t, outerHeader{h, new(atomic.Int64)}, func(w http.ResponseWriter, req *http.Request) error {
 			w.Header().Set("X-Order", "1")
 			_, _ = io.WriteString(w, receipt)
@@ -620,7 +621,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 		// A header set before the lock (Caddy sets Server) that the route
 		// removes is not in the replay either: before, a replayed answer
 		// carried the Server header the original did not.
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"removed:"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"prefix":"removed:"`))
 		srv := handlerServer(t, serverHeader{h}, func(w http.ResponseWriter, req *http.Request) error {
 			w.Header().Del("Server")
 			_, _ = io.WriteString(w, receipt)
@@ -635,7 +636,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 	})
 	t.Run("flush before the first write", func(t *testing.T) {
 		t.Parallel()
-		h := provisionLock(t, lockCfg(r.Addr, replayCfg+`,"prefix":"flushfirst:"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"prefix":"flushfirst:"`))
 		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 			w.Header().Set("X-Early", "1")
 			_ = http.NewResponseController(w).Flush() // sends the header
@@ -652,7 +653,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 	})
 	t.Run("HEAD", func(t *testing.T) {
 		t.Parallel()
-		h := provisionLock(t, lockCfg(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:"`))
+		h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"30s","wait":"20s","prefix":"head:"`))
 		srv := handlerServer(t, h, func(w http.ResponseWriter, req *http.Request) error {
 			w.Header().Set("Content-Length", "1234")
 			w.WriteHeader(http.StatusOK)
@@ -673,7 +674,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 	t.Run("replay under 1ms", func(t *testing.T) {
 		t.Parallel()
 		h := new(RedisLock)
-		if err := json.Unmarshal([]byte(lockCfg(r.Addr, `"replay":"500us"`)), h); err != nil {
+		if err := json.Unmarshal([]byte(testkit.LockConfig(r.Addr, `"replay":"500us"`)), h); err != nil {
 			t.Fatal(err)
 		}
 		if err := h.Validate(); err == nil || !strings.Contains(err.Error(), "replay") {

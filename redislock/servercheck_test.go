@@ -2,7 +2,6 @@ package redislock
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -16,7 +15,7 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/redisconn"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
-	"github.com/caddyserver/caddy/v2"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -24,26 +23,12 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 )
 
-// pooledFor returns the pooled client behind a provisioned handler's pool
-// key (without changing its reference count for long).
-func pooledFor(t *testing.T, key string) *shared.Client {
-	t.Helper()
-	v, loaded, err := shared.ClientPool.LoadOrNew(key, func() (caddy.Destructor, error) {
-		return nil, errors.New("not pooled")
-	})
-	if err != nil || !loaded {
-		t.Fatalf("pool key %s: loaded %v, %v", key, loaded, err)
-	}
-	_, _ = shared.ClientPool.Delete(key)
-	return v.(*shared.Client)
-}
-
 // observeChecks makes the server checks of h's clients log to an observer.
 func observeChecks(t *testing.T, h *RedisLock) *observer.ObservedLogs {
 	t.Helper()
 	core, logs := observer.New(zapcore.WarnLevel)
 	for _, k := range h.poolKeys {
-		pooledFor(t, k).Check.SetLogger(shared.SlogFor(zap.New(core)))
+		testkit.PooledFor(t, k).Check.SetLogger(shared.SlogFor(zap.New(core)))
 	}
 	return logs
 }
@@ -95,7 +80,7 @@ func TestServerCheckEvictingPolicy(t *testing.T) {
 			r := startRedis(t, "--maxmemory", "64mb", "--maxmemory-policy", policy)
 			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","timeout":"2s"}`, r.Addr))
 			logs := observeChecks(t, h)
-			pc := pooledFor(t, h.poolKeys[0])
+			pc := testkit.PooledFor(t, h.poolKeys[0])
 			srv := handlerServer(t, h, okHandler)
 			if seen := hammerURL(t, srv.URL, 20); seen[200] != 20 {
 				t.Fatalf("statuses %v, want 20 × 200", seen)
@@ -161,7 +146,7 @@ func TestServerCheckVersionTooOld(t *testing.T) {
 			r := startRedis(t)
 			h := provisionLock(t, fmt.Sprintf(`{"redis":["%s"],"wait":"0s","fail_open":%v}`, r.Addr, failOpen))
 			logs := observeChecks(t, h)
-			pc := pooledFor(t, h.poolKeys[0])
+			pc := testkit.PooledFor(t, h.poolKeys[0])
 			pc.Check.SetMinVersion([2]int{99, 0})
 			srv := handlerServer(t, h, okHandler)
 			for i := 0; i < 5; i++ {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net/http"
 	"sort"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -33,61 +33,6 @@ import (
 // "instances" are two handlers with different `timeout` values, which gives
 // them separate Redis clients, local queues, Pub/Sub listeners and ids.
 
-// wakeHTTP is the client of these tests: keep-alive for many concurrent
-// closed-loop clients, and a bound on every request.
-var wakeHTTP = &http.Client{
-	Transport: &http.Transport{MaxIdleConns: 256, MaxIdleConnsPerHost: 64},
-	Timeout:   45 * time.Second,
-}
-
-// wakeFetch sends one GET and returns its status and headers; it never
-// touches testing.T, so it is safe in goroutines that may outlive a
-// failing test's main body.
-func wakeFetch(ctx context.Context, url string) (int, http.Header, error) {
-	req, err := http.NewRequestWithContext(ctx, "GET", url, nil)
-	if err != nil {
-		return 0, nil, err
-	}
-	resp, err := wakeHTTP.Do(req)
-	if err != nil {
-		return 0, nil, err
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	resp.Body.Close()
-	return resp.StatusCode, resp.Header, nil
-}
-
-// fetchResult is the outcome of one request sent in the background.
-type fetchResult struct {
-	status int
-	hdr    http.Header
-	err    error
-	took   time.Duration
-}
-
-// goFetch sends a GET in the background; the channel gets exactly one result.
-func goFetch(ctx context.Context, url string) <-chan fetchResult {
-	ch := make(chan fetchResult, 1)
-	go func() {
-		start := time.Now()
-		s, h, err := wakeFetch(ctx, url)
-		ch <- fetchResult{status: s, hdr: h, err: err, took: time.Since(start)}
-	}()
-	return ch
-}
-
-// await waits for a background request, at most d.
-func await(t *testing.T, ch <-chan fetchResult, d time.Duration, what string) fetchResult {
-	t.Helper()
-	select {
-	case r := <-ch:
-		return r
-	case <-time.After(d):
-		t.Errorf("%s: no answer within %s", what, d)
-		return fetchResult{err: fmt.Errorf("no answer within %s", d)}
-	}
-}
-
 // waitFor polls cond every 5ms until it holds or d has passed.
 func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
@@ -98,14 +43,6 @@ func wakeSubscribers(c *redis.Client) int64 {
 		return -1
 	}
 	return m[lock.WakeChannel]
-}
-
-// lockCfg builds a redis_lock JSON config on one Redis server.
-func lockCfg(addr, extra string) string {
-	if extra == "" {
-		return fmt.Sprintf(`{"redis":[%q]}`, addr)
-	}
-	return fmt.Sprintf(`{"redis":[%q],%s}`, addr, extra)
 }
 
 // provisionLockScoped is provisionLock for an instance that lives for part
@@ -137,40 +74,11 @@ func (s *swapHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next cad
 	return s.h.Load().ServeHTTP(w, r, next)
 }
 
-// holdUpstream blocks requests with ?who=holder until release is closed and
-// records when each other caller entered.
-type holdUpstream struct {
-	release chan struct{}
-	once    sync.Once
-	entered chan string // who, in order of entry
-	mu      sync.Mutex
-	at      map[string]time.Time
-}
-
-func newHoldUpstream() *holdUpstream {
-	return &holdUpstream{release: make(chan struct{}), entered: make(chan string, 64), at: map[string]time.Time{}}
-}
-
-// Release lets the holder go; safe to call more than once.
-func (u *holdUpstream) Release() { u.once.Do(func() { close(u.release) }) }
-
-// startHolder sends the holder's request to url and returns once it holds
-// the lock; it is released when the test ends.
-func startHolder(t *testing.T, up *holdUpstream, url string) <-chan fetchResult {
-	t.Helper()
-	holder := goFetch(context.Background(), url+"?who=holder")
-	t.Cleanup(up.Release)
-	if who, ok := up.nextEntered(10 * time.Second); !ok || who != "holder" {
-		t.Fatalf("holder did not get the lock (entered %q)", who)
-	}
-	return holder
-}
-
 // queueWaiter sends a waiter's request to url and returns once it is queued
 // in instance h for path and a wake-up subscriber listens.
-func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string) <-chan fetchResult {
+func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string) <-chan testkit.FetchResult {
 	t.Helper()
-	waiter := goFetch(context.Background(), url+path+"?who=b")
+	waiter := testkit.GoFetch(context.Background(), url+path+"?who=b")
 	if !waitFor(10*time.Second, func() bool { return lockWaitersFor(h, path) == 1 }) {
 		t.Fatal("waiter never queued in instance B")
 	}
@@ -178,38 +86,6 @@ func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string)
 		t.Fatalf("no subscriber on %s while B waits", lock.WakeChannel)
 	}
 	return waiter
-}
-
-func (u *holdUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	who := r.URL.Query().Get("who")
-	u.mu.Lock()
-	u.at[who] = time.Now()
-	u.mu.Unlock()
-	select {
-	case u.entered <- who:
-	default:
-	}
-	if who == "holder" {
-		<-u.release
-	}
-	return nil
-}
-
-func (u *holdUpstream) enteredAt(who string) (time.Time, bool) {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	at, ok := u.at[who]
-	return at, ok
-}
-
-// nextEntered waits (at most d) for the next caller to enter the upstream.
-func (u *holdUpstream) nextEntered(d time.Duration) (string, bool) {
-	select {
-	case who := <-u.entered:
-		return who, true
-	case <-time.After(d):
-		return "", false
-	}
 }
 
 // TestWakeCrossInstanceWithoutBackoff: a waiter in another instance is woken
@@ -221,38 +97,38 @@ func TestWakeCrossInstanceWithoutBackoff(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	rc := r.Client()
-	up := newHoldUpstream()
-	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
+	up := testkit.NewHoldUpstream()
+	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
 	if lockInstanceID(a) == lockInstanceID(b) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 
-	holder := startHolder(t, up, sa.URL+"/hot")
-	defer await(t, holder, 40*time.Second, "holder")
+	holder := testkit.StartHolder(t, up, sa.URL+"/hot")
+	defer testkit.Await(t, holder, 40*time.Second, "holder")
 	// B is queued, has failed an attempt, is subscribed and sleeps in its
 	// 20s backoff.
 	waiter := queueWaiter(t, rc, b, sb.URL, "/hot")
 	time.Sleep(300 * time.Millisecond)
-	if who, ok := up.nextEntered(0); ok {
+	if who, ok := up.NextEntered(0); ok {
 		t.Fatalf("%q entered the upstream while the holder held the lock", who)
 	}
 
 	releasedAt := time.Now()
 	up.Release()
-	who, ok := up.nextEntered(25 * time.Second)
+	who, ok := up.NextEntered(25 * time.Second)
 	if !ok || who != "b" {
 		t.Fatalf("after the release, entered %q (ok=%v); want b", who, ok)
 	}
-	at, _ := up.enteredAt("b")
+	at, _ := up.EnteredAt("b")
 	if el := at.Sub(releasedAt); el > 2*time.Second {
 		t.Errorf("cross-instance waiter got the lock %s after the release; want < 2s (its backoff is 20s: the Pub/Sub wake-up did not work)", el)
 	} else {
 		t.Logf("cross-instance hand-off took %s", el)
 	}
-	if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
-		t.Errorf("waiter: status %d err %v", res.status, res.err)
+	if res := testkit.Await(t, waiter, 40*time.Second, "waiter"); res.Status != 200 {
+		t.Errorf("waiter: status %d err %v", res.Status, res.Err)
 	}
 }
 
@@ -268,14 +144,14 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 			t.Parallel()
 			r := startRedis(t)
 			rc := r.Client()
-			up := newHoldUpstream()
-			a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-			b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"50ms","backoff_max":"200ms"`))
+			up := testkit.NewHoldUpstream()
+			a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+			b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"50ms","backoff_max":"200ms"`))
 			sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 			ctx := context.Background()
 
-			holder := startHolder(t, up, sa.URL+"/drop")
-			defer await(t, holder, 40*time.Second, "holder")
+			holder := testkit.StartHolder(t, up, sa.URL+"/drop")
+			defer testkit.Await(t, holder, 40*time.Second, "holder")
 			waiter := queueWaiter(t, rc, b, sb.URL, "/drop")
 			time.Sleep(300 * time.Millisecond)
 
@@ -317,19 +193,19 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 					t.Logf("killed %d pubsub connections", <-killed)
 				}()
 			}
-			who, ok := up.nextEntered(25 * time.Second)
+			who, ok := up.NextEntered(25 * time.Second)
 			if !ok || who != "b" {
 				t.Fatalf("after the lock was freed, entered %q (ok=%v); want b", who, ok)
 			}
-			at, _ := up.enteredAt("b")
+			at, _ := up.EnteredAt("b")
 			if el := at.Sub(freedAt); el > 3*time.Second {
 				t.Errorf("waiter got the lock %s after it was freed; want < 3s (backoff 50ms-200ms)", el)
 			} else {
 				t.Logf("recovered by polling after %s", el)
 			}
 			up.Release()
-			if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
-				t.Errorf("waiter: status %d err %v", res.status, res.err)
+			if res := testkit.Await(t, waiter, 40*time.Second, "waiter"); res.Status != 200 {
+				t.Errorf("waiter: status %d err %v", res.Status, res.Err)
 			}
 		})
 	}
@@ -342,14 +218,14 @@ func TestWakeListenerResubscribes(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	rc := r.Client()
-	up := newHoldUpstream()
-	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
+	up := testkit.NewHoldUpstream()
+	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
 	ctx := context.Background()
 
-	holder := startHolder(t, up, sa.URL+"/re")
-	defer await(t, holder, 40*time.Second, "holder")
+	holder := testkit.StartHolder(t, up, sa.URL+"/re")
+	defer testkit.Await(t, holder, 40*time.Second, "holder")
 	waiter := queueWaiter(t, rc, b, sb.URL, "/re")
 	n, err := rc.ClientKillByFilter(ctx, "TYPE", "pubsub").Result()
 	if err != nil || n < 1 {
@@ -363,16 +239,16 @@ func TestWakeListenerResubscribes(t *testing.T) {
 
 	releasedAt := time.Now()
 	up.Release()
-	who, ok := up.nextEntered(25 * time.Second)
+	who, ok := up.NextEntered(25 * time.Second)
 	if !ok || who != "b" {
 		t.Fatalf("after the release, entered %q (ok=%v); want b", who, ok)
 	}
-	at, _ := up.enteredAt("b")
+	at, _ := up.EnteredAt("b")
 	if el := at.Sub(releasedAt); el > 2*time.Second {
 		t.Errorf("after the listener reconnected, the cross-instance waiter got the lock %s after the release; want < 2s (backoff 20s)", el)
 	}
-	if res := await(t, waiter, 40*time.Second, "waiter"); res.status != 200 {
-		t.Errorf("waiter: status %d err %v", res.status, res.err)
+	if res := testkit.Await(t, waiter, 40*time.Second, "waiter"); res.Status != 200 {
+		t.Errorf("waiter: status %d err %v", res.Status, res.Err)
 	}
 }
 
@@ -404,8 +280,8 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 		}
 		return nil
 	}
-	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s",`+waiterCfg))
+	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s",`+waiterCfg))
 	sa, sb := handlerServer(t, a, up), handlerServer(t, b, up)
 	fresh := new(swapHandler)
 	sf := handlerServer(t, fresh, up)
@@ -426,7 +302,7 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 		var cleanup func()
 		switch kind {
 		case 0:
-			h, c := provisionLockScoped(t, lockCfg(r.Addr, fmt.Sprintf(`"timeout":"%dms",`, 4000+i)+waiterCfg))
+			h, c := provisionLockScoped(t, testkit.LockConfig(r.Addr, fmt.Sprintf(`"timeout":"%dms",`, 4000+i)+waiterCfg))
 			fresh.h.Store(h)
 			bURL, cleanup = sf.URL, c
 		case 2:
@@ -434,7 +310,7 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 		}
 		rd := &round{aIn: make(chan struct{}), bGo: make(chan struct{}), hold: rand.N(4 * time.Millisecond)}
 		cur.Store(rd)
-		aRes := goFetch(context.Background(), aURL+"/race?who=a")
+		aRes := testkit.GoFetch(context.Background(), aURL+"/race?who=a")
 		select {
 		case <-rd.aIn:
 		case <-time.After(10 * time.Second):
@@ -442,23 +318,23 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 			t.Fatalf("round %d: A did not get the lock within 10s", i)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), bBound)
-		bRes := goFetch(ctx, bURL+"/race?who=b")
+		bRes := testkit.GoFetch(ctx, bURL+"/race?who=b")
 		close(rd.bGo)
-		ra := await(t, aRes, 40*time.Second, "A")
-		rb := await(t, bRes, 40*time.Second, "B")
+		ra := testkit.Await(t, aRes, 40*time.Second, "A")
+		rb := testkit.Await(t, bRes, 40*time.Second, "B")
 		cancel()
 		if cleanup != nil {
 			cleanup()
 		}
-		if ra.status != 200 {
-			t.Fatalf("round %d: A status %d err %v", i, ra.status, ra.err)
+		if ra.Status != 200 {
+			t.Fatalf("round %d: A status %d err %v", i, ra.Status, ra.Err)
 		}
-		if rb.status != 200 {
+		if rb.Status != 200 {
 			t.Fatalf("round %d (%s, A held %s after B was sent): B not served within %s: status %d err %v — a lost wake-up (B's backoff is 20s)",
-				i, kinds[kind], rd.hold, bBound, rb.status, rb.err)
+				i, kinds[kind], rd.hold, bBound, rb.Status, rb.Err)
 		}
-		if rb.took > worst[kind] {
-			worst[kind] = rb.took
+		if rb.Took > worst[kind] {
+			worst[kind] = rb.Took
 		}
 		done[kind]++
 	}
@@ -475,9 +351,9 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
 	// Not parallel: it counts how often each client is served in 3 s, which a machine busy with 15 other tests cannot promise.
 	r := startRedis(t)
-	up := newExclusivityUpstream(2 * time.Millisecond)
-	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","wait":"30s"`))
-	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","wait":"30s"`))
+	up := testkit.NewExclusivityUpstream(2 * time.Millisecond)
+	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","wait":"30s"`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","wait":"30s"`))
 	if lockInstanceID(a) == lockInstanceID(b) {
 		t.Fatal("instances share a domain; want separate clients")
 	}
@@ -498,7 +374,7 @@ func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
 			defer wg.Done()
 			url := srv[c%2] + "/hot"
 			for time.Now().Before(deadline) {
-				status, _, err := wakeFetch(context.Background(), url)
+				status, _, err := testkit.Fetch(context.Background(), url)
 				if status == 200 {
 					served[c]++
 				} else {
@@ -510,7 +386,7 @@ func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
 	}
 	wg.Wait()
 	wall := time.Since(start)
-	up.check(t)
+	up.Check(t)
 	if m, ok := errMsg.Load().(string); ok {
 		t.Errorf("failed requests (first: %s)", m)
 	}
@@ -527,9 +403,7 @@ func TestHotKeyNoStarvationTwoInstances(t *testing.T) {
 	}
 	t.Logf("served %d in %s (%.0f/s); per client min %d max %d (%v); per instance A %d B %d; failed %v",
 		total, wall.Round(time.Millisecond), float64(total)/wall.Seconds(), sorted[0], sorted[len(sorted)-1], served, inst[0], inst[1], failed)
-	up.mu.Lock()
-	upServed := up.served
-	up.mu.Unlock()
+	upServed := up.Served()
 	if total != upServed {
 		t.Errorf("clients saw %d served, upstream %d", total, upServed)
 	}
@@ -543,8 +417,8 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 	r := startRedis(t)
 	const n = 10
 	var reached atomic.Int32 // canceled waiters that reached the upstream
-	ups := [2]*holdUpstream{newHoldUpstream(), newHoldUpstream()}
-	upFor := func(u *holdUpstream) func(http.ResponseWriter, *http.Request) error {
+	ups := [2]*testkit.HoldUpstream{testkit.NewHoldUpstream(), testkit.NewHoldUpstream()}
+	upFor := func(u *testkit.HoldUpstream) func(http.ResponseWriter, *http.Request) error {
 		return func(w http.ResponseWriter, req *http.Request) error {
 			if req.URL.Query().Get("who") == "doomed" {
 				reached.Add(1)
@@ -553,9 +427,9 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 		}
 	}
 	// The waiters' instance: a 20s backoff, so only a wake-up is "at once".
-	w := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
+	w := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
 	// Another instance, answering at once (wait 0).
-	p := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":0`))
+	p := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":0`))
 
 	for phase, u := range ups {
 		path := fmt.Sprintf("/c%d", phase)
@@ -567,33 +441,33 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 		if phase == 1 {
 			holderURL = sp.URL
 		}
-		holder := goFetch(context.Background(), holderURL+path+"?who=holder")
+		holder := testkit.GoFetch(context.Background(), holderURL+path+"?who=holder")
 		released := false
 		release := func() {
 			if !released {
 				released = true
-				close(u.release)
+				u.Release()
 			}
 		}
-		if who, ok := u.nextEntered(10 * time.Second); !ok || who != "holder" {
+		if who, ok := u.NextEntered(10 * time.Second); !ok || who != "holder" {
 			release()
 			t.Fatalf("phase %d: holder did not get the lock (entered %q)", phase, who)
 		}
 		ctx, cancel := context.WithCancel(context.Background())
-		var doomed []<-chan fetchResult
+		var doomed []<-chan testkit.FetchResult
 		for i := 0; i < n; i++ {
-			doomed = append(doomed, goFetch(ctx, sw.URL+path+"?who=doomed"))
+			doomed = append(doomed, testkit.GoFetch(ctx, sw.URL+path+"?who=doomed"))
 		}
 		if !waitFor(10*time.Second, func() bool { return lockWaitersFor(w, path) == n }) {
 			cancel()
 			release()
 			t.Fatalf("phase %d: %d of %d waiters queued", phase, lockWaitersFor(w, path), n)
 		}
-		var next <-chan fetchResult
+		var next <-chan testkit.FetchResult
 		want := 0
 		if phase == 0 {
 			// A live waiter behind the doomed ones.
-			next = goFetch(context.Background(), sw.URL+path+"?who=next")
+			next = testkit.GoFetch(context.Background(), sw.URL+path+"?who=next")
 			want = 1
 			if !waitFor(10*time.Second, func() bool { return lockWaitersFor(w, path) == n+1 }) {
 				cancel()
@@ -611,26 +485,26 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 			t.Logf("phase %d: canceled waiters left the queue in %s", phase, time.Since(canceledAt))
 		}
 		for i, ch := range doomed {
-			if res := await(t, ch, 10*time.Second, "canceled waiter"); res.err == nil {
-				t.Errorf("phase %d: canceled waiter %d got an answer %d", phase, i, res.status)
+			if res := testkit.Await(t, ch, 10*time.Second, "canceled waiter"); res.Err == nil {
+				t.Errorf("phase %d: canceled waiter %d got an answer %d", phase, i, res.Status)
 			}
 		}
 
 		releasedAt := time.Now()
 		release()
-		if res := await(t, holder, 40*time.Second, "holder"); res.status != 200 {
-			t.Errorf("phase %d: holder status %d err %v", phase, res.status, res.err)
+		if res := testkit.Await(t, holder, 40*time.Second, "holder"); res.Status != 200 {
+			t.Errorf("phase %d: holder status %d err %v", phase, res.Status, res.Err)
 		}
 		if phase == 0 {
 			// The turn passed through the canceled waiters to the live one,
 			// which is woken by the release (not its 20s poll).
-			if who, ok := u.nextEntered(25 * time.Second); !ok || who != "next" {
+			if who, ok := u.NextEntered(25 * time.Second); !ok || who != "next" {
 				t.Errorf("phase 0: after the release, entered %q (ok=%v); want next", who, ok)
-			} else if at, _ := u.enteredAt("next"); at.Sub(releasedAt) > 2*time.Second {
+			} else if at, _ := u.EnteredAt("next"); at.Sub(releasedAt) > 2*time.Second {
 				t.Errorf("phase 0: the live waiter got the lock %s after the release; want at once (backoff 20s)", at.Sub(releasedAt))
 			}
-			if res := await(t, next, 40*time.Second, "next"); res.status != 200 {
-				t.Errorf("phase 0: next status %d err %v", res.status, res.err)
+			if res := testkit.Await(t, next, 40*time.Second, "next"); res.Status != 200 {
+				t.Errorf("phase 0: next status %d err %v", res.Status, res.Err)
 			}
 		} else {
 			// Nobody waits any more: another instance takes the free lock at
@@ -638,10 +512,10 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 			// instance's turn in Redis, which would last 41s) holds it back.
 			// (A moment for a give-up that is sent in the background.)
 			time.Sleep(500 * time.Millisecond)
-			res := await(t, goFetch(context.Background(), sp.URL+path+"?who=other"), 20*time.Second, "other instance")
-			if res.status != 200 {
+			res := testkit.Await(t, testkit.GoFetch(context.Background(), sp.URL+path+"?who=other"), 20*time.Second, "other instance")
+			if res.Status != 200 {
 				t.Errorf("phase 1: another instance with wait 0 got status %d (Retry-After %q) on the free lock; the canceled waiters left something behind",
-					res.status, res.hdr.Get("Retry-After"))
+					res.Status, res.Hdr.Get("Retry-After"))
 			}
 		}
 	}
@@ -657,53 +531,53 @@ func TestCanceledWaitersLeaveQueueAtOnce(t *testing.T) {
 func TestMaxWaitersCountsPerInstance(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := newHoldUpstream()
-	a := provisionLock(t, lockCfg(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","max_waiters":1`))
-	b := provisionLock(t, lockCfg(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","max_waiters":1`))
+	up := testkit.NewHoldUpstream()
+	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s","max_waiters":1`))
+	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","max_waiters":1`))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
-	holder := startHolder(t, up, sa.URL+"/mw")
+	holder := testkit.StartHolder(t, up, sa.URL+"/mw")
 	type inst struct {
 		name string
 		h    *RedisLock
 		url  string
 	}
-	var admitted []<-chan fetchResult
+	var admitted []<-chan testkit.FetchResult
 	for _, in := range []inst{{"A (holds the lock)", a, sa.URL}, {"B", b, sb.URL}} {
-		admitted = append(admitted, goFetch(context.Background(), in.url+"/mw?who=waiter"))
+		admitted = append(admitted, testkit.GoFetch(context.Background(), in.url+"/mw?who=waiter"))
 		if !waitFor(10*time.Second, func() bool { return lockWaitersFor(in.h, "/mw") == 1 }) {
 			t.Errorf("instance %s: its first waiter was not admitted (%d queued)", in.name, lockWaitersFor(in.h, "/mw"))
 		}
 		start := time.Now()
-		res := await(t, goFetch(context.Background(), in.url+"/mw?who=extra"), 20*time.Second, "extra")
-		if res.status != 423 {
-			t.Errorf("instance %s: a second waiter got status %d (err %v); want 423 at once", in.name, res.status, res.err)
-		} else if ra, err := strconv.Atoi(res.hdr.Get("Retry-After")); err != nil || ra < 1 {
-			t.Errorf("instance %s: Retry-After %q; want whole seconds ≥ 1", in.name, res.hdr.Get("Retry-After"))
+		res := testkit.Await(t, testkit.GoFetch(context.Background(), in.url+"/mw?who=extra"), 20*time.Second, "extra")
+		if res.Status != 423 {
+			t.Errorf("instance %s: a second waiter got status %d (err %v); want 423 at once", in.name, res.Status, res.Err)
+		} else if ra, err := strconv.Atoi(res.Hdr.Get("Retry-After")); err != nil || ra < 1 {
+			t.Errorf("instance %s: Retry-After %q; want whole seconds ≥ 1", in.name, res.Hdr.Get("Retry-After"))
 		}
 		if el := time.Since(start); el > 2*time.Second {
 			t.Errorf("instance %s: the refused waiter was answered after %s; want at once", in.name, el)
 		}
 	}
 	// Both admitted waiters are still waiting (neither was refused).
-	results := make([]*fetchResult, len(admitted))
+	results := make([]*testkit.FetchResult, len(admitted))
 	for i, ch := range admitted {
 		select {
 		case res := <-ch:
 			results[i] = &res
-			t.Errorf("admitted waiter %d answered %d (err %v) while the lock was held", i, res.status, res.err)
+			t.Errorf("admitted waiter %d answered %d (err %v) while the lock was held", i, res.Status, res.Err)
 		default:
 		}
 	}
 	up.Release()
-	if res := await(t, holder, 40*time.Second, "holder"); res.status != 200 {
-		t.Errorf("holder: status %d err %v", res.status, res.err)
+	if res := testkit.Await(t, holder, 40*time.Second, "holder"); res.Status != 200 {
+		t.Errorf("holder: status %d err %v", res.Status, res.Err)
 	}
 	for i, ch := range admitted {
 		if results[i] != nil {
 			continue
 		}
-		if res := await(t, ch, 40*time.Second, "admitted waiter"); res.status != 200 {
-			t.Errorf("admitted waiter %d: status %d err %v", i, res.status, res.err)
+		if res := testkit.Await(t, ch, 40*time.Second, "admitted waiter"); res.Status != 200 {
+			t.Errorf("admitted waiter %d: status %d err %v", i, res.Status, res.Err)
 		}
 	}
 }
