@@ -97,7 +97,7 @@ http://127.0.0.1:%d {
 			pay := func(base string) <-chan [3]string {
 				ch := make(chan [3]string, 1)
 				go func() {
-					st, hdr, body, err := post(base+"/pay", `{"amount":100}`, "X-User", "carol", "Idempotency-Key", "pay-7")
+					st, hdr, body, err := testkit.Post(base+"/pay", `{"amount":100}`, "X-User", "carol", "Idempotency-Key", "pay-7")
 					if err != nil {
 						body = err.Error()
 					}
@@ -181,7 +181,7 @@ func TestWholeCaddyNeverTwiceUpstreamUnreachable(t *testing.T) {
 `, port, r.Addr, upPort))
 	base := fmt.Sprintf("http://127.0.0.1:%d/pay", port)
 	for i := 0; i < 2; i++ {
-		if st, _, body, err := post(base, "x", "Idempotency-Key", "k1"); err != nil || st != http.StatusBadGateway {
+		if st, _, body, err := testkit.Post(base, "x", "Idempotency-Key", "k1"); err != nil || st != http.StatusBadGateway {
 			t.Fatalf("POST %d with no upstream: %d %q %v; want 502 (and no run in doubt)", i, st, body, err)
 		}
 	}
@@ -189,15 +189,15 @@ func TestWholeCaddyNeverTwiceUpstreamUnreachable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	up := new(orderUpstream)
+	up := new(testkit.OrderUpstream)
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _ = up.ServeHTTP(w, r) })}
 	go srv.Serve(ln)
 	t.Cleanup(func() { srv.Close() })
-	st, _, body, err := post(base, "x", "Idempotency-Key", "k1")
+	st, _, body, err := testkit.Post(base, "x", "Idempotency-Key", "k1")
 	if err != nil || st != http.StatusCreated || body != "order #1" {
 		t.Fatalf("POST once the upstream listens: %d %q %v; want order #1", st, body, err)
 	}
-	st, hdr, body, err := post(base, "x", "Idempotency-Key", "k1")
+	st, hdr, body, err := testkit.Post(base, "x", "Idempotency-Key", "k1")
 	if err != nil || st != http.StatusCreated || body != "order #1" || hdr.Get(redislock.HeaderIdempotentReplayed) != "true" {
 		t.Fatalf("the retry: %d %q replayed=%q %v; want order #1 replayed", st, body, hdr.Get(redislock.HeaderIdempotentReplayed), err)
 	}

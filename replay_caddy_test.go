@@ -5,7 +5,6 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -53,7 +52,7 @@ func TestWholeCaddyReplay(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			st, _, body, err := post(url, "sku=1", "X-User", "alice", "Idempotency-Key", "abc")
+			st, _, body, err := testkit.Post(url, "sku=1", "X-User", "alice", "Idempotency-Key", "abc")
 			if err != nil || st != 201 || body != "order 1" {
 				bad.Add(1)
 			}
@@ -87,7 +86,7 @@ func TestWholeCaddyReplay(t *testing.T) {
 func TestReplayAnswerOutlivesClient(t *testing.T) {
 	testkit.SkipWholeCaddyIfShort(t)
 	r := startRedis(t)
-	up := &paymentUpstream{hold: 1500 * time.Millisecond}
+	up := &testkit.PaymentUpstream{Hold: 1500 * time.Millisecond}
 	upSrv := httptest.NewServer(up)
 	defer upSrv.Close()
 	portA, portB, admin := freePort(t), freePort(t), freePort(t)
@@ -130,7 +129,7 @@ func TestReplayAnswerOutlivesClient(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			st, hdr, body, err := post(url, `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "pay-1")
+			st, hdr, body, err := testkit.Post(url, `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "pay-1")
 			answers[i] = answer{st, body, hdr.Get(redislock.HeaderIdempotentReplayed), err}
 		}()
 	}
@@ -140,87 +139,7 @@ func TestReplayAnswerOutlivesClient(t *testing.T) {
 			t.Errorf("retry %d: %d %q replayed=%q %v; want the first payment's answer, replayed", i, a.status, a.body, a.replayed, a.err)
 		}
 	}
-	if c, o := up.calls.Load(), up.overlap(); c != 1 || o != 1 {
+	if c, o := up.Calls.Load(), up.Overlap(); c != 1 || o != 1 {
 		t.Fatalf("the upstream saw %d calls, %d at once; want 1 call", c, o)
 	}
-}
-
-// orderUpstream places an "order" per call: it counts calls and answers
-// with the call's number in the body and a header, plus a cookie. The
-// status comes from ?status=, the body size from ?size=, a delay from
-// ?sleep=.
-type orderUpstream struct{ calls atomic.Int64 }
-
-func (u *orderUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	n := u.calls.Add(1)
-	_, _ = io.Copy(io.Discard, r.Body)
-	if d, err := time.ParseDuration(r.URL.Query().Get("sleep")); err == nil {
-		time.Sleep(d)
-	}
-	status := http.StatusCreated
-	if s, err := strconv.Atoi(r.URL.Query().Get("status")); err == nil {
-		status = s
-	}
-	body := fmt.Sprintf("order #%d", n)
-	if size, err := strconv.Atoi(r.URL.Query().Get("size")); err == nil {
-		body = strings.Repeat("x", size)
-	}
-	w.Header().Set("X-Order", strconv.FormatInt(n, 10))
-	w.Header().Set("Set-Cookie", "session=s"+strconv.FormatInt(n, 10))
-	w.Header().Set("Connection", "X-Hop")
-	w.Header().Set("X-Hop", "per-connection")
-	w.WriteHeader(status)
-	_, _ = io.WriteString(w, body)
-	return nil
-}
-
-// post sends one POST with headers (name, value pairs) and returns status,
-// headers and body; it never touches testing.T (safe in goroutines).
-func post(url, body string, hdr ...string) (int, http.Header, string, error) {
-	return sendBody("POST", url, body, hdr...)
-}
-
-// sendBody sends one request with a body and headers (name, value pairs,
-// added: a name may repeat).
-func sendBody(method, url, body string, hdr ...string) (int, http.Header, string, error) {
-	req, _ := http.NewRequest(method, url, strings.NewReader(body))
-	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Add(hdr[i], hdr[i+1])
-	}
-	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
-	if err != nil {
-		return 0, nil, "", err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, resp.Header, string(b), nil
-}
-
-// paymentUpstream is a payment backend: each call takes `hold`, finishes
-// even when the proxy in front of it goes away, and counts calls and how
-// many ran at once.
-type paymentUpstream struct {
-	hold          time.Duration
-	calls, inside atomic.Int64
-	mu            sync.Mutex
-	most          int64
-}
-
-func (u *paymentUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	n := u.calls.Add(1)
-	in := u.inside.Add(1)
-	u.mu.Lock()
-	u.most = max(u.most, in)
-	u.mu.Unlock()
-	time.Sleep(u.hold) // not r.Context(): the payment goes through anyway
-	u.inside.Add(-1)
-	w.Header().Set("X-Payment", fmt.Sprint(n))
-	w.WriteHeader(http.StatusCreated)
-	fmt.Fprintf(w, "payment #%d", n)
-}
-
-func (u *paymentUpstream) overlap() int64 {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	return u.most
 }

@@ -35,24 +35,24 @@ func TestNeverTwiceHolderPastItsLease(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h := provisionLock(t, testkit.LockConfig(r.Addr, neverTwiceCfg+`,"prefix":"nt:past:"`))
-	up := new(orderUpstream)
+	up := new(testkit.OrderUpstream)
 	srv := handlerServer(t, h, up.ServeHTTP)
 	first := make(chan [2]string, 1)
 	go func() {
-		st, _, body, err := post(srv.URL+"/o?sleep=1500ms", "x", "X-User", "u", "Idempotency-Key", "k")
+		st, _, body, err := testkit.Post(srv.URL+"/o?sleep=1500ms", "x", "X-User", "u", "Idempotency-Key", "k")
 		if err != nil {
 			body = err.Error()
 		}
 		first <- [2]string{http.StatusText(st), body}
 	}()
-	if !waitFor(5*time.Second, func() bool { return up.calls.Load() == 1 }) {
+	if !waitFor(5*time.Second, func() bool { return up.Calls.Load() == 1 }) {
 		t.Fatal("the first request never reached the upstream")
 	}
 	key := shared.StoredKey(h.Prefix, "u:k")
 	if !waitFor(5*time.Second, func() bool { return r.Client().ZCard(context.Background(), key).Val() == 0 }) {
 		t.Fatal("the holder's lease never ran out")
 	}
-	st, hdr, body, err := post(srv.URL+"/o?sleep=1500ms", "x", "X-User", "u", "Idempotency-Key", "k")
+	st, hdr, body, err := testkit.Post(srv.URL+"/o?sleep=1500ms", "x", "X-User", "u", "Idempotency-Key", "k")
 	if err != nil || st != http.StatusConflict || hdr.Get("Retry-After") == "" || !strings.Contains(body, "outcome is unknown") {
 		t.Fatalf("a duplicate while the run is in doubt: %d %q Retry-After=%q %v; want 409 with a reason and Retry-After", st, body, hdr.Get("Retry-After"), err)
 	}
@@ -60,11 +60,11 @@ func TestNeverTwiceHolderPastItsLease(t *testing.T) {
 	if got[0] != "Created" || got[1] != "order #1" {
 		t.Fatalf("the holder's client got %s %q; want its own answer, order #1", got[0], got[1])
 	}
-	st, hdr, body, err = post(srv.URL+"/o?sleep=1500ms", "x", "X-User", "u", "Idempotency-Key", "k")
+	st, hdr, body, err = testkit.Post(srv.URL+"/o?sleep=1500ms", "x", "X-User", "u", "Idempotency-Key", "k")
 	if err != nil || st != http.StatusCreated || body != "order #1" || hdr.Get(HeaderIdempotentReplayed) != "true" {
 		t.Fatalf("a duplicate after the run ended: %d %q replayed=%q %v; want order #1 replayed", st, body, hdr.Get(HeaderIdempotentReplayed), err)
 	}
-	if c := up.calls.Load(); c != 1 {
+	if c := up.Calls.Load(); c != 1 {
 		t.Fatalf("the upstream ran %d times, want once", c)
 	}
 }
@@ -89,15 +89,15 @@ func TestNeverTwiceWithheldAnswerNotStorable(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			h := provisionLock(t, testkit.LockConfig(r.Addr, neverTwiceCfg+`,"replay_max":64,"prefix":"nt:w:`+tc.name+`:"`))
-			up := new(orderUpstream)
+			up := new(testkit.OrderUpstream)
 			srv := handlerServer(t, h, up.ServeHTTP)
-			st, hdr, body, err := post(srv.URL+"/o?sleep=900ms&"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
+			st, hdr, body, err := testkit.Post(srv.URL+"/o?sleep=900ms&"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
 			if err != nil || st != tc.holder || (st == 503 && (hdr.Get("Retry-After") == "" || strings.Contains(body, "xxx") || hdr.Get("X-Order") != "")) {
 				t.Fatalf("the holder's client: %d %q Retry-After=%q X-Order=%q %v; want %d (a 503 carries none of the withheld answer)",
 					st, body, hdr.Get("Retry-After"), hdr.Get("X-Order"), err, tc.holder)
 			}
-			if st, _, _, _ := post(srv.URL+"/o?sleep=900ms&"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k"); st != tc.next || up.calls.Load() != tc.calls {
-				t.Fatalf("the duplicate: %d, upstream calls %d; want %d and %d", st, up.calls.Load(), tc.next, tc.calls)
+			if st, _, _, _ := testkit.Post(srv.URL+"/o?sleep=900ms&"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k"); st != tc.next || up.Calls.Load() != tc.calls {
+				t.Fatalf("the duplicate: %d, upstream calls %d; want %d and %d", st, up.Calls.Load(), tc.next, tc.calls)
 			}
 		})
 	}
@@ -123,7 +123,7 @@ func TestNeverTwiceOnlyOwnRecordStores(t *testing.T) {
 	})
 	first := make(chan int, 1)
 	go func() {
-		st, _, _, _ := post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
+		st, _, _, _ := testkit.Post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
 		first <- st
 	}()
 	key := shared.StoredKey(h.Prefix, "u:k")
@@ -135,7 +135,7 @@ func TestNeverTwiceOnlyOwnRecordStores(t *testing.T) {
 	// Another run of the key takes its own record (its holder still runs).
 	second := make(chan int, 1)
 	go func() {
-		st, _, _, _ := post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
+		st, _, _, _ := testkit.Post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
 		second <- st
 	}()
 	if st := <-second; st != http.StatusCreated {
@@ -164,7 +164,7 @@ func TestAdminInDoubt(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 		return nil
 	})
-	post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
+	testkit.Post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k")
 	inspect := func() (map[string]any, string) {
 		t.Helper()
 		w := httptest.NewRecorder()
@@ -188,7 +188,7 @@ func TestAdminInDoubt(t *testing.T) {
 	if tok := r.Client().Get(context.Background(), lock.ReplayKey(shared.StoredKey(h.Prefix, "u:k"))).Val(); strings.Contains(body, strings.Split(tok, "\n")[1]) {
 		t.Fatalf("the lock view shows the holder's token: %s", body)
 	}
-	if st, _, _, _ := post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusConflict {
+	if st, _, _, _ := testkit.Post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusConflict {
 		t.Fatalf("a duplicate while in doubt: %d, want 409", st)
 	}
 	w := httptest.NewRecorder()
@@ -198,7 +198,7 @@ func TestAdminInDoubt(t *testing.T) {
 	if sv, body := inspect(); sv["in_doubt"] != false {
 		t.Errorf("after the clear: %s; want in_doubt false", body)
 	}
-	if st, _, _, _ := post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusCreated || calls.Load() != 2 {
+	if st, _, _, _ := testkit.Post(srv.URL+"/o", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusCreated || calls.Load() != 2 {
 		t.Fatalf("the request after the clear: %d, %d runs; want 201 and the route run again", st, calls.Load())
 	}
 	w = httptest.NewRecorder()

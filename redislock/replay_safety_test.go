@@ -6,7 +6,6 @@ import (
 	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -16,29 +15,6 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
-
-// paymentUpstream is a payment backend: each call takes `hold`, finishes
-// even when the proxy in front of it goes away, and counts calls and how
-// many ran at once.
-type paymentUpstream struct {
-	hold          time.Duration
-	calls, inside atomic.Int64
-	mu            sync.Mutex
-	most          int64
-}
-
-func (u *paymentUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	n := u.calls.Add(1)
-	in := u.inside.Add(1)
-	u.mu.Lock()
-	u.most = max(u.most, in)
-	u.mu.Unlock()
-	time.Sleep(u.hold) // not r.Context(): the payment goes through anyway
-	u.inside.Add(-1)
-	w.Header().Set("X-Payment", fmt.Sprint(n))
-	w.WriteHeader(http.StatusCreated)
-	fmt.Fprintf(w, "payment #%d", n)
-}
 
 // TestReplayDetachedRunIsBounded: once its client is gone, a replay route
 // runs at most one ttl longer (the lease's auto-extension keeps it) and
@@ -80,11 +56,11 @@ func TestReplayDetachedRunIsBounded(t *testing.T) {
 			case <-time.After(15 * time.Second):
 				t.Fatal("the detached run was never cancelled")
 			}
-			st, hdr, _, err := post(srv.URL+"/p", "x", "X-User", "u", "Idempotency-Key", "k")
+			st, hdr, _, err := testkit.Post(srv.URL+"/p", "x", "X-User", "u", "Idempotency-Key", "k")
 			if err != nil || st != http.StatusConflict || hdr.Get("Retry-After") == "" || calls.Load() != 1 {
 				t.Fatalf("the retry: %d Retry-After=%q %v, route runs %d; want 409 with Retry-After and 1 run", st, hdr.Get("Retry-After"), err, calls.Load())
 			}
-			st, _, body, err := sendBody("GET", srv.URL+"/p", "", "X-User", "u", "Idempotency-Key", "k")
+			st, _, body, err := testkit.SendBody("GET", srv.URL+"/p", "", "X-User", "u", "Idempotency-Key", "k")
 			if err != nil || st != 200 || body != "second" {
 				t.Fatalf("a GET of the key: %d %q %v; want it to run the route (the lock is free)", st, body, err)
 			}
@@ -161,7 +137,7 @@ func (u *answerUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error
 
 // send makes one request without a body; hdr are name, value pairs.
 func send(method, url string, hdr ...string) (int, http.Header, string, error) {
-	return sendBody(method, url, "", hdr...)
+	return testkit.SendBody(method, url, "", hdr...)
 }
 
 // TestReplayServesOnlyWhatItCanAnswer: request
@@ -393,14 +369,14 @@ func TestReplayNotPassedByAHandOff(t *testing.T) {
 	}
 	sr, sn := handlerServer(t, hr, up), handlerServer(t, hn, up)
 	first := make(chan string, 1)
-	go func() { _, _, body, _ := post(sr.URL+"/pay", "x", "Idem", "k1"); first <- body }()
+	go func() { _, _, body, _ := testkit.Post(sr.URL+"/pay", "x", "Idem", "k1"); first <- body }()
 	<-started
 	other := make(chan int, 1)
 	go func() { st, _, _, _ := send("GET", sn.URL+"/status", "Idem", "k1"); other <- st }()
 	waitQueued(t, hn, shared.StoredKey(hn.Prefix, "k1"))
 	retry := make(chan [2]string, 1)
 	go func() {
-		_, hdr, body, _ := post(sr.URL+"/pay", "x", "Idem", "k1")
+		_, hdr, body, _ := testkit.Post(sr.URL+"/pay", "x", "Idem", "k1")
 		retry <- [2]string{body, hdr.Get(HeaderIdempotentReplayed)}
 	}()
 	waitQueued(t, hr, shared.StoredKey(hr.Prefix, "k1")) // the retry, in its handler's queue

@@ -21,57 +21,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// orderUpstream places an "order" per call: it counts calls and answers
-// with the call's number in the body and a header, plus a cookie. The
-// status comes from ?status=, the body size from ?size=, a delay from
-// ?sleep=.
-type orderUpstream struct{ calls atomic.Int64 }
-
-func (u *orderUpstream) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	n := u.calls.Add(1)
-	_, _ = io.Copy(io.Discard, r.Body)
-	if d, err := time.ParseDuration(r.URL.Query().Get("sleep")); err == nil {
-		time.Sleep(d)
-	}
-	status := http.StatusCreated
-	if s, err := strconv.Atoi(r.URL.Query().Get("status")); err == nil {
-		status = s
-	}
-	body := fmt.Sprintf("order #%d", n)
-	if size, err := strconv.Atoi(r.URL.Query().Get("size")); err == nil {
-		body = strings.Repeat("x", size)
-	}
-	w.Header().Set("X-Order", strconv.FormatInt(n, 10))
-	w.Header().Set("Set-Cookie", "session=s"+strconv.FormatInt(n, 10))
-	w.Header().Set("Connection", "X-Hop")
-	w.Header().Set("X-Hop", "per-connection")
-	w.WriteHeader(status)
-	_, _ = io.WriteString(w, body)
-	return nil
-}
-
-// post sends one POST with headers (name, value pairs) and returns status,
-// headers and body; it never touches testing.T (safe in goroutines).
-func post(url, body string, hdr ...string) (int, http.Header, string, error) {
-	return sendBody("POST", url, body, hdr...)
-}
-
-// sendBody sends one request with a body and headers (name, value pairs,
-// added: a name may repeat).
-func sendBody(method, url, body string, hdr ...string) (int, http.Header, string, error) {
-	req, _ := http.NewRequest(method, url, strings.NewReader(body))
-	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Add(hdr[i], hdr[i+1])
-	}
-	resp, err := (&http.Client{Timeout: 30 * time.Second}).Do(req)
-	if err != nil {
-		return 0, nil, "", err
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return resp.StatusCode, resp.Header, string(b), nil
-}
-
 const replayCfg = `"keys":["{http.request.header.X-User}:{http.request.header.Idempotency-Key}"],"replay":"30s","wait":"20s"`
 
 // TestReplayDuplicatesRunOnce: concurrent duplicates over two instances
@@ -82,7 +31,7 @@ const replayCfg = `"keys":["{http.request.header.X-User}:{http.request.header.Id
 func TestReplayDuplicatesRunOnce(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := new(orderUpstream)
+	up := new(testkit.OrderUpstream)
 	a := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"timeout":"2s"`))
 	b := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"timeout":"3s"`))
 	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
@@ -104,12 +53,12 @@ func TestReplayDuplicatesRunOnce(t *testing.T) {
 			if i%2 == 1 {
 				base = sb.URL
 			}
-			st, h, body, err := post(base+"/orders?sleep=300ms", `{"sku":"a"}`, "X-User", "alice", "Idempotency-Key", "k1")
+			st, h, body, err := testkit.Post(base+"/orders?sleep=300ms", `{"sku":"a"}`, "X-User", "alice", "Idempotency-Key", "k1")
 			answers[i] = answer{st, h, body, err}
 		}(i)
 	}
 	wg.Wait()
-	if c := up.calls.Load(); c != 1 {
+	if c := up.Calls.Load(); c != 1 {
 		t.Fatalf("%d concurrent duplicates over two instances made %d upstream calls, want 1", n, c)
 	}
 	replays := 0
@@ -129,16 +78,16 @@ func TestReplayDuplicatesRunOnce(t *testing.T) {
 	}
 
 	// A late duplicate, in either instance.
-	st, h, body, _ := post(sb.URL+"/orders?sleep=300ms", `{"sku":"a"}`, "X-User", "alice", "Idempotency-Key", "k1")
-	if st != 201 || body != "order #1" || h.Get(HeaderIdempotentReplayed) != "true" || up.calls.Load() != 1 {
-		t.Fatalf("late duplicate: %d %q replayed=%q, upstream calls %d", st, body, h.Get(HeaderIdempotentReplayed), up.calls.Load())
+	st, h, body, _ := testkit.Post(sb.URL+"/orders?sleep=300ms", `{"sku":"a"}`, "X-User", "alice", "Idempotency-Key", "k1")
+	if st != 201 || body != "order #1" || h.Get(HeaderIdempotentReplayed) != "true" || up.Calls.Load() != 1 {
+		t.Fatalf("late duplicate: %d %q replayed=%q, upstream calls %d", st, body, h.Get(HeaderIdempotentReplayed), up.Calls.Load())
 	}
 	// The same key with another body.
-	if st, _, _, _ := post(sa.URL+"/orders?sleep=300ms", `{"sku":"b"}`, "X-User", "alice", "Idempotency-Key", "k1"); st != 422 || up.calls.Load() != 1 {
-		t.Fatalf("another request under a used key: %d (upstream calls %d), want 422 and no call", st, up.calls.Load())
+	if st, _, _, _ := testkit.Post(sa.URL+"/orders?sleep=300ms", `{"sku":"b"}`, "X-User", "alice", "Idempotency-Key", "k1"); st != 422 || up.Calls.Load() != 1 {
+		t.Fatalf("another request under a used key: %d (upstream calls %d), want 422 and no call", st, up.Calls.Load())
 	}
 	// Another user with the same Idempotency-Key is another key.
-	if st, _, body, _ := post(sa.URL+"/orders", `{"sku":"a"}`, "X-User", "bob", "Idempotency-Key", "k1"); st != 201 || body != "order #2" {
+	if st, _, body, _ := testkit.Post(sa.URL+"/orders", `{"sku":"a"}`, "X-User", "bob", "Idempotency-Key", "k1"); st != 201 || body != "order #2" {
 		t.Fatalf("bob with alice's Idempotency-Key: %d %q, want his own order #2", st, body)
 	}
 }
@@ -161,19 +110,19 @@ func TestReplayNotStored(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			up := new(orderUpstream)
+			up := new(testkit.OrderUpstream)
 			h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"replay_max":64,"prefix":"ns:`+tc.name+`:"`))
 			srv := handlerServer(t, h, up.ServeHTTP)
 			var st int
 			for i := 1; i <= 2; i++ {
 				var hdr http.Header
 				var err error
-				st, hdr, _, err = post(srv.URL+"/o?"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
+				st, hdr, _, err = testkit.Post(srv.URL+"/o?"+tc.query, "x", "X-User", "u", "Idempotency-Key", "k")
 				if err != nil || hdr.Get(HeaderIdempotentReplayed) != "" {
 					t.Fatalf("request %d: %v, replayed %q: a %s response must not be replayed", i, err, hdr.Get(HeaderIdempotentReplayed), tc.name)
 				}
 			}
-			if c := up.calls.Load(); c != tc.calls || st != tc.second {
+			if c := up.Calls.Load(); c != tc.calls || st != tc.second {
 				t.Fatalf("%d upstream calls, the duplicate got %d; want %d calls and %d (%s not stored)", c, st, tc.calls, tc.second, tc.name)
 			}
 		})
@@ -200,7 +149,7 @@ func TestReplayNotStored(t *testing.T) {
 			})
 			var bodies []string
 			for i := 0; i < 2; i++ {
-				st, _, body, _ := post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
+				st, _, body, _ := testkit.Post(srv.URL+"/s", "x", "X-User", "u", "Idempotency-Key", "k")
 				if st == http.StatusConflict {
 					body = "409"
 				}
@@ -228,11 +177,11 @@ func TestReplayNotStored(t *testing.T) {
 			_, _ = io.WriteString(w, "second")
 			return nil
 		})
-		post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
-		if st, _, _, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusConflict || calls.Load() != 1 {
+		testkit.Post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
+		if st, _, _, _ := testkit.Post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k"); st != http.StatusConflict || calls.Load() != 1 {
 			t.Fatalf("after a broken-off answer: %d, %d route runs; want 409 and 1 run", st, calls.Load())
 		}
-		if _, hdr, body, _ := sendBody("GET", srv.URL+"/g", "", "X-User", "u", "Idempotency-Key", "k"); body != "second" || hdr.Get(HeaderIdempotentReplayed) != "" {
+		if _, hdr, body, _ := testkit.SendBody("GET", srv.URL+"/g", "", "X-User", "u", "Idempotency-Key", "k"); body != "second" || hdr.Get(HeaderIdempotentReplayed) != "" {
 			t.Fatalf("a GET after a broken-off answer: %q replayed=%q, want the route to run again", body, hdr.Get(HeaderIdempotentReplayed))
 		}
 	})
@@ -268,7 +217,7 @@ func TestReplayNotStored(t *testing.T) {
 		leave := startImpatient(t, srv.URL+"/g", started)
 		waiter := make(chan string, 1)
 		go func() {
-			_, hdr, body, _ := post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
+			_, hdr, body, _ := testkit.Post(srv.URL+"/g", "x", "X-User", "u", "Idempotency-Key", "k")
 			waiter <- body + "|" + hdr.Get(HeaderIdempotentReplayed)
 		}()
 		leave()
@@ -306,7 +255,7 @@ func (s seeClient) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyh
 func TestReplayCoalescesGets(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := new(orderUpstream)
+	up := new(testkit.OrderUpstream)
 	h := provisionLock(t, testkit.LockConfig(r.Addr, `"keys":["{http.request.uri}"],"replay":"2s","wait":"20s"`))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var wg sync.WaitGroup
@@ -322,7 +271,7 @@ func TestReplayCoalescesGets(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	if c := up.calls.Load(); c != 1 || bad.Load() != 0 {
+	if c := up.Calls.Load(); c != 1 || bad.Load() != 0 {
 		t.Fatalf("30 concurrent GETs: %d upstream calls, %d bad answers; want 1 call, all the same answer", c, bad.Load())
 	}
 }
@@ -333,24 +282,24 @@ func TestReplayCoalescesGets(t *testing.T) {
 func TestReplayLargeRequestBody(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	up := new(orderUpstream)
+	up := new(testkit.OrderUpstream)
 	h := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"replay_max":16`))
 	srv := handlerServer(t, h, up.ServeHTTP)
-	if st, _, _, _ := post(srv.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
-		t.Fatalf("body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
+	if st, _, _, _ := testkit.Post(srv.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.Calls.Load() != 0 {
+		t.Fatalf("body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.Calls.Load())
 	}
 	// Under replay the body is always buffered (a client that goes away
 	// mid-upload cannot cut the route's copy short), whatever the
 	// fingerprint: over replay_max it is 413 with fingerprint off too.
 	off := provisionLock(t, testkit.LockConfig(r.Addr, replayCfg+`,"replay_max":16,"fingerprint":["off"],"prefix":"off:"`))
 	so := handlerServer(t, off, up.ServeHTTP)
-	if st, _, _, _ := post(so.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.calls.Load() != 0 {
-		t.Fatalf("fingerprint off, body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.calls.Load())
+	if st, _, _, _ := testkit.Post(so.URL+"/big", strings.Repeat("b", 17), "X-User", "u", "Idempotency-Key", "k"); st != 413 || up.Calls.Load() != 0 {
+		t.Fatalf("fingerprint off, body over replay_max: %d (upstream calls %d), want 413 and no call", st, up.Calls.Load())
 	}
-	if st, _, _, _ := post(so.URL+"/big", "a body", "X-User", "u", "Idempotency-Key", "k"); st != 201 {
+	if st, _, _, _ := testkit.Post(so.URL+"/big", "a body", "X-User", "u", "Idempotency-Key", "k"); st != 201 {
 		t.Fatalf("fingerprint off: %d, want 201", st)
 	}
-	if st, hdr, _, _ := post(so.URL+"/big", "another body", "X-User", "u", "Idempotency-Key", "k"); st != 201 || hdr.Get(HeaderIdempotentReplayed) != "true" {
+	if st, hdr, _, _ := testkit.Post(so.URL+"/big", "another body", "X-User", "u", "Idempotency-Key", "k"); st != 201 || hdr.Get(HeaderIdempotentReplayed) != "true" {
 		t.Fatalf("fingerprint off, another body: %d replayed=%q, want the stored answer", st, hdr.Get(HeaderIdempotentReplayed))
 	}
 }
@@ -401,7 +350,7 @@ func BenchmarkReplayMemory(b *testing.B) {
 		}
 		srv := handlerServer(b, h, up)
 		key := "m" + strconv.Itoa(size)
-		if st, _, _, err := post(srv.URL+"/o", "x", "K", key); err != nil || st != 201 {
+		if st, _, _, err := testkit.Post(srv.URL+"/o", "x", "K", key); err != nil || st != 201 {
 			b.Fatalf("store: %d %v", st, err)
 		}
 		// The release stores the answer just after the response.
@@ -426,12 +375,12 @@ func TestReplayWithSyncReplicas(t *testing.T) {
 	primary := startRedis(t)
 	_ = startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(primary.Port))
 	waitReplicaOnline(t, primary.Client(), 1)
-	up := new(orderUpstream)
+	up := new(testkit.OrderUpstream)
 	h := provisionLock(t, testkit.LockConfig(primary.Addr, replayCfg+`,"sync_replicas":1,"timeout":"2s"`))
 	srv := handlerServer(t, h, up.ServeHTTP)
 	var bodies []string
 	for i := 0; i < 2; i++ {
-		st, hdr, body, err := post(srv.URL+"/pay", `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "k1")
+		st, hdr, body, err := testkit.Post(srv.URL+"/pay", `{"amount":100}`, "X-User", "alice", "Idempotency-Key", "k1")
 		if err != nil || st != http.StatusCreated {
 			t.Fatalf("request %d: %d %v", i, st, err)
 		}
@@ -440,7 +389,7 @@ func TestReplayWithSyncReplicas(t *testing.T) {
 		}
 		bodies = append(bodies, body)
 	}
-	if c := up.calls.Load(); c != 1 {
+	if c := up.Calls.Load(); c != 1 {
 		t.Fatalf("the same idempotency key reached the upstream %d times, want 1", c)
 	}
 	if bodies[0] != bodies[1] {
@@ -523,7 +472,7 @@ func TestReplayLargeMaxForwardsBody(t *testing.T) {
 	srv := handlerServer(t, h, echo)
 	body := strings.Repeat("order-line;", 1000)
 	for i := 0; i < 2; i++ {
-		st, hdr, resp, err := post(srv.URL+"/orders", body, "X-User", "u", "Idempotency-Key", "big")
+		st, hdr, resp, err := testkit.Post(srv.URL+"/orders", body, "X-User", "u", "Idempotency-Key", "big")
 		want := fmt.Sprintf("got %d bytes", len(body))
 		if err != nil || st != 201 || resp != want {
 			t.Fatalf("request %d: %d %q %v, want 201 %q", i, st, resp, err, want)
@@ -586,7 +535,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 				return nil
 			})
 			for i := 0; i < 2; i++ {
-				_, hdr, body, err := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+				_, hdr, body, err := testkit.Post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
 				if err != nil || body != receipt || (hdr.Get(HeaderIdempotentReplayed) == "true") != (i == 1) {
 					t.Fatalf("request %d: %q %v replayed=%q, want the receipt", i, body, err, hdr.Get(HeaderIdempotentReplayed))
 				}
@@ -606,7 +555,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 		})
 		var ids []string
 		for i := 0; i < 2; i++ {
-			_, hdr, body, _ := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+			_, hdr, body, _ := testkit.Post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
 			if body != receipt || hdr.Get("X-Order") != "1" {
 				t.Fatalf("request %d: %q X-Order %q, want the route's answer", i, body, hdr.Get("X-Order"))
 			}
@@ -628,7 +577,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 			return nil
 		})
 		for i := 0; i < 2; i++ {
-			_, hdr, body, _ := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+			_, hdr, body, _ := testkit.Post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
 			if body != receipt || hdr.Get("Server") != "" || (hdr.Get(HeaderIdempotentReplayed) == "true") != (i == 1) {
 				t.Fatalf("request %d: %q Server %q replayed %q, want the route's answer without Server", i, body, hdr.Get("Server"), hdr.Get(HeaderIdempotentReplayed))
 			}
@@ -645,7 +594,7 @@ func TestReplayAnswersAsTheRouteWrote(t *testing.T) {
 			return nil
 		})
 		for i := 0; i < 2; i++ {
-			_, hdr, body, _ := post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
+			_, hdr, body, _ := testkit.Post(srv.URL+"/pay", "x", "X-User", "u", "Idempotency-Key", "k")
 			if body != receipt || hdr.Get("X-Early") != "1" || hdr.Get("X-Late") != "" {
 				t.Fatalf("request %d: %q X-Early %q X-Late %q, want what the first client got", i, body, hdr.Get("X-Early"), hdr.Get("X-Late"))
 			}
