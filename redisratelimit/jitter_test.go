@@ -7,26 +7,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
-
-// retryAfters collects the Retry-After of n rejected requests.
-func retryAfters(t *testing.T, url string, n int, wantStatus int) []int {
-	t.Helper()
-	var got []int
-	for range n {
-		resp, _ := get(t, url)
-		if resp == nil || resp.StatusCode != wantStatus {
-			t.Fatalf("%v, want %d", resp, wantStatus)
-		}
-		v, err := strconv.Atoi(resp.Header.Get("Retry-After"))
-		if err != nil {
-			t.Fatalf("Retry-After %q: %v", resp.Header.Get("Retry-After"), err)
-		}
-		got = append(got, v)
-	}
-	return got
-}
 
 // TestJitter: `jitter` raises the rate limiter's Retry-After by a random
 // share up to the fraction: never below what it is without jitter, never
@@ -35,19 +18,6 @@ func retryAfters(t *testing.T, url string, n int, wantStatus int) []int {
 func TestJitter(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	spread := func(t *testing.T, got []int, lo, hi int) {
-		t.Helper()
-		seen := map[int]bool{}
-		for _, v := range got {
-			if v < lo || v > hi {
-				t.Fatalf("Retry-After %v, want each in [%d, %d]", got, lo, hi)
-			}
-			seen[v] = true
-		}
-		if len(seen) < 3 {
-			t.Fatalf("Retry-After %v: %d distinct values, want them spread", got, len(seen))
-		}
-	}
 	t.Run("redis_ratelimit", func(t *testing.T) {
 		t.Parallel()
 		h := provisionRateLimitJSON(t, fmt.Sprintf(`{"redis":["%s"],"rates":[{"requests":1,"window":"100s"}],"jitter":0.5}`, r.Addr))
@@ -55,7 +25,7 @@ func TestJitter(t *testing.T) {
 		if resp, _ := get(t, srv.URL); resp == nil || resp.StatusCode != 200 {
 			t.Fatalf("first request: %v", resp)
 		}
-		spread(t, retryAfters(t, srv.URL, 30, http.StatusTooManyRequests), 99, 151)
+		testkit.CheckSpread(t, testkit.RetryAfters(t, srv.URL, 30, http.StatusTooManyRequests), 99, 151)
 		resp, _ := get(t, srv.URL)
 		if rl := resp.Header.Get(HeaderRateLimit); rl == "" || rl != fmt.Sprintf(`"r0";r=0;t=%s`, rlT(rl)) || rlT(rl) == "" {
 			t.Fatalf("RateLimit %q", rl)

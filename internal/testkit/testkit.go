@@ -17,6 +17,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -248,4 +249,39 @@ func RunCaddy(t testing.TB, caddyfile string) {
 		_ = caddy.Stop()
 		WholeCaddy.Unlock()
 	})
+}
+
+// RetryAfters collects the Retry-After (whole seconds) of n requests to
+// url, each of which must be answered wantStatus.
+func RetryAfters(t testing.TB, url string, n int, wantStatus int) []int {
+	t.Helper()
+	var got []int
+	for range n {
+		resp, _ := Get(t, url)
+		if resp == nil || resp.StatusCode != wantStatus {
+			t.Fatalf("%v, want %d", resp, wantStatus)
+		}
+		v, err := strconv.Atoi(resp.Header.Get("Retry-After"))
+		if err != nil {
+			t.Fatalf("Retry-After %q: %v", resp.Header.Get("Retry-After"), err)
+		}
+		got = append(got, v)
+	}
+	return got
+}
+
+// CheckSpread fails the test unless every Retry-After in got is within
+// [lo, hi] and they take at least three values (jittered).
+func CheckSpread(t testing.TB, got []int, lo, hi int) {
+	t.Helper()
+	seen := map[int]bool{}
+	for _, v := range got {
+		if v < lo || v > hi {
+			t.Fatalf("Retry-After %v, want each in [%d, %d]", got, lo, hi)
+		}
+		seen[v] = true
+	}
+	if len(seen) < 3 {
+		t.Fatalf("Retry-After %v: %d distinct values, want them spread", got, len(seen))
+	}
 }
