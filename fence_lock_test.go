@@ -18,27 +18,6 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
-// storage records the fencing token of every write that reaches it.
-type storage struct {
-	mu     sync.Mutex
-	writes []int64
-}
-
-func (s *storage) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	tok, _ := strconv.ParseInt(r.Header.Get(redislock.DefaultFencingHeader), 10, 64)
-	s.mu.Lock()
-	s.writes = append(s.writes, tok)
-	s.mu.Unlock()
-	w.WriteHeader(http.StatusNoContent)
-	return nil
-}
-
-func (s *storage) seen() []int64 {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]int64(nil), s.writes...)
-}
-
 // provisionFence builds a redis_fence handler from its JSON form.
 func provisionFence(t *testing.T, cfg string) *redisfence.RedisFence {
 	t.Helper()
@@ -58,7 +37,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	r.AwaitUptime(3 * time.Second) // the lock's tokens are newer than the fence's Redis
-	store := new(storage)
+	store := new(testkit.FenceStorage)
 	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"key":"{http.request.uri.path}","name":"stale-fence"}`, r.Addr))
 	fenceSrv := handlerServer(t, fence, store.ServeHTTP)
 
@@ -103,7 +82,7 @@ func TestFenceRefusesAStaleHolder(t *testing.T) {
 	if res.Status != http.StatusConflict {
 		t.Fatalf("the stale holder's write: %d, want 409 from the fence", res.Status)
 	}
-	writes := store.seen()
+	writes := store.Seen()
 	if len(writes) != 1 {
 		t.Fatalf("the storage saw %d writes (%v), want only the rival's", len(writes), writes)
 	}
@@ -166,7 +145,7 @@ func TestFenceUnderMinimalACL(t *testing.T) {
 	}) {
 		t.Fatal("the ACL Redis never reported an uptime of 3 s")
 	}
-	store := new(storage)
+	store := new(testkit.FenceStorage)
 	fence := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"username":%q,"password":%q,"timeout":"2s"}`, r.Addr, aclUser, aclPassword))
 	srv := handlerServer(t, fence, store.ServeHTTP)
 	now, err := admin.Time(t.Context()).Result()

@@ -7,7 +7,6 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,27 +16,6 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 )
-
-// storage records the fencing token of every write that reaches it.
-type storage struct {
-	mu     sync.Mutex
-	writes []int64
-}
-
-func (s *storage) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
-	tok, _ := strconv.ParseInt(r.Header.Get(shared.DefaultFencingHeader), 10, 64)
-	s.mu.Lock()
-	s.writes = append(s.writes, tok)
-	s.mu.Unlock()
-	w.WriteHeader(http.StatusNoContent)
-	return nil
-}
-
-func (s *storage) seen() []int64 {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]int64(nil), s.writes...)
-}
 
 // TestFenceAcrossRedisRestart: T2 is written
 // and T1 < T2 refused; the fence's Redis is killed (SIGKILL) and restarted
@@ -50,7 +28,7 @@ func (s *storage) seen() []int64 {
 func TestFenceAcrossRedisRestart(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	store := new(storage)
+	store := new(testkit.FenceStorage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"timeout":"2s"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
 	put := func(token int64) int {
@@ -88,7 +66,7 @@ func TestFenceAcrossRedisRestart(t *testing.T) {
 	if got := put(t3); got != http.StatusNoContent {
 		t.Errorf("a token issued after the restart: %d, want 204", got)
 	}
-	if got, want := store.seen(), []int64{t2, t3}; !slices.Equal(got, want) {
+	if got, want := store.Seen(), []int64{t2, t3}; !slices.Equal(got, want) {
 		t.Errorf("the storage saw %v, want T2 before the restart and the new token after it, %v", got, want)
 	}
 }
@@ -101,7 +79,7 @@ func TestFenceWarnsWithoutRedisStart(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t, "--user", "default", "off", "--user", "fence", "on", ">fence-pw",
 		"~caddy:fence:*", "-@all", "+evalsha", "+eval", "+time", "+get", "+set", "+pexpire", "+ping")
-	store := new(storage)
+	store := new(testkit.FenceStorage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"username":"fence","password":"fence-pw"}`, r.Addr))
 	core, logs := observer.New(zapcore.WarnLevel)
 	h.logger = zap.New(core)
@@ -147,7 +125,7 @@ func provisionFence(t *testing.T, cfg string) *RedisFence {
 func TestFenceAnswers(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	store := new(storage)
+	store := new(testkit.FenceStorage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"retain":"10s","timeout":"1s"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
 	r.AwaitUptime(3 * time.Second)
@@ -187,7 +165,7 @@ func TestFenceAnswers(t *testing.T) {
 			t.Errorf("%s: %d, want %d", tc.name, got, tc.want)
 		}
 	}
-	if n := len(store.seen()); n != 4 {
+	if n := len(store.Seen()); n != 4 {
 		t.Errorf("the storage saw %d writes, want the 4 admitted", n)
 	}
 	if ttl := r.Client().PTTL(context.Background(), shared.StoredKey(DefaultFencePrefix, "/x")).Val(); ttl <= 0 || ttl > 10*time.Second {
@@ -197,7 +175,7 @@ func TestFenceAnswers(t *testing.T) {
 	if got := put("/x", tok(time.Second)); got != http.StatusServiceUnavailable {
 		t.Errorf("Redis down: %d, want 503", got)
 	}
-	if n := len(store.seen()); n != 4 {
+	if n := len(store.Seen()); n != 4 {
 		t.Errorf("with Redis down the storage saw a write")
 	}
 }
@@ -208,7 +186,7 @@ func TestFenceAnswers(t *testing.T) {
 func TestFenceJSONShorthandToken(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
-	store := new(storage)
+	store := new(testkit.FenceStorage)
 	h := provisionFence(t, fmt.Sprintf(`{"redis":["%s"],"token":"{header.X-Tok}"}`, r.Addr))
 	srv := handlerServer(t, h, store.ServeHTTP)
 	r.AwaitUptime(3 * time.Second)
@@ -219,7 +197,7 @@ func TestFenceJSONShorthandToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	resp.Body.Close()
-	if resp.StatusCode != 204 || len(store.seen()) != 1 {
-		t.Fatalf("a fresh token in X-Tok: %d, storage saw %d writes; want 204 and 1", resp.StatusCode, len(store.seen()))
+	if resp.StatusCode != 204 || len(store.Seen()) != 1 {
+		t.Fatalf("a fresh token in X-Tok: %d, storage saw %d writes; want 204 and 1", resp.StatusCode, len(store.Seen()))
 	}
 }
