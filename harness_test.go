@@ -1,23 +1,23 @@
 package redisdlm
 
 import (
-	"context"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"net/http"
-	"net/http/httptest"
-	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/redislock"
 	"github.com/caddy-dlm/redisdlm/redisratelimit"
-	"github.com/caddyserver/caddy/v2"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// handlerServer serves mw in front of next the way Caddy's server does;
+// okHandler answers 200; get sends one GET with a bounded client
+// (internal/testkit).
+var (
+	handlerServer = testkit.Serve
+	okHandler     = testkit.OK
+	get           = testkit.Get
 )
 
 // provisionLock builds a redis_lock handler from its JSON form, provisions
@@ -41,21 +41,11 @@ func provisionLockScoped(t *testing.T, cfg string) (*redislock.RedisLock, func()
 }
 
 // provisionScoped fills h from its JSON form and provisions it; the returned
-// function cleans it up (once; it also runs when the test ends).
+// function cleans it up (once; it also runs when the test ends)
+// (testkit.ProvisionScoped).
 func provisionScoped(t *testing.T, cfg string, h testkit.Provisionable) func() {
 	t.Helper()
-	if err := json.Unmarshal([]byte(cfg), h); err != nil {
-		t.Fatalf("config %s: %v", cfg, err)
-	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := h.Provision(ctx); err != nil {
-		cancel()
-		t.Fatalf("provision: %v", err)
-	}
-	var once sync.Once
-	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
-	t.Cleanup(done)
-	return done
+	return testkit.ProvisionScoped(t, cfg, h)
 }
 
 // provisionRateLimitJSON does the same for a redis_ratelimit handler.
@@ -83,66 +73,6 @@ func rateLimitClient(t *testing.T, h *redisratelimit.RedisRateLimit) *shared.Cli
 		t.Fatalf("the limiter's connection settings: %v %v", settings, err)
 	}
 	return testkit.PooledFor(t, settings[0].PoolKey())
-}
-
-// handlerServer serves mw in front of next the way Caddy's server does: a
-// replacer and vars in the context, a HandlerError turned into its status.
-func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.HandlerFunc) *httptest.Server {
-	t.Helper()
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		// The vars first, so that the replacer sees {http.vars.client_ip}
-		// as Caddy's does.
-		r = r.WithContext(context.WithValue(r.Context(), caddyhttp.VarsCtxKey, map[string]any{"client_ip": strings.Split(r.RemoteAddr, ":")[0]}))
-		repl := caddyhttp.NewTestReplacer(r)
-		r = r.WithContext(context.WithValue(r.Context(), caddy.ReplacerCtxKey, repl))
-		err := mw.ServeHTTP(w, r, next)
-		if err != nil {
-			var he caddyhttp.HandlerError
-			status := http.StatusInternalServerError
-			if errors.As(err, &he) {
-				status = he.StatusCode
-			}
-			if status == testkit.StatusClientClosedRequest {
-				return
-			}
-			w.WriteHeader(status)
-			fmt.Fprint(w, err.Error())
-		}
-	}))
-	t.Cleanup(srv.Close)
-	return srv
-}
-
-// okHandler answers 200.
-func okHandler(w http.ResponseWriter, r *http.Request) error {
-	w.WriteHeader(http.StatusOK)
-	return nil
-}
-
-// get sends one GET with a bounded client.
-func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
-	t.Helper()
-	req, _ := http.NewRequest("GET", url, nil)
-	for i := 0; i+1 < len(hdr); i += 2 {
-		req.Header.Set(hdr[i], hdr[i+1])
-	}
-	c := &http.Client{Timeout: 30 * time.Second}
-	resp, err := c.Do(req)
-	if err != nil {
-		t.Errorf("GET %s: %v", url, err)
-		return nil, ""
-	}
-	defer resp.Body.Close()
-	var sb strings.Builder
-	buf := make([]byte, 4096)
-	for {
-		n, err := resp.Body.Read(buf)
-		sb.Write(buf[:n])
-		if err != nil {
-			break
-		}
-	}
-	return resp, sb.String()
 }
 
 // getAllOK sends n concurrent GETs, request i to urls[i%len(urls)] + path

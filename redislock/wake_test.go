@@ -2,7 +2,6 @@ package redislock
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"net/http"
@@ -17,10 +16,12 @@ import (
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
 )
+
+// waitFor polls cond every 5ms until it holds or d has passed.
+var waitFor = testredis.WaitFor
 
 // Tests of the fast, fair hand-off on a hot key:
 // waiters are woken by a release (local queue, Pub/Sub across instances),
@@ -32,9 +33,6 @@ import (
 // the only internal read is lockWaitersFor (the local queue length). Two
 // "instances" are two handlers with different `timeout` values, which gives
 // them separate Redis clients, local queues, Pub/Sub listeners and ids.
-
-// waitFor polls cond every 5ms until it holds or d has passed.
-func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
 // wakeSubscribers counts the Pub/Sub subscribers of the wake-up channel.
 func wakeSubscribers(c *redis.Client) int64 {
@@ -51,18 +49,8 @@ func wakeSubscribers(c *redis.Client) int64 {
 func provisionLockScoped(t *testing.T, cfg string) (*RedisLock, func()) {
 	t.Helper()
 	h := new(RedisLock)
-	if err := json.Unmarshal([]byte(cfg), h); err != nil {
-		t.Fatalf("config %s: %v", cfg, err)
-	}
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	if err := h.Provision(ctx); err != nil {
-		cancel()
-		t.Fatalf("provision: %v", err)
-	}
+	done := testkit.ProvisionScoped(t, cfg, h)
 	quietLock(h)
-	var once sync.Once
-	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
-	t.Cleanup(done)
 	return h, done
 }
 

@@ -56,6 +56,25 @@ func Provision(t testing.TB, cfg string, h Provisionable) {
 	t.Cleanup(func() { _ = h.Cleanup() })
 }
 
+// ProvisionScoped is Provision for a handler that lives for part of a
+// test: the returned function cleans it up (once; it also runs when the
+// test ends).
+func ProvisionScoped(t testing.TB, cfg string, h Provisionable) func() {
+	t.Helper()
+	if err := json.Unmarshal([]byte(cfg), h); err != nil {
+		t.Fatalf("config %s: %v", cfg, err)
+	}
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatalf("provision: %v", err)
+	}
+	var once sync.Once
+	done := func() { once.Do(func() { _ = h.Cleanup(); cancel() }) }
+	t.Cleanup(done)
+	return done
+}
+
 // QuietLogger logs warnings and errors to stderr: what a test gives a
 // handler instead of the debug logger Caddy gives a module provisioned
 // without a config.
