@@ -3,7 +3,6 @@ package redisdlm
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
@@ -12,13 +11,18 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
+// waitFor polls cond every 5ms until it holds or d has passed; startRedlock
+// starts n independent redis-servers and returns them with the JSON list of
+// their addresses (internal/testredis).
+var (
+	waitFor      = testredis.WaitFor
+	startRedlock = testredis.StartRedlock
+)
+
 // The lock's test helpers that the root's tests of a whole Caddy or of the
 // lock with another module share (the root reaches the lock through its
 // exported API only; what redislock's tests use as well is in
 // internal/testkit).
-
-// waitFor polls cond every 5ms until it holds or d has passed.
-func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
 
 // lostCount reads caddy_redis_lock_lost_total of one handler.
 func lostCount(handler string) float64 {
@@ -29,13 +33,6 @@ func lostCount(handler string) float64 {
 func heldBy(r *testRedis, key string) int64 {
 	n, _ := r.Client().ZCard(context.Background(), key).Result()
 	return n
-}
-
-// startRedlock starts n independent redis-servers and returns them with the
-// JSON list of their addresses.
-func startRedlock(t *testing.T, n int) ([]*testRedis, string) {
-	t.Helper()
-	return testredis.StartRedlock(t, n)
 }
 
 // lockClient is the pooled Redis client of a provisioned lock handler on

@@ -5,32 +5,22 @@ import (
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
-	"github.com/redis/go-redis/v9"
 )
 
 // testRedis is a real redis-server process for one test (internal/testredis).
 type testRedis = testredis.Server
 
-// startRedis starts redis-server; extra args are passed as config
-// (e.g. "--requirepass", "secret"). It fails the test loudly when
-// redis-server is not installed.
-func startRedis(t testing.TB, args ...string) *testRedis {
-	t.Helper()
-	return testredis.Start(t, args...)
-}
-
-// startRedisOnPort starts a server on a port chosen before (to test "Redis
-// comes up after Caddy").
-func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
-	t.Helper()
-	return testredis.StartOnPort(t, port, args...)
-}
-
-// freePort returns a free loopback port (testredis.FreePort).
-func freePort(t testing.TB) int {
-	t.Helper()
-	return testredis.FreePort(t)
-}
+// startRedis starts redis-server (extra args are passed as config, e.g.
+// "--requirepass", "secret") and fails the test loudly when it is not
+// installed; startRedisOnPort starts one on a port chosen before (to test
+// "Redis comes up after Caddy"); freePort is a free loopback port; infoInt
+// reads one integer field of an INFO section (internal/testredis).
+var (
+	startRedis       = testredis.Start
+	startRedisOnPort = testredis.StartOnPort
+	freePort         = testredis.FreePort
+	infoInt          = testredis.InfoInt
+)
 
 // startSentinels starts n sentinels that monitor master as "mymaster"
 // (testredis.StartSentinels).
@@ -50,10 +40,4 @@ func startReplica(t *testing.T, master *testRedis) *testRedis {
 func startClusterNodes(t *testing.T, masters, replicas int) []*testRedis {
 	t.Helper()
 	return testredis.StartCluster(t, masters, replicas)
-}
-
-// infoInt reads one integer field of an INFO section through c.
-func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
-	tb.Helper()
-	return testredis.InfoInt(tb, c, section, field)
 }

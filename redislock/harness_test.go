@@ -1,15 +1,12 @@
 package redislock
 
 import (
-	"net/http"
-	"net/http/httptest"
 	"testing"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/shared"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
-	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -39,40 +36,22 @@ func lockInstanceID(h *RedisLock) string { return h.locker.InstanceID() }
 // testRedis is a real redis-server process for one test (internal/testredis).
 type testRedis = testredis.Server
 
-// startRedis starts redis-server; extra args are passed as config
-// (e.g. "--requirepass", "secret").
-func startRedis(t testing.TB, args ...string) *testRedis {
-	t.Helper()
-	return testredis.Start(t, args...)
-}
-
-// freePort returns a free loopback port (testredis.FreePort).
-func freePort(t testing.TB) int {
-	t.Helper()
-	return testredis.FreePort(t)
-}
-
-// handlerServer serves mw in front of next the way Caddy's server does.
-func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.HandlerFunc) *httptest.Server {
-	t.Helper()
-	return testkit.Serve(t, mw, next)
-}
-
-// okHandler answers 200.
-func okHandler(w http.ResponseWriter, r *http.Request) error { return testkit.OK(w, r) }
-
-// get sends one GET with a bounded client.
-func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
-	t.Helper()
-	return testkit.Get(t, url, hdr...)
-}
-
-// startRedisOnPort starts a server on a port chosen before (to test "Redis
-// comes up after Caddy").
-func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
-	t.Helper()
-	return testredis.StartOnPort(t, port, args...)
-}
+// startRedis starts redis-server (extra args are passed as config, e.g.
+// "--requirepass", "secret"); startRedisOnPort starts one on a port chosen
+// before (to test "Redis comes up after Caddy"); freePort is a free
+// loopback port; infoInt reads one integer field of an INFO section
+// (internal/testredis). handlerServer serves mw in front of next the way
+// Caddy's server does; okHandler answers 200; get sends one GET with a
+// bounded client (internal/testkit).
+var (
+	startRedis       = testredis.Start
+	startRedisOnPort = testredis.StartOnPort
+	freePort         = testredis.FreePort
+	infoInt          = testredis.InfoInt
+	handlerServer    = testkit.Serve
+	okHandler        = testkit.OK
+	get              = testkit.Get
+)
 
 // startSentinel starts a redis-server in sentinel mode that monitors master
 // under the name "mymaster", and returns its address.
@@ -95,12 +74,6 @@ func startClusterNode(t *testing.T) *testRedis { return testredis.StartClusterNo
 // scripts' format).
 func redisZ(until time.Time, member string) redis.Z {
 	return redis.Z{Score: float64(until.UnixMilli()), Member: member}
-}
-
-// infoInt reads one integer field of an INFO section through c.
-func infoInt(tb testing.TB, c *redis.Client, section, field string) int64 {
-	tb.Helper()
-	return testredis.InfoInt(tb, c, section, field)
 }
 
 // secretPW is a Redis password that must never appear in an error or a log.

@@ -17,6 +17,10 @@ import (
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
+// startRedlock starts n independent redis-servers and returns them with the
+// JSON list of their addresses.
+var startRedlock = testredis.StartRedlock
+
 // onOneAndThreeServers runs f as parallel subtests on one Redis server and
 // on a Redlock of three (rs and their addresses as a JSON list).
 func onOneAndThreeServers(t *testing.T, f func(t *testing.T, rs []*testRedis, addrs string)) {
@@ -27,13 +31,6 @@ func onOneAndThreeServers(t *testing.T, f func(t *testing.T, rs []*testRedis, ad
 			f(t, rs, addrs)
 		})
 	}
-}
-
-// startRedlock starts n independent redis-servers and returns them with the
-// JSON list of their addresses.
-func startRedlock(t *testing.T, n int) ([]*testRedis, string) {
-	t.Helper()
-	return testredis.StartRedlock(t, n)
 }
 
 // hammer sends n concurrent requests (conc at a time) alternating over the

@@ -33,25 +33,22 @@ func TestMain(m *testing.M) {
 // testRedis is a real redis-server process for one test (internal/testredis).
 type testRedis = testredis.Server
 
-// startRedis starts redis-server; extra args are passed as config
-// (e.g. "--requirepass", "secret").
-func startRedis(t testing.TB, args ...string) *testRedis {
-	t.Helper()
-	return testredis.Start(t, args...)
-}
-
-// startRedisOnPort starts a server on a port chosen before (to test "Redis
-// comes up after Caddy").
-func startRedisOnPort(t testing.TB, port int, args ...string) *testRedis {
-	t.Helper()
-	return testredis.StartOnPort(t, port, args...)
-}
-
-// freePort returns a free loopback port (testredis.FreePort).
-func freePort(t testing.TB) int {
-	t.Helper()
-	return testredis.FreePort(t)
-}
+// startRedis starts redis-server (extra args are passed as config, e.g.
+// "--requirepass", "secret"); startRedisOnPort starts one on a port chosen
+// before (to test "Redis comes up after Caddy"); freePort is a free
+// loopback port (internal/testredis). handlerServer serves mw in front of
+// next the way Caddy's server does; okHandler answers 200; get sends one
+// GET with a bounded client; waitFor polls cond until it holds (true) or d
+// passed (false) (internal/testkit).
+var (
+	startRedis       = testredis.Start
+	startRedisOnPort = testredis.StartOnPort
+	freePort         = testredis.FreePort
+	handlerServer    = testkit.Serve
+	okHandler        = testkit.OK
+	get              = testkit.Get
+	waitFor          = testkit.WaitFor
+)
 
 // startCluster starts three redis-server masters in cluster mode on free
 // loopback ports and joins them into one Cluster (no replicas).
@@ -81,24 +78,6 @@ func provisionRateLimitJSON(t testing.TB, cfg string) *RedisRateLimit {
 // quietRateLimit replaces the debug logger that Caddy gives a module
 // provisioned without a config (as in these tests) by testkit.QuietLogger.
 func quietRateLimit(h *RedisRateLimit) { h.logger = testkit.QuietLogger() }
-
-// handlerServer serves mw in front of next the way Caddy's server does.
-func handlerServer(t testing.TB, mw caddyhttp.MiddlewareHandler, next caddyhttp.HandlerFunc) *httptest.Server {
-	t.Helper()
-	return testkit.Serve(t, mw, next)
-}
-
-// okHandler answers 200.
-func okHandler(w http.ResponseWriter, r *http.Request) error { return testkit.OK(w, r) }
-
-// get sends one GET with a bounded client.
-func get(t testing.TB, url string, hdr ...string) (*http.Response, string) {
-	t.Helper()
-	return testkit.Get(t, url, hdr...)
-}
-
-// waitFor polls cond until it holds (true) or d passed (false).
-func waitFor(d time.Duration, cond func() bool) bool { return testkit.WaitFor(d, cond) }
 
 // newRateLimit provisions a redis_ratelimit handler against r. mod edits the
 // config before Provision (the default is 5 requests per second, timeout 5s).

@@ -16,7 +16,7 @@ import (
 )
 
 // waitFor polls cond until it holds (true) or d passed (false).
-func waitFor(d time.Duration, cond func() bool) bool { return testredis.WaitFor(d, cond) }
+var waitFor = testredis.WaitFor
 
 // redisZ is a sorted-set member scored as a lease end in ms (the lock
 // scripts' format).
