@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -132,17 +131,7 @@ func TestSentinelLock(t *testing.T) {
 	up := testkit.NewExclusivityUpstream(time.Millisecond)
 	h := provisionLock(t, fmt.Sprintf(`{"sentinel_master":"mymaster","sentinels":["%s"],"wait":"30s","timeout":"3s"}`, sentinel))
 	srv := handlerServer(t, h, up.ServeHTTP)
-	var wg sync.WaitGroup
-	for i := 0; i < 40; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if resp, body := get(t, srv.URL+"/s"); resp == nil || resp.StatusCode != 200 {
-				t.Errorf("%v %s", resp, body)
-			}
-		}()
-	}
-	wg.Wait()
+	hammerLock(t, 40, 40, srv.URL+"/s")
 	up.Check(t)
 	if v, _ := master.Client().Get(context.Background(), lock.FenceKey(shared.StoredKey(h.Prefix, "/s"))).Int(); v < 1 {
 		t.Errorf("fencing counter on the master is %d; the lock did not go through the sentinel's master", v)

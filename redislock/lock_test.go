@@ -637,17 +637,7 @@ func TestLockLocalHandOff(t *testing.T) {
 		return up.ServeHTTP(w, req)
 	})
 	before := r.CommandCalls("evalsha") + r.CommandCalls("eval")
-	var wg sync.WaitGroup
-	for i := 0; i < 40; i++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if resp, body := get(t, srv.URL+"/hot"); resp == nil || resp.StatusCode != 200 {
-				t.Errorf("%v %s", resp, body)
-			}
-		}()
-	}
-	wg.Wait()
+	hammerLock(t, 40, 40, srv.URL+"/hot")
 	calls := r.CommandCalls("evalsha") + r.CommandCalls("eval") - before
 	up.Check(t)
 	if up.Served() != 40 {
