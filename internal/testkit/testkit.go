@@ -1,7 +1,9 @@
-// Package testkit is what the handler packages' tests share: a handler
-// provisioned from its JSON form as Caddy would, a server that serves it
-// the way Caddy's does, bounded waits and requests, and TestMain's
-// settings. It is imported by tests only.
+// Package testkit is what the handler packages' tests (and the root's)
+// share: a handler provisioned from its JSON form as Caddy would, a server
+// that serves it the way Caddy's does, bounded waits and requests,
+// TestMain's settings, and the upstreams and background requests of the
+// lock's, replay's and the fence's tests (lock.go, replay.go, fence.go).
+// It is imported by tests only.
 package testkit
 
 import (
