@@ -128,7 +128,13 @@ type rlAnswer struct {
 // serveRL sends one request from client IP ip through h; prep may edit the
 // request (headers) and replacer before the handler runs.
 func serveRL(h *RedisRateLimit, ip string, prep func(r *http.Request, repl *caddy.Replacer)) rlAnswer {
-	req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+	return serveRLWith(context.Background(), h, ip, prep, nil)
+}
+
+// serveRLWith is serveRL with the request's context and the next handler
+// given (nil next answers 200).
+func serveRLWith(ctx context.Context, h *RedisRateLimit, ip string, prep func(r *http.Request, repl *caddy.Replacer), next caddyhttp.HandlerFunc) rlAnswer {
+	req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil).WithContext(ctx)
 	req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip}))
 	repl := caddyhttp.NewTestReplacer(req)
 	if prep != nil {
@@ -136,13 +142,16 @@ func serveRL(h *RedisRateLimit, ip string, prep func(r *http.Request, repl *cadd
 	}
 	w := httptest.NewRecorder()
 	var a rlAnswer
-	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+	n := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		a.passed = true
+		if next != nil {
+			return next(w, r)
+		}
 		w.WriteHeader(http.StatusOK)
 		return nil
 	})
 	start := time.Now()
-	a.err = h.ServeHTTP(w, req, next)
+	a.err = h.ServeHTTP(w, req, n)
 	a.elapsed = time.Since(start)
 	a.header, a.repl, a.status = w.Header(), repl, w.Code
 	if a.err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"strconv"
 	"strings"
 	"sync"
@@ -31,39 +30,6 @@ func rateOf(t testing.TB, n, window string) Rate {
 		t.Fatal(err)
 	}
 	return r
-}
-
-// serveRLWith is serveRL with the request's context and the next handler
-// given (nil next answers 200).
-func serveRLWith(ctx context.Context, h *RedisRateLimit, ip string, prep func(r *http.Request, repl *caddy.Replacer), next caddyhttp.HandlerFunc) rlAnswer {
-	req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil).WithContext(ctx)
-	req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, map[string]any{caddyhttp.ClientIPVarKey: ip}))
-	repl := caddyhttp.NewTestReplacer(req)
-	if prep != nil {
-		prep(req, repl)
-	}
-	w := httptest.NewRecorder()
-	var a rlAnswer
-	n := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		a.passed = true
-		if next != nil {
-			return next(w, r)
-		}
-		w.WriteHeader(http.StatusOK)
-		return nil
-	})
-	start := time.Now()
-	a.err = h.ServeHTTP(w, req, n)
-	a.elapsed = time.Since(start)
-	a.header, a.repl, a.status = w.Header(), repl, w.Code
-	if a.err != nil {
-		if he, ok := a.err.(caddyhttp.HandlerError); ok {
-			a.status = he.StatusCode
-		} else {
-			a.status = -1
-		}
-	}
-	return a
 }
 
 // plan sets the {plan_rpm} placeholder the way `map` does (a lazy lookup
