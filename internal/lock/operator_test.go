@@ -31,6 +31,20 @@ func TestInspect(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// A Redlock grant decides on a majority: the third server's acquire
+		// may still be on its way. Were the waiter's acquire to reach that
+		// server first, the holder's late one would find it busy and put
+		// the holder's instance on its wait list, rightly.
+		if !waitFor(10*time.Second, func() bool {
+			for _, st := range a.Inspect(ctx, key) {
+				if len(st.LeaseLeft) != 1 {
+					return false
+				}
+			}
+			return true
+		}) {
+			t.Fatal("the holder's lease never reached every server")
+		}
 		waited := make(chan error, 1)
 		go func() {
 			ls, err := a.Acquire(ctx, []string{key})
