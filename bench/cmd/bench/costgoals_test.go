@@ -52,8 +52,11 @@ func TestRatioGoalVerdict(t *testing.T) {
 		t.Errorf("at least: %+v", g)
 	}
 	g = ratioGoal("x", []float64{2.1, 1.9, 2.5}, "a", "b", true, 2.0)
-	if g.met || g.goal != "≤ 2.0" {
+	if g.met || g.goal != "≤ 2" {
 		t.Errorf("at most: %+v", g)
+	}
+	if g := ratioGoal("x", []float64{0.8}, "a", "b", false, 0.85); g.met || g.goal != "≥ 0.85" {
+		t.Errorf("a goal of two decimals: %+v", g)
 	}
 	// A median that two decimals would round onto the goal shows three.
 	g = ratioGoal("x", []float64{0.68, 0.71}, "a", "b", false, 0.7)
