@@ -302,7 +302,7 @@ func printCostGoals(p func(string, ...any), res *costResult) {
 	if len(la) > 3 {
 		la = la[:3]
 	}
-	p("%s · nproc %d · load average before the part %s · %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios.",
+	p("%s · nproc %d · load average before the part %s · %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios, but for the lock's Caddy CPU row (the ratio of the medians) and the Redlock and hot-key rows (one load of each, from the parts above).",
 		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), orDash(res.machine), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLRounds, *costRLMeasure, *costWarm)
 	p("")
 	p("| figure | measured | reference (divided by) | goal | met? |")
