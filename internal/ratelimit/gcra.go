@@ -136,7 +136,9 @@ func (gcra) admitLocally(l *Local, e *localRate, cost, instances int64, now time
 	if cost > burst {
 		return s // never at this share
 	}
-	if at := gcraAt(tat, float64(cost), u, tau); at > t {
+	// Half a µs of slack, as gcraLeft: t carries fractions of a µs, and
+	// a TAT that meets its bound exactly may round a few ns above it.
+	if at := gcraAt(tat, float64(cost), u, tau); at > t+0.5 {
 		s.wait = fromMicros(math.Ceil(at - t))
 		return s
 	}

@@ -113,6 +113,29 @@ func TestLocalGCRA(t *testing.T) {
 	}
 }
 
+// TestLocalGCRAFullShareAtAnyMoment: the whole burst share is admitted at
+// a moment of any sub-µs value (the last admission's TAT meets its bound
+// exactly, and the doubles' rounding must not make it a rejection): 1
+// noted through Redis, then 4 more of a share of 5, over many moments.
+func TestLocalGCRAFullShareAtAnyMoment(t *testing.T) {
+	epoch := time.Unix(1000, 0)
+	r := gcraRate("k:gcra:10/1m", 10, time.Minute, 10)
+	for k := 0; k < 500; k++ {
+		l := NewLocal(100, epoch)
+		at := epoch.Add(time.Duration(k)*977_777 + 13) // ns: fractions of a µs
+		l.Note([]LocalRate{r}, 1, at)
+		n := 0
+		for i := 0; i < 6; i++ {
+			if l.Admit([]LocalRate{r}, 1, 2, at.Add(time.Duration(i)*1_111)).Allowed {
+				n++
+			}
+		}
+		if n != 4 {
+			t.Fatalf("at %v after the epoch: %d admitted locally after 1 noted, want the share 5 − 1", at.Sub(epoch), n)
+		}
+	}
+}
+
 // TestLocalBounded: the limiter keeps at most max rates of keys.
 func TestLocalBounded(t *testing.T) {
 	epoch := time.Unix(1000, 0)
