@@ -14,14 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// HasPlaceholder reports whether a value still needs the replacer.
-func HasPlaceholder(s string) bool {
-	return strings.Contains(s, "{") && strings.Contains(s, "}")
-}
-
-// ValidateAddress checks one `host:port` or redis URL without dialing it.
-// Its errors keep their reason and never contain a password.
-func ValidateAddress(addr string) error {
+func validateAddress(addr string) error {
 	if HasPlaceholder(addr) {
 		return nil
 	}
@@ -107,9 +100,7 @@ func checkPort(p string) error {
 	return nil
 }
 
-// RedactURL hides the password of a redis URL. Of something that is not a
-// valid URL but holds an '@', it hides everything before the last '@'.
-func RedactURL(s string) string {
+func redactURL(s string) string {
 	// A password with a "/" can make url.Parse read its start as the host
 	// (redis://:8123/secret@host) or its end as the path (with an "@" too:
 	// redis://u:p@a/b@host): then the last "@" rule below applies.
@@ -135,15 +126,7 @@ func RedactURL(s string) string {
 	return s[:j] + "xxxxx" + s[i:]
 }
 
-// ServerID names the Redis server that addr points at, so that two
-// entries of a Redlock list can be told to be one server: the host
-// lowercased (an IP in its canonical form, a DNS name without a trailing
-// dot) and the port, 6379 when a URL gives none. Scheme, credentials and
-// db do not count: two databases of one server fail together. Names are
-// compared, never resolved (localhost and 127.0.0.1 stay apart). ok is
-// false for an address that holds a placeholder or is invalid
-// (ValidateAddress reports the latter).
-func ServerID(addr string) (id string, ok bool) {
+func serverID(addr string) (id string, ok bool) {
 	if HasPlaceholder(addr) {
 		return "", false
 	}
@@ -171,9 +154,7 @@ func ServerID(addr string) (id string, ok bool) {
 	return net.JoinHostPort(host, strconv.Itoa(p)), true
 }
 
-// SameServer returns the indexes i < j of the first two entries of addrs
-// that name one Redis server (ServerID), or -1, -1.
-func SameServer(addrs []string) (int, int) {
+func sameServer(addrs []string) (int, int) {
 	seen := make(map[string]int, len(addrs))
 	for j, a := range addrs {
 		id, ok := ServerID(a)
@@ -188,33 +169,7 @@ func SameServer(addrs []string) (int, int) {
 	return -1, -1
 }
 
-// DuplicateServerError says why a list of independent servers may not
-// name one server twice. It never shows a password.
-func DuplicateServerError(a, b string) error {
-	const why = "a Redlock quorum needs independent servers, and a server listed twice would get two votes"
-	id, _ := ServerID(b)
-	if a == b {
-		return fmt.Errorf("redis: %q is listed twice; %s", RedactURL(a), why)
-	}
-	return fmt.Errorf("redis: %q and %q are the same Redis server %s (only host and port count, not the db); %s", RedactURL(a), RedactURL(b), id, why)
-}
-
-// SeedURLs is what the URLs of a `cluster` or `sentinel` list carry
-// besides their addresses; one list names one logical Redis, so its URLs
-// must agree on it.
-type SeedURLs struct {
-	username, password, clientName string
-	db                             int
-	tls                            bool
-	urls                           int // how many entries were URLs
-}
-
-// SplitSeeds turns the entries of a `cluster` or `sentinel` list (sub
-// names it) into host:port addresses and returns what their URLs carry:
-// user, password, db, client name and TLS (rediss://). Entries that still
-// hold a placeholder are returned as they are and do not count. Its errors
-// never show a password.
-func SplitSeeds(sub string, addrs []string) ([]string, SeedURLs, error) {
+func splitSeeds(sub string, addrs []string) ([]string, SeedURLs, error) {
 	var got SeedURLs
 	first := ""
 	out := make([]string, len(addrs))
@@ -259,9 +214,7 @@ func seedDiff(a, b SeedURLs) string {
 	return ""
 }
 
-// Apply puts what the URLs carry into s: their user and password win over
-// the directive's, so does a db other than 0, and rediss:// turns TLS on.
-func (u SeedURLs) Apply(s *Settings) {
+func (u SeedURLs) apply(s *Settings) {
 	if u.username != "" {
 		s.Username = u.username
 	}

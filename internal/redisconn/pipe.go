@@ -11,45 +11,6 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Pipe sends the commands that concurrent callers hand it at the same
-// moment as one pipeline: one write and one read on one connection for all
-// of them, on Caddy's side and on Redis's, instead of a round trip each.
-//
-// There is no worker and no timer. A caller that finds fewer than
-// PipeInFlight pipelines on their way sends at once, with whatever else
-// waits (a lone call goes as a plain call, exactly as without the pipe);
-// otherwise it waits in the queue, and the first caller whose pipeline is
-// answered hands the queue on to a waiting caller, who sends it (or, when
-// the queue's first call is one nobody waits for, to a goroutine started
-// for it: see Sender). An idle pipe is nothing but a mutex and an empty
-// queue.
-//
-// A pipeline is never sent again: a command of it whose answer was lost
-// (a timeout, a dropped connection) gets that error, which for a script
-// means an outcome nobody knows, for every command the pipeline had not
-// answered yet. Its context ends at the latest deadline of its calls (at
-// most the timeout from when it leaves); a call whose own deadline passed
-// while it waited in the queue is answered unsent.
-// The commands given to a Pipe must never be resent by go-redis (see
-// NoRetry): Script calls are.
-//
-// A Pipe is used by its zero value; it carries no client: each call names
-// the one to send on (the same for every call in practice, or a test's
-// wrapper of it).
-type Pipe struct {
-	mu       sync.Mutex
-	queue    []*pipeCall
-	inflight int // pipelines on their way (each sent by a caller)
-}
-
-// PipeInFlight is the pipelines one Pipe has on their way at once. Two, not
-// one: a pipeline that is slow to answer (a lost packet, a paused
-// connection until its timeout) does not hold up every other call of the
-// client meanwhile, and a caller arriving while one pipeline is on its way
-// is sent at once rather than a round trip later. Under load each still
-// carries what arrived while the other was out.
-const PipeInFlight = 2
-
 // pipeMax bounds the commands in one pipeline; the rest wait for the next.
 const pipeMax = 256
 
@@ -74,23 +35,6 @@ const (
 	pipeTaken
 )
 
-// Via is p as a Processor that sends on c, each call bounded by timeout
-// (or its context's deadline, when earlier): a Script's call goes through
-// the pipe with Script.Run(ctx, p.Via(c, timeout), ...). The caller needs
-// no context with a deadline of its own: under load a call's bound costs
-// nothing but the pipeline's one context.
-//
-// On a Cluster client the calls go one by one (each bounded by timeout):
-// go-redis sends a pipeline as one sub-pipeline per node and waits for all
-// of them, so one slow or failing node would hold up the calls of every
-// other node in the same pipeline.
-func (p *Pipe) Via(c Pipeliner, timeout time.Duration) Sender {
-	if _, cluster := c.(*redis.ClusterClient); cluster {
-		return timed{c, timeout}
-	}
-	return piped{p, c, timeout}
-}
-
 // timed sends each call alone, bounded by timeout.
 type timed struct {
 	c       Processor
@@ -103,12 +47,6 @@ func (t timed) Process(ctx context.Context, cmd redis.Cmder) error {
 	return t.c.Process(ctx, cmd)
 }
 
-// Pipeliner is a client that sends a command alone or in a pipeline.
-type Pipeliner interface {
-	Processor
-	Pipeline() redis.Pipeliner
-}
-
 type piped struct {
 	p       *Pipe
 	c       Pipeliner
@@ -117,21 +55,6 @@ type piped struct {
 
 func (v piped) Process(ctx context.Context, cmd redis.Cmder) error {
 	return v.p.process(ctx, v.c, v.timeout, cmd)
-}
-
-// Sender is a Processor (one of Via) that also sends a command its caller
-// does not wait for: done runs once cmd is answered, or failed (cmd holds
-// the answer or the error), on a goroutine spawn started, never the
-// caller's. spawn must not block, and must recover and report a panic of
-// the function it runs: a hook of the client that panics while such a
-// goroutine sends a pipeline fails every call of it with the panic, and
-// the panic goes on there once they are all done. done must neither block
-// nor panic: it runs with the done of the other calls of its pipeline.
-// Under load, such a call costs no goroutine of its own (see send); on a
-// Cluster client (each call alone, see Via) it is sent by one spawn starts.
-type Sender interface {
-	Processor
-	Go(cmd redis.Cmder, done func(), spawn func(func()))
 }
 
 func (v piped) Go(cmd redis.Cmder, done func(), spawn func(func())) {
@@ -409,11 +332,4 @@ func (c *pipeCall) expired(now time.Time) error {
 		return context.DeadlineExceeded
 	}
 	return nil
-}
-
-// Queued is how many calls wait in the queue (for tests).
-func (p *Pipe) Queued() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return len(p.queue)
 }

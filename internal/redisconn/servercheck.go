@@ -17,7 +17,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/redis/go-redis/v9"
@@ -42,25 +41,6 @@ func (e *tooOldError) Error() string { return e.msg }
 // errHelloUnparsed: HELLO answered without a version (e.g. a proxy).
 var errHelloUnparsed = errors.New("redisdlm: HELLO answer without a version")
 
-// Check checks each server one client connects to, once per server
-// (not per connection): go-redis calls onConnect for every new connection.
-type Check struct {
-	mu         sync.Mutex
-	logger     func() *slog.Logger
-	onEvicting func(c *Check, addr string, on bool)
-	minVersion [2]int
-	servers    map[string]*serverState // by address
-	// failover names the master of a Sentinel group, whose connections do
-	// not carry its address (go-redis names them "FailoverClient").
-	failover string
-	// restarts counts the servers seen with a run_id other than the one
-	// seen before (a process restarted, or another server at the address).
-	restarts atomic.Uint64
-	// started is the latest process start (Redis TIME, µs) seen among the
-	// servers; 0 while none is known.
-	started atomic.Int64
-}
-
 // serverState is what is known of one server.
 type serverState struct {
 	mu           sync.Mutex
@@ -70,39 +50,6 @@ type serverState struct {
 	configDenied bool // INFO was refused; warned once
 	sentinel     bool // a Sentinel: it holds no keys
 	runID        string
-}
-
-// CheckOptions configure the checks of one client.
-type CheckOptions struct {
-	// Logger returns the logger of the moment (the client outlives configs).
-	Logger func() *slog.Logger
-	// Failover names the client's Sentinel group's master (the client's
-	// redacted display name).
-	Failover string
-	// OnEvicting, if set, is told when a server of this client is found
-	// with an evicting maxmemory-policy (on) and when that ends (off: the
-	// policy changed, or Close).
-	OnEvicting func(c *Check, addr string, on bool)
-}
-
-// NewCheck makes the checks of one client.
-func NewCheck(o CheckOptions) *Check {
-	return &Check{logger: o.Logger, onEvicting: o.OnEvicting, minVersion: minRedisVersion, servers: map[string]*serverState{}, failover: o.Failover}
-}
-
-// SetLogger replaces the logger (tests observe the checks' log lines).
-func (sc *Check) SetLogger(l *slog.Logger) {
-	sc.mu.Lock()
-	defer sc.mu.Unlock()
-	sc.logger = func() *slog.Logger { return l }
-}
-
-// SetMinVersion replaces the oldest version accepted (tests refuse a
-// server as too old).
-func (sc *Check) SetMinVersion(v [2]int) {
-	sc.mu.Lock()
-	defer sc.mu.Unlock()
-	sc.minVersion = v
 }
 
 func (sc *Check) log() *slog.Logger {
@@ -211,19 +158,6 @@ func (sc *Check) noteProcess(info string, st *serverState) {
 	}
 }
 
-// Restarts counts the times a server of this client was found running a
-// process other than the one seen before (its run_id changed: restarted,
-// possibly empty, or failed over). A caller that keeps state a restart
-// loses compares it before and after a call: the hook runs before a new
-// connection's first command, so an answer that came from a new process
-// is seen with the count already raised.
-func (sc *Check) Restarts() uint64 { return sc.restarts.Load() }
-
-// Started is the latest start of a server process of this client, in
-// Redis TIME µs (never before the real start; see noteProcess), or 0
-// while no connection could read it (INFO refused, or none made yet).
-func (sc *Check) Started() int64 { return sc.started.Load() }
-
 // infoFields picks the named fields of an INFO answer.
 func infoFields(info string, names ...string) map[string]string {
 	out := make(map[string]string, len(names))
@@ -287,9 +221,7 @@ func (sc *Check) checkPolicy(info string, err error, addr string, st *serverStat
 	}
 }
 
-// Close withdraws this client's servers from the evicting ones (OnEvicting
-// off for each).
-func (sc *Check) Close() {
+func (sc *Check) close() {
 	sc.mu.Lock()
 	defer sc.mu.Unlock()
 	for addr, st := range sc.servers {
