@@ -144,14 +144,6 @@ func (l *Locker) ClearReplay(ctx context.Context, redisKey string) []Removal {
 	return l.clearReplay(ctx, redisKey)
 }
 
-// SetLogger replaces the locker's logger (a test quiets the one Caddy gives
-// a module provisioned without a config, or records its lines).
-func (l *Locker) SetLogger(lg *slog.Logger) { l.logger = lg }
-
-// QueuedCalls is how many acquires and releases wait in the pipes of the
-// locker's servers for a pipeline.
-func (l *Locker) QueuedCalls() int { return l.queuedCalls() }
-
 // A held lease.
 
 // Release gives the lease back on every server and wakes the next local
@@ -397,6 +389,8 @@ func (r *Replayed) Error() string { return "redisdlm: answered from a stored res
 // Answer is the earlier holder's stored answer.
 func (r *Replayed) Answer() string { return r.answer }
 
+// The clock.
+
 // Clock is where the engine reads the time for what it computes from it: a
 // lease's validity (ttl − elapsed, − drift with Redlock), the keeper's
 // schedule (every ttl/3, until max_hold) and a busy lock's hint of when it
@@ -405,6 +399,16 @@ func (r *Replayed) Answer() string { return r.answer }
 type Clock interface {
 	Now() time.Time
 }
+
+// What the handler's tests set and read of the engine beyond its use.
+
+// SetLogger replaces the locker's logger (a test quiets the one Caddy gives
+// a module provisioned without a config, or records its lines).
+func (l *Locker) SetLogger(lg *slog.Logger) { l.logger = lg }
+
+// QueuedCalls is how many acquires and releases wait in the pipes of the
+// locker's servers for a pipeline.
+func (l *Locker) QueuedCalls() int { return l.queuedCalls() }
 
 // NewBusyError is the error of a lock not taken in time (wrapping err),
 // with the holder's lease left, how long it has held the lock (<0:

@@ -283,6 +283,9 @@ func ratioGoal(figure string, rounds []float64, measuredAbs, reference string, a
 		shown = fmt.Sprintf("%.3f", m)
 	}
 	g.measured = fmt.Sprintf("**%s** (%s; rounds %s)", shown, measuredAbs, roundsText(rounds, "%.2f"))
+	if len(rounds) == 1 {
+		g.measured = fmt.Sprintf("**%s** (%s)", shown, measuredAbs)
+	}
 	bound := strconv.FormatFloat(limit, 'f', -1, 64)
 	if atMost {
 		g.goal = "≤ " + bound
@@ -302,14 +305,18 @@ func printCostGoals(p func(string, ...any), res *costResult) {
 	if len(la) > 3 {
 		la = la[:3]
 	}
-	p("%s · nproc %d · load average before the part %s · %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios, but for the lock's Caddy CPU row (the ratio of the medians) and the Redlock and hot-key rows (one load of each, from the parts above).",
+	p("%s · nproc %d · load average before the part %s · %s · %d clients over %d keys · loads alternated, their order rotated per round: lock %d rounds of %s per load, rate limit %d rounds of %s per load, each after %s warm-up; each figure is the median of its per-round ratios, but for the lock's Caddy CPU row (the ratio of the medians), the latency rows (ratios of sequential p50s), the Redlock and hot-key rows (one load of each, from the parts above) and the connections (a count).",
 		res.at.UTC().Format("2006-01-02 15:04 MST"), res.nproc, strings.Join(la, " "), orDash(res.machine), *costClients, *costKeys, *costRounds, *costLockMeasure, *costRLRounds, *costRLMeasure, *costWarm)
 	p("")
 	p("| figure | measured | reference (divided by) | goal | met? |")
 	p("|---|---|---|---|---|")
 	for _, g := range res.goals {
 		if g.err != nil {
-			p("| %s | — (%s) | %s | %s | no |", g.figure, oneLine(g.err), orDash(g.reference), orDash(g.goal))
+			met := "no"
+			if g.noGoal {
+				met = "—"
+			}
+			p("| %s | — (%s) | %s | %s | %s |", g.figure, oneLine(g.err), orDash(g.reference), orDash(g.goal), met)
 			continue
 		}
 		met := "no"
@@ -774,7 +781,7 @@ func costGoalsFrom(in costInputs) []costGoal {
 	}{{"hot-caddy1", 0.97}, {"hot-caddy2", 0.90}} {
 		h, ok := hotNamed(c.name)
 		if !ok || !okCeil {
-			goals = append(goals, missing(fig[6+k], fmt.Sprintf("≥ %.2f", c.limit), fmt.Errorf("not measured (the main part's hot-key runs did not run, or failed)")))
+			goals = append(goals, missing(fig[6+k], "≥ "+strconv.FormatFloat(c.limit, 'f', -1, 64), fmt.Errorf("not measured (the main part's hot-key runs did not run, or failed)")))
 			continue
 		}
 		goals = append(goals, ratioGoal(fig[6+k], []float64{h.util / ceil.util}, fmt.Sprintf("redis_lock %.2f", h.util), fmt.Sprintf("in-process lock through Caddy: %.2f", ceil.util), false, c.limit))
@@ -811,7 +818,7 @@ func costGoalsFrom(in costInputs) []costGoal {
 		if g.err == nil {
 			r := float64(x.median-plain.median) / float64(max(ping.median, 1))
 			g.measured = fmt.Sprintf("**%.2f** (%s %s − `respond` %s = %s; n %d)", r, name, ms(x.median), ms(plain.median), ms(x.median-plain.median), x.n)
-			g.reference = fmt.Sprintf("one PING (go-redis, same Redis, sampled in the same rounds, each call after a `respond` request): p50 %s", ms(ping.median))
+			g.reference = fmt.Sprintf("one PING (go-redis, to the lock's redis-server, sampled in the same rounds, each call after a `respond` request): p50 %s", ms(ping.median))
 			g.met = limit > 0 && r <= limit
 		}
 		return g
