@@ -68,15 +68,22 @@ func (s *soak) do(inst int, path string, hold, cancelAfter time.Duration) {
 // long after the request left (a stale writer), instead of while it holds
 // the lock.
 func (s *soak) doLate(inst int, path string, hold, cancelAfter, late time.Duration) {
+	// X-Sent and the give-up deadline come from one reading of the clock:
+	// the checker takes X-Sent + X-Cancel for the moment the client gave
+	// up, which must not be later than the real one (a request built in
+	// between, on a loaded machine, set X-Sent milliseconds after the
+	// timeout started, and a lock rightly passed on by a client that gave
+	// up read as an overlap).
+	sent := time.UnixMicro(time.Now().UnixMicro())
 	ctx := context.Background()
 	if cancelAfter > 0 {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, cancelAfter)
+		ctx, cancel = context.WithDeadline(ctx, sent.Add(cancelAfter))
 		defer cancel()
 	}
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.caddies[inst].url()+path, nil)
 	req.Header.Set("X-Hold", hold.String())
-	req.Header.Set("X-Sent", strconv.FormatInt(time.Now().UnixMicro(), 10))
+	req.Header.Set("X-Sent", strconv.FormatInt(sent.UnixMicro(), 10))
 	if cancelAfter > 0 {
 		req.Header.Set("X-Cancel", cancelAfter.String())
 	}
