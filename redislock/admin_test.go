@@ -13,7 +13,7 @@ import (
 
 	"github.com/caddy-dlm/redisdlm/internal/lock"
 	"github.com/caddy-dlm/redisdlm/internal/shared"
-	"github.com/caddyserver/caddy/v2"
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 )
 
 // TestAdminOnCluster: the admin API's lock calls work on a Redis Cluster
@@ -25,16 +25,7 @@ func TestAdminOnCluster(t *testing.T) {
 	seeds := fmt.Sprintf(`["%s","%s"]`, rs[0].Addr, rs[1].Addr)
 	h := provisionLock(t, fmt.Sprintf(`{"cluster":%s,"timeout":"2s","name":"c"}`, seeds))
 	call := func(method, key string, f func(w http.ResponseWriter, r *http.Request) error) (int, string) {
-		w := httptest.NewRecorder()
-		err := f(w, httptest.NewRequest(method, "/", nil))
-		var ae caddy.APIError
-		if errors.As(err, &ae) {
-			return ae.HTTPStatus, ae.Message
-		}
-		if err != nil {
-			t.Fatalf("%s %s: %v", method, key, err)
-		}
-		return 200, w.Body.String()
+		return testkit.AdminCall(t, method, key, f)
 	}
 	ctx := t.Context()
 	for _, key := range []string{"alpha", "beta/1", "gamma"} {

@@ -149,7 +149,7 @@ func TestPoolClosesIdleWithoutTraffic(t *testing.T) {
 }
 
 // TestPoolDialsNothingUnderSteadyLoad: 64 callers lock and release keys
-// for a few thousand rounds (more calls in flight than the 16 idle
+// for a few thousand passes (more calls in flight than the 16 idle
 // connections the pool used to keep): after a warm-up, Redis accepts no new
 // connection. Before, every connection handed back beyond 16 idle ones was
 // closed and the next call dialled again: about one new connection per
@@ -158,7 +158,7 @@ func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	h := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"5s","wait":"10s"`))
-	round := func(from, n int) {
+	pass := func(from, n int) {
 		var wg sync.WaitGroup
 		for i := range 64 {
 			wg.Add(1)
@@ -177,21 +177,21 @@ func TestPoolDialsNothingUnderSteadyLoad(t *testing.T) {
 		wg.Wait()
 	}
 	rc := r.Client()
-	// Warm-up until a whole round opens nothing: the pool grows to what 64
-	// callers need (one round is not always enough under CPU load from
+	// Warm-up until a whole pass opens nothing: the pool grows to what 64
+	// callers need (one pass is not always enough under CPU load from
 	// outside the test; a pool that churns never gets there).
 	stable := false
 	for w := 0; w < 5 && !stable; w++ {
 		before := infoInt(t, rc, "stats", "total_connections_received")
-		round(w*20, 20)
+		pass(w*20, 20)
 		stable = infoInt(t, rc, "stats", "total_connections_received") == before
 	}
 	if !stable {
-		t.Fatal("the pool still opened Redis connections in the fifth warm-up round of 64 callers")
+		t.Fatal("the pool still opened Redis connections in the fifth warm-up pass of 64 callers")
 	}
 	before := infoInt(t, rc, "stats", "total_connections_received")
-	round(20, 60)
+	pass(20, 60)
 	if d := infoInt(t, rc, "stats", "total_connections_received") - before; d != 0 {
-		t.Fatalf("%d new Redis connections during 3840 lock-release rounds of 64 callers after a warm-up; want 0", d)
+		t.Fatalf("%d new Redis connections during 3840 lock-release passes of 64 callers after a warm-up; want 0", d)
 	}
 }

@@ -55,7 +55,7 @@ func provisionLockScoped(t *testing.T, cfg string) (*RedisLock, func()) {
 }
 
 // swapHandler serves through whichever RedisLock is current, so one HTTP
-// server can front a fresh instance in every round.
+// server can front a fresh instance in every pass.
 type swapHandler struct{ h atomic.Pointer[RedisLock] }
 
 func (s *swapHandler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
@@ -76,6 +76,33 @@ func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string)
 	return waiter
 }
 
+// acrossInstances is the start of the wake-up tests: instance A holds path
+// on up (until up.Release), and instance B, with the backoff given, waits
+// for it, queued and subscribed.
+type acrossInstances struct {
+	rc     *redis.Client
+	up     *testkit.HoldUpstream
+	a, b   *RedisLock
+	waiter <-chan testkit.FetchResult
+}
+
+// heldAcrossInstances starts them on r; the holder's answer is awaited
+// when the test ends.
+func heldAcrossInstances(t *testing.T, r *testredis.Server, backoff, path string) acrossInstances {
+	t.Helper()
+	x := acrossInstances{rc: r.Client(), up: testkit.NewHoldUpstream()}
+	x.a = provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
+	x.b = provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s",`+backoff))
+	if lockInstanceID(x.a) == lockInstanceID(x.b) {
+		t.Fatal("instances share a domain; want separate clients")
+	}
+	sa, sb := handlerServer(t, x.a, x.up.ServeHTTP), handlerServer(t, x.b, x.up.ServeHTTP)
+	holder := testkit.StartHolder(t, x.up, sa.URL+path)
+	t.Cleanup(func() { testkit.Await(t, holder, 40*time.Second, "holder") })
+	x.waiter = queueWaiter(t, x.rc, x.b, sb.URL, path)
+	return x
+}
+
 // TestWakeCrossInstanceWithoutBackoff: a waiter in another instance is woken
 // by the release through Pub/Sub, not by its backoff poll. Its backoff is
 // 20s and the holder's lease 60s (so the poll, capped by the remaining
@@ -83,21 +110,10 @@ func queueWaiter(t *testing.T, rc *redis.Client, h *RedisLock, url, path string)
 // release.
 func TestWakeCrossInstanceWithoutBackoff(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
-	rc := r.Client()
-	up := testkit.NewHoldUpstream()
-	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
-	if lockInstanceID(a) == lockInstanceID(b) {
-		t.Fatal("instances share a domain; want separate clients")
-	}
-	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
-
-	holder := testkit.StartHolder(t, up, sa.URL+"/hot")
-	defer testkit.Await(t, holder, 40*time.Second, "holder")
 	// B is queued, has failed an attempt, is subscribed and sleeps in its
 	// 20s backoff.
-	waiter := queueWaiter(t, rc, b, sb.URL, "/hot")
+	x := heldAcrossInstances(t, startRedis(t), `"backoff_min":"20s","backoff_max":"20s"`, "/hot")
+	up, waiter := x.up, x.waiter
 	time.Sleep(300 * time.Millisecond)
 	if who, ok := up.NextEntered(0); ok {
 		t.Fatalf("%q entered the upstream while the holder held the lock", who)
@@ -131,16 +147,9 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			t.Parallel()
 			r := startRedis(t)
-			rc := r.Client()
-			up := testkit.NewHoldUpstream()
-			a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-			b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"50ms","backoff_max":"200ms"`))
-			sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+			x := heldAcrossInstances(t, r, `"backoff_min":"50ms","backoff_max":"200ms"`, "/drop")
+			rc, up, a, waiter := x.rc, x.up, x.a, x.waiter
 			ctx := context.Background()
-
-			holder := testkit.StartHolder(t, up, sa.URL+"/drop")
-			defer testkit.Await(t, holder, 40*time.Second, "holder")
-			waiter := queueWaiter(t, rc, b, sb.URL, "/drop")
 			time.Sleep(300 * time.Millisecond)
 
 			var freedAt time.Time
@@ -204,17 +213,9 @@ func TestWakeDroppedIsRecoveredByPolling(t *testing.T) {
 // hand-offs are fast again (the waiter's backoff is 20s).
 func TestWakeListenerResubscribes(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
-	rc := r.Client()
-	up := testkit.NewHoldUpstream()
-	a := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"2s","ttl":"60s","wait":"30s"`))
-	b := provisionLock(t, testkit.LockConfig(r.Addr, `"timeout":"3s","ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`))
-	sa, sb := handlerServer(t, a, up.ServeHTTP), handlerServer(t, b, up.ServeHTTP)
+	x := heldAcrossInstances(t, startRedis(t), `"backoff_min":"20s","backoff_max":"20s"`, "/re")
+	rc, up, waiter := x.rc, x.up, x.waiter
 	ctx := context.Background()
-
-	holder := testkit.StartHolder(t, up, sa.URL+"/re")
-	defer testkit.Await(t, holder, 40*time.Second, "holder")
-	waiter := queueWaiter(t, rc, b, sb.URL, "/re")
 	n, err := rc.ClientKillByFilter(ctx, "TYPE", "pubsub").Result()
 	if err != nil || n < 1 {
 		t.Fatalf("CLIENT KILL TYPE pubsub: %d killed, %v", n, err)
@@ -240,23 +241,23 @@ func TestWakeListenerResubscribes(t *testing.T) {
 	}
 }
 
-// TestWakeNoLostWakeupRace: many rounds of a very short hold by A while B
+// TestWakeNoLostWakeupRace: many passes of a very short hold by A while B
 // asks, with B's backoff at 20s and the lease at 60s, so a lost wake-up
 // shows as a 5s+ wait. The release lands at random points of B's attempt:
 // before it, between its failed attempt and its subscription (a fresh
-// instance B every third round, so it subscribes anew), between the attempt
+// instance B every third pass, so it subscribes anew), between the attempt
 // and its sleep (an instance already subscribed), and within one instance
 // (local queue).
 func TestWakeNoLostWakeupRace(t *testing.T) {
 	t.Parallel()
 	r := startRedis(t)
 	const waiterCfg = `"ttl":"60s","wait":"30s","backoff_min":"20s","backoff_max":"20s"`
-	type round struct {
+	type pass struct {
 		aIn  chan struct{}
 		bGo  chan struct{}
 		hold time.Duration
 	}
-	var cur atomic.Pointer[round]
+	var cur atomic.Pointer[pass]
 	up := func(w http.ResponseWriter, req *http.Request) error {
 		if req.URL.Query().Get("who") == "a" {
 			rd := cur.Load()
@@ -274,15 +275,15 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 	fresh := new(swapHandler)
 	sf := handlerServer(t, fresh, up)
 
-	const rounds = 210
+	const passes = 210
 	const bBound = 5 * time.Second
 	start := time.Now()
 	var worst [3]time.Duration
 	var done [3]int
 	kinds := [3]string{"fresh instance (subscribes)", "other instance (subscribed)", "same instance"}
-	for i := 0; i < rounds; i++ {
+	for i := 0; i < passes; i++ {
 		if time.Since(start) > 25*time.Second {
-			t.Logf("stopping after %d rounds: 25s budget used", i)
+			t.Logf("stopping after %d passes: 25s budget used", i)
 			break
 		}
 		kind := i % 3
@@ -296,14 +297,14 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 		case 2:
 			aURL = sb.URL
 		}
-		rd := &round{aIn: make(chan struct{}), bGo: make(chan struct{}), hold: rand.N(4 * time.Millisecond)}
+		rd := &pass{aIn: make(chan struct{}), bGo: make(chan struct{}), hold: rand.N(4 * time.Millisecond)}
 		cur.Store(rd)
 		aRes := testkit.GoFetch(context.Background(), aURL+"/race?who=a")
 		select {
 		case <-rd.aIn:
 		case <-time.After(10 * time.Second):
 			close(rd.bGo)
-			t.Fatalf("round %d: A did not get the lock within 10s", i)
+			t.Fatalf("pass %d: A did not get the lock within 10s", i)
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), bBound)
 		bRes := testkit.GoFetch(ctx, bURL+"/race?who=b")
@@ -315,10 +316,10 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 			cleanup()
 		}
 		if ra.Status != 200 {
-			t.Fatalf("round %d: A status %d err %v", i, ra.Status, ra.Err)
+			t.Fatalf("pass %d: A status %d err %v", i, ra.Status, ra.Err)
 		}
 		if rb.Status != 200 {
-			t.Fatalf("round %d (%s, A held %s after B was sent): B not served within %s: status %d err %v — a lost wake-up (B's backoff is 20s)",
+			t.Fatalf("pass %d (%s, A held %s after B was sent): B not served within %s: status %d err %v — a lost wake-up (B's backoff is 20s)",
 				i, kinds[kind], rd.hold, bBound, rb.Status, rb.Err)
 		}
 		if rb.Took > worst[kind] {
@@ -327,7 +328,7 @@ func TestWakeNoLostWakeupRace(t *testing.T) {
 		done[kind]++
 	}
 	for k := range kinds {
-		t.Logf("%s: %d rounds, slowest B %s", kinds[k], done[k], worst[k])
+		t.Logf("%s: %d passes, slowest B %s", kinds[k], done[k], worst[k])
 	}
 	t.Logf("total %s", time.Since(start))
 }

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -22,16 +23,7 @@ func TestAdminQuotaOnCluster(t *testing.T) {
 	t.Parallel()
 	rs := startCluster(t)
 	call := func(method, key string, f func(w http.ResponseWriter, r *http.Request) error) (int, string) {
-		w := httptest.NewRecorder()
-		err := f(w, httptest.NewRequest(method, "/", nil))
-		var ae caddy.APIError
-		if errors.As(err, &ae) {
-			return ae.HTTPStatus, ae.Message
-		}
-		if err != nil {
-			t.Fatalf("%s %s: %v", method, key, err)
-		}
-		return 200, w.Body.String()
+		return testkit.AdminCall(t, method, key, f)
 	}
 	ctx := t.Context()
 	rl := newRateLimit(t, rs[0], func(h *RedisRateLimit) {
@@ -74,24 +66,12 @@ func TestAdminQuotaPlansOnCluster(t *testing.T) {
 		h.Timeout = caddy.Duration(2 * time.Second)
 	})
 	call := func(method, id string) (int, string) {
-		w := httptest.NewRecorder()
-		f := func(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
-			return h.inspectQuota(w, r, key)
-		}
-		if method == "DELETE" {
-			f = func(w http.ResponseWriter, r *http.Request, h *RedisRateLimit, key string) error {
-				return h.resetQuota(w, r, []*RedisRateLimit{h}, key)
+		return testkit.AdminCall(t, method, id, func(w http.ResponseWriter, r *http.Request) error {
+			if method == "DELETE" {
+				return rl.resetQuota(w, r, []*RedisRateLimit{rl}, id)
 			}
-		}
-		err := f(w, httptest.NewRequest(method, "/", nil), rl, id)
-		var ae caddy.APIError
-		if errors.As(err, &ae) {
-			return ae.HTTPStatus, ae.Message
-		}
-		if err != nil {
-			t.Fatalf("%s %s: %v", method, id, err)
-		}
-		return 200, w.Body.String()
+			return rl.inspectQuota(w, r, id)
+		})
 	}
 	for i, ip := range []string{"192.0.2.1", "192.0.2.2", "192.0.2.3"} {
 		for _, n := range []string{"5", "7"} {

@@ -19,6 +19,36 @@ import (
 // The return from local mode (fail_local): what Redis cannot know yet, and
 // when it learns it.
 
+// sharesSpentApart starts two fail_local instances (instances 2: a share
+// of 5 of 10 per minute), each behind a proxy to one Redis; both decide
+// once with Redis up (on warm, another key, so their clients are ready),
+// then Redis is cut from both and each admits its share of ip locally.
+func sharesSpentApart(t *testing.T, ip, warm string) (r *testRedis, pa, pb *testredis.CutProxy, a, b *RedisRateLimit) {
+	t.Helper()
+	r = startRedis(t)
+	pa, pb = testredis.StartCutProxy(t, r.Addr), testredis.StartCutProxy(t, r.Addr)
+	inst := func(p *testredis.CutProxy) *RedisRateLimit {
+		return newRateLimit(t, r, func(h *RedisRateLimit) {
+			h.Addresses = []string{p.Addr}
+			h.FailLocal, h.Instances = true, 2
+			h.Timeout = caddy.Duration(300 * time.Millisecond)
+			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
+		})
+	}
+	a, b = inst(pa), inst(pb)
+	if !serveRL(a, warm, nil).passed || !serveRL(b, warm, nil).passed {
+		t.Fatal("with Redis up: not admitted")
+	}
+	pa.Cut.Store(true)
+	pb.Cut.Store(true)
+	for _, h := range []*RedisRateLimit{a, b} {
+		if passed, statuses := countPassed(h, ip, 8); passed != 5 {
+			t.Fatalf("locally: %d of 8 admitted (%v), want the share 5", passed, statuses)
+		}
+	}
+	return r, pa, pb, a, b
+}
+
 // TestFailLocalReturnCap: two instances (instances 2: a share of 5 of
 // 10 per minute) decide locally while Redis is unreachable from both, and
 // each admits its share. Redis comes back for A only; B, still cut off,
@@ -29,29 +59,8 @@ import (
 // alone: still nothing more passes, exactly 10 in the window.
 func TestFailLocalReturnCap(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
-	pa, pb := testredis.StartCutProxy(t, r.Addr), testredis.StartCutProxy(t, r.Addr)
-	inst := func(p *testredis.CutProxy) *RedisRateLimit {
-		return newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Addresses = []string{p.Addr}
-			h.FailLocal, h.Instances = true, 2
-			h.Timeout = caddy.Duration(300 * time.Millisecond)
-			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
-		})
-	}
-	a, b := inst(pa), inst(pb)
 	const ip = "192.0.2.60"
-	// Both clients are ready (a first decision each, on another key).
-	if !serveRL(a, "192.0.2.61", nil).passed || !serveRL(b, "192.0.2.61", nil).passed {
-		t.Fatal("with Redis up: not admitted")
-	}
-	pa.Cut.Store(true)
-	pb.Cut.Store(true)
-	for _, h := range []*RedisRateLimit{a, b} {
-		if passed, statuses := countPassed(h, ip, 8); passed != 5 {
-			t.Fatalf("locally: %d of 8 admitted (%v), want the share 5", passed, statuses)
-		}
-	}
+	_, pa, pb, a, b := sharesSpentApart(t, ip, "192.0.2.61")
 	pa.Cut.Store(false)
 	// A is back once a decision by Redis ended its local mode and its
 	// admissions are charged (another key probes).
@@ -99,28 +108,8 @@ func TestFailLocalReturnCap(t *testing.T) {
 // beside B's. Held to A's spent share, it gets the local 429.
 func TestFailLocalProbeHeld(t *testing.T) {
 	t.Parallel()
-	r := startRedis(t)
-	pa, pb := testredis.StartCutProxy(t, r.Addr), testredis.StartCutProxy(t, r.Addr)
-	inst := func(p *testredis.CutProxy) *RedisRateLimit {
-		return newRateLimit(t, r, func(h *RedisRateLimit) {
-			h.Addresses = []string{p.Addr}
-			h.FailLocal, h.Instances = true, 2
-			h.Timeout = caddy.Duration(300 * time.Millisecond)
-			h.Rates = []Rate{{Requests: 10, Window: caddy.Duration(time.Minute)}}
-		})
-	}
-	a, b := inst(pa), inst(pb)
 	const ip = "192.0.2.67"
-	if !serveRL(a, "192.0.2.68", nil).passed || !serveRL(b, "192.0.2.68", nil).passed {
-		t.Fatal("with Redis up: not admitted")
-	}
-	pa.Cut.Store(true)
-	pb.Cut.Store(true)
-	for _, h := range []*RedisRateLimit{a, b} {
-		if passed, statuses := countPassed(h, ip, 8); passed != 5 {
-			t.Fatalf("locally: %d of 8 admitted (%v), want the share 5", passed, statuses)
-		}
-	}
+	r, pa, _, a, _ := sharesSpentApart(t, ip, "192.0.2.68")
 	uncut := time.Now()
 	pa.Cut.Store(false)
 	// A's fleet loop charges its 5 once its heartbeat is answered; no

@@ -306,3 +306,21 @@ func CheckSpread(t testing.TB, got []int, lo, hi int) {
 		t.Fatalf("Retry-After %v: %d distinct values, want them spread", got, len(seen))
 	}
 }
+
+// AdminCall calls an admin API handler function f (the part of a route
+// after its path is parsed) with a method and no body, and returns the
+// status and body it answered: a caddy.APIError's status and message, or
+// 200 and what it wrote. Another error fails the test.
+func AdminCall(t testing.TB, method, key string, f func(w http.ResponseWriter, r *http.Request) error) (int, string) {
+	t.Helper()
+	w := httptest.NewRecorder()
+	err := f(w, httptest.NewRequest(method, "/", nil))
+	var ae caddy.APIError
+	if errors.As(err, &ae) {
+		return ae.HTTPStatus, ae.Message
+	}
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, key, err)
+	}
+	return 200, w.Body.String()
+}
