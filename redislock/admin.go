@@ -146,8 +146,7 @@ func (h *RedisLock) releaseLock(w http.ResponseWriter, r *http.Request, e *share
 	}
 	rk := shared.StoredKey(h.Prefix, key)
 	res := h.locker.ForceRelease(r.Context(), rk)
-	removed, errs := counts(res)
-	total := int64(0)
+	total, failed, errs := tally(res)
 	type serverResult struct {
 		Server  string `json:"server"`
 		Removed int64  `json:"holders_removed"`
@@ -159,13 +158,8 @@ func (h *RedisLock) releaseLock(w http.ResponseWriter, r *http.Request, e *share
 		RedisKey string         `json:"redis_key"`
 		Servers  []serverResult `json:"servers"`
 	}{Handler: shared.HandlerRef(h.Name), Key: key, RedisKey: rk}
-	failed := 0
 	for i := range res {
-		total += removed[i]
-		if errs[i] != "" {
-			failed++
-		}
-		out.Servers = append(out.Servers, serverResult{Server: e.ServerName(i), Removed: removed[i], Error: errs[i]})
+		out.Servers = append(out.Servers, serverResult{Server: e.ServerName(i), Removed: res[i].Count, Error: errs[i]})
 	}
 	if total == 0 {
 		if failed > 0 {
@@ -193,14 +187,7 @@ func (h *RedisLock) clearReplay(w http.ResponseWriter, r *http.Request, e *share
 	}
 	rk := shared.StoredKey(h.Prefix, key)
 	res := h.locker.ClearReplay(r.Context(), rk)
-	deleted, errs := counts(res)
-	total, failed := int64(0), 0
-	for i := range res {
-		total += deleted[i]
-		if errs[i] != "" {
-			failed++
-		}
-	}
+	total, failed, errs := tally(res)
 	if failed > 0 {
 		return shared.AdminError(http.StatusBadGateway, "clearing the replay state of %q: %d of %d servers failed: %s", key, failed, len(res), strings.Join(errs, "; "))
 	}
@@ -216,17 +203,17 @@ func (h *RedisLock) clearReplay(w http.ResponseWriter, r *http.Request, e *share
 	}{shared.HandlerRef(h.Name), key, rk, true})
 }
 
-// counts splits the engine's per-server removals into counts and error
-// texts ("" for none).
-func counts(res []lock.Removal) ([]int64, []string) {
-	n, errs := make([]int64, len(res)), make([]string, len(res))
+// tally sums the engine's per-server removals: the count, the servers
+// that failed, and each server's error text ("" for none).
+func tally(res []lock.Removal) (total int64, failed int, errs []string) {
+	errs = make([]string, len(res))
 	for i, r := range res {
-		n[i] = r.Count
+		total += r.Count
 		if r.Err != nil {
-			errs[i] = r.Err.Error()
+			errs[i], failed = r.Err.Error(), failed+1
 		}
 	}
-	return n, errs
+	return total, failed, errs
 }
 
 // AdminKind, AdminName, AdminView and ServeAdmin are the handler's side of

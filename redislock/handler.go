@@ -393,6 +393,17 @@ func (h *RedisLock) Validate() error {
 			return fmt.Errorf("redis_lock: fingerprint: %w", err)
 		}
 	}
+	if h.Status != 0 {
+		if err := shared.CheckStatus(h.Status); err != nil {
+			return fmt.Errorf("redis_lock: status: %w", err)
+		}
+	}
+	if err := shared.CheckPrefix(h.Prefix); err != nil {
+		return fmt.Errorf("redis_lock: prefix: %w", err)
+	}
+	if err := shared.CheckJitter(h.Jitter); err != nil {
+		return fmt.Errorf("redis_lock: jitter: %w", err)
+	}
 	switch {
 	case h.TTL < 0:
 		return fmt.Errorf("redis_lock: ttl: must be positive, got %s", time.Duration(h.TTL))
@@ -412,14 +423,10 @@ func (h *RedisLock) Validate() error {
 		return fmt.Errorf("redis_lock: permits: must be at least 1, got %d", h.Permits)
 	case h.MaxWaiters < 0:
 		return fmt.Errorf("redis_lock: max_waiters: must not be negative, got %d", h.MaxWaiters)
-	case h.Status != 0 && (h.Status < 400 || h.Status > 599):
-		return fmt.Errorf("redis_lock: status: want an HTTP status code in 400-599, got %d", h.Status)
 	case h.OnLost != "" && h.OnLost != "cancel" && h.OnLost != "continue":
 		return fmt.Errorf("redis_lock: on_lost: want cancel or continue, got %q", h.OnLost)
 	case h.SyncReplicas < 0:
 		return fmt.Errorf("redis_lock: sync_replicas: must not be negative, got %d", h.SyncReplicas)
-	case strings.ContainsAny(h.Prefix, "{}"):
-		return fmt.Errorf("redis_lock: prefix: %q must not contain braces (they would break the key's Cluster hash tag)", h.Prefix)
 	case h.Replay < 0:
 		return errors.New("redis_lock: replay: must not be negative")
 	case h.Replay > 0 && time.Duration(h.Replay) < time.Millisecond:
@@ -436,8 +443,6 @@ func (h *RedisLock) Validate() error {
 		return errors.New("redis_lock: replay: takes one key template: the stored answer belongs to one lock key")
 	case h.Replay > 0 && len(h.Addresses) > 1:
 		return errors.New("redis_lock: replay: needs one Redis (a server, a Cluster or a Sentinel), not a Redlock quorum: an answer stored on a majority could be missed by a later majority that shares only one server with it")
-	case !(h.Jitter >= 0 && h.Jitter <= 1): // NaN too
-		return fmt.Errorf("redis_lock: jitter: want a fraction between 0 and 1, got %v", h.Jitter)
 	case len(h.CredentialCookies) > 0 && h.Replay == 0:
 		return errors.New("redis_lock: credential_cookies: only has a meaning with replay")
 	case slices.Contains(h.CredentialCookies, ""):
@@ -743,7 +748,7 @@ func (h *RedisLock) serveLocked(w http.ResponseWriter, r *http.Request, next cad
 		// lost lease, sent the client nothing: it gets 503 (see
 		// releaseWithheld and on_lost), not a dropped connection.
 		defer func() {
-			if rec != nil && rec.withheld || rw.isRefused() {
+			if rec != nil && rec.withheld || rw.lost.Load() && rw.isRefused() { // refused only after lost
 				if p := recover(); p != nil && p != http.ErrAbortHandler {
 					panic(p)
 				} else if p != nil {

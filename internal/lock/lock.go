@@ -104,23 +104,9 @@ func (l *Locker) AcquireRun(ctx context.Context, keys []string, run Run) (*Lease
 // Close releases the locker's share of its queue domain.
 func (l *Locker) Close() { l.close() }
 
-// Clients returns the clients of the locker's servers, in config order.
-func (l *Locker) Clients() []redis.UniversalClient { return l.clients() }
-
-// InstanceID is this instance's id in the lock's Redis wait lists.
-func (l *Locker) InstanceID() string { return l.dom.id }
-
 // Local counts this instance's waiters and holders of a Redis lock key,
 // over every local queue that involves it (a key set holding it).
 func (l *Locker) Local(redisKey string) (waiters, held int) { return l.dom.local(redisKey) }
-
-// Extend extends ls once on every server, as its keeper does every ttl/3:
-// ErrLeaseLost when a majority no longer holds it for ls or its validity
-// ended, ErrUnavailable when too few servers answered.
-func (l *Locker) Extend(ctx context.Context, ls *Lease) error { return l.extend(ctx, ls) }
-
-// WakeLocal wakes this instance's waiters of a Redis lock key.
-func (l *Locker) WakeLocal(redisKey string) { l.dom.wakeKeys([]string{redisKey}) }
 
 // Inspect reads a Redis lock key's state on every server, in server order
 // (see ServerState); it changes nothing. Holder tokens are never part of it.
@@ -401,6 +387,17 @@ type Clock interface {
 }
 
 // What the handler's tests set and read of the engine beyond its use.
+
+// Clients returns the clients of the locker's servers, in config order.
+func (l *Locker) Clients() []redis.UniversalClient { return l.clients() }
+
+// InstanceID is this instance's id in the lock's Redis wait lists.
+func (l *Locker) InstanceID() string { return l.dom.id }
+
+// Extend extends ls once on every server, as its keeper does every ttl/3:
+// ErrLeaseLost when a majority no longer holds it for ls or its validity
+// ended, ErrUnavailable when too few servers answered.
+func (l *Locker) Extend(ctx context.Context, ls *Lease) error { return l.extend(ctx, ls) }
 
 // SetLogger replaces the locker's logger (a test quiets the one Caddy gives
 // a module provisioned without a config, or records its lines).

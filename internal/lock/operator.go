@@ -97,8 +97,9 @@ func (l *Locker) forceRelease(ctx context.Context, lockKey string) []Removal {
 // clearReplay deletes lockKey's run record or stored answer on every
 // server.
 func (l *Locker) clearReplay(ctx context.Context, lockKey string) []Removal {
+	replay := ReplayKey(lockKey)
 	res := l.eachServer(ctx, func(ctx context.Context, s *Server) (any, error) {
-		cmd := redis.NewIntCmd(ctx, "del", ReplayKey(lockKey))
+		cmd := redis.NewIntCmd(ctx, "del", replay)
 		_ = s.client.Process(ctx, cmd)
 		return cmd.Result()
 	})
