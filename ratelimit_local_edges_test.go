@@ -586,10 +586,10 @@ func TestWholeCaddyFailLocalRestartReturn(t *testing.T) {
 	probe := flSend(cs["A"], "k")
 	answered := time.Now()
 	// A saw the restart after restarting began, so its return's second
-	// lasts at least until then + ratelimit.HeartbeatLife + ratelimit.ReturnCap. (A machine
+	// lasts at least until then + ratelimit.HeartbeatLife + redisratelimit.ReturnCap. (A machine
 	// stalled past it lets Redis decide alone, and Redis knows only A's 7:
 	// then nothing is asserted of this answer.)
-	within := answered.Before(restarting.Add(ratelimit.HeartbeatLife + ratelimit.ReturnCap))
+	within := answered.Before(restarting.Add(ratelimit.HeartbeatLife + redisratelimit.ReturnCap))
 	t.Logf("A's first request after its hold: %d, Retry-After %q (answered %v after restarting began)", probe.status, probe.retryAfter, answered.Sub(restarting).Round(time.Millisecond))
 	if within && probe.status != http.StatusTooManyRequests {
 		t.Errorf("A's first request after its hold: %d, want 429 (its share is spent; Redis knows only A's 7 of the window's 21)", probe.status)
@@ -604,7 +604,7 @@ func TestWholeCaddyFailLocalRestartReturn(t *testing.T) {
 			t.Errorf("Caddy %s did not see the restart 20 s after it could", name)
 		}
 	}
-	time.Sleep(ratelimit.HeartbeatLife + ratelimit.ReturnCap) // B's and C's holds and returns are over
+	time.Sleep(ratelimit.HeartbeatLife + redisratelimit.ReturnCap) // B's and C's holds and returns are over
 	after := map[string]map[int]int{}
 	for _, name := range names {
 		after[name] = flSendN(t, cs[name], "k", 3)

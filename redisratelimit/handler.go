@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
@@ -308,6 +307,7 @@ type rateSpec struct {
 	n      int64
 	window time.Duration
 	name   string // `"r<i>";r=`, the start of its RateLimit field
+	reason string // "rate r<i> exceeded", for the events of a rejection
 	nTmpl  string // the placeholder n comes from, if any
 	wTmpl  string // the placeholder window comes from, if any
 }
@@ -360,7 +360,7 @@ func (h *RedisRateLimit) Provision(ctx caddy.Context) error {
 	h.specs = make([]rateSpec, len(h.Rates))
 	rates := make([]ratelimit.Rate, len(h.Rates))
 	for i, r := range h.Rates {
-		s := rateSpec{n: int64(r.Requests), window: time.Duration(r.Window), name: fmt.Sprintf(`"r%d";r=`, i)}
+		s := rateSpec{n: int64(r.Requests), window: time.Duration(r.Window), name: fmt.Sprintf(`"r%d";r=`, i), reason: fmt.Sprintf("rate r%d exceeded", i)}
 		s.nTmpl, s.wTmpl = shared.ExpandShorthands(r.requestsTmpl), shared.ExpandShorthands(r.windowTmpl)
 		if s.nTmpl != "" {
 			s.n = 1 // a stand-in until a request renders it
@@ -549,7 +549,7 @@ func (h *RedisRateLimit) report(id string, p *plan, d decision, retry int64) {
 		h.counters[shared.ResultBanned].Inc()
 	default:
 		h.counters[shared.ResultDenied].Inc()
-		reason := "rate " + strings.TrimSuffix(strings.TrimPrefix(h.specs[d.Tight].name, `"`), `";r=`) + " exceeded"
+		reason := h.specs[d.Tight].reason
 		if !d.Cached && h.firstRejection(id, d) { // at most once per key per deny-cache period
 			h.events.Emit(shared.EventRateLimitExceeded, func() map[string]any {
 				return map[string]any{"handler": h.label, "key": id, "reason": reason, "retry_after": retry, "dry_run": h.DryRun}

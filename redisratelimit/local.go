@@ -45,7 +45,7 @@ type localState struct {
 	n atomic.Int64
 	// When this instance last came back from deciding locally, or may have
 	// (UnixNano; 0: never; in the hold after a restart of Redis, the hold's
-	// end): for ratelimit.ReturnCap after it this instance also holds every key to
+	// end): for ReturnCap after it this instance also holds every key to
 	// its share (capReturn). It only moves forward (returnAt).
 	back atomic.Int64
 	// The last heartbeat got no answer (Redis unreachable): while local
@@ -111,7 +111,7 @@ func (s *localState) returnAt(t time.Time) {
 }
 
 // returnCapError is the answer of a decision that this instance's share
-// rejects within ratelimit.ReturnCap of its return from local mode, with the local
+// rejects within ReturnCap of its return from local mode, with the local
 // limiter's rejection: the request gets that rejection (a 429 of the local
 // limiter, never a new local admission: Redis knows more than this instance
 // then), and local mode does not start for it.
@@ -212,8 +212,8 @@ func (h *RedisRateLimit) localRates(id string, p *plan) []ratelimit.LocalRate {
 	return h.limit.LocalRates(id, p.Plan)
 }
 
-// capReturn holds a request to this instance's share for ratelimit.ReturnCap after
-// its return from local mode (see ratelimit.ReturnCap), and while local mode lasts
+// capReturn holds a request to this instance's share for ReturnCap after
+// its return from local mode (see ReturnCap), and while local mode lasts
 // with Redis not answering the heartbeat (the share decides then anyway):
 // the request takes its place in the local limiter before Redis decides it
 // (reserved, so concurrent requests do not pass the share together). It
@@ -223,7 +223,7 @@ func (h *RedisRateLimit) capReturn(id string, p *plan) (ratelimit.Reservation, e
 	now := h.now()
 	back := h.local.back.Load()
 	unheard := h.local.mode.Load() && h.local.unanswered.Load()
-	if !unheard && (back == 0 || now.Sub(time.Unix(0, back)) >= ratelimit.ReturnCap) {
+	if !unheard && (back == 0 || now.Sub(time.Unix(0, back)) >= ReturnCap) {
 		return ratelimit.Reservation{}, nil
 	}
 	n := h.instances()
@@ -346,9 +346,16 @@ func (h *RedisRateLimit) localClosed(w http.ResponseWriter, r *http.Request, p *
 	return caddyhttp.Error(http.StatusServiceUnavailable, err)
 }
 
+// ReturnCap is how long an instance back from fail_local's local mode holds
+// every key to its local share as well as to Redis's decision: the other
+// instances come back within it (in local mode they try Redis ten times a
+// second) and charge what they admitted locally, which Redis does not know
+// until then.
+const ReturnCap = time.Second
+
 // localProbe is how soon Redis decides again after a local decision: the
 // breaker lets a call try Redis about once a second, and the fleet loop
-// tries the heartbeat every localTick (the return's hold lasts ratelimit.ReturnCap;
+// tries the heartbeat every localTick (the return's hold lasts ReturnCap;
 // after a restart of Redis, decisions stay local until its hold ends).
 const localProbe = time.Second
 

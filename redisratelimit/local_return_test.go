@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-dlm/redisdlm/internal/ratelimit"
 	"github.com/caddy-dlm/redisdlm/internal/testkit"
 	"github.com/caddy-dlm/redisdlm/internal/testredis"
 	"github.com/caddyserver/caddy/v2"
@@ -53,7 +52,7 @@ func sharesSpentApart(t *testing.T, ip, warm string) (r *testRedis, pa, pb *test
 // 10 per minute) decide locally while Redis is unreachable from both, and
 // each admits its share. Redis comes back for A only; B, still cut off,
 // holds its 5 admissions uncharged. Redis knows only A's 5, so without the
-// cap it would admit A 5 more: 15 in the window. For ratelimit.ReturnCap after its
+// cap it would admit A 5 more: 15 in the window. For ReturnCap after its
 // return A holds the key to its share as well (0 left), so nothing more
 // passes; once B is back and has charged, Redis holds all 10 and decides
 // alone: still nothing more passes, exactly 10 in the window.
@@ -72,7 +71,7 @@ func TestFailLocalReturnCap(t *testing.T) {
 	}
 	back := time.Unix(0, a.local.back.Load())
 	passed, statuses := countPassed(a, ip, 5)
-	if since := time.Since(back); since < ratelimit.ReturnCap && passed != 0 {
+	if since := time.Since(back); since < ReturnCap && passed != 0 {
 		t.Errorf("A within %v of its return: %d of 5 admitted (%v), want 0 (its share is spent; B's 5 are not charged yet)", since, passed, statuses)
 	}
 	// (A machine that stalled past the cap may have let Redis admit more:
@@ -87,7 +86,7 @@ func TestFailLocalReturnCap(t *testing.T) {
 	}) {
 		t.Fatal("B not back 10s after Redis came back for it")
 	}
-	time.Sleep(time.Until(time.Unix(0, max(a.local.back.Load(), b.local.back.Load())).Add(ratelimit.ReturnCap)))
+	time.Sleep(time.Until(time.Unix(0, max(a.local.back.Load(), b.local.back.Load())).Add(ReturnCap)))
 	if views, _, _, found, err := a.peekQuota(t.Context(), ip); err != nil || !found || views[0].Used != 10 {
 		t.Errorf("with both back, Redis holds %+v (%v, %v), want both shares, 10", views, found, err)
 	}
@@ -126,10 +125,10 @@ func TestFailLocalProbeHeld(t *testing.T) {
 	got := serveRL(a, ip, nil)
 	// The return began when A's heartbeat was answered, after uncut: a
 	// machine stalled past its second lets Redis decide alone.
-	if time.Since(uncut) < ratelimit.ReturnCap && (got.passed || got.status != 429) {
+	if time.Since(uncut) < ReturnCap && (got.passed || got.status != 429) {
 		t.Errorf("A's first request back to Redis: passed %v, status %d; want the local 429 (A's share is spent, B's 5 are not charged)", got.passed, got.status)
 	}
-	if used := testkit.SlidingUsed(t, r.Client(), key, time.Minute); time.Since(uncut) < ratelimit.ReturnCap && used != 5 {
+	if used := testkit.SlidingUsed(t, r.Client(), key, time.Minute); time.Since(uncut) < ReturnCap && used != 5 {
 		t.Errorf("Redis holds %d admissions of the key, want A's 5 (the probe held before Redis)", used)
 	}
 }

@@ -166,8 +166,8 @@ func TestFailLocalChargedBack(t *testing.T) {
 				t.Fatalf("Redis holds %+v (%v, %v), want used 5 (1 through Redis, 4 charged back), plus at most the %d calls the breaker let through", views, found, err, ratelimit.BreakerThreshold)
 			}
 			// Back from local mode, the instance holds the key to its share
-			// too for ratelimit.ReturnCap (TestFailLocalReturnCap): then Redis alone.
-			time.Sleep(time.Until(time.Unix(0, h.local.back.Load()).Add(ratelimit.ReturnCap)))
+			// too for ReturnCap (TestFailLocalReturnCap): then Redis alone.
+			time.Sleep(time.Until(time.Unix(0, h.local.back.Load()).Add(ReturnCap)))
 			left := int(10 - views[0].Used)
 			passed, statuses := countPassed(h, "192.0.2.11", left+2)
 			if passed != left || statuses[429] != 2 {
@@ -442,7 +442,7 @@ func TestFailLocalRetryAfter(t *testing.T) {
 	}
 	back := time.Unix(0, h.local.back.Load())
 	a = serveRL(h, ip, nil)
-	if time.Since(back) < ratelimit.ReturnCap && (a.passed || a.retryAfter() != 1) {
+	if time.Since(back) < ReturnCap && (a.passed || a.retryAfter() != 1) {
 		t.Errorf("within the return's hold: passed %v, Retry-After %d, want 429 with 1 (Redis decides within a second)", a.passed, a.retryAfter())
 	}
 	// Redis holds the 2 local admissions (and maybe the call that met the

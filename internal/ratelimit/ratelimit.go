@@ -558,13 +558,6 @@ func (f *Fleet) Beat(ctx context.Context, joining int64) (Beat, error) { return 
 // Close drops the fleet's connection.
 func (f *Fleet) Close() { f.close() }
 
-// ReturnCap is how long an instance back from fail_local's local mode holds
-// every key to its local share as well as to Redis's decision: the other
-// instances come back within it (in local mode they try Redis ten times a
-// second) and charge what they admitted locally, which Redis does not know
-// until then.
-const ReturnCap = time.Second
-
 // The local limiter of fail_local.
 
 // LocalRate is one rate of an id as the local limiter takes it
@@ -624,7 +617,7 @@ func (r Reservation) IsZero() bool { return r.At.IsZero() }
 
 // Reserve decides a request as Admit does, and records it when every rate
 // admits it as an admission Redis is about to decide (nothing to charge):
-// the cap of an instance back from local mode (ReturnCap), which also asks
+// the cap of an instance back from local mode (the handler's), which also asks
 // Redis. The Reservation is zero when a rate rejects.
 func (l *Local) Reserve(rates []LocalRate, cost, instances int64, now time.Time) (LocalDecision, Reservation) {
 	return l.admit(rates, cost, instances, now, false)
